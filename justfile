@@ -1,0 +1,47 @@
+# llmgw's recipes. `./dev <recipe>` bootstraps uv and just; `just <recipe>` if you have them.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+# Never download a Python: use the machine's own.
+export UV_PYTHON_DOWNLOADS := "never"
+export UV_PYTHON_PREFERENCE := "only-system"
+
+# llama.cpp (the engines group) builds from source: bounded parallelism so a
+# 2-core machine stays usable, only llama-server and the RPC server matter,
+# and nothing is fetched at build time. uv caches the built wheel.
+export LLAMA_CPP_BUILD_JOBS := env("LLAMA_CPP_BUILD_JOBS", "2")
+export CMAKE_ARGS := env("CMAKE_ARGS", "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_RPC=ON -DGGML_NATIVE=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF")
+
+default:
+    @just --list
+
+# Bring up a whole llmgw cluster on this machine (Ctrl-C stops it).
+up *ARGS:
+    uv sync --frozen --no-group engines
+    uv run --frozen --no-sync llmgw up {{ARGS}}
+
+# Lint, type-check and run the whole test suite (builds llama.cpp once, then cached).
+test *ARGS: sync-all lint
+    uv run --frozen --no-sync pytest {{ARGS}}
+
+sync-all:
+    uv sync --frozen --all-groups
+
+# ruff and mypy (strict on llmgw_core).
+lint:
+    uv run --frozen --no-sync ruff check .
+    uv run --frozen --no-sync ruff format --check .
+    uv run --frozen --no-sync mypy
+
+# Format the code.
+fmt:
+    uv run --frozen ruff format .
+    uv run --frozen ruff check --fix .
+
+# Regenerate docs/asyncapi.yaml from the message types.
+asyncapi:
+    uv run --frozen python -m llmgw_core.asyncapi > docs/asyncapi.yaml
+
+# Run the benchmarks; they print their figures and write BENCHMARKS.md.
+bench *ARGS: sync-all
+    uv run --frozen --no-sync python -m bench {{ARGS}}

@@ -1,0 +1,495 @@
+"""The bus client every service uses: NATS JetStream with llmgw's rules built in.
+
+- Connection: URL from `LLMGW_NATS_URL`, credentials, nkeys or TLS; reconnects
+  forever, and each disconnect and reconnect is logged.
+- Streams and buckets are ensured idempotently at start.
+- Every publish carries `Nats-Msg-Id` (deduplication) and W3C trace headers.
+- A consumer never dies of a bad message: it is logged with subject and
+  msgspec's path, counted, copied to `<prefix>.dlq.<service>` and terminated.
+- A KV watch yields every key's current value first, then changes, and
+  survives a server restart without missing an update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import ssl
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import anyio
+import anyio.abc
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.kv import KeyValue
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+
+from .errors import BusError
+from .events import decoder, encode
+from .subjects import DEFAULT_PREFIX, Names
+
+log = logging.getLogger("llmgw.bus")
+tracer = trace.get_tracer("llmgw.bus")
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+KV_OPS_DELETE = ("DEL", "PURGE")
+
+
+@dataclass(frozen=True)
+class BusOptions:
+    url: str = ""
+    prefix: str = DEFAULT_PREFIX
+    creds_file: str = ""
+    nkey_seed_file: str = ""
+    user: str = ""
+    password: str = ""
+    token: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    # 1 on one machine, 3 on a NATS cluster.
+    replicas: int = 1
+    events_max_age_s: float = 7 * 24 * 3600
+    events_max_bytes: int = 1 << 30
+
+    def resolved_url(self) -> str:
+        return self.url or os.environ.get("LLMGW_NATS_URL", "") or DEFAULT_URL
+
+
+@dataclass(frozen=True)
+class KVChange(Generic[T]):
+    """One key's value (None once deleted) at a bucket revision."""
+
+    key: str
+    value: T | None
+    revision: int
+
+
+class DecodeFailure(Exception):
+    def __init__(self, subject: str, error: str) -> None:
+        super().__init__(f"{subject}: {error}")
+        self.subject = subject
+        self.error = error
+
+
+class Bus:
+    def __init__(self, nc: Client, options: BusOptions, service: str) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.options = options
+        self.names = Names(options.prefix)
+        self.service = service
+        self.decode_errors: Counter[str] = Counter()
+        self.reconnects = 0
+        self._kvs: dict[str, KeyValue] = {}
+        self._reconnected = anyio.Event()
+
+    # --- connection ---------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, options: BusOptions | None = None, *, service: str) -> Bus:
+        options = options or BusOptions()
+        url = options.resolved_url()
+        holder: list[Bus] = []
+
+        async def on_disconnect() -> None:
+            log.warning("%s: disconnected from NATS at %s", service, url)
+
+        async def on_reconnect() -> None:
+            log.warning("%s: reconnected to NATS at %s", service, url)
+            if holder:
+                holder[0]._on_reconnect()
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("%s: NATS error: %s", service, exc)
+
+        kwargs: dict[str, Any] = {
+            "servers": [url],
+            "name": service,
+            "allow_reconnect": True,
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": 0.5,
+            "connect_timeout": 5,
+            "disconnected_cb": on_disconnect,
+            "reconnected_cb": on_reconnect,
+            "error_cb": on_error,
+        }
+        if options.creds_file:
+            kwargs["user_credentials"] = options.creds_file
+        if options.nkey_seed_file:
+            kwargs["nkeys_seed"] = options.nkey_seed_file
+        if options.user:
+            kwargs["user"] = options.user
+            kwargs["password"] = options.password
+        if options.token:
+            kwargs["token"] = options.token
+        if options.tls_ca or options.tls_cert:
+            ctx = ssl.create_default_context(cafile=options.tls_ca or None)
+            if options.tls_cert:
+                ctx.load_cert_chain(options.tls_cert, options.tls_key or None)
+            kwargs["tls"] = ctx
+        try:
+            nc = await nats.connect(**kwargs)
+        except (OSError, nats.errors.Error) as exc:
+            raise BusError(
+                f"cannot connect to NATS at {url}: {exc}; is nats-server running? "
+                "Set LLMGW_NATS_URL to its address"
+            ) from exc
+        bus = cls(nc, options, service)
+        holder.append(bus)
+        return bus
+
+    def _on_reconnect(self) -> None:
+        self.reconnects += 1
+        self._kvs.clear()
+        self._reconnected.set()
+        self._reconnected = anyio.Event()
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except (nats.errors.Error, OSError):
+                await self.nc.close()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.close()
+
+    # --- streams and buckets -----------------------------------------------
+
+    async def ensure(self) -> None:
+        """Create or update the events and DLQ streams and every bucket; safe to repeat."""
+        o = self.options
+        streams = (
+            api.StreamConfig(
+                name=self.names.events_stream,
+                subjects=[self.names.events_all],
+                storage=api.StorageType.FILE,
+                max_age=o.events_max_age_s,
+                max_bytes=o.events_max_bytes,
+                num_replicas=o.replicas,
+                duplicate_window=120,
+            ),
+            api.StreamConfig(
+                name=self.names.dlq_stream,
+                subjects=[self.names.dlq_all],
+                storage=api.StorageType.FILE,
+                max_age=o.events_max_age_s,
+                max_bytes=min(o.events_max_bytes, 256 << 20),
+                num_replicas=o.replicas,
+            ),
+        )
+        try:
+            for cfg in streams:
+                try:
+                    await self.js.add_stream(cfg)
+                except nats.js.errors.BadRequestError:
+                    await self.js.update_stream(cfg)
+            for bucket in self.names.buckets():
+                await self._ensure_bucket(bucket)
+        except nats.errors.Error as exc:
+            raise BusError(f"cannot create llmgw's streams and buckets: {exc}") from exc
+
+    async def _ensure_bucket(self, bucket: str) -> KeyValue:
+        try:
+            kv = await self.js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            kv = await self.js.create_key_value(
+                api.KeyValueConfig(
+                    bucket=bucket,
+                    history=5,
+                    storage=api.StorageType.FILE,
+                    replicas=self.options.replicas,
+                )
+            )
+        self._kvs[bucket] = kv
+        return kv
+
+    async def kv(self, bucket: str) -> KeyValue:
+        kv = self._kvs.get(bucket)
+        if kv is None:
+            try:
+                kv = await self.js.key_value(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                kv = await self._ensure_bucket(bucket)
+            self._kvs[bucket] = kv
+        return kv
+
+    # --- publishing ---------------------------------------------------------
+
+    def _headers(self, msg_id: str | None) -> dict[str, str]:
+        headers: dict[str, str] = {"Nats-Msg-Id": msg_id or uuid.uuid4().hex}
+        propagate.inject(headers)
+        return headers
+
+    async def publish(self, subject: str, msg: msgspec.Struct, *, msg_id: str | None = None) -> int:
+        """Publish an event to JetStream; returns its sequence (a duplicate gets the first's)."""
+        with tracer.start_as_current_span(f"publish {subject}", kind=trace.SpanKind.PRODUCER):
+            try:
+                ack = await self.js.publish(subject, encode(msg), headers=self._headers(msg_id))
+            except nats.errors.Error as exc:
+                raise BusError(f"publish to {subject} failed: {exc}") from exc
+        return int(ack.seq)
+
+    async def publish_core(self, subject: str, msg: msgspec.Struct) -> None:
+        """Plain NATS publish, for liveness: nothing is stored."""
+        await self.nc.publish(subject, encode(msg), headers=self._headers(None))
+
+    async def put(self, bucket: str, key: str, value: msgspec.Struct, *, attempts: int = 3) -> int:
+        """Write a key; a put is idempotent, so a timed-out one (lost in a reconnect) is retried."""
+        data = encode(value)
+        for attempt in range(1, attempts + 1):
+            try:
+                kv = await self.kv(bucket)
+                return int(await kv.put(key, data))
+            except (nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError) as exc:
+                if attempt == attempts:
+                    raise BusError(f"write {bucket}/{key} failed {attempts} times: {exc}") from exc
+                await anyio.sleep(0.2 * attempt)
+            except nats.errors.Error as exc:
+                raise BusError(f"write {bucket}/{key} failed: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    async def get(self, bucket: str, key: str, kind: type[T]) -> tuple[T, int] | None:
+        kv = await self.kv(bucket)
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        if entry.value is None or entry.operation in KV_OPS_DELETE:
+            return None
+        return decoder(kind).decode(entry.value), int(entry.revision or 0)
+
+    async def delete(self, bucket: str, key: str) -> None:
+        kv = await self.kv(bucket)
+        try:
+            await kv.delete(key)
+        except nats.js.errors.KeyNotFoundError:
+            return
+
+    async def entries(self, bucket: str, kind: type[T], keys: str = ">") -> dict[str, KVChange[T]]:
+        """A snapshot of every key's current value (bad values are skipped, and counted)."""
+        out: dict[str, KVChange[T]] = {}
+        with anyio.fail_after(30):
+            async for change in self.watch(bucket, kind, keys, snapshot_only=True):
+                if change.value is None:
+                    out.pop(change.key, None)
+                else:
+                    out[change.key] = change
+        return out
+
+    # --- bad messages ---------------------------------------------------------
+
+    async def dead_letter(self, subject: str, data: bytes, error: str) -> None:
+        """Count a message that could not be handled and copy it to the service's DLQ."""
+        self.decode_errors[subject] += 1
+        log.error(
+            "%s: bad message on %s: %s (copied to %s)",
+            self.service,
+            subject,
+            error,
+            self.names.dlq(self.service),
+        )
+        headers = {"Llmgw-Subject": subject, "Llmgw-Error": error[:1024]}
+        try:
+            await self.js.publish(self.names.dlq(self.service), data, headers=headers)
+        except nats.errors.Error as exc:
+            log.error("%s: could not copy the bad message to the DLQ: %s", self.service, exc)
+
+    def _decode(self, kind: type[T], subject: str, data: bytes) -> T:
+        try:
+            return decoder(kind).decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise DecodeFailure(subject, str(exc)) from exc
+
+    # --- consuming ------------------------------------------------------------
+
+    async def consume(
+        self,
+        subject: str,
+        kind: type[T],
+        handler: Callable[[T, Msg], Awaitable[None]],
+        *,
+        durable: str,
+        stream: str | None = None,
+        max_deliver: int = 5,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Handle each message on a JetStream subject (durable pull consumer) until cancelled.
+
+        A message that does not decode goes to the DLQ and is terminated; one
+        whose handler raises is redelivered with a delay, and after
+        `max_deliver` tries goes to the DLQ too.
+        """
+        cfg = api.ConsumerConfig(
+            ack_policy=api.AckPolicy.EXPLICIT, max_deliver=max_deliver, ack_wait=30
+        )
+        sub = await self.js.pull_subscribe(
+            subject, durable=durable, stream=stream or self.names.events_stream, config=cfg
+        )
+        task_status.started()
+        try:
+            while True:
+                try:
+                    msgs = await sub.fetch(batch=64, timeout=1)
+                except nats.errors.TimeoutError:
+                    continue
+                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+                    await anyio.sleep(0.2)
+                    continue
+                for msg in msgs:
+                    await self._handle(msg, kind, handler, max_deliver)
+        finally:
+            with anyio.CancelScope(shield=True):
+                with contextlib.suppress(nats.errors.Error, OSError):
+                    await sub.unsubscribe()
+
+    async def _handle(
+        self,
+        msg: Msg,
+        kind: type[T],
+        handler: Callable[[T, Msg], Awaitable[None]],
+        max_deliver: int,
+    ) -> None:
+        try:
+            value = self._decode(kind, msg.subject, msg.data)
+        except DecodeFailure as exc:
+            await self.dead_letter(msg.subject, msg.data, exc.error)
+            await msg.term()
+            return
+        ctx = propagate.extract(dict(msg.headers or {}))
+        token = otel_context.attach(ctx)
+        try:
+            with tracer.start_as_current_span(
+                f"handle {msg.subject}", kind=trace.SpanKind.CONSUMER
+            ):
+                await handler(value, msg)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            delivered = msg.metadata.num_delivered if msg.metadata else 1
+            if delivered >= max_deliver:
+                await self.dead_letter(
+                    msg.subject, msg.data, f"handler failed {delivered} times: {exc}"
+                )
+                await msg.term()
+            else:
+                log.warning(
+                    "%s: handler for %s failed (try %d of %d): %s",
+                    self.service,
+                    msg.subject,
+                    delivered,
+                    max_deliver,
+                    exc,
+                )
+                await msg.nak(delay=min(30.0, 0.5 * 2**delivered))
+            return
+        finally:
+            otel_context.detach(token)
+        await msg.ack()
+
+    async def subscribe_core(
+        self,
+        subject: str,
+        kind: type[T],
+        handler: Callable[[T, str], Awaitable[None]],
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Handle plain NATS messages (heartbeats) until cancelled; bad ones go to the DLQ."""
+        send, receive = anyio.create_memory_object_stream[Msg](1024)
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                send.send_nowait(msg)
+            except anyio.WouldBlock:
+                log.warning(
+                    "%s: dropping a message on %s: handler is behind", self.service, msg.subject
+                )
+
+        sub = await self.nc.subscribe(subject, cb=on_msg)
+        task_status.started()
+        try:
+            async with receive:
+                async for msg in receive:
+                    try:
+                        value = self._decode(kind, msg.subject, msg.data)
+                    except DecodeFailure as exc:
+                        await self.dead_letter(msg.subject, msg.data, exc.error)
+                        continue
+                    await handler(value, msg.subject)
+        finally:
+            with anyio.CancelScope(shield=True):
+                with contextlib.suppress(nats.errors.Error, OSError):
+                    await sub.unsubscribe()
+
+    async def watch(
+        self, bucket: str, kind: type[T], keys: str = ">", *, snapshot_only: bool = False
+    ) -> AsyncIterator[KVChange[T]]:
+        """Every key's current value first, then each change, for as long as the caller iterates.
+
+        After a reconnect (a restarted server, a network cut) the watch is
+        opened again and every key whose revision moved past what was already
+        yielded comes out, deletes included, so nothing written while away is
+        missed. A value that does not decode goes to the DLQ and is skipped.
+        """
+        seen: dict[str, int] = {}
+        while True:
+            epoch = self.reconnects
+            try:
+                kv = await self.kv(bucket)
+                watcher = await kv.watch(keys)
+            except (nats.errors.Error, OSError) as exc:
+                log.warning("%s: cannot watch %s yet: %s", self.service, bucket, exc)
+                await anyio.sleep(0.5)
+                continue
+            try:
+                while True:
+                    try:
+                        entry = await watcher.updates(timeout=1.0)  # type: ignore[no-untyped-call]
+                    except nats.errors.TimeoutError:
+                        if self.reconnects != epoch:
+                            break
+                        continue
+                    if entry is None:
+                        # The initial values are all out.
+                        if snapshot_only:
+                            return
+                        continue
+                    key = entry.key
+                    rev = int(entry.revision or 0)
+                    if rev <= seen.get(key, 0):
+                        continue
+                    seen[key] = rev
+                    if entry.operation in KV_OPS_DELETE or not entry.value:
+                        yield KVChange(key, None, rev)
+                        continue
+                    try:
+                        value = self._decode(kind, f"$KV.{bucket}.{key}", entry.value)
+                    except DecodeFailure as exc:
+                        await self.dead_letter(exc.subject, entry.value, exc.error)
+                        continue
+                    yield KVChange(key, value, rev)
+                    if snapshot_only and entry.delta == 0:
+                        return
+            finally:
+                with anyio.CancelScope(shield=True):
+                    with contextlib.suppress(nats.errors.Error, OSError, AttributeError):
+                        await watcher.stop()  # type: ignore[no-untyped-call]

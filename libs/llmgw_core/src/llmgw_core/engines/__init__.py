@@ -1,0 +1,54 @@
+"""Engine adapters: pure functions from a shard spec to the commands that run it.
+
+Nothing here starts a process; the launcher does that with what these return.
+"""
+
+from ._env import generated_env, materialise
+from ._quant import MIN_CAPABILITY, parse_capability, quantization_of
+from ._registry import InstallableEngine, Registry, UnknownEngineError, default_registry
+from ._types import (
+    TOKEN_PATTERN,
+    Address,
+    Command,
+    Engine,
+    GPUInfo,
+    Member,
+    Profile,
+    ShardSpec,
+    Token,
+)
+from ._validate import validate_profile
+from .llamacpp import LlamaCpp, LlamaCppConfig
+from .sglang import SGLang, SGLangConfig
+from .sim import Sim, SimConfig
+from .vllm import VLLM, VLLMConfig
+
+__all__ = [
+    "MIN_CAPABILITY",
+    "TOKEN_PATTERN",
+    "VLLM",
+    "Address",
+    "Command",
+    "Engine",
+    "GPUInfo",
+    "InstallableEngine",
+    "LlamaCpp",
+    "LlamaCppConfig",
+    "Member",
+    "Profile",
+    "Registry",
+    "SGLang",
+    "SGLangConfig",
+    "ShardSpec",
+    "Sim",
+    "SimConfig",
+    "Token",
+    "UnknownEngineError",
+    "VLLMConfig",
+    "default_registry",
+    "generated_env",
+    "materialise",
+    "parse_capability",
+    "quantization_of",
+    "validate_profile",
+]

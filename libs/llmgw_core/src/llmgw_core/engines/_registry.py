@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from ._types import Engine
+
+
+class UnknownEngineError(KeyError):
+    """An engine name that no adapter answers to."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@runtime_checkable
+class InstallableEngine(Protocol):
+    def use_installed(self, path: str) -> bool: ...
+
+
+class Registry:
+    """Engine adapters by name."""
+
+    def __init__(self) -> None:
+        self._engines: dict[str, Engine] = {}
+
+    def add(self, engine: Engine) -> None:
+        """Add an adapter, replacing any with the same name."""
+        self._engines[engine.name] = engine
+
+    def get(self, name: str) -> Engine:
+        try:
+            return self._engines[name]
+        except KeyError:
+            known = ", ".join(self.names()) or "none"
+            raise UnknownEngineError(f"unknown engine {name!r}; known engines: {known}") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._engines)
+
+    def use_installed(self, name: str, path: str) -> bool:
+        """Point `name` at the build in `path`; False if it takes no installed builds."""
+        engine = self.get(name)
+        if isinstance(engine, InstallableEngine):
+            return engine.use_installed(path)
+        return False
+
+
+def default_registry() -> Registry:
+    from .llamacpp import LlamaCpp
+    from .sglang import SGLang
+    from .sim import Sim
+    from .vllm import VLLM
+
+    registry = Registry()
+    for engine in (VLLM(), SGLang(), LlamaCpp(), Sim()):
+        registry.add(engine)
+    return registry

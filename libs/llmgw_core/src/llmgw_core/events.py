@@ -1,0 +1,277 @@
+"""Every message llmgw puts on the bus: KV values and events.
+
+Schema evolution (old readers must accept new writers):
+- new fields go last and have defaults; a field is never retyped;
+- unknown fields are ignored on decode (msgspec's default; never forbid them);
+- every value is tagged with `kind` so a misrouted message fails loudly.
+
+Times are Unix seconds (float) in UTC, as the writer's clock saw them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct
+
+from .engines import GPUInfo, Member, Profile, ShardSpec, Token
+
+__all__ = [
+    "Deployment",
+    "DesiredEngines",
+    "EngineInventory",
+    "EngineSpec",
+    "EngineState",
+    "Heartbeat",
+    "InstallProgress",
+    "Member",
+    "NetInterface",
+    "NodeFacts",
+    "NodeReason",
+    "NodeStatus",
+    "PlacementDecision",
+    "Profile",
+    "ReplicaRecord",
+    "ReplicaStatus",
+    "ShardSpec",
+    "ShardState",
+    "ShardStatus",
+    "decoder",
+    "encode",
+    "now",
+]
+
+
+def now() -> float:
+    return time.time()
+
+
+class Message(Struct, frozen=True, kw_only=True, tag_field="kind", tag=True):
+    """Base of every bus message; `kind` is the class name."""
+
+
+# --- node ---------------------------------------------------------------
+
+
+class NetInterface(Struct, frozen=True, kw_only=True):
+    name: str
+    addresses: tuple[str, ...] = ()
+    mac: str = ""
+    up: bool = True
+
+
+class NodeFacts(Message, frozen=True):
+    node: Token
+    os_id: str = ""
+    os_version: str = ""
+    kernel: str = ""
+    arch: str = ""
+    cpu_model: str = ""
+    cpu_flags: tuple[str, ...] = ()
+    cores: int = 0
+    memory_mb: int = 0
+    nvidia_driver: str = ""
+    cuda_driver: str = ""
+    gpus: tuple[GPUInfo, ...] = ()
+    hcas: tuple[str, ...] = ()
+    interfaces: tuple[NetInterface, ...] = ()
+    mgmt_addr: str = ""
+    weights: dict[str, str] = {}
+    simulated: bool = False
+
+    @property
+    def has_avx2(self) -> bool:
+        if self.arch not in ("x86_64", "amd64", ""):
+            return True
+        return "avx2" in self.cpu_flags
+
+
+EngineStateName = Literal["installing", "installed", "configured", "broken", "failed"]
+
+
+class EngineState(Struct, frozen=True, kw_only=True):
+    name: str
+    state: EngineStateName
+    version: str = ""
+    path: str = ""
+    detail: str = ""
+
+    @property
+    def runs(self) -> bool:
+        return self.state in ("installed", "configured")
+
+
+class EngineInventory(Message, frozen=True):
+    node: Token
+    probed_at: float
+    engines: tuple[EngineState, ...] = ()
+
+
+class InstallProgress(Message, frozen=True):
+    node: Token
+    engine: str
+    step: str
+    message: str
+    outcome: Literal["running", "done", "failed"] = "running"
+    bytes_done: int = 0
+    bytes_total: int = 0
+    at: float = 0.0
+
+
+class NodeStatus(Message, frozen=True):
+    """The value of `<node>` in the nodes bucket: everything placement needs to know."""
+
+    node: Token
+    facts: NodeFacts
+    engines: tuple[EngineState, ...] = ()
+    probed_at: float = 0.0
+    install: str = ""
+    warnings: tuple[str, ...] = ()
+    updated_at: float = 0.0
+
+
+class Heartbeat(Message, frozen=True):
+    node: Token
+    service: str
+    at: float
+
+
+# --- engines the control plane wants ----------------------------------------
+
+
+class EngineSpec(Struct, frozen=True, kw_only=True):
+    name: str
+    version: str = ""
+    # "github:<owner>/<repo>" (default for llamacpp), "mirror:<url or dir>",
+    # or "configured" for Python environments named in agent.yaml.
+    source: str = ""
+
+
+class DesiredEngines(Message, frozen=True):
+    engines: tuple[EngineSpec, ...] = ()
+
+
+# --- shards -----------------------------------------------------------------
+
+ShardState = Literal[
+    "pending", "starting", "waiting", "loading", "ready", "failed", "stopping", "stopped"
+]
+
+
+class ShardStatus(Message, frozen=True):
+    node: Token
+    shard: Token
+    replica: str
+    state: ShardState
+    reason: str = ""
+    retryable: bool = True
+    pids: tuple[int, ...] = ()
+    port: int = 0
+    url: str = ""
+    profile_fp: str = ""
+    pool: str = ""
+    fabric: str = ""
+    restarts: int = 0
+    rank: int = 0
+    at: float = 0.0
+    deployment: str = ""
+
+
+# --- deployments and replicas -------------------------------------------------
+
+
+class Deployment(Message, frozen=True):
+    name: Token
+    profile: str
+    replicas: Annotated[int, Meta(ge=0)] = 1
+    pool: str = ""
+    strategy: Literal["binpack", "spread"] = "binpack"
+
+
+ReplicaState = Literal[
+    "placing", "starting", "ready", "degraded", "failed", "unplaceable", "stopping"
+]
+
+
+class ReplicaRecord(Message, frozen=True):
+    """The value of `<deployment>.<replica>` in the replicas bucket."""
+
+    deployment: Token
+    replica: Token
+    profile: str
+    profile_fp: str
+    state: ReplicaState
+    members: tuple[Member, ...] = ()
+    shards: tuple[str, ...] = ()
+    reason: str = ""
+    url: str = ""
+    fabric: str = ""
+    pool: str = ""
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+class ReplicaStatus(Message, frozen=True):
+    """A replica's state transition, as an event."""
+
+    deployment: Token
+    replica: Token
+    state: ReplicaState
+    reason: str = ""
+    url: str = ""
+    at: float = 0.0
+
+
+class NodeReason(Struct, frozen=True, kw_only=True):
+    node: str
+    reason: str
+
+
+class PlacementDecision(Message, frozen=True):
+    deployment: Token
+    replica: str
+    outcome: Literal["placed", "refused"]
+    nodes: tuple[str, ...] = ()
+    reasons: tuple[NodeReason, ...] = ()
+    at: float = 0.0
+
+
+# --- encoding ---------------------------------------------------------------
+
+_encoder = msgspec.json.Encoder(order="deterministic")
+_decoders: dict[type[Struct], msgspec.json.Decoder[Struct]] = {}
+
+
+def encode(msg: Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+T = TypeVar("T", bound=Struct)
+
+
+def decoder(kind: type[T]) -> msgspec.json.Decoder[T]:
+    """The one Decoder for `kind`, created on first use and reused."""
+    found = _decoders.get(kind)
+    if found is None:
+        found = msgspec.json.Decoder(kind)
+        _decoders[kind] = found
+    return found  # type: ignore[return-value]
+
+
+ALL_TYPES: tuple[type[Struct], ...] = (
+    NodeFacts,
+    EngineInventory,
+    InstallProgress,
+    NodeStatus,
+    Heartbeat,
+    DesiredEngines,
+    ShardSpec,
+    ShardStatus,
+    Profile,
+    Deployment,
+    ReplicaRecord,
+    ReplicaStatus,
+    PlacementDecision,
+)

@@ -1,0 +1,290 @@
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+import anyio.abc
+
+from ..httpserver import Request, Response, json_response, serve, text_response
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "llamas",
+    "graze",
+    "on",
+    "green",
+    "hills",
+    "and",
+    "engines",
+    "hum",
+    "in",
+    "racks",
+    "of",
+    "gpus",
+]
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "sim"
+    load_time: float = 0.0
+    tokens_per_second: float = 200.0
+    exit_after: float | None = None
+    exit_code: int = 1
+    fail_health_after: float | None = None
+    refuse: str | None = None
+    rank: int = 0
+    world: int = 1
+    dist_port: int = 0
+    leader: str = ""
+
+
+def parse_args(argv: list[str]) -> SimOptions:
+    p = argparse.ArgumentParser(prog="llmgw-sim", description="llmgw's simulated inference engine")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default="sim")
+    p.add_argument("--load-time", type=float, default=0.0, help="seconds /health answers 503")
+    p.add_argument("--tokens-per-second", type=float, default=200.0)
+    p.add_argument("--exit-after", type=float, default=None, help="exit after N seconds")
+    p.add_argument("--exit-code", type=int, default=1, help="code for --exit-after")
+    p.add_argument("--fail-health-after", type=float, default=None)
+    p.add_argument("--refuse", default=None, help="refuse to start with this message")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--dist-port", type=int, default=0, help="rank 0: port the workers join")
+    p.add_argument("--leader", default="", help="ranks above 0: leader host:port to join")
+    ns = p.parse_args(argv)
+    return SimOptions(**vars(ns))
+
+
+def _tokens(prompt: str, n: int) -> list[str]:
+    """Deterministic output: the same prompt always gives the same words."""
+    seed = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big")
+    return [WORDS[(seed + i * 7) % len(WORDS)] for i in range(n)]
+
+
+class SimEngine:
+    def __init__(self, opts: SimOptions) -> None:
+        self.opts = opts
+        self.started = time.monotonic()
+        self.requests = 0
+        self.tokens = 0
+
+    def _age(self) -> float:
+        return time.monotonic() - self.started
+
+    def loading(self) -> bool:
+        return self._age() < self.opts.load_time
+
+    async def handle(self, req: Request) -> Response:
+        path = req.path
+        if path == "/health":
+            if self.loading():
+                return json_response({"status": "loading"}, 503)
+            fail = self.opts.fail_health_after
+            if fail is not None and self._age() >= fail:
+                return json_response({"status": "unhealthy"}, 503)
+            return json_response({"status": "ok"})
+        if path == "/metrics":
+            return text_response(self._metrics(), content_type="text/plain; version=0.0.4")
+        if path == "/v1/models":
+            return json_response(
+                {
+                    "object": "list",
+                    "data": [{"id": self.opts.model, "object": "model", "owned_by": "llmgw-sim"}],
+                }
+            )
+        if path in ("/v1/chat/completions", "/v1/completions"):
+            if req.method != "POST":
+                return json_response({"error": {"message": "use POST"}}, 405)
+            if self.loading():
+                return json_response({"error": {"message": "model is loading"}}, 503)
+            try:
+                body = req.json()
+            except ValueError as exc:
+                return json_response({"error": {"message": f"invalid JSON body: {exc}"}}, 400)
+            if not isinstance(body, dict):
+                return json_response({"error": {"message": "body must be a JSON object"}}, 400)
+            return self._complete(body, chat=path.endswith("chat/completions"))
+        return json_response({"error": {"message": f"no route {path}"}}, 404)
+
+    def _metrics(self) -> str:
+        return (
+            "# HELP llmgw_sim_requests_total Completion requests served.\n"
+            "# TYPE llmgw_sim_requests_total counter\n"
+            f"llmgw_sim_requests_total {self.requests}\n"
+            "# HELP llmgw_sim_generation_tokens_total Tokens generated.\n"
+            "# TYPE llmgw_sim_generation_tokens_total counter\n"
+            f"llmgw_sim_generation_tokens_total {self.tokens}\n"
+            "# HELP llmgw_sim_loading 1 while the model is loading.\n"
+            "# TYPE llmgw_sim_loading gauge\n"
+            f"llmgw_sim_loading {int(self.loading())}\n"
+        )
+
+    def _complete(self, body: dict[str, object], chat: bool) -> Response:
+        if chat:
+            messages = body.get("messages") or []
+            prompt = json.dumps(messages, sort_keys=True)
+        else:
+            prompt = str(body.get("prompt", ""))
+        raw_max = body.get("max_tokens", 16)
+        n = raw_max if isinstance(raw_max, int) and raw_max > 0 else 16
+        words = _tokens(prompt, min(n, 4096))
+        self.requests += 1
+        self.tokens += len(words)
+        created = int(time.time())
+        rid = "cmpl-" + hashlib.sha256(prompt.encode()).hexdigest()[:12]
+        kind = "chat.completion" if chat else "text_completion"
+        usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": len(words)}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if body.get("stream"):
+            return Response(
+                content_type="text/event-stream", stream=self._stream(rid, created, words, chat)
+            )
+        text = " ".join(words)
+        choice: dict[str, object] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return json_response(
+            {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": self.opts.model,
+                "choices": [choice],
+                "usage": usage,
+            }
+        )
+
+    async def _stream(
+        self, rid: str, created: int, words: list[str], chat: bool
+    ) -> AsyncIterator[bytes]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        delay = 1.0 / self.opts.tokens_per_second if self.opts.tokens_per_second > 0 else 0.0
+        for i, word in enumerate(words):
+            piece = word if i == 0 else " " + word
+            choice: dict[str, object] = {"index": 0, "finish_reason": None}
+            if chat:
+                choice["delta"] = (
+                    {"content": piece} if i else {"role": "assistant", "content": piece}
+                )
+            else:
+                choice["text"] = piece
+            chunk = {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": self.opts.model,
+                "choices": [choice],
+            }
+            yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            await anyio.sleep(delay)
+        end: dict[str, object] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            end["delta"] = {}
+        else:
+            end["text"] = ""
+        final = {
+            "id": rid,
+            "object": kind,
+            "created": created,
+            "model": self.opts.model,
+            "choices": [end],
+        }
+        yield b"data: " + json.dumps(final).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+
+async def _hold_workers(host: str, port: int, task_status: anyio.abc.TaskStatus[None]) -> None:
+    """Rank 0's rendezvous port: workers connect and stay connected, like a Ray head."""
+
+    async def on_worker(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            try:
+                while await stream.receive():
+                    pass
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                return
+
+    listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+    async with listener:
+        task_status.started()
+        await listener.serve(on_worker)
+
+
+async def _worker(leader: str) -> int:
+    host, _, port = leader.rpartition(":")
+    stream = await anyio.connect_tcp(host, int(port))
+    print(f"llmgw-sim worker: joined leader {leader}", flush=True)
+    async with stream:
+        try:
+            while True:
+                await stream.receive()
+        except (anyio.EndOfStream, anyio.BrokenResourceError):
+            print(f"llmgw-sim worker: lost leader {leader}", flush=True)
+            return 1
+
+
+async def run(opts: SimOptions) -> int:
+    if opts.refuse:
+        print(f"llmgw-sim: refusing to start: {opts.refuse}", file=sys.stderr, flush=True)
+        return 2
+    code = 0
+    async with anyio.create_task_group() as tg:
+
+        async def stop_on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    print(f"llmgw-sim: {signal.Signals(signum).name}, shutting down", flush=True)
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(stop_on_signal)
+        if opts.rank > 0:
+            code = await _worker(opts.leader)
+            tg.cancel_scope.cancel()
+            return code
+        engine = SimEngine(opts)
+        if opts.world > 1:
+            await tg.start(_hold_workers, opts.host, opts.dist_port)
+        port = await tg.start(serve, engine.handle, opts.host, opts.port)
+        print(
+            f"llmgw-sim: serving {opts.model} on http://{opts.host}:{port} "
+            f"(loading for {opts.load_time}s)",
+            flush=True,
+        )
+        if opts.exit_after is not None:
+            await anyio.sleep(opts.exit_after)
+            print(
+                f"llmgw-sim: exiting with code {opts.exit_code} after {opts.exit_after}s",
+                flush=True,
+            )
+            code = opts.exit_code
+            tg.cancel_scope.cancel()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(sys.argv[1:] if argv is None else argv)
+    return anyio.run(run, opts)

@@ -1,0 +1,118 @@
+"""Subject, stream and bucket names, all derived from one prefix (`llmgw` by default).
+
+A second prefix on the same NATS server is a second, independent cluster:
+tests use that to share one server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "llmgw"
+
+
+@dataclass(frozen=True)
+class Names:
+    prefix: str = DEFAULT_PREFIX
+
+    # --- streams and buckets ---
+    @property
+    def events_stream(self) -> str:
+        return f"{self.prefix.upper().replace('-', '_')}_EVENTS"
+
+    @property
+    def dlq_stream(self) -> str:
+        return f"{self.prefix.upper().replace('-', '_')}_DLQ"
+
+    def bucket(self, name: str) -> str:
+        return f"{self.prefix}-{name}"
+
+    @property
+    def config_bucket(self) -> str:
+        return self.bucket("config")
+
+    @property
+    def catalog_bucket(self) -> str:
+        return self.bucket("catalog")
+
+    @property
+    def deployments_bucket(self) -> str:
+        return self.bucket("deployments")
+
+    @property
+    def nodes_bucket(self) -> str:
+        return self.bucket("nodes")
+
+    @property
+    def shards_bucket(self) -> str:
+        return self.bucket("shards")
+
+    @property
+    def shard_status_bucket(self) -> str:
+        return self.bucket("shard-status")
+
+    @property
+    def replicas_bucket(self) -> str:
+        return self.bucket("replicas")
+
+    @property
+    def leases_bucket(self) -> str:
+        return self.bucket("leases")
+
+    def buckets(self) -> tuple[str, ...]:
+        return (
+            self.config_bucket,
+            self.catalog_bucket,
+            self.deployments_bucket,
+            self.nodes_bucket,
+            self.shards_bucket,
+            self.shard_status_bucket,
+            self.replicas_bucket,
+            self.leases_bucket,
+        )
+
+    # --- subjects ---
+    @property
+    def events_all(self) -> str:
+        return f"{self.prefix}.events.>"
+
+    def node_facts(self, node: str) -> str:
+        return f"{self.prefix}.events.node.{node}.facts"
+
+    def node_engines(self, node: str) -> str:
+        return f"{self.prefix}.events.node.{node}.engines"
+
+    def node_install(self, node: str) -> str:
+        return f"{self.prefix}.events.node.{node}.install"
+
+    def shard_event(self, node: str, shard: str) -> str:
+        return f"{self.prefix}.events.shard.{node}.{shard}"
+
+    def replica_event(self, deployment: str, replica: str) -> str:
+        return f"{self.prefix}.events.replica.{deployment}.{replica}"
+
+    def placement_event(self, deployment: str) -> str:
+        return f"{self.prefix}.events.placement.{deployment}"
+
+    def heartbeat(self, node: str) -> str:
+        return f"{self.prefix}.heartbeat.{node}"
+
+    @property
+    def heartbeat_all(self) -> str:
+        return f"{self.prefix}.heartbeat.*"
+
+    def dlq(self, service: str) -> str:
+        return f"{self.prefix}.dlq.{service}"
+
+    @property
+    def dlq_all(self) -> str:
+        return f"{self.prefix}.dlq.>"
+
+    # --- keys ---
+    @staticmethod
+    def shard_key(node: str, shard: str) -> str:
+        return f"{node}.{shard}"
+
+    @staticmethod
+    def replica_key(deployment: str, replica: str) -> str:
+        return f"{deployment}.{replica}"

@@ -1,0 +1,44 @@
+"""Traces and logs for every llmgw process.
+
+Traces go over OTLP/HTTP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set (Jaeger in
+compose.yaml listens on :4318); the trace context crosses services in message
+headers (see bus.py). Log lines carry the current trace id so a log line and
+a span can be matched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+
+class _TraceIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        ctx = trace.get_current_span().get_span_context()
+        record.trace_id = format(ctx.trace_id, "032x") if ctx.is_valid else "-"
+        return True
+
+
+def setup(service: str, *, level: str | None = None) -> None:
+    """Configure logging and, when an OTLP endpoint is set, trace export for `service`."""
+    handler = logging.StreamHandler()
+    handler.addFilter(_TraceIdFilter())
+    handler.setFormatter(
+        logging.Formatter(
+            f"%(asctime)s %(levelname)s {service} %(name)s trace=%(trace_id)s %(message)s"
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level or os.environ.get("LLMGW_LOG_LEVEL", "INFO"))
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        trace.set_tracer_provider(provider)

