@@ -13,9 +13,7 @@ pytestmark = pytest.mark.anyio
 
 
 def progress(step: str) -> InstallProgress:
-    return InstallProgress(
-        node="gpu-01", engine="llamacpp", step=step, message=f"installing: {step}"
-    )
+    return InstallProgress(node="gpu-01", engine="llamacpp", step=step, message=f"installing: {step}")
 
 
 async def dlq_messages(bus: Bus) -> list[Msg]:

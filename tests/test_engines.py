@@ -513,8 +513,7 @@ def test_multi_node_without_hcas_disables_ib() -> None:
             [
                 "profile llama-70b: a tensor-parallel group may not mix GPU types "
                 "(NVIDIA A100-SXM4-80GB, NVIDIA H100 80GB HBM3)",
-                "profile llama-70b: fp8 needs compute capability 8.9, "
-                "GPU 1 (NVIDIA A100-SXM4-80GB) has 8.0",
+                "profile llama-70b: fp8 needs compute capability 8.9, GPU 1 (NVIDIA A100-SXM4-80GB) has 8.0",
             ],
         ),
         (

@@ -159,9 +159,7 @@ PARAMETERS = {
 
 def document() -> dict[str, Any]:
     types = sorted({c[2] for c in CHANNELS}, key=lambda t: t.__name__)
-    (_, components) = msgspec.json.schema_components(
-        types, ref_template="#/components/schemas/{name}"
-    )
+    (_, components) = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     channels: dict[str, Any] = {}
     operations: dict[str, Any] = {}
     for cid, address, message, description, params, action in CHANNELS:

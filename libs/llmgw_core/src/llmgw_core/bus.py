@@ -338,9 +338,7 @@ class Bus:
         whose handler raises is redelivered with a delay, and after
         `max_deliver` tries goes to the DLQ too.
         """
-        cfg = api.ConsumerConfig(
-            ack_policy=api.AckPolicy.EXPLICIT, max_deliver=max_deliver, ack_wait=30
-        )
+        cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.EXPLICIT, max_deliver=max_deliver, ack_wait=30)
         sub = await self.js.pull_subscribe(
             subject, durable=durable, stream=stream or self.names.events_stream, config=cfg
         )
@@ -377,18 +375,14 @@ class Bus:
         ctx = propagate.extract(dict(msg.headers or {}))
         token = otel_context.attach(ctx)
         try:
-            with tracer.start_as_current_span(
-                f"handle {msg.subject}", kind=trace.SpanKind.CONSUMER
-            ):
+            with tracer.start_as_current_span(f"handle {msg.subject}", kind=trace.SpanKind.CONSUMER):
                 await handler(value, msg)
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as exc:
             delivered = msg.metadata.num_delivered if msg.metadata else 1
             if delivered >= max_deliver:
-                await self.dead_letter(
-                    msg.subject, msg.data, f"handler failed {delivered} times: {exc}"
-                )
+                await self.dead_letter(msg.subject, msg.data, f"handler failed {delivered} times: {exc}")
                 await msg.term()
             else:
                 log.warning(
@@ -420,9 +414,7 @@ class Bus:
             try:
                 send.send_nowait(msg)
             except anyio.WouldBlock:
-                log.warning(
-                    "%s: dropping a message on %s: handler is behind", self.service, msg.subject
-                )
+                log.warning("%s: dropping a message on %s: handler is behind", self.service, msg.subject)
 
         sub = await self.nc.subscribe(subject, cb=on_msg)
         task_status.started()

@@ -155,9 +155,7 @@ class DesiredEngines(Message, frozen=True):
 
 # --- shards -----------------------------------------------------------------
 
-ShardState = Literal[
-    "pending", "starting", "waiting", "loading", "ready", "failed", "stopping", "stopped"
-]
+ShardState = Literal["pending", "starting", "waiting", "loading", "ready", "failed", "stopping", "stopped"]
 
 
 class ShardStatus(Message, frozen=True):
@@ -190,9 +188,7 @@ class Deployment(Message, frozen=True):
     strategy: Literal["binpack", "spread"] = "binpack"
 
 
-ReplicaState = Literal[
-    "placing", "starting", "ready", "degraded", "failed", "unplaceable", "stopping"
-]
+ReplicaState = Literal["placing", "starting", "ready", "degraded", "failed", "unplaceable", "stopping"]
 
 
 class ReplicaRecord(Message, frozen=True):

@@ -94,9 +94,7 @@ async def _read_request(stream: BufferedByteReceiveStream) -> Request | None:
     return Request(method=method.upper(), path=path, query=query, headers=headers, body=body)
 
 
-async def _write_response(
-    stream: anyio.abc.ByteStream, response: Response, keep_alive: bool
-) -> None:
+async def _write_response(stream: anyio.abc.ByteStream, response: Response, keep_alive: bool) -> None:
     reason = REASONS.get(response.status, "Status")
     head = [f"HTTP/1.1 {response.status} {reason}", f"Content-Type: {response.content_type}"]
     for name, value in response.headers.items():

@@ -29,13 +29,13 @@ def setup(service: str, *, level: str | None = None) -> None:
     handler = logging.StreamHandler()
     handler.addFilter(_TraceIdFilter())
     handler.setFormatter(
-        logging.Formatter(
-            f"%(asctime)s %(levelname)s {service} %(name)s trace=%(trace_id)s %(message)s"
-        )
+        logging.Formatter(f"%(asctime)s %(levelname)s {service} %(name)s trace=%(trace_id)s %(message)s")
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level or os.environ.get("LLMGW_LOG_LEVEL", "INFO"))
+    # One line per health probe would drown everything else.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 

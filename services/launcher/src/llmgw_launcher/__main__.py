@@ -1,2 +1,54 @@
-def main() -> None:
-    pass
+"""`llmgw-launcher --config agent.yaml`: run the shards placed on this node.
+
+SIGTERM or Ctrl-C stops the launcher and leaves the engines running; the next
+launcher adopts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import anyio
+
+from llmgw_core import telemetry
+from llmgw_core.bus import Bus
+from llmgw_core.config import AgentConfig, load
+from llmgw_core.errors import LlmgwError
+
+from .service import Launcher
+
+
+async def _main(config: AgentConfig) -> None:
+    bus = await Bus.connect(config.nats.options(), service=f"launcher-{config.node}")
+    async with bus:
+        await bus.ensure()
+        launcher = Launcher(config, bus)
+        async with anyio.create_task_group() as tg:
+
+            async def stop_on_signal() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for _ in signals:
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(stop_on_signal)
+            await tg.start(launcher.run)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="llmgw-launcher", description=__doc__)
+    parser.add_argument("--config", required=True, help="agent.yaml")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load(args.config, AgentConfig)
+        telemetry.setup(f"llmgw-launcher/{config.node}")
+        anyio.run(_main, config)
+    except LlmgwError as exc:
+        print(f"llmgw-launcher: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -29,8 +29,7 @@ def validate_profile(
         errors.append(f"profile {profile.name}: nodes must be positive, got {profile.nodes}")
     if profile.nodes > 1 and profile.gpus_per_node is None:
         errors.append(
-            f"profile {profile.name}: gpus_per_node is required when nodes > 1 "
-            f"(nodes is {profile.nodes})"
+            f"profile {profile.name}: gpus_per_node is required when nodes > 1 (nodes is {profile.nodes})"
         )
     per_node = profile.per_node_gpus
     shape_known = profile.tp >= 1 and profile.pp >= 1 and profile.nodes >= 1
@@ -46,9 +45,7 @@ def validate_profile(
     if not requires_gpus and not profile.gpu_class and not (shard and shard.gpus):
         per_node = 0
     if per_node > 0 and len(gpus) < per_node:
-        errors.append(
-            f"profile {profile.name}: needs {per_node} GPUs per node, node has {len(gpus)}"
-        )
+        errors.append(f"profile {profile.name}: needs {per_node} GPUs per node, node has {len(gpus)}")
     chosen = gpus
     if shard is not None and shard.gpus:
         by_index = {g.index: g for g in gpus}
@@ -68,8 +65,7 @@ def validate_profile(
     names = sorted({g.name for g in used})
     if len(names) > 1:
         errors.append(
-            f"profile {profile.name}: a tensor-parallel group may not mix GPU types "
-            f"({', '.join(names)})"
+            f"profile {profile.name}: a tensor-parallel group may not mix GPU types ({', '.join(names)})"
         )
     method = quantization_of(profile.args)
     need = MIN_CAPABILITY.get(method or "")

@@ -40,9 +40,7 @@ class LlamaCpp:
     def _bin(self, name: str) -> str:
         return os.path.join(self.config.bin_dir, name) if self.config.bin_dir else name
 
-    def validate(
-        self, profile: Profile, gpus: list[GPUInfo], shard: ShardSpec | None = None
-    ) -> list[str]:
+    def validate(self, profile: Profile, gpus: list[GPUInfo], shard: ShardSpec | None = None) -> list[str]:
         return validate_profile(profile, gpus, shard, requires_gpus=False)
 
     def serves_http(self, shard: ShardSpec) -> bool:

@@ -22,9 +22,7 @@ class SGLang:
     def __init__(self, config: SGLangConfig | None = None) -> None:
         self.config = config or SGLangConfig()
 
-    def validate(
-        self, profile: Profile, gpus: list[GPUInfo], shard: ShardSpec | None = None
-    ) -> list[str]:
+    def validate(self, profile: Profile, gpus: list[GPUInfo], shard: ShardSpec | None = None) -> list[str]:
         return validate_profile(profile, gpus, shard)
 
     def serves_http(self, shard: ShardSpec) -> bool:
@@ -62,6 +60,4 @@ class SGLang:
                 "--dist-init-addr",
                 f"{leader.addr}:{leader.port}",
             )
-        return [
-            Command(name="sglang", path=self.config.python, args=(*args, *profile.args), env=env)
-        ]
+        return [Command(name="sglang", path=self.config.python, args=(*args, *profile.args), env=env)]

@@ -24,9 +24,7 @@ class Sim:
     def __init__(self, config: SimConfig | None = None) -> None:
         self.config = config or SimConfig()
 
-    def validate(
-        self, profile: Profile, gpus: list[GPUInfo], shard: ShardSpec | None = None
-    ) -> list[str]:
+    def validate(self, profile: Profile, gpus: list[GPUInfo], shard: ShardSpec | None = None) -> list[str]:
         return validate_profile(profile, gpus, shard, requires_gpus=False)
 
     def serves_http(self, shard: ShardSpec) -> bool:

@@ -31,9 +31,7 @@ class VLLM:
     def _bin(self, name: str) -> str:
         return os.path.join(self.config.bin_dir, name) if self.config.bin_dir else name
 
-    def validate(
-        self, profile: Profile, gpus: list[GPUInfo], shard: ShardSpec | None = None
-    ) -> list[str]:
+    def validate(self, profile: Profile, gpus: list[GPUInfo], shard: ShardSpec | None = None) -> list[str]:
         return validate_profile(profile, gpus, shard)
 
     def serves_http(self, shard: ShardSpec) -> bool:
@@ -96,9 +94,7 @@ class VLLM:
                 extra += ("--headless",)
         return [self._serve(shard, env, extra)]
 
-    def _serve(
-        self, shard: ShardSpec, env: tuple[tuple[str, str], ...], extra: tuple[str, ...]
-    ) -> Command:
+    def _serve(self, shard: ShardSpec, env: tuple[tuple[str, str], ...], extra: tuple[str, ...]) -> Command:
         profile = shard.profile
         args = (
             "serve",

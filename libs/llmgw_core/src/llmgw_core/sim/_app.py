@@ -157,9 +157,7 @@ class SimEngine:
         usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": len(words)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         if body.get("stream"):
-            return Response(
-                content_type="text/event-stream", stream=self._stream(rid, created, words, chat)
-            )
+            return Response(content_type="text/event-stream", stream=self._stream(rid, created, words, chat))
         text = " ".join(words)
         choice: dict[str, object] = {"index": 0, "finish_reason": "length"}
         if chat:
@@ -177,18 +175,14 @@ class SimEngine:
             }
         )
 
-    async def _stream(
-        self, rid: str, created: int, words: list[str], chat: bool
-    ) -> AsyncIterator[bytes]:
+    async def _stream(self, rid: str, created: int, words: list[str], chat: bool) -> AsyncIterator[bytes]:
         kind = "chat.completion.chunk" if chat else "text_completion"
         delay = 1.0 / self.opts.tokens_per_second if self.opts.tokens_per_second > 0 else 0.0
         for i, word in enumerate(words):
             piece = word if i == 0 else " " + word
             choice: dict[str, object] = {"index": 0, "finish_reason": None}
             if chat:
-                choice["delta"] = (
-                    {"content": piece} if i else {"role": "assistant", "content": piece}
-                )
+                choice["delta"] = {"content": piece} if i else {"role": "assistant", "content": piece}
             else:
                 choice["text"] = piece
             chunk = {
@@ -270,8 +264,7 @@ async def run(opts: SimOptions) -> int:
             await tg.start(_hold_workers, opts.host, opts.dist_port)
         port = await tg.start(serve, engine.handle, opts.host, opts.port)
         print(
-            f"llmgw-sim: serving {opts.model} on http://{opts.host}:{port} "
-            f"(loading for {opts.load_time}s)",
+            f"llmgw-sim: serving {opts.model} on http://{opts.host}:{port} (loading for {opts.load_time}s)",
             flush=True,
         )
         if opts.exit_after is not None:

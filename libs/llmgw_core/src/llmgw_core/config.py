@@ -1,0 +1,133 @@
+"""`agent.yaml` (installer and launcher on a node), decoded into typed structs.
+
+Every setting has a default that works on one machine. An error names the
+file, the path inside it and what was expected.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, TypeVar
+
+import msgspec
+from msgspec import Struct
+
+from .bus import BusOptions
+from .engines import GPUInfo, Token
+from .errors import ConfigError
+
+T = TypeVar("T", bound=Struct)
+
+
+class NatsConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    url: str = ""
+    prefix: str = "llmgw"
+    creds_file: str = ""
+    nkey_seed_file: str = ""
+    user: str = ""
+    password: str = ""
+    token: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    replicas: int = 1
+
+    def options(self) -> BusOptions:
+        return BusOptions(
+            url=self.url,
+            prefix=self.prefix,
+            creds_file=self.creds_file,
+            nkey_seed_file=self.nkey_seed_file,
+            user=self.user,
+            password=self.password,
+            token=self.token,
+            tls_ca=self.tls_ca,
+            tls_cert=self.tls_cert,
+            tls_key=self.tls_key,
+            replicas=self.replicas,
+        )
+
+
+class Simulate(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Pretend hardware, so a laptop can run a GPU cluster's rules."""
+
+    gpus: tuple[GPUInfo, ...] = ()
+    hcas: tuple[str, ...] = ()
+    # Simulated GPUs of one model: "8x NVIDIA H100 80GB HBM3" style shorthand.
+    gpu_count: int = 0
+    gpu_name: str = "NVIDIA H100 80GB HBM3"
+    gpu_capability: str = "9.0"
+    gpu_memory_mb: int = 81559
+
+    def gpu_list(self) -> tuple[GPUInfo, ...]:
+        if self.gpus:
+            return self.gpus
+        return tuple(
+            GPUInfo(
+                index=i,
+                name=self.gpu_name,
+                uuid=f"GPU-sim-{i:02d}",
+                compute_capability=self.gpu_capability,
+                memory_mb=self.gpu_memory_mb,
+            )
+            for i in range(self.gpu_count)
+        )
+
+
+class ConfiguredEngine(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An engine the operator installed on purpose and names here.
+
+    vLLM and SGLang: `path` is the Python environment's bin directory.
+    llama.cpp: `path` is the directory holding llama-server.
+    """
+
+    path: str
+    multinode: Literal["ray", "native"] = "ray"
+
+
+class AgentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    node: Token
+    state_dir: str = ".llmgw/agent"
+    nats: NatsConfig = NatsConfig()
+    # The address other nodes and clients reach this node on.
+    mgmt_addr: str = "127.0.0.1"
+    mgmt_iface: str = ""
+    # Engines get HTTP and rendezvous ports from this range when a shard leaves them to the node.
+    port_range: tuple[int, int] = (20000, 29999)
+    model_paths: tuple[str, ...] = ()
+    simulate: Simulate | None = None
+    engines: dict[str, ConfiguredEngine] = {}
+    heartbeat_interval_s: float = 1.0
+    recheck_interval_s: float = 600.0
+    allow_os_packages: bool = True
+    github_api: str = "https://api.github.com"
+    mirror: str = ""
+    # Launcher timing.
+    stop_grace_s: float = 10.0
+    wait_timeout_s: float = 600.0
+    restart_backoff_s: float = 1.0
+    restart_backoff_cap_s: float = 60.0
+    health_interval_s: float = 1.0
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir)
+
+
+def load(path: str | Path, kind: type[T]) -> T:
+    """Decode a YAML file into `kind`, or raise ConfigError naming the file and the path in it."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror}") from exc
+    return loads(raw, kind, source=str(p))
+
+
+def loads(raw: bytes | str, kind: type[T], *, source: str = "<config>") -> T:
+    try:
+        return msgspec.yaml.decode(raw, type=kind)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc

@@ -1,0 +1,206 @@
+"""What a node is: OS, CPU, memory, NVIDIA driver and GPUs, InfiniBand HCAs, interfaces, weights.
+
+Every source is injectable: `root` is where /etc, /proc and /sys are read
+from, and `run` executes commands (nvidia-smi, ip), so tests feed recorded
+files and outputs. Nothing here raises for missing hardware: a node without
+GPUs is a CPU node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import socket
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .engines import GPUInfo
+from .events import NetInterface, NodeFacts
+
+CommandRunner = Callable[[list[str]], "CommandResult"]
+
+CPU_FLAGS_OF_INTEREST = (
+    "avx", "avx2", "avx512f", "fma", "f16c", "amx_bf16", "amx_int8", "amx_tile",
+    "neon", "asimd", "sve", "asimddp", "dotprod",
+)  # fmt: skip
+
+NVIDIA_SMI_GPUS = [
+    "nvidia-smi",
+    "--query-gpu=index,name,uuid,compute_cap,memory.total",
+    "--format=csv,noheader,nounits",
+]
+NVIDIA_SMI_DRIVER = ["nvidia-smi"]
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    returncode: int
+    stdout: str
+    stderr: str = ""
+
+
+def run_command(argv: list[str], timeout: float = 15.0) -> CommandResult:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    except FileNotFoundError:
+        return CommandResult(127, "", f"{argv[0]}: not found")
+    except subprocess.TimeoutExpired:
+        return CommandResult(124, "", f"{argv[0]}: timed out after {timeout}s")
+    return CommandResult(done.returncode, done.stdout, done.stderr)
+
+
+def parse_nvidia_smi_gpus(text: str) -> list[GPUInfo]:
+    """Rows of `index, name, uuid, compute_cap, memory.total` (csv, noheader, nounits)."""
+    gpus: list[GPUInfo] = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 5 or not parts[0].isdigit():
+            continue
+        # A GPU name never has a comma today, but be safe: the name is everything
+        # between the index and the last three fields.
+        index, *name_parts, uuid, cap, mem = parts
+        try:
+            memory = int(float(mem))
+        except ValueError:
+            memory = 0
+        gpus.append(
+            GPUInfo(
+                index=int(index),
+                name=", ".join(name_parts),
+                uuid=uuid,
+                compute_capability=cap,
+                memory_mb=memory,
+            )
+        )
+    return gpus
+
+
+def parse_nvidia_smi_header(text: str) -> tuple[str, str]:
+    """Driver and CUDA versions from plain `nvidia-smi`'s banner."""
+    driver = cuda = ""
+    for line in text.splitlines():
+        if "Driver Version:" in line:
+            driver = line.split("Driver Version:", 1)[1].split()[0]
+        if "CUDA Version:" in line:
+            cuda = line.split("CUDA Version:", 1)[1].split()[0]
+    return driver, cuda
+
+
+def parse_os_release(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            out[key.strip()] = value.strip().strip('"')
+    return out
+
+
+def parse_cpuinfo(text: str) -> tuple[str, tuple[str, ...], int]:
+    model = ""
+    flags: set[str] = set()
+    cores = 0
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "Model", "cpu model") and not model:
+            model = value.strip()
+        elif key in ("flags", "Features"):
+            flags.update(value.split())
+        elif key == "processor":
+            cores += 1
+    if "asimddp" in flags:
+        flags.add("dotprod")
+    if "asimd" in flags:
+        flags.add("neon")
+    return model, tuple(sorted(f for f in flags if f in CPU_FLAGS_OF_INTEREST)), cores
+
+
+def parse_meminfo(text: str) -> int:
+    for line in text.splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
+def weights_fingerprint(path: Path) -> str:
+    """Cheap: names, sizes and mtimes of the files under `path`, hashed. No file is read."""
+    h = hashlib.sha256()
+    if not path.exists():
+        return ""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for f in files:
+        st = f.stat()
+        h.update(
+            f"{f.relative_to(path) if f != path else f.name}\0{st.st_size}\0{int(st.st_mtime)}\n".encode()
+        )
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class Probe:
+    node: str
+    root: Path = Path("/")
+    run: CommandRunner = field(default=run_command)
+    model_paths: tuple[str, ...] = ()
+    mgmt_addr: str = ""
+
+    def _read(self, rel: str) -> str:
+        try:
+            return (self.root / rel.lstrip("/")).read_text()
+        except OSError:
+            return ""
+
+    def gpus(self) -> tuple[tuple[GPUInfo, ...], str, str]:
+        listing = self.run(NVIDIA_SMI_GPUS)
+        if listing.returncode != 0:
+            return (), "", ""
+        driver, cuda = parse_nvidia_smi_header(self.run(NVIDIA_SMI_DRIVER).stdout)
+        return tuple(parse_nvidia_smi_gpus(listing.stdout)), driver, cuda
+
+    def hcas(self) -> tuple[str, ...]:
+        ib = self.root / "sys/class/infiniband"
+        try:
+            return tuple(sorted(p.name for p in ib.iterdir()))
+        except OSError:
+            return ()
+
+    def interfaces(self) -> tuple[NetInterface, ...]:
+        net = self.root / "sys/class/net"
+        try:
+            names = sorted(p.name for p in net.iterdir())
+        except OSError:
+            return ()
+        out = []
+        for name in names:
+            mac = self._read(f"sys/class/net/{name}/address").strip()
+            state = self._read(f"sys/class/net/{name}/operstate").strip()
+            out.append(NetInterface(name=name, mac=mac, up=state in ("up", "unknown")))
+        return tuple(out)
+
+    def facts(self) -> NodeFacts:
+        osr = parse_os_release(self._read("etc/os-release"))
+        model, flags, cores = parse_cpuinfo(self._read("proc/cpuinfo"))
+        gpus, driver, cuda = self.gpus()
+        kernel = self._read("proc/sys/kernel/osrelease").strip() or platform.release()
+        weights = {p: weights_fingerprint(Path(p)) for p in self.model_paths}
+        return NodeFacts(
+            node=self.node,
+            os_id=osr.get("ID", ""),
+            os_version=osr.get("VERSION_ID", ""),
+            kernel=kernel,
+            arch=platform.machine() if self.root == Path("/") else "x86_64",
+            cpu_model=model,
+            cpu_flags=flags,
+            cores=cores or (os.cpu_count() or 0),
+            memory_mb=parse_meminfo(self._read("proc/meminfo")),
+            nvidia_driver=driver,
+            cuda_driver=cuda,
+            gpus=gpus,
+            hcas=self.hcas(),
+            interfaces=self.interfaces(),
+            mgmt_addr=self.mgmt_addr or socket.gethostbyname("localhost"),
+            weights=weights,
+        )

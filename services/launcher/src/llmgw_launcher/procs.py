@@ -1,0 +1,114 @@
+"""Processes of shards: started in their own session, output to files, found again by pid + start time.
+
+Output goes to a file rather than a pipe so the engine outlives the launcher:
+a pipe's reader dying would kill the engine with SIGPIPE on its next log line,
+and a restarted launcher could not read it anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from collections import deque
+from pathlib import Path
+
+from llmgw_core.engines import Command
+
+LOG_LIMIT = 4 << 20  # bytes per process log before it is rotated
+
+
+def start(cmd: Command, log_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
+    """Start `cmd` in a new session (its own process group), output appended to `log_path`."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            cmd.argv,
+            env=cmd.env_dict(),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, None if it is gone or a zombie.
+
+    A pid alone is not an identity: pids are recycled, and adopting a stranger
+    that got an old engine's pid would report a dead engine as ready.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def alive(pid: int, started: int) -> bool:
+    return start_time(pid) == started
+
+
+def signal_group(pid: int, sig: signal.Signals) -> bool:
+    """Signal the process group led by `pid`; False if it no longer exists."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+    return True
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    # killpg(0) succeeds while only zombies remain; look for a live member.
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def tail(log_path: Path, lines: int = 20) -> list[str]:
+    """The last `lines` lines of a process log."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            data = f.read()
+    except OSError:
+        return []
+    text = data.decode("utf-8", "replace")
+    return list(deque(text.splitlines(), maxlen=lines))
+
+
+def rotate_if_large(log_path: Path, limit: int = LOG_LIMIT) -> None:
+    """Keep a log bounded: past `limit`, its tail moves to `<log>.1` and the log is emptied.
+
+    The engine appends (O_APPEND), so it carries on writing at the new end.
+    """
+    try:
+        if log_path.stat().st_size <= limit:
+            return
+        keep = "\n".join(tail(log_path, 2000)) + "\n"
+        log_path.with_suffix(log_path.suffix + ".1").write_text(keep)
+        with contextlib.suppress(OSError), log_path.open("r+b") as f:
+            f.truncate(0)
+    except OSError:
+        return

@@ -1,0 +1,214 @@
+"""The launcher service: watch this node's shards in the bucket and keep them running."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import anyio.abc
+
+from llmgw_core.bus import Bus
+from llmgw_core.config import AgentConfig
+from llmgw_core.engines import GPUInfo, Registry, ShardSpec, default_registry
+from llmgw_core.errors import BusError
+from llmgw_core.events import Heartbeat, ShardStatus, now
+from llmgw_core.probe import Probe
+
+from .reconcile import diff
+from .records import Records
+from .runner import Context, ShardRunner
+
+log = logging.getLogger("llmgw.launcher")
+
+
+@dataclass
+class Handle:
+    key: str
+    spec: ShardSpec
+    runner: ShardRunner
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    started: bool = False
+
+
+def node_gpus(config: AgentConfig) -> list[GPUInfo]:
+    if config.simulate is not None:
+        return list(config.simulate.gpu_list())
+    gpus, _, _ = Probe(config.node).gpus()
+    return list(gpus)
+
+
+def registry_for(config: AgentConfig) -> Registry:
+    """The adapters, pointed at the engines the operator configured on this node."""
+    from llmgw_core.engines import VLLM, LlamaCpp, LlamaCppConfig, SGLang, SGLangConfig, VLLMConfig
+
+    registry = default_registry()
+    for name, engine in config.engines.items():
+        if name == "vllm":
+            registry.add(VLLM(VLLMConfig(bin_dir=engine.path, multinode=engine.multinode)))
+        elif name == "sglang":
+            registry.add(SGLang(SGLangConfig(python=os.path.join(engine.path, "python"))))
+        elif name == "llamacpp":
+            adapter = LlamaCpp(LlamaCppConfig(bin_dir=engine.path))
+            adapter.use_installed(engine.path)
+            registry.add(adapter)
+    return registry
+
+
+class Launcher:
+    def __init__(
+        self,
+        config: AgentConfig,
+        bus: Bus,
+        *,
+        registry: Registry | None = None,
+        gpus: list[GPUInfo] | None = None,
+    ) -> None:
+        self.config = config
+        self.bus = bus
+        self.node = config.node
+        state_dir = Path(config.state_dir).resolve()
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.records = Records(state_dir)
+        self.handles: dict[str, Handle] = {}
+        self.desired: dict[str, ShardSpec] = {}
+        self._ports_in_use: set[int] = set()
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._lock = anyio.Lock()
+        self.ctx = Context(
+            node=self.node,
+            state_dir=state_dir,
+            registry=registry or registry_for(config),
+            gpus=gpus if gpus is not None else node_gpus(config),
+            records=self.records,
+            publish=self._publish,
+            allocate_port=self._allocate_port,
+            release_port=self._ports_in_use.discard,
+            mgmt_addr=config.mgmt_addr,
+            stop_grace_s=config.stop_grace_s,
+            wait_timeout_s=config.wait_timeout_s,
+            backoff_s=config.restart_backoff_s,
+            backoff_cap_s=config.restart_backoff_cap_s,
+            health_interval_s=config.health_interval_s,
+        )
+
+    # --- bus ---------------------------------------------------------------------
+
+    async def _publish(self, status: ShardStatus) -> None:
+        names = self.bus.names
+        key = names.shard_key(self.node, status.shard)
+        try:
+            if status.state == "stopped":
+                await self.bus.delete(names.shard_status_bucket, key)
+            else:
+                await self.bus.put(names.shard_status_bucket, key, status)
+            await self.bus.publish(names.shard_event(self.node, status.shard), status)
+        except BusError as exc:
+            # The bucket is level-triggered: the next state change rewrites it.
+            log.warning("shard %s: could not publish %s: %s", key, status.state, exc)
+
+    def _allocate_port(self) -> int:
+        low, high = self.config.port_range
+        for port in range(low, high + 1):
+            if port in self._ports_in_use:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind((self.config.mgmt_addr, port))
+                except OSError:
+                    continue
+            self._ports_in_use.add(port)
+            return port
+        raise RuntimeError(f"no free port in {low}-{high} on {self.node}")
+
+    # --- reconcile ------------------------------------------------------------
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        records, problems = self.records.load_all()
+        for problem in problems:
+            log.warning("%s", problem)
+        for key, record in records.items():
+            self._ports_in_use.add(record.port)
+            self.handles[key] = Handle(key, record.spec, ShardRunner(key, record.spec, self.ctx, record))
+        pattern = f"{self.node}.*"
+        snapshot = await self.bus.entries(self.bus.names.shards_bucket, ShardSpec, pattern)
+        self.desired = {k: c.value for k, c in snapshot.items() if c.value is not None}
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            await self.reconcile()
+            tg.start_soon(self._heartbeat)
+            task_status.started()
+            async for change in self.bus.watch(self.bus.names.shards_bucket, ShardSpec, pattern):
+                if change.value is None:
+                    self.desired.pop(change.key, None)
+                else:
+                    self.desired[change.key] = change.value
+                await self.reconcile()
+
+    async def reconcile(self) -> None:
+        async with self._lock:
+            observed = {k: h.spec for k, h in self.handles.items()}
+            d = diff(self.desired, observed)
+            if d:
+                log.info(
+                    "reconcile %s: +%s -%s ~%s",
+                    self.node,
+                    list(d.added),
+                    list(d.removed),
+                    list(d.changed),
+                )
+            for key in d.removed:
+                await self._stop(key)
+            for key in d.changed:
+                await self._stop(key)
+                self._start(key, self.desired[key])
+            for key in d.added:
+                self._start(key, self.desired[key])
+            # Adopted shards that are still desired as they are: supervise them.
+            for handle in self.handles.values():
+                if not handle.started:
+                    self._launch(handle)
+
+    def _start(self, key: str, spec: ShardSpec) -> None:
+        handle = Handle(key, spec, ShardRunner(key, spec, self.ctx))
+        self.handles[key] = handle
+        self._launch(handle)
+
+    def _launch(self, handle: Handle) -> None:
+        assert self._tg is not None
+        handle.started = True
+
+        async def run() -> None:
+            try:
+                with handle.scope:
+                    await handle.runner.run()
+            finally:
+                handle.done.set()
+
+        self._tg.start_soon(run, name=f"shard {handle.key}")
+
+    async def _stop(self, key: str) -> None:
+        handle = self.handles.pop(key)
+        handle.scope.cancel()
+        if handle.started:
+            await handle.done.wait()
+        await handle.runner.terminate()
+
+    async def stop_all(self) -> None:
+        """Stop every engine on this node (not what stopping the agent does)."""
+        async with self._lock:
+            for key in sorted(self.handles):
+                await self._stop(key)
+
+    async def _heartbeat(self) -> None:
+        subject = self.bus.names.heartbeat(self.node)
+        while True:
+            try:
+                await self.bus.publish_core(subject, Heartbeat(node=self.node, service="launcher", at=now()))
+            except Exception as exc:  # liveness must never take the launcher down
+                log.warning("heartbeat failed: %s", exc)
+            await anyio.sleep(self.config.heartbeat_interval_s)

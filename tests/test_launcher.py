@@ -1,0 +1,207 @@
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+import msgspec
+import pytest
+
+from llmgw_core.bus import Bus
+from llmgw_core.events import ShardStatus
+from llmgw_launcher import diff
+from tests.launcher_support import (
+    agent_config,
+    pid_alive,
+    processes_with,
+    running_launcher,
+    shard,
+    shard_events,
+    sim_profile,
+    two_rank_members,
+)
+from tests.test_sim_engine import free_port
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+
+def test_diff_is_sorted_and_ignores_bookkeeping() -> None:
+    p = sim_profile()
+    a, b, c = (shard("n", x, p) for x in ("a", "b", "c"))
+    desired = {"n.c": c, "n.a": a, "n.b": msgspec.structs.replace(b, pool="other", fabric="f")}
+    observed = {"n.b": b, "n.z": a, "n.y": a}
+    d = diff(desired, observed)
+    assert d.added == ("n.a", "n.c")
+    assert d.removed == ("n.y", "n.z")
+    assert d.changed == ()
+    assert diff({"n.b": msgspec.structs.replace(b, port=1)}, observed).changed == ("n.b",)
+
+
+async def test_a_sim_shard_goes_ready_and_answers(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    config = agent_config(nats_url, prefix, tmp_path / "agent")
+    spec = shard("node-a", "s1", sim_profile("--load-time", "0.5"))
+    async with shard_events(bus) as events, running_launcher(config):
+        await bus.put(bus.names.shards_bucket, "node-a.s1", spec)
+        await eventually(lambda: events.states("s1")[-1:] == ["ready"], timeout=20)
+        assert events.states("s1") == ["pending", "starting", "loading", "ready"]
+        ready = events.last("s1")
+        assert ready is not None
+        assert ready.url == f"http://127.0.0.1:{ready.port}"
+        assert ready.profile_fp == spec.profile_fp
+        assert ready.pool == "default"
+        assert len(ready.pids) == 1
+        stored = await bus.get(bus.names.shard_status_bucket, "node-a.s1", ShardStatus)
+        assert stored is not None
+        assert stored[0].state == "ready"
+        async with httpx.AsyncClient(base_url=ready.url) as client:
+            r = await client.post(
+                "/v1/chat/completions",
+                json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+            )
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["message"]["content"]
+
+        # Deleting the key stops the whole process group within the grace period.
+        [pid] = ready.pids
+        started = time.monotonic()
+        await bus.delete(bus.names.shards_bucket, "node-a.s1")
+        await eventually(lambda: events.states("s1")[-1:] == ["stopped"], timeout=config.stop_grace_s + 2)
+        assert time.monotonic() - started < config.stop_grace_s + 2
+        assert not pid_alive(pid)
+        assert events.states("s1")[-2:] == ["stopping", "stopped"]
+        assert await bus.get(bus.names.shard_status_bucket, "node-a.s1", ShardStatus) is None
+
+
+async def test_a_killed_engine_fails_with_the_signal_and_restarts_with_backoff(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    config = agent_config(nats_url, prefix, tmp_path / "agent")
+    async with shard_events(bus) as events, running_launcher(config):
+        await bus.put(bus.names.shards_bucket, "node-a.s1", shard("node-a", "s1", sim_profile()))
+        first = await eventually(lambda: (s := events.last("s1")) and s.state == "ready" and s, timeout=20)
+        os.kill(first.pids[0], signal.SIGKILL)
+        failed = await eventually(lambda: [s for s in events.of("s1") if s.state == "failed"], timeout=10)
+        assert failed[0].reason.startswith(
+            f"sim (pid {first.pids[0]}) killed by signal SIGKILL; last log lines:\n"
+        )
+        assert "llmgw-sim: serving tiny on http://127.0.0.1:" in failed[0].reason
+        assert failed[0].retryable
+        second = await eventually(
+            lambda: (s := events.last("s1")) and s.state == "ready" and s.restarts == 1 and s, timeout=20
+        )
+        assert second.pids != first.pids
+        fail_at = failed[0].at
+        restart_at = next(s.at for s in events.of("s1") if s.restarts == 1)
+        assert restart_at - fail_at >= config.restart_backoff_s * 0.9
+
+        os.kill(second.pids[0], signal.SIGKILL)
+        third = await eventually(
+            lambda: (s := events.last("s1")) and s.state == "ready" and s.restarts == 2 and s, timeout=20
+        )
+        assert third.pids[0] not in (first.pids[0], second.pids[0])
+
+
+async def test_a_profile_too_big_for_the_node_fails_once_and_starts_nothing(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    config = agent_config(nats_url, prefix, tmp_path / "agent")
+    big = sim_profile(tp=4, gpu_class="H100-80G")
+    async with shard_events(bus) as events, running_launcher(config):
+        await bus.put(bus.names.shards_bucket, "node-a.big", shard("node-a", "big", big, gpus=[0, 1]))
+        await eventually(lambda: "failed" in events.states("big"), timeout=10)
+        # Several backoff periods pass: a validation failure is not retried.
+        await anyio.sleep(config.restart_backoff_s * 5)
+        assert events.states("big") == ["pending", "failed"]
+        [failed] = [s for s in events.of("big") if s.state == "failed"]
+        assert failed.reason == (
+            "profile tiny: needs 4 GPUs per node, node has 2; "
+            "shard big: given 2 GPUs, profile tiny needs 4 per node"
+        )
+        assert failed.retryable is False
+        assert failed.pids == ()
+        assert processes_with(str(tmp_path)) == []
+
+
+async def test_two_launchers_run_a_two_rank_shard_and_the_worker_waits_for_the_leader(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    dist = free_port()
+    members = two_rank_members(dist)
+    p = sim_profile("--load-time", "0.3", nodes=2, gpus_per_node=1, tp=2)
+    rank0 = shard("node-a", "r0-0", p, rank=0, members=members, gpus=[0], fabric="ib-a")
+    rank1 = shard("node-b", "r0-1", p, rank=1, members=members, gpus=[0], fabric="ib-a")
+    a = agent_config(nats_url, prefix, tmp_path / "a", node="node-a")
+    b = agent_config(nats_url, prefix, tmp_path / "b", node="node-b")
+    async with shard_events(bus) as events, running_launcher(a), running_launcher(b):
+        await bus.put(bus.names.shards_bucket, "node-b.r0-1", rank1)
+        await eventually(lambda: events.states("r0-1")[-1:] == ["waiting"], timeout=10)
+        leader_put = time.time()
+        await bus.put(bus.names.shards_bucket, "node-a.r0-0", rank0)
+        await eventually(lambda: events.states("r0-0")[-1:] == ["ready"], timeout=20)
+        await eventually(lambda: events.states("r0-1")[-1:] == ["ready"], timeout=20)
+        assert events.states("r0-1") == ["pending", "starting", "waiting", "ready"]
+        worker_ready = events.last("r0-1")
+        assert worker_ready is not None
+        assert worker_ready.at > leader_put
+        # Only rank 0 serves HTTP: the worker has no URL, and no health-check state.
+        assert worker_ready.url == ""
+        assert "loading" not in events.states("r0-1")
+        assert events.states("r0-0") == ["pending", "starting", "loading", "ready"]
+
+
+async def test_the_launcher_survives_its_own_sigkill_and_adopts_the_shard(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    config = agent_config(nats_url, prefix, tmp_path / "agent")
+    config_path = tmp_path / "agent.yaml"
+    config_path.write_bytes(msgspec.yaml.encode(config))
+    spec = shard("node-a", "s1", sim_profile("--load-time", "0.2"))
+
+    def start_launcher() -> subprocess.Popen[bytes]:
+        with (tmp_path / "launcher.log").open("ab") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "llmgw_launcher", "--config", str(config_path)],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
+
+    first = start_launcher()
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        async with shard_events(bus) as events:
+            await bus.put(bus.names.shards_bucket, "node-a.s1", spec)
+            ready = await eventually(
+                lambda: (s := events.last("s1")) and s.state == "ready" and s, timeout=30
+            )
+            first.kill()
+            first.wait()
+            assert pid_alive(ready.pids[0]), "the engine outlives a killed launcher"
+            events.items.clear()
+            second = start_launcher()
+            adopted = await eventually(
+                lambda: (s := events.last("s1")) and s.state == "ready" and s, timeout=30
+            )
+            assert adopted.pids == ready.pids
+            assert adopted.profile_fp == spec.profile_fp
+            assert events.states("s1") == ["ready"]
+            assert processes_with(f"--model {spec.profile.name}") == list(ready.pids)
+
+            # SIGTERM stops the launcher, not the engine.
+            second.terminate()
+            assert second.wait(timeout=10) == 0
+            assert pid_alive(ready.pids[0])
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for pid in processes_with(f"--model {spec.profile.name}"):
+            os.killpg(pid, signal.SIGKILL)
