@@ -271,7 +271,7 @@ class Bus:
         kv = await self.kv(bucket)
         try:
             entry = await kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
+        except nats.js.errors.NotFoundError:  # never written, or deleted
             return None
         if entry.value is None or entry.operation in KV_OPS_DELETE:
             return None
@@ -281,7 +281,7 @@ class Bus:
         kv = await self.kv(bucket)
         try:
             await kv.delete(key)
-        except nats.js.errors.KeyNotFoundError:
+        except nats.js.errors.NotFoundError:
             return
 
     async def entries(self, bucket: str, kind: type[T], keys: str = ">") -> dict[str, KVChange[T]]:

@@ -1,0 +1,59 @@
+"""The engines a node reports: built in, configured on purpose, or installed (never found on PATH)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from llmgw_core.config import AgentConfig, ConfiguredEngine
+from llmgw_core.events import EngineState
+
+from .checks import CheckError, check_binary, run_version
+
+LLAMACPP_RPC = ("ggml-rpc-server", "rpc-server")
+
+
+def llmgw_version() -> str:
+    from importlib.metadata import version
+
+    return version("llmgw-core")
+
+
+def check_configured(name: str, engine: ConfiguredEngine) -> EngineState:
+    """Check an engine named in agent.yaml the way an operator would, and say what was seen."""
+    path = Path(engine.path)
+    try:
+        if name == "llamacpp":
+            version = check_binary(path / "llama-server")
+            return EngineState(name=name, state="configured", version=version.text, path=str(path))
+        if name in ("vllm", "sglang"):
+            python = path / "python"
+            out = run_version([str(python), "-c", f"import {name}; print({name}.__version__)"], timeout=120)
+            return EngineState(
+                name=name, state="configured", version=out.strip().splitlines()[-1], path=str(path)
+            )
+    except CheckError as exc:
+        return EngineState(name=name, state="broken", path=str(path), detail=str(exc))
+    return EngineState(
+        name=name,
+        state="failed",
+        path=str(path),
+        detail=f"unknown engine {name!r} in agent.yaml; known: llamacpp, sglang, vllm",
+    )
+
+
+def builtin_sim() -> EngineState:
+    """The simulated engine ships with llmgw: it runs wherever the agent's Python does."""
+    try:
+        run_version([sys.executable, "-m", "llmgw_core.sim", "--help"], timeout=30, env=dict(os.environ))
+    except CheckError as exc:
+        return EngineState(name="sim", state="broken", path=sys.executable, detail=str(exc))
+    return EngineState(name="sim", state="configured", version=llmgw_version(), path=sys.executable)
+
+
+def configured_engines(config: AgentConfig) -> list[EngineState]:
+    states = [builtin_sim()]
+    for name in sorted(config.engines):
+        states.append(check_configured(name, config.engines[name]))
+    return sorted(states, key=lambda s: s.name)

@@ -1,0 +1,40 @@
+"""`server.yaml`: engines, pools, fabrics, catalog, deployments, timing."""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+from llmgw_core.config import NatsConfig
+from llmgw_core.engines import Profile
+from llmgw_core.events import Deployment, EngineSpec
+
+# The llama.cpp build every node gets unless server.yaml says otherwise.
+DEFAULT_ENGINES = (EngineSpec(name="llamacpp", version="b11434", source="github:ggml-org/llama.cpp"),)
+
+
+class FabricConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Node id patterns (fnmatch) of the nodes on this fabric.
+    nodes: tuple[str, ...]
+    # The InfiniBand adapters (mlx5_0, …) that reach this fabric, on every node of it.
+    hcas: tuple[str, ...] = ()
+
+
+class HttpConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 8080
+
+
+class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    nats: NatsConfig = NatsConfig()
+    engines: tuple[EngineSpec, ...] = DEFAULT_ENGINES
+    # Pool name -> node id patterns. A deployment with no pool may use every node.
+    pools: dict[str, tuple[str, ...]] = {}
+    fabrics: dict[str, FabricConfig] = {}
+    catalog: tuple[Profile, ...] = ()
+    deployments: tuple[Deployment, ...] = ()
+    heartbeat_interval_s: float = 1.0
+    node_timeout_s: float = 5.0
+    http: HttpConfig = HttpConfig()
+    # Rendezvous and RPC ports that multi-node replicas get on their nodes.
+    dist_port_range: tuple[int, int] = (30000, 39999)
+    identity: str = ""

@@ -1,0 +1,214 @@
+"""The placement decision: a pure function from the cluster's state to a placement or a refusal.
+
+Same input, same output: every choice ends in a tie-break on node id, so a
+restarted placement (or a test) computes exactly what the last one did.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from llmgw_core.engines import GPUInfo, Profile, validate_profile
+from llmgw_core.events import Deployment, EngineState
+
+from .gpuclass import gpu_class
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What placement knows of one node."""
+
+    node: str
+    alive: bool = True
+    lost_for_s: float = 0.0
+    pools: frozenset[str] = frozenset()
+    fabric: str = ""
+    gpus: tuple[GPUInfo, ...] = ()
+    used_gpus: frozenset[int] = frozenset()
+    engines: Mapping[str, EngineState] = field(default_factory=dict)
+    install: str = ""
+    avx2: bool = True
+    hcas: tuple[str, ...] = ()
+    weights: frozenset[str] = frozenset()
+    mgmt_addr: str = "127.0.0.1"
+    shards: int = 0
+    used_ports: frozenset[int] = frozenset()
+    replicas_of: Mapping[str, int] = field(default_factory=dict)
+
+    def free_gpus(self, cls: str) -> list[GPUInfo]:
+        return [g for g in self.gpus if g.index not in self.used_gpus and gpu_class(g) == cls]
+
+
+@dataclass(frozen=True)
+class Assignment:
+    node: str
+    rank: int
+    gpus: tuple[int, ...]
+    addr: str
+    port: int = 0
+    hcas: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Placement:
+    members: tuple[Assignment, ...]
+    fabric: str = ""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reasons: tuple[tuple[str, str], ...]
+
+    def text(self) -> str:
+        if not self.reasons:
+            return "no nodes known"
+        return "; ".join(f"{node}: {reason}" for node, reason in self.reasons)
+
+
+Decision = Placement | Refusal
+
+
+def gpus_needed(profile: Profile) -> int:
+    return profile.per_node_gpus if profile.gpu_class else 0
+
+
+def unfit(node: NodeView, profile: Profile, deployment: Deployment) -> str | None:
+    """Why `node` cannot take one rank of `profile`, in the node's own words where it gave them."""
+    if not node.alive:
+        return f"lost {int(node.lost_for_s)} s ago"
+    if deployment.pool and deployment.pool not in node.pools:
+        return f"not in pool {deployment.pool}"
+    engine = node.engines.get(profile.engine)
+    if engine is None:
+        return node.install or f"engine {profile.engine} not installed"
+    if not engine.runs:
+        return (
+            f"engine {profile.engine} {engine.state}: {engine.detail}"
+            if engine.detail
+            else (f"engine {profile.engine} {engine.state}")
+        )
+    need = gpus_needed(profile)
+    if profile.gpu_class:
+        classes = sorted({gpu_class(g) for g in node.gpus})
+        if not classes:
+            return f"no GPUs, profile needs {profile.gpu_class}"
+        if profile.gpu_class not in classes:
+            return f"GPU class {', '.join(classes)}, profile needs {profile.gpu_class}"
+        of_class = [g for g in node.gpus if gpu_class(g) == profile.gpu_class]
+        free = node.free_gpus(profile.gpu_class)
+        if len(free) < need:
+            return f"{len(free)} of {len(of_class)} GPUs free, profile needs {need}"
+        problems = validate_profile(profile, choose_gpus(free, need))
+        if problems:
+            return problems[0].split(": ", 1)[1]
+    elif not node.avx2 and profile.engine != "sim":
+        return "no AVX2"
+    if profile.nodes > 1 and not node.fabric:
+        return f"on no fabric; profile needs {profile.nodes} nodes on one fabric"
+    return None
+
+
+def choose_gpus(free: Sequence[GPUInfo], n: int) -> list[GPUInfo]:
+    """The first run of `n` consecutive indices if there is one, else the lowest `n`.
+
+    Contiguous GPUs usually share a PCIe switch or NVLink domain; scattering a
+    tensor-parallel group over the machine costs bandwidth.
+    """
+    ordered = sorted(free, key=lambda g: g.index)
+    for start in range(len(ordered) - n + 1):
+        window = ordered[start : start + n]
+        if window[-1].index - window[0].index == n - 1:
+            return window
+    return ordered[:n]
+
+
+def _score(node: NodeView, profile: Profile, deployment: Deployment) -> tuple[object, ...]:
+    has_weights = profile.model_path in node.weights
+    free_after = len(node.free_gpus(profile.gpu_class)) - gpus_needed(profile) if profile.gpu_class else 0
+    if deployment.strategy == "spread":
+        return (
+            not has_weights,
+            node.replicas_of.get(deployment.name, 0),
+            -free_after,
+            node.shards,
+            node.node,
+        )
+    # binpack: the tightest fit first, keeping whole nodes free for big models.
+    return (not has_weights, free_after, -node.shards, node.node)
+
+
+def _port(nodes: Sequence[NodeView], port_range: tuple[int, int]) -> int:
+    used = set().union(*(n.used_ports for n in nodes))
+    for port in range(port_range[0], port_range[1] + 1):
+        if port not in used:
+            return port
+    raise ValueError(f"no free port in {port_range[0]}-{port_range[1]} on {', '.join(n.node for n in nodes)}")
+
+
+def decide(
+    deployment: Deployment,
+    profile: Profile,
+    nodes: Sequence[NodeView],
+    *,
+    fabric_hcas: Mapping[str, tuple[str, ...]] | None = None,
+    port_range: tuple[int, int] = (30000, 39999),
+) -> Decision:
+    """Where one new replica of `deployment` goes, or every node's reason why nowhere."""
+    reasons: dict[str, str] = {}
+    fit: list[NodeView] = []
+    for node in nodes:
+        why = unfit(node, profile, deployment)
+        if why is None:
+            fit.append(node)
+        else:
+            reasons[node.node] = why
+    need = gpus_needed(profile)
+    if profile.nodes <= 1:
+        if not fit:
+            return Refusal(tuple(sorted(reasons.items())))
+        best = min(fit, key=lambda n: _score(n, profile, deployment))
+        gpus = choose_gpus(best.free_gpus(profile.gpu_class), need) if need else []
+        return Placement(
+            (Assignment(node=best.node, rank=0, gpus=tuple(g.index for g in gpus), addr=best.mgmt_addr),)
+        )
+    by_fabric: dict[str, list[NodeView]] = defaultdict(list)
+    for node in fit:
+        by_fabric[node.fabric].append(node)
+    options: list[tuple[tuple[object, ...], str, list[NodeView]]] = []
+    for fabric, members in sorted(by_fabric.items()):
+        if len(members) < profile.nodes:
+            for node in members:
+                reasons[node.node] = (
+                    f"fabric {fabric} has {len(members)} fitting node{'s' if len(members) != 1 else ''}, "
+                    f"profile needs {profile.nodes}"
+                )
+            continue
+        chosen = sorted(members, key=lambda n: _score(n, profile, deployment))[: profile.nodes]
+        free_after = sum(len(n.free_gpus(profile.gpu_class)) for n in members) - need * profile.nodes
+        key: tuple[object, ...] = (
+            (free_after, fabric) if deployment.strategy == "binpack" else (-free_after, fabric)
+        )
+        options.append((key, fabric, chosen))
+    if not options:
+        return Refusal(tuple(sorted(reasons.items())))
+    _, fabric, chosen = min(options, key=lambda o: o[0])
+    port = _port(chosen, port_range)
+    hcas_of_fabric = (fabric_hcas or {}).get(fabric, ())
+    members_out = []
+    for rank, node in enumerate(chosen):
+        gpus = choose_gpus(node.free_gpus(profile.gpu_class), need) if need else []
+        # Only the chosen fabric's adapters: see NCCL_IB_HCA in llmgw_core.engines.
+        hcas = tuple(h for h in hcas_of_fabric if not node.hcas or h in node.hcas)
+        members_out.append(
+            Assignment(
+                node=node.node,
+                rank=rank,
+                gpus=tuple(g.index for g in gpus),
+                addr=node.mgmt_addr,
+                port=port,
+                hcas=hcas,
+            )
+        )
+    return Placement(tuple(members_out), fabric=fabric)
