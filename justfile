@@ -17,7 +17,7 @@ default:
 
 # Bring up a whole llmgw cluster on this machine (Ctrl-C stops it).
 up *ARGS:
-    uv sync --frozen --no-group engines
+    uv sync --frozen --inexact --no-group engines
     uv run --frozen --no-sync llmgw up {{ARGS}}
 
 # Lint, type-check and run the whole test suite (builds llama.cpp once, then cached).

@@ -104,7 +104,10 @@ async def test_two_rank_llama_cpp_over_rpc_on_loopback(
             shard("node-b", "l-1", p, rank=1, members=members, fabric="loopback"),
         )
         ready = await eventually(lambda: (s := events.last("l-0")) and s.state == "ready" and s, timeout=90)
-        assert events.states("l-1")[-1] == "ready"
+        await eventually(lambda: events.states("l-1")[-1:] == ["ready"], timeout=10)
+        assert "failed" not in events.states("l-0") + events.states("l-1"), [
+            (s.shard, s.state, s.reason) for s in events.items
+        ]
         async with httpx.AsyncClient(base_url=ready.url, timeout=60) as client:
             r = await client.post("/v1/completions", json={"prompt": "hello llama", "max_tokens": 6})
         assert r.status_code == 200

@@ -5,17 +5,31 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import up as up_cmd
+from llmgw_core.errors import LlmgwError
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmgw", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p_up = sub.add_parser("up", help="start a local cluster (NATS, services) until Ctrl-C")
+    p_up = sub.add_parser("up", help="start a local cluster (NATS, placement, one node) until Ctrl-C")
     p_up.add_argument("--data-dir", default=".llmgw", help="where the local cluster keeps its state")
     p_up.add_argument("--port", type=int, default=4222, help="NATS client port")
+    p_up.add_argument("--api-port", type=int, default=8080, help="placement's HTTP API port")
+    p_ctl = sub.add_parser("ctl", help="inspect a running cluster (LLMGW_NATS_URL)")
+    p_ctl.add_argument("--prefix", default="llmgw", help="subject prefix of the cluster")
+    ctl_sub = p_ctl.add_subparsers(dest="ctl", required=True)
+    ctl_sub.add_parser("nodes", help="every node: alive, GPUs, engines, install progress")
+    p_explain = ctl_sub.add_parser("explain", help="why a deployment is placed where it is, or not at all")
+    p_explain.add_argument("deployment")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.command == "up":
-        return up_cmd.run(args.data_dir, args.port)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    try:
+        if args.command == "up":
+            from . import up
+
+            return up.run(args.data_dir, args.port, args.api_port)
+        from . import ctl
+
+        return ctl.run(args)
+    except LlmgwError as exc:
+        print(f"llmgw: {exc}", file=sys.stderr)
+        return 2

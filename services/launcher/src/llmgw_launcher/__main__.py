@@ -20,31 +20,40 @@ from llmgw_core.errors import LlmgwError
 from .service import Launcher
 
 
-async def _main(config: AgentConfig) -> None:
+async def _main(config: AgentConfig, stop_engines: bool) -> None:
     bus = await Bus.connect(config.nats.options(), service=f"launcher-{config.node}")
     async with bus:
         await bus.ensure()
         launcher = Launcher(config, bus)
-        async with anyio.create_task_group() as tg:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with anyio.create_task_group() as tg:
 
-            async def stop_on_signal() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async def stop_on_signal() -> None:
                     async for _ in signals:
                         tg.cancel_scope.cancel()
                         return
 
-            tg.start_soon(stop_on_signal)
-            await tg.start(launcher.run)
+                tg.start_soon(stop_on_signal)
+                await tg.start(launcher.run)
+            if stop_engines:
+                # Still inside the receiver: a second signal cannot cut the
+                # engines' stop short and leave them running.
+                await launcher.stop_all()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="llmgw-launcher", description=__doc__)
     parser.add_argument("--config", required=True, help="agent.yaml")
+    parser.add_argument(
+        "--stop-engines-on-exit",
+        action="store_true",
+        help="stop every engine when the launcher stops (for throwaway local clusters)",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config = load(args.config, AgentConfig)
         telemetry.setup(f"llmgw-launcher/{config.node}")
-        anyio.run(_main, config)
+        anyio.run(_main, config, args.stop_engines_on_exit)
     except LlmgwError as exc:
         print(f"llmgw-launcher: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -162,6 +162,11 @@ class ShardRunner:
                 # Not worth retrying until the spec changes; a changed spec
                 # replaces this runner.
                 await anyio.sleep_forever()
+            if self._owns_port:
+                # The port may be why it failed (another process took it): pick again.
+                self.ctx.release_port(self.port)
+                self.port = 0
+                self._owns_port = False
             delay = min(self.ctx.backoff_cap_s, self.ctx.backoff_s * 2 ** min(self.restarts, 16))
             await anyio.sleep(delay)
             self.restarts += 1

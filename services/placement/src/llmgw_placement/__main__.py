@@ -1,2 +1,55 @@
-def main() -> None:
-    pass
+"""`llmgw-placement --config server.yaml`: the cluster's control plane (one active, others stand by)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import anyio
+
+from llmgw_core import telemetry
+from llmgw_core.bus import Bus
+from llmgw_core.config import load
+from llmgw_core.errors import LlmgwError
+from llmgw_core.httpserver import serve
+
+from .api import Api
+from .config import ServerConfig
+from .service import PlacementService
+
+
+async def _main(config: ServerConfig) -> None:
+    bus = await Bus.connect(config.nats.options(), service="placement")
+    async with bus:
+        await bus.ensure()
+        service = PlacementService(config, bus)
+        async with anyio.create_task_group() as tg:
+
+            async def stop_on_signal() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for _ in signals:
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(stop_on_signal)
+            await tg.start(service.run)
+            port = await tg.start(serve, Api(service).handle, config.http.host, config.http.port)
+            print(f"llmgw-placement: API on http://{config.http.host}:{port}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="llmgw-placement", description=__doc__)
+    parser.add_argument("--config", required=True, help="server.yaml")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load(args.config, ServerConfig)
+        telemetry.setup("llmgw-placement")
+        anyio.run(_main, config)
+    except LlmgwError as exc:
+        print(f"llmgw-placement: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

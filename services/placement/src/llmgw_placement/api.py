@@ -1,0 +1,133 @@
+"""Placement's HTTP API: `/api/nodes`, `/api/deployments`, `/api/replicas`, `/api/explain/<d>`, `/metrics`.
+
+Every placement serves it; a standby answers from the same watched state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import msgspec
+
+from llmgw_core.errors import BusError
+from llmgw_core.events import Deployment
+from llmgw_core.httpserver import Request, Response, json_response, text_response
+
+from .decide import Refusal, decide
+from .service import PlacementService
+
+
+def _builtins(value: Any) -> Any:
+    return msgspec.to_builtins(value)
+
+
+class Api:
+    def __init__(self, service: PlacementService) -> None:
+        self.service = service
+
+    async def handle(self, req: Request) -> Response:
+        path = req.path.rstrip("/")
+        if path == "/api/nodes" and req.method == "GET":
+            return json_response(self.nodes())
+        if path == "/api/deployments":
+            if req.method == "POST":
+                return await self.put_deployment(req)
+            return json_response({k: _builtins(v) for k, v in sorted(self.service.state.deployments.items())})
+        if path == "/api/replicas":
+            controller = self.service.controller
+            replicas = controller.replicas if controller else {}
+            return json_response({k: _builtins(v) for k, v in sorted(replicas.items())})
+        if path.startswith("/api/explain/"):
+            return self.explain(path.removeprefix("/api/explain/"))
+        if path == "/metrics":
+            return text_response(self.metrics(), content_type="text/plain; version=0.0.4")
+        if path in ("", "/healthz"):
+            return json_response({"leader": self.service.is_leader, "identity": self.service.identity})
+        return json_response({"error": f"no route {req.method} {req.path}"}, 404)
+
+    def nodes(self) -> list[dict[str, Any]]:
+        controller = self.service.controller
+        at = anyio.current_time()
+        out = []
+        for status in sorted(self.service.state.nodes.values(), key=lambda s: s.node):
+            alive, since = controller.alive(status.node, at) if controller else (True, 0.0)
+            out.append(
+                {
+                    "node": status.node,
+                    "alive": alive,
+                    "seen_s_ago": round(since, 1),
+                    "gpus": [_builtins(g) for g in status.facts.gpus],
+                    "engines": [_builtins(e) for e in status.engines],
+                    "install": status.install,
+                    "warnings": list(status.warnings),
+                    "probed_at": status.probed_at,
+                }
+            )
+        return out
+
+    def explain(self, name: str) -> Response:
+        dep = self.service.state.deployments.get(name)
+        if dep is None:
+            return json_response({"error": f"no deployment {name!r}"}, 404)
+        profile = self.service.state.catalog.get(dep.profile)
+        controller = self.service.controller
+        last = controller.decisions.get(name) if controller else None
+        body: dict[str, Any] = {"deployment": name, "last_decision": _builtins(last) if last else None}
+        if profile is None:
+            body["now"] = {"outcome": "refused", "reason": f"profile {dep.profile} is not in the catalog"}
+        elif controller is not None:
+            decision = decide(
+                dep,
+                profile,
+                controller.views(anyio.current_time()),
+                port_range=self.service.config.dist_port_range,
+            )
+            if isinstance(decision, Refusal):
+                body["now"] = {
+                    "outcome": "refused",
+                    "reasons": [{"node": n, "reason": r} for n, r in decision.reasons],
+                }
+            else:
+                body["now"] = {
+                    "outcome": "placed",
+                    "members": _builtins(decision.members),
+                    "fabric": decision.fabric,
+                }
+        return json_response(body)
+
+    async def put_deployment(self, req: Request) -> Response:
+        try:
+            dep = msgspec.json.decode(req.body, type=Deployment)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return json_response({"error": f"invalid deployment: {exc}"}, 400)
+        try:
+            await self.service.bus.put(self.service.bus.names.deployments_bucket, dep.name, dep)
+        except BusError as exc:
+            return json_response({"error": str(exc)}, 503)
+        return json_response(_builtins(dep))
+
+    def metrics(self) -> str:
+        controller = self.service.controller
+        replicas = controller.replicas.values() if controller else []
+        lines = [
+            "# HELP llmgw_placement_leader 1 if this placement holds the lease.",
+            "# TYPE llmgw_placement_leader gauge",
+            f"llmgw_placement_leader {int(self.service.is_leader)}",
+            "# HELP llmgw_replicas Replicas by deployment and state.",
+            "# TYPE llmgw_replicas gauge",
+        ]
+        counts: dict[tuple[str, str], int] = {}
+        for r in replicas:
+            counts[(r.deployment, r.state)] = counts.get((r.deployment, r.state), 0) + 1
+        for (dep, state), n in sorted(counts.items()):
+            lines.append(f'llmgw_replicas{{deployment="{dep}",state="{state}"}} {n}')
+        lines += [
+            "# HELP llmgw_nodes Nodes known.",
+            "# TYPE llmgw_nodes gauge",
+            f"llmgw_nodes {len(self.service.state.nodes)}",
+            "# HELP llmgw_bus_decode_errors_total Messages that did not decode.",
+            "# TYPE llmgw_bus_decode_errors_total counter",
+            f"llmgw_bus_decode_errors_total {sum(self.service.bus.decode_errors.values())}",
+        ]
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,383 @@
+"""Keeping every deployment at its replica count: the control loop of the active placement.
+
+Level-triggered: each step reads the current state (nodes, heartbeats, catalog,
+deployments, shard statuses, the replicas and shards this placement wrote)
+and makes the writes that move it one step towards the desired state. A
+restarted placement loads the buckets and, for replicas that are fine,
+writes nothing.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import re
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from llmgw_core.bus import Bus
+from llmgw_core.engines import Member, Profile, ShardSpec
+from llmgw_core.errors import BusError
+from llmgw_core.events import (
+    Deployment,
+    NodeReason,
+    NodeStatus,
+    PlacementDecision,
+    ReplicaRecord,
+    ReplicaState,
+    ReplicaStatus,
+    ShardStatus,
+    now,
+)
+
+from .config import ServerConfig
+from .decide import NodeView, Placement, Refusal, decide
+
+log = logging.getLogger("llmgw.placement")
+
+_REPLICA_NUMBER = re.compile(r"^r(\d+)$")
+
+
+@dataclass
+class ClusterState:
+    """Everything placement reads, kept current by watchers (in every placement, active or not)."""
+
+    nodes: dict[str, NodeStatus]
+    last_seen: dict[str, float]
+    catalog: dict[str, Profile]
+    deployments: dict[str, Deployment]
+    shard_status: dict[str, ShardStatus]
+
+    @classmethod
+    def empty(cls) -> ClusterState:
+        return cls({}, {}, {}, {}, {})
+
+
+class Controller:
+    def __init__(
+        self,
+        config: ServerConfig,
+        bus: Bus,
+        state: ClusterState,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        started_at: float | None = None,
+    ) -> None:
+        self.config = config
+        self.bus = bus
+        self.state = state
+        self.clock = clock
+        self.started_at = clock() if started_at is None else started_at
+        # What this placement wrote: the shards and replicas buckets, in memory.
+        self.shards: dict[str, ShardSpec] = {}
+        self.replicas: dict[str, ReplicaRecord] = {}
+        self.decisions: dict[str, PlacementDecision] = {}
+        self.writes = 0
+
+    # --- loading -----------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Rebuild from the buckets; finish half-written replicas, drop shards no replica owns."""
+        names = self.bus.names
+        shards = await self.bus.entries(names.shards_bucket, ShardSpec)
+        replicas = await self.bus.entries(names.replicas_bucket, ReplicaRecord)
+        self.shards = {k: c.value for k, c in shards.items() if c.value is not None}
+        self.replicas = {k: c.value for k, c in replicas.items() if c.value is not None}
+        owned = {key for r in self.replicas.values() for key in r.shards}
+        for key in sorted(set(self.shards) - owned):
+            log.warning("shard %s belongs to no replica; removing it", key)
+            await self._delete_shard(key)
+
+    # --- node views ------------------------------------------------------------------
+
+    def alive(self, node: str, at: float) -> tuple[bool, float]:
+        seen = self.state.last_seen.get(node)
+        timeout = self.config.node_timeout_s
+        if seen is None:
+            # A placement that just started has heard no heartbeat yet: give
+            # every node one timeout before calling it lost.
+            return at - self.started_at < timeout, at - self.started_at
+        return at - seen < timeout, at - seen
+
+    def views(self, at: float) -> list[NodeView]:
+        used_gpus: dict[str, set[int]] = defaultdict(set)
+        used_ports: dict[str, set[int]] = defaultdict(set)
+        shard_count: Counter[str] = Counter()
+        replicas_of: dict[str, Counter[str]] = defaultdict(Counter)
+        for spec in self.shards.values():
+            used_gpus[spec.node].update(spec.gpus)
+            shard_count[spec.node] += 1
+            replicas_of[spec.node][spec.deployment] += 1
+            if spec.members:
+                used_ports[spec.node].add(spec.members[spec.rank].port)
+        out = []
+        for name in sorted(self.state.nodes):
+            status = self.state.nodes[name]
+            alive, since = self.alive(name, at)
+            facts = status.facts
+            out.append(
+                NodeView(
+                    node=name,
+                    alive=alive,
+                    lost_for_s=since,
+                    pools=frozenset(p for p, pats in self.config.pools.items() if _matches(name, pats)),
+                    fabric=next(
+                        (f for f, fc in sorted(self.config.fabrics.items()) if _matches(name, fc.nodes)), ""
+                    ),
+                    gpus=facts.gpus,
+                    used_gpus=frozenset(used_gpus[name]),
+                    engines={e.name: e for e in status.engines},
+                    install=status.install,
+                    avx2=facts.has_avx2,
+                    hcas=facts.hcas,
+                    weights=frozenset(p for p, fp in facts.weights.items() if fp),
+                    mgmt_addr=facts.mgmt_addr or "127.0.0.1",
+                    shards=shard_count[name],
+                    used_ports=frozenset(used_ports[name]),
+                    replicas_of=dict(replicas_of[name]),
+                )
+            )
+        return out
+
+    # --- the step ---------------------------------------------------------------------
+
+    async def step(self) -> None:
+        at = self.clock()
+        alive = {v.node for v in self.views(at) if v.alive}
+        for key in sorted(self.replicas):
+            record = self.replicas[key]
+            if record.deployment not in self.state.deployments:
+                await self._remove_replica(record, "deployment deleted")
+        for name in sorted(self.state.deployments):
+            await self._converge(self.state.deployments[name], alive)
+
+    async def _converge(self, dep: Deployment, alive: set[str]) -> None:
+        profile = self.state.catalog.get(dep.profile)
+        mine = sorted((r for r in self.replicas.values() if r.deployment == dep.name), key=_replica_order)
+        # Failover: a replica with any rank on a lost node is placed again, whole.
+        for record in mine:
+            lost = sorted({m.node for m in record.members} - alive)
+            if lost:
+                await self._remove_replica(record, f"node {', '.join(lost)} lost", state="failed")
+        mine = [r for r in mine if _key(r) in self.replicas]
+        for record in mine:
+            await self._observe(record)
+        mine = [self.replicas[_key(r)] for r in mine]
+        if profile is None:
+            await self._refuse(dep, "-", f"profile {dep.profile} is not in the catalog")
+            return
+        fp = profile.fingerprint()
+        current = [r for r in mine if r.profile_fp == fp]
+        stale = [r for r in mine if r.profile_fp != fp]
+        in_flight = any(r.state != "ready" for r in current)
+        if stale:
+            # Roll one replica at a time: a new one ready before an old one goes,
+            # where capacity allows; else one old one goes first.
+            if in_flight:
+                return
+            if len(current) + len(stale) > dep.replicas:
+                await self._remove_replica(_pick_to_remove(stale), "replaced by a replica of the new profile")
+            elif not await self._place(dep, profile, fp) and stale:
+                await self._remove_replica(
+                    _pick_to_remove(stale), "replaced in place: no room for a new replica first"
+                )
+            return
+        missing = dep.replicas - len(current)
+        for _ in range(missing):
+            if not await self._place(dep, profile, fp):
+                break
+        for record in sorted(current, key=_replica_order, reverse=True)[: max(0, -missing)]:
+            await self._remove_replica(record, f"scaled down to {dep.replicas}")
+
+    async def _observe(self, record: ReplicaRecord) -> None:
+        """A replica's state from its shards: ready only when every shard is and the leader answered."""
+        statuses = [self.state.shard_status.get(k) for k in record.shards]
+        url = ""
+        state: ReplicaState
+        reason = ""
+        failed = [s for s in statuses if s is not None and s.state == "failed"]
+        if failed:
+            state = "failed" if any(not s.retryable for s in failed) else "degraded"
+            reason = "; ".join(f"{s.node}/{s.shard}: {s.reason}" for s in failed)
+        elif statuses and all(
+            s is not None and s.state == "ready" and s.profile_fp == record.profile_fp for s in statuses
+        ):
+            leader = statuses[0]
+            assert leader is not None
+            url = leader.url
+            state = "ready" if url else "starting"
+        else:
+            state = "starting"
+        if (state, reason, url) != (record.state, record.reason, record.url):
+            await self._save_replica(
+                msgspec.structs.replace(record, state=state, reason=reason, url=url, updated_at=now())
+            )
+
+    # --- writes -------------------------------------------------------------------
+
+    def _next_replica_id(self, dep: str) -> str:
+        numbers = [
+            int(m.group(1))
+            for r in self.replicas.values()
+            if r.deployment == dep
+            if (m := _REPLICA_NUMBER.match(r.replica))
+        ]
+        return f"r{max(numbers, default=-1) + 1}"
+
+    async def _place(self, dep: Deployment, profile: Profile, fp: str) -> bool:
+        views = self.views(self.clock())
+        fabric_hcas = {name: fc.hcas for name, fc in self.config.fabrics.items()}
+        decision = decide(
+            dep, profile, views, fabric_hcas=fabric_hcas, port_range=self.config.dist_port_range
+        )
+        replica = self._next_replica_id(dep.name)
+        if isinstance(decision, Refusal):
+            await self._refuse(dep, replica, decision.text(), decision.reasons)
+            return False
+        await self._commit(dep, profile, fp, replica, decision)
+        return True
+
+    async def _commit(self, dep: Deployment, profile: Profile, fp: str, replica: str, p: Placement) -> None:
+        members = (
+            tuple(Member(node=a.node, addr=a.addr, port=a.port) for a in p.members)
+            if len(p.members) > 1
+            else ()
+        )
+        specs = []
+        for a in p.members:
+            shard = f"{dep.name}-{replica}-{a.rank}"
+            specs.append(
+                ShardSpec(
+                    replica=replica,
+                    shard=shard,
+                    node=a.node,
+                    profile=profile,
+                    rank=a.rank,
+                    gpus=a.gpus,
+                    host=a.addr,
+                    port=0,
+                    members=members,
+                    hcas=a.hcas,
+                    fabric=p.fabric,
+                    pool=dep.pool,
+                    profile_fp=fp,
+                    deployment=dep.name,
+                )
+            )
+        record = ReplicaRecord(
+            deployment=dep.name,
+            replica=replica,
+            profile=profile.name,
+            profile_fp=fp,
+            state="placing",
+            members=tuple(Member(node=a.node, addr=a.addr, port=a.port) for a in p.members),
+            shards=tuple(self.bus.names.shard_key(s.node, s.shard) for s in specs),
+            fabric=p.fabric,
+            pool=dep.pool,
+            created_at=now(),
+            updated_at=now(),
+        )
+        # The record first: a placement that dies here leaves a record whose
+        # shards a successor finishes writing, never shards that nobody owns.
+        await self._save_replica(record)
+        for spec in specs:
+            key = self.bus.names.shard_key(spec.node, spec.shard)
+            self.shards[key] = spec
+            await self.bus.put(self.bus.names.shards_bucket, key, spec)
+            self.writes += 1
+        await self._save_replica(msgspec.structs.replace(record, state="starting", updated_at=now()))
+        decision = PlacementDecision(
+            deployment=dep.name,
+            replica=replica,
+            outcome="placed",
+            nodes=tuple(a.node for a in p.members),
+            at=now(),
+        )
+        self.decisions[dep.name] = decision
+        log.info("placed %s/%s on %s", dep.name, replica, ", ".join(decision.nodes))
+        await self._event(self.bus.names.placement_event(dep.name), decision)
+
+    async def _refuse(
+        self, dep: Deployment, replica: str, text: str, reasons: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        decision = PlacementDecision(
+            deployment=dep.name,
+            replica=replica,
+            outcome="refused",
+            reasons=tuple(NodeReason(node=n, reason=r) for n, r in reasons)
+            or (NodeReason(node="-", reason=text),),
+            at=now(),
+        )
+        previous = self.decisions.get(dep.name)
+        self.decisions[dep.name] = decision
+        if previous is None or previous.outcome != "refused" or previous.reasons != decision.reasons:
+            log.warning("cannot place %s: %s", dep.name, text)
+            await self._event(self.bus.names.placement_event(dep.name), decision)
+
+    async def _remove_replica(
+        self, record: ReplicaRecord, why: str, state: ReplicaState = "stopping"
+    ) -> None:
+        log.info("removing %s/%s: %s", record.deployment, record.replica, why)
+        await self._event(
+            self.bus.names.replica_event(record.deployment, record.replica),
+            ReplicaStatus(
+                deployment=record.deployment, replica=record.replica, state=state, reason=why, at=now()
+            ),
+        )
+        for key in record.shards:
+            await self._delete_shard(key)
+        self.replicas.pop(_key(record), None)
+        await self.bus.delete(self.bus.names.replicas_bucket, _key(record))
+        self.writes += 1
+
+    async def _delete_shard(self, key: str) -> None:
+        self.shards.pop(key, None)
+        await self.bus.delete(self.bus.names.shards_bucket, key)
+        self.writes += 1
+
+    async def _save_replica(self, record: ReplicaRecord) -> None:
+        key = _key(record)
+        previous = self.replicas.get(key)
+        self.replicas[key] = record
+        await self.bus.put(self.bus.names.replicas_bucket, key, record)
+        self.writes += 1
+        if previous is None or previous.state != record.state:
+            await self._event(
+                self.bus.names.replica_event(record.deployment, record.replica),
+                ReplicaStatus(
+                    deployment=record.deployment,
+                    replica=record.replica,
+                    state=record.state,
+                    reason=record.reason,
+                    url=record.url,
+                    at=now(),
+                ),
+            )
+
+    async def _event(self, subject: str, msg: msgspec.Struct) -> None:
+        try:
+            await self.bus.publish(subject, msg)
+        except BusError as exc:
+            log.warning("could not publish to %s: %s", subject, exc)
+
+
+def _key(record: ReplicaRecord) -> str:
+    return f"{record.deployment}.{record.replica}"
+
+
+def _replica_order(record: ReplicaRecord) -> tuple[int, str]:
+    m = _REPLICA_NUMBER.match(record.replica)
+    return (int(m.group(1)) if m else 1 << 30, record.replica)
+
+
+def _pick_to_remove(stale: list[ReplicaRecord]) -> ReplicaRecord:
+    """A replica that is not ready goes before one that serves; then the oldest."""
+    return sorted(stale, key=lambda r: (r.state == "ready", _replica_order(r)))[0]
+
+
+def _matches(node: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(node, p) for p in patterns)

@@ -1,0 +1,139 @@
+"""A cluster of real processes on this machine: placement(s) and per-node installer + launcher."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from llmgw_core.config import AgentConfig
+from llmgw_launcher.records import Records
+from llmgw_placement.config import ServerConfig
+
+
+@dataclass
+class Cluster:
+    root: Path
+    nats_url: str
+    prefix: str
+    node_timeout_s: float = 2.0
+    heartbeat_s: float = 0.3
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def server_config(
+        self, identity: str, catalog: list[dict[str, Any]], deployments: list[dict[str, Any]]
+    ) -> Path:
+        config = msgspec.convert(
+            {
+                "nats": {"url": self.nats_url, "prefix": self.prefix},
+                "engines": [],
+                "catalog": catalog,
+                "deployments": deployments,
+                "heartbeat_interval_s": self.heartbeat_s,
+                "node_timeout_s": self.node_timeout_s,
+                "http": {"host": "127.0.0.1", "port": 0},
+                "identity": identity,
+            },
+            ServerConfig,
+        )
+        path = self.root / f"server-{identity}.yaml"
+        path.write_bytes(msgspec.yaml.encode(config))
+        return path
+
+    def agent_config(self, node: str, gpus: int) -> Path:
+        # Nodes share this machine: each gets its own engine ports.
+        base = 20000 + 100 * (len(list(self.root.glob("agent-*.yaml"))) + 1)
+        config = msgspec.convert(
+            {
+                "port_range": [base, base + 99],
+                "node": node,
+                "state_dir": str(self.root / node),
+                "nats": {"url": self.nats_url, "prefix": self.prefix},
+                "simulate": {"gpu_count": gpus},
+                "heartbeat_interval_s": self.heartbeat_s,
+                "stop_grace_s": 3.0,
+                "restart_backoff_s": 0.3,
+                "health_interval_s": 0.3,
+            },
+            AgentConfig,
+        )
+        path = self.root / f"agent-{node}.yaml"
+        path.write_bytes(msgspec.yaml.encode(config))
+        return path
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        with (self.root / f"{name}.log").open("ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.procs[name] = proc
+        return proc
+
+    def start_placement(
+        self, identity: str, catalog: list[dict[str, Any]], deployments: list[dict[str, Any]]
+    ) -> subprocess.Popen[bytes]:
+        path = self.server_config(identity, catalog, deployments)
+        return self._spawn(
+            f"placement-{identity}", [sys.executable, "-m", "llmgw_placement", "--config", str(path)]
+        )
+
+    def start_node(self, node: str, gpus: int = 1) -> None:
+        path = str(self.agent_config(node, gpus))
+        self._spawn(f"installer-{node}", [sys.executable, "-m", "llmgw_installer", "--config", path])
+        self._spawn(f"launcher-{node}", [sys.executable, "-m", "llmgw_launcher", "--config", path])
+
+    def kill(self, name: str) -> None:
+        proc = self.procs.pop(name)
+        proc.kill()
+        proc.wait()
+
+    def engine_pids(self, node: str) -> list[int]:
+        records, _ = Records(self.root / node).load_all()
+        return sorted(p.pid for r in records.values() for p in r.procs)
+
+    def kill_node(self, node: str) -> None:
+        """kill -9 the node's agents and every engine they started."""
+        self.kill(f"installer-{node}")
+        self.kill(f"launcher-{node}")
+        for pid in self.engine_pids(node):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+    def log(self, name: str) -> str:
+        return (self.root / f"{name}.log").read_text(errors="replace")
+
+    def close(self) -> None:
+        for name in list(self.procs):
+            self.kill(name)
+        for state in self.root.iterdir():
+            if state.is_dir() and (state / "shards").is_dir():
+                for pid in self.engine_pids(state.name):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def cluster(root: Path, nats_url: str, prefix: str) -> Iterator[Cluster]:
+    c = Cluster(root=root, nats_url=nats_url, prefix=prefix)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def sim_catalog(*args: str, name: str = "tiny") -> dict[str, Any]:
+    return {
+        "name": name,
+        "engine": "sim",
+        "model_path": "sim://tiny",
+        "gpu_class": "H100-80G",
+        "tp": 1,
+        "args": ["--load-time", "0.3", *args],
+        "health_timeout_s": 30.0,
+    }

@@ -1,0 +1,162 @@
+"""The whole cluster, end to end: real NATS, real placement, installer and launcher processes, sim engines."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+import msgspec
+import pytest
+
+from llmgw_core.bus import Bus
+from llmgw_core.engines import ShardSpec
+from llmgw_core.events import Deployment, Profile, ReplicaRecord
+from tests.cluster_support import cluster, sim_catalog
+from tests.waiting import eventually
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
+
+
+async def replicas(bus: Bus, deployment: str) -> list[ReplicaRecord]:
+    found = await bus.entries(bus.names.replicas_bucket, ReplicaRecord)
+    return sorted(
+        (c.value for c in found.values() if c.value and c.value.deployment == deployment),
+        key=lambda r: r.replica,
+    )
+
+
+async def ready_replicas(bus: Bus, deployment: str, n: int) -> list[ReplicaRecord]:
+    found = [r for r in await replicas(bus, deployment) if r.state == "ready"]
+    assert len(found) == n, [(r.replica, r.state, r.reason) for r in await replicas(bus, deployment)]
+    return found
+
+
+async def test_two_replicas_go_ready_and_fail_over_when_a_node_dies(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    with cluster(tmp_path, nats_url, prefix) as c:
+        for node in ("node-1", "node-2", "node-3"):
+            c.start_node(node, gpus=1)
+        c.start_placement("p1", [sim_catalog()], [{"name": "chat", "profile": "tiny", "replicas": 2}])
+        ready = await eventually(lambda: ready_replicas(bus, "chat", 2), timeout=60)
+        nodes = sorted(r.members[0].node for r in ready)
+        assert len(set(nodes)) == 2, "one GPU per node: the replicas are on two nodes"
+        async with httpx.AsyncClient(timeout=10) as client:
+            for r in ready:
+                answer = await client.post(
+                    f"{r.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+                )
+                assert answer.status_code == 200
+
+        victim = nodes[0]
+        killed_at = time.monotonic()
+        c.kill_node(victim)
+        after = await eventually(lambda: _ready_elsewhere(bus, victim), timeout=60)
+        failover = time.monotonic() - killed_at
+        print(
+            f"\nfailover: {victim} killed, 2 replicas ready again in {failover:.1f}s "
+            f"(node_timeout {c.node_timeout_s}s)"
+        )
+        survivors = sorted(r.members[0].node for r in after)
+        assert victim not in survivors
+        assert set(survivors) | {victim} == {"node-1", "node-2", "node-3"}
+
+
+async def _ready_elsewhere(bus: Bus, victim: str) -> list[ReplicaRecord]:
+    found = await ready_replicas(bus, "chat", 2)
+    assert all(r.members[0].node != victim for r in found)
+    return found
+
+
+async def test_a_restarted_placement_moves_nothing(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    with cluster(tmp_path, nats_url, prefix) as c:
+        for node in ("node-1", "node-2"):
+            c.start_node(node, gpus=1)
+        c.start_placement("p1", [sim_catalog()], [{"name": "chat", "profile": "tiny", "replicas": 2}])
+        await eventually(lambda: ready_replicas(bus, "chat", 2), timeout=60)
+        before = {k: v.revision for k, v in (await bus.entries(bus.names.shards_bucket, ShardSpec)).items()}
+        c.kill("placement-p1")
+        c.start_placement("p2", [sim_catalog()], [{"name": "chat", "profile": "tiny", "replicas": 2}])
+        # The new placement takes the lease once the old one's stops moving, then runs its loop.
+        await eventually(lambda: "active placement" in c.log("placement-p2"), timeout=30)
+        time_to_settle = c.node_timeout_s * 2
+        deadline = time.monotonic() + time_to_settle
+        while time.monotonic() < deadline:
+            after = {
+                k: v.revision for k, v in (await bus.entries(bus.names.shards_bucket, ShardSpec)).items()
+            }
+            assert after == before, "a restarted placement rewrote or moved shards"
+            await ready_replicas(bus, "chat", 2)
+            await anyio.sleep(0.3)
+
+
+async def test_the_standby_takes_over_and_places_exactly_once(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    with cluster(tmp_path, nats_url, prefix) as c:
+        c.start_node("node-1", gpus=4)
+        c.start_placement("p1", [sim_catalog()], [])
+        await eventually(lambda: "active placement" in c.log("placement-p1"), timeout=30)
+        c.start_placement("p2", [sim_catalog()], [])
+        await eventually(lambda: "API on" in c.log("placement-p2"), timeout=30)
+        assert "active placement" not in c.log("placement-p2")
+        c.kill("placement-p1")
+        await eventually(lambda: "active placement" in c.log("placement-p2"), timeout=30)
+        await bus.put(
+            bus.names.deployments_bucket, "late", Deployment(name="late", profile="tiny", replicas=1)
+        )
+        await eventually(lambda: ready_replicas(bus, "late", 1), timeout=60)
+        shards = await bus.entries(bus.names.shards_bucket, ShardSpec)
+        assert len([k for k in shards if ".late-" in k]) == 1
+        assert len(await replicas(bus, "late")) == 1
+
+
+async def test_a_catalog_change_rolls_replicas_one_at_a_time_never_to_zero_ready(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    from llmgw_core.events import ReplicaStatus, decoder
+
+    ready: set[str] = set()
+    low_water: list[int] = []
+    rolling = False
+
+    async def on_replica(msg: object) -> None:
+        status = decoder(ReplicaStatus).decode(msg.data)  # type: ignore[attr-defined]
+        if status.state == "ready":
+            ready.add(status.replica)
+        else:
+            ready.discard(status.replica)
+        if rolling:
+            low_water.append(len(ready))
+
+    sub = await bus.nc.subscribe(f"{prefix}.events.replica.chat.*", cb=on_replica)
+    try:
+        with cluster(tmp_path, nats_url, prefix) as c:
+            for node in ("node-1", "node-2", "node-3", "node-4"):
+                c.start_node(node, gpus=1)
+            c.start_placement("p1", [sim_catalog()], [{"name": "chat", "profile": "tiny", "replicas": 2}])
+            first = await eventually(lambda: ready_replicas(bus, "chat", 2), timeout=60)
+            await eventually(lambda: len(ready) == 2, timeout=10)
+            rolling = True
+            changed = msgspec.convert(sim_catalog("--tokens-per-second", "100"), Profile)
+            await bus.put(bus.names.catalog_bucket, "tiny", changed)
+            new_fp = changed.fingerprint()
+
+            async def rolled() -> list[ReplicaRecord]:
+                found = await ready_replicas(bus, "chat", 2)
+                assert all(r.profile_fp == new_fp for r in found)
+                assert len(await replicas(bus, "chat")) == 2
+                return found
+
+            after = await eventually(rolled, timeout=90)
+            assert {r.replica for r in after}.isdisjoint({r.replica for r in first})
+            assert low_water, "replica events were seen during the roll"
+            assert min(low_water) >= 1, f"ready replicas during the roll: {low_water}"
+            # One at a time: never more than one replica above the count.
+            assert max(low_water) <= 3
+    finally:
+        await sub.unsubscribe()
