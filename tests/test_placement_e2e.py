@@ -160,3 +160,65 @@ async def test_a_catalog_change_rolls_replicas_one_at_a_time_never_to_zero_ready
             assert max(low_water) <= 3
     finally:
         await sub.unsubscribe()
+
+
+async def test_api_ctl_and_a_refusal_in_the_nodes_own_words(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    import os
+    import re
+    import subprocess
+    import sys
+
+    big = {**sim_catalog(name="big"), "gpu_class": "A100-80G"}
+    with cluster(tmp_path, nats_url, prefix) as c:
+        c.start_node("node-1", gpus=2)
+        c.start_placement(
+            "p1",
+            [sim_catalog(), big],
+            [
+                {"name": "chat", "profile": "tiny", "replicas": 1},
+                {"name": "huge", "profile": "big", "replicas": 1},
+            ],
+        )
+        await eventually(lambda: ready_replicas(bus, "chat", 1), timeout=60)
+        api = await eventually(lambda: re.search(r"API on (http://\S+)", c.log("placement-p1")), timeout=10)
+        async with httpx.AsyncClient(base_url=api.group(1), timeout=10) as client:
+            nodes = (await client.get("/api/nodes")).json()
+            assert [(n["node"], n["alive"], len(n["gpus"])) for n in nodes] == [("node-1", True, 2)]
+            assert [e["name"] for e in nodes[0]["engines"]] == ["sim"]
+            assert set((await client.get("/api/deployments")).json()) == {"chat", "huge"}
+            replicas_api = (await client.get("/api/replicas")).json()
+            assert replicas_api["chat.r0"]["state"] == "ready"
+            explain = (await client.get("/api/explain/huge")).json()
+            assert explain["now"] == {
+                "outcome": "refused",
+                "reasons": [{"node": "node-1", "reason": "GPU class H100-80G, profile needs A100-80G"}],
+            }
+            metrics = (await client.get("/metrics")).text
+            assert 'llmgw_replicas{deployment="chat",state="ready"} 1' in metrics
+            assert "llmgw_placement_leader 1" in metrics
+            assert (await client.get("/api/explain/nope")).status_code == 404
+
+        env = {**os.environ, "LLMGW_NATS_URL": nats_url}
+        ctl = [
+            sys.executable,
+            "-c",
+            "import sys; from llmgw.cli import main; sys.exit(main())",
+            "ctl",
+            "--prefix",
+            prefix,
+        ]
+        explained = subprocess.run(
+            [*ctl, "explain", "huge"], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert explained.returncode == 0, explained.stderr
+        assert explained.stdout.splitlines()[1:] == [
+            "NODE    REASON",
+            "node-1  GPU class H100-80G, profile needs A100-80G",
+        ]
+        listed = subprocess.run([*ctl, "nodes"], capture_output=True, text=True, env=env, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        header, row = listed.stdout.splitlines()
+        assert header.split() == ["NODE", "STATE", "GPUS", "ENGINES", "INSTALL", "WARNINGS"]
+        assert row.startswith("node-1  alive  2x NVIDIA H100 80GB HBM3  sim 0.1.0 (configured)")

@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
-from msgspec import Struct
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
 
 from llmgw_core.config import NatsConfig
-from llmgw_core.engines import Profile
+from llmgw_core.engines import Profile, Token
 from llmgw_core.events import Deployment, EngineSpec
 
 # The llama.cpp build every node gets unless server.yaml says otherwise.
 DEFAULT_ENGINES = (EngineSpec(name="llamacpp", version="b11434", source="github:ggml-org/llama.cpp"),)
+
+
+class ProfileConfig(Profile, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A catalog entry in server.yaml: a typo (`tpp: 2`) is an error here, not a silent default."""
+
+    def wire(self) -> Profile:
+        return Profile(**msgspec.structs.asdict(self))
+
+
+class DeploymentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: Token
+    profile: str
+    replicas: Annotated[int, Meta(ge=0)] = 1
+    pool: str = ""
+    strategy: Literal["binpack", "spread"] = "binpack"
+
+    def wire(self) -> Deployment:
+        return Deployment(**msgspec.structs.asdict(self))
 
 
 class FabricConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -30,8 +51,8 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     # Pool name -> node id patterns. A deployment with no pool may use every node.
     pools: dict[str, tuple[str, ...]] = {}
     fabrics: dict[str, FabricConfig] = {}
-    catalog: tuple[Profile, ...] = ()
-    deployments: tuple[Deployment, ...] = ()
+    catalog: tuple[ProfileConfig, ...] = ()
+    deployments: tuple[DeploymentConfig, ...] = ()
     heartbeat_interval_s: float = 1.0
     node_timeout_s: float = 5.0
     http: HttpConfig = HttpConfig()

@@ -45,9 +45,9 @@ class PlacementService:
         names = self.bus.names
         await self.bus.put(names.config_bucket, "engines", DesiredEngines(engines=self.config.engines))
         for profile in self.config.catalog:
-            await self.bus.put(names.catalog_bucket, profile.name, profile)
+            await self.bus.put(names.catalog_bucket, profile.name, profile.wire())
         for dep in self.config.deployments:
-            await self.bus.put(names.deployments_bucket, dep.name, dep)
+            await self.bus.put(names.deployments_bucket, dep.name, dep.wire())
 
     async def _mirror(self, bucket: str, kind: type[T], target: dict[str, T]) -> None:
         changes: AsyncIterator[KVChange[T]] = self.bus.watch(bucket, kind)
