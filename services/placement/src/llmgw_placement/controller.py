@@ -14,8 +14,8 @@ import logging
 import re
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -35,11 +35,28 @@ from llmgw_core.events import (
 )
 
 from .config import ServerConfig
-from .decide import NodeView, Placement, Refusal, decide
+from .decide import NodeIndex, NodeView, Placement, Refusal, decide
 
 log = logging.getLogger("llmgw.placement")
 
 _REPLICA_NUMBER = re.compile(r"^r(\d+)$")
+
+
+@dataclass
+class Usage:
+    """What the placed shards take on each node."""
+
+    gpus: defaultdict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
+    ports: defaultdict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
+    shards: Counter[str] = field(default_factory=Counter)
+    replicas_of: defaultdict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+
+    def add(self, spec: ShardSpec) -> None:
+        self.gpus[spec.node].update(spec.gpus)
+        self.shards[spec.node] += 1
+        self.replicas_of[spec.node][spec.deployment] += 1
+        if spec.members:
+            self.ports[spec.node].add(spec.members[spec.rank].port)
 
 
 @dataclass
@@ -77,6 +94,9 @@ class Controller:
         self.replicas: dict[str, ReplicaRecord] = {}
         self.decisions: dict[str, PlacementDecision] = {}
         self.writes = 0
+        self._index = NodeIndex()
+        self._step_usage = Usage()
+        self._step_at = 0.0
 
     # --- loading -----------------------------------------------------------------
 
@@ -104,50 +124,51 @@ class Controller:
         return at - seen < timeout, at - seen
 
     def views(self, at: float) -> list[NodeView]:
-        used_gpus: dict[str, set[int]] = defaultdict(set)
-        used_ports: dict[str, set[int]] = defaultdict(set)
-        shard_count: Counter[str] = Counter()
-        replicas_of: dict[str, Counter[str]] = defaultdict(Counter)
-        for spec in self.shards.values():
-            used_gpus[spec.node].update(spec.gpus)
-            shard_count[spec.node] += 1
-            replicas_of[spec.node][spec.deployment] += 1
-            if spec.members:
-                used_ports[spec.node].add(spec.members[spec.rank].port)
-        out = []
-        for name in sorted(self.state.nodes):
-            status = self.state.nodes[name]
-            alive, since = self.alive(name, at)
-            facts = status.facts
-            out.append(
-                NodeView(
-                    node=name,
-                    alive=alive,
-                    lost_for_s=since,
-                    pools=frozenset(p for p, pats in self.config.pools.items() if _matches(name, pats)),
-                    fabric=next(
-                        (f for f, fc in sorted(self.config.fabrics.items()) if _matches(name, fc.nodes)), ""
-                    ),
-                    gpus=facts.gpus,
-                    used_gpus=frozenset(used_gpus[name]),
-                    engines={e.name: e for e in status.engines},
-                    install=status.install,
-                    avx2=facts.has_avx2,
-                    hcas=facts.hcas,
-                    weights=frozenset(p for p, fp in facts.weights.items() if fp),
-                    mgmt_addr=facts.mgmt_addr or "127.0.0.1",
-                    shards=shard_count[name],
-                    used_ports=frozenset(used_ports[name]),
-                    replicas_of=dict(replicas_of[name]),
-                )
-            )
-        return out
+        usage = self._usage(self.shards.values())
+        return [self._view(name, at, usage) for name in sorted(self.state.nodes)]
+
+    @staticmethod
+    def _usage(specs: Iterable[ShardSpec]) -> Usage:
+        usage = Usage()
+        for spec in specs:
+            usage.add(spec)
+        return usage
+
+    def _view(self, name: str, at: float, usage: Usage) -> NodeView:
+        status = self.state.nodes[name]
+        alive, since = self.alive(name, at)
+        facts = status.facts
+        return NodeView(
+            node=name,
+            alive=alive,
+            lost_for_s=since,
+            pools=frozenset(p for p, pats in self.config.pools.items() if _matches(name, pats)),
+            fabric=next((f for f, fc in sorted(self.config.fabrics.items()) if _matches(name, fc.nodes)), ""),
+            gpus=facts.gpus,
+            used_gpus=frozenset(usage.gpus[name]),
+            engines={e.name: e for e in status.engines},
+            install=status.install,
+            avx2=facts.has_avx2,
+            hcas=facts.hcas,
+            weights=frozenset(p for p, fp in facts.weights.items() if fp),
+            mgmt_addr=facts.mgmt_addr or "127.0.0.1",
+            shards=usage.shards[name],
+            used_ports=frozenset(usage.ports[name]),
+            replicas_of=dict(usage.replicas_of[name]),
+        )
+
+    def index(self, at: float) -> NodeIndex:
+        """Every node's view, indexed; kept current through a step as replicas are placed."""
+        self._step_usage = self._usage(self.shards.values())
+        self._step_at = at
+        return NodeIndex([self._view(n, at, self._step_usage) for n in sorted(self.state.nodes)])
 
     # --- the step ---------------------------------------------------------------------
 
     async def step(self) -> None:
         at = self.clock()
-        alive = {v.node for v in self.views(at) if v.alive}
+        self._index = self.index(at)
+        alive = {v.node for v in self._index.all() if v.alive}
         for key in sorted(self.replicas):
             record = self.replicas[key]
             if record.deployment not in self.state.deployments:
@@ -289,6 +310,9 @@ class Controller:
             self.shards[key] = spec
             await self.bus.put(self.bus.names.shards_bucket, key, spec)
             self.writes += 1
+            # Only the chosen nodes' views change: update them in the step's index.
+            self._step_usage.add(spec)
+            self._index.add(self._view(spec.node, self._step_at, self._step_usage))
         await self._save_replica(msgspec.structs.replace(record, state="starting", updated_at=now()))
         decision = PlacementDecision(
             deployment=dep.name,

@@ -40,6 +40,49 @@ class NodeView:
     def free_gpus(self, cls: str) -> list[GPUInfo]:
         return [g for g in self.gpus if g.index not in self.used_gpus and gpu_class(g) == cls]
 
+    @property
+    def classes(self) -> frozenset[str]:
+        return frozenset(gpu_class(g) for g in self.gpus)
+
+
+class NodeIndex:
+    """Node views bucketed by (engine that runs, GPU class), so a placement looks at candidates only.
+
+    A CPU profile (no GPU class) is bucketed under class "". Every node is still
+    kept for refusals, which must name every node and its reason.
+    """
+
+    def __init__(self, views: Sequence[NodeView] = ()) -> None:
+        self.views: dict[str, NodeView] = {}
+        self._buckets: dict[tuple[str, str], set[str]] = defaultdict(set)
+        for view in views:
+            self.add(view)
+
+    def add(self, view: NodeView) -> None:
+        self.remove(view.node)
+        self.views[view.node] = view
+        if not view.alive:
+            return
+        for engine, state in view.engines.items():
+            if state.runs:
+                for cls in (*view.classes, ""):
+                    self._buckets[(engine, cls)].add(view.node)
+
+    def remove(self, node: str) -> None:
+        old = self.views.pop(node, None)
+        if old is None:
+            return
+        for engine in old.engines:
+            for cls in (*old.classes, ""):
+                self._buckets.get((engine, cls), set()).discard(node)
+
+    def candidates(self, profile: Profile) -> list[NodeView]:
+        names = self._buckets.get((profile.engine, profile.gpu_class), set())
+        return [self.views[n] for n in sorted(names)]
+
+    def all(self) -> list[NodeView]:
+        return [self.views[n] for n in sorted(self.views)]
+
 
 @dataclass(frozen=True)
 class Assignment:
@@ -150,12 +193,31 @@ def _port(nodes: Sequence[NodeView], port_range: tuple[int, int]) -> int:
 def decide(
     deployment: Deployment,
     profile: Profile,
-    nodes: Sequence[NodeView],
+    nodes: Sequence[NodeView] | NodeIndex,
     *,
     fabric_hcas: Mapping[str, tuple[str, ...]] | None = None,
     port_range: tuple[int, int] = (30000, 39999),
 ) -> Decision:
-    """Where one new replica of `deployment` goes, or every node's reason why nowhere."""
+    """Where one new replica of `deployment` goes, or every node's reason why nowhere.
+
+    Given a NodeIndex, only the candidates (engine running, GPU class present)
+    are examined unless the replica cannot be placed, when every node's reason
+    is needed anyway.
+    """
+    index = nodes if isinstance(nodes, NodeIndex) else NodeIndex(nodes)
+    decision = _decide(deployment, profile, index.candidates(profile), fabric_hcas, port_range)
+    if isinstance(decision, Placement):
+        return decision
+    return _decide(deployment, profile, index.all(), fabric_hcas, port_range)
+
+
+def _decide(
+    deployment: Deployment,
+    profile: Profile,
+    nodes: Sequence[NodeView],
+    fabric_hcas: Mapping[str, tuple[str, ...]] | None,
+    port_range: tuple[int, int],
+) -> Decision:
     reasons: dict[str, str] = {}
     fit: list[NodeView] = []
     for node in nodes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 from llmgw_core.engines import GPUInfo
@@ -12,6 +13,12 @@ _NAME_MEMORY = re.compile(r"(\d+)\s*GB", re.IGNORECASE)
 
 def gpu_class(gpu: GPUInfo) -> str:
     """`<model>-<memory>G`, e.g. H100-80G, A100-40G, L40S-48G; the memory in whole GiB as marketed."""
+    return _class_of(gpu.name, gpu.memory_mb)
+
+
+@functools.lru_cache(maxsize=4096)
+def _class_of(gpu_name: str, memory_mb: int) -> str:
+    gpu = GPUInfo(index=0, name=gpu_name, memory_mb=memory_mb)
     name = gpu.name.replace("NVIDIA", "").replace("Tesla", "").replace("GeForce", "")
     m = _MODEL.search(name.upper())
     model = m.group(1) if m else name.strip().split()[0] if name.strip() else "GPU"

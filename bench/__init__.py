@@ -1,0 +1,1 @@
+"""llmgw's benchmarks: `just bench` runs them, prints figures and writes BENCHMARKS.md."""
