@@ -52,3 +52,10 @@ def test_defaults_work_on_one_machine() -> None:
     assert config.node_timeout_s == 5.0
     assert config.heartbeat_interval_s == 1.0
     assert [e.name for e in config.engines] == ["llamacpp"]
+
+
+def test_the_example_configs_decode() -> None:
+    root = Path(__file__).parent.parent / "examples"
+    server = load(root / "server.yaml", ServerConfig)
+    assert [d.name for d in server.deployments] == ["chat"]
+    assert load(root / "agent.yaml", AgentConfig).node == "node-1"
