@@ -135,6 +135,10 @@ async def _serve_connection(client: anyio.abc.SocketStream, handler: Handler) ->
                 await _write_response(client, response, keep_alive)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
                 return
+            except Exception:
+                # A streaming body failed half-way: the status line is already
+                # out, so all that is left is to drop the connection.
+                return
             if not keep_alive:
                 return
 

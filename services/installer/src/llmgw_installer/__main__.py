@@ -27,6 +27,7 @@ async def _main(config: AgentConfig, once: bool) -> int:
         await bus.ensure()
         installer = Installer(config, bus)
         if once:
+            await installer.load_desired()
             status = await installer.converge_once()
             sys.stdout.write(msgspec.json.format(msgspec.json.encode(status)).decode() + "\n")
             return 0 if all(e.runs for e in status.engines) else 1

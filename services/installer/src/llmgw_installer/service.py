@@ -1,20 +1,36 @@
-"""The installer service: probe the node, check its engines, report, heartbeat, recheck."""
+"""The installer service: probe the node, converge its engines on the desired list, report, recheck."""
 
 from __future__ import annotations
 
 import logging
+import shutil
+from pathlib import Path
 
 import anyio
 import anyio.abc
+import httpx
 import msgspec
 
 from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig
 from llmgw_core.errors import BusError
-from llmgw_core.events import EngineInventory, EngineState, Heartbeat, NodeFacts, NodeStatus, now
+from llmgw_core.events import (
+    DesiredEngines,
+    EngineInventory,
+    EngineSpec,
+    EngineState,
+    Heartbeat,
+    InstallProgress,
+    NodeFacts,
+    NodeStatus,
+    now,
+)
+from llmgw_core.installed import engines_root
 from llmgw_core.probe import Probe
 
+from . import ospkg
 from .engines import configured_engines
+from .pipeline import Installation, InstallContext, clean_staging
 
 log = logging.getLogger("llmgw.installer")
 
@@ -40,49 +56,160 @@ def warnings_for(facts: NodeFacts) -> tuple[str, ...]:
 
 
 class Installer:
-    def __init__(self, config: AgentConfig, bus: Bus, probe: Probe | None = None) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        bus: Bus,
+        probe: Probe | None = None,
+        *,
+        packages: ospkg.PackageManager | bool | None = True,
+        http_timeout_s: float = 30.0,
+        retry_backoff_s: float = 1.0,
+        version_timeout_s: float = 20.0,
+    ) -> None:
         self.config = config
         self.bus = bus
         self.probe = probe
         self.facts: NodeFacts | None = None
         self.engines: tuple[EngineState, ...] = ()
         self.probed_at = 0.0
+        self.install_words = ""
+        self.desired: tuple[EngineSpec, ...] = ()
+        self.root = engines_root(config.state_dir)
+        self.packages = ospkg.detect() if packages is True else (packages or None)
+        self.http_timeout_s = http_timeout_s
+        self.retry_backoff_s = retry_backoff_s
+        self.version_timeout_s = version_timeout_s
+        self._wake = anyio.Event()
+        self._lock = anyio.Lock()
+
+    # --- reporting ---------------------------------------------------------------
+
+    async def _status(self) -> NodeStatus:
+        assert self.facts is not None
+        status = NodeStatus(
+            node=self.config.node,
+            facts=self.facts,
+            engines=self.engines,
+            probed_at=self.probed_at,
+            install=self.install_words,
+            warnings=warnings_for(self.facts),
+            updated_at=now(),
+        )
+        await self.bus.put(self.bus.names.nodes_bucket, self.config.node, status)
+        return status
+
+    async def _progress(self, progress: InstallProgress) -> None:
+        log.info("%s", progress.message)
+        self.install_words = progress.message if progress.outcome != "done" else ""
+        try:
+            await self.bus.publish(self.bus.names.node_install(self.config.node), progress)
+            await self._status()
+        except BusError as exc:
+            log.warning("could not report install progress: %s", exc)
+
+    # --- converging ----------------------------------------------------------------
 
     async def converge_once(self) -> NodeStatus:
-        """Probe, check every engine, and report; returns what was reported."""
-        facts = await anyio.to_thread.run_sync(node_facts, self.config, self.probe)
-        engines = tuple(await anyio.to_thread.run_sync(configured_engines, self.config))
-        self.probed_at = now()
-        names = self.bus.names
+        """Probe, check and install every engine, and report; returns what was reported."""
+        async with self._lock:
+            return await self._converge()
+
+    async def _converge(self) -> NodeStatus:
         node = self.config.node
+        facts = await anyio.to_thread.run_sync(node_facts, self.config, self.probe)
+        names = self.bus.names
         if facts != self.facts:
             await self.bus.publish(names.node_facts(node), facts)
         self.facts = facts
-        self.engines = engines
+        if self.probed_at == 0.0:
+            removed = await anyio.to_thread.run_sync(clean_staging, self.root)
+            if removed:
+                log.warning("removed the leftovers of an interrupted install: %s", ", ".join(removed))
+        states = list(await anyio.to_thread.run_sync(configured_engines, self.config))
+        configured = {s.name for s in states}
+        pending = [spec for spec in self.desired if spec.name not in configured]
+        self.engines = tuple(
+            sorted(
+                [
+                    *states,
+                    *(EngineState(name=s.name, state="installing", version=s.version) for s in pending),
+                ],
+                key=lambda s: s.name,
+            )
+        )
+        self.probed_at = now()
+        await self._status()
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.http_timeout_s)) as client:
+            ctx = InstallContext(
+                node=node,
+                root=self.root,
+                facts=facts,
+                client=client,
+                report=self._progress,
+                github_api=self.config.github_api,
+                mirror=self.config.mirror,
+                packages=self.packages,
+                allow_os_packages=self.config.allow_os_packages,
+                retry_backoff_s=self.retry_backoff_s,
+                version_timeout_s=self.version_timeout_s,
+            )
+            for spec in pending:
+                state = await Installation(spec, ctx).run()
+                if state.state == "broken":
+                    # Seen broken (an upgrade removed a library, a file was deleted):
+                    # say so, then install it again from scratch.
+                    log.error("engine %s is broken: %s; reinstalling", spec.name, state.detail)
+                    self._set_engine(state)
+                    await self.bus.publish(
+                        names.node_engines(node),
+                        EngineInventory(node=node, probed_at=now(), engines=self.engines),
+                    )
+                    await self._status()
+                    await anyio.to_thread.run_sync(shutil.rmtree, Path(self.root / spec.name / spec.version))
+                    state = await Installation(spec, ctx).run()
+                self._set_engine(state)
+        self.probed_at = now()
         await self.bus.publish(
-            names.node_engines(node), EngineInventory(node=node, probed_at=self.probed_at, engines=engines)
+            names.node_engines(node),
+            EngineInventory(node=node, probed_at=self.probed_at, engines=self.engines),
         )
-        status = NodeStatus(
-            node=node,
-            facts=facts,
-            engines=engines,
-            probed_at=self.probed_at,
-            warnings=warnings_for(facts),
-            updated_at=now(),
-        )
-        await self.bus.put(names.nodes_bucket, node, status)
-        for engine in engines:
+        status = await self._status()
+        for engine in self.engines:
             if not engine.runs:
                 log.warning("engine %s is %s: %s", engine.name, engine.state, engine.detail)
         return status
 
+    def _set_engine(self, state: EngineState) -> None:
+        others = [e for e in self.engines if e.name != state.name]
+        self.engines = tuple(sorted([*others, state], key=lambda s: s.name))
+        if state.state == "failed":
+            self.install_words = f"install failed: {state.detail}"
+
+    # --- the service -----------------------------------------------------------------
+
+    async def load_desired(self) -> None:
+        found = await self.bus.get(self.bus.names.config_bucket, "engines", DesiredEngines)
+        self.desired = found[0].engines if found else ()
+
+    async def _watch_desired(self) -> None:
+        async for change in self.bus.watch(self.bus.names.config_bucket, DesiredEngines, "engines"):
+            desired = change.value.engines if change.value else ()
+            if desired != self.desired:
+                self.desired = desired
+                self._wake.set()
+
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        await self.converge_once()
+        await self.load_desired()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._heartbeat)
+            await self.converge_once()
+            tg.start_soon(self._watch_desired)
             task_status.started()
             while True:
-                await anyio.sleep(self.config.recheck_interval_s)
+                self._wake = anyio.Event()
+                with anyio.move_on_after(self.config.recheck_interval_s):
+                    await self._wake.wait()
                 try:
                     await self.converge_once()
                 except BusError as exc:

@@ -61,6 +61,8 @@ class Context:
     backoff_cap_s: float = 60.0
     health_interval_s: float = 1.0
     environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    # Points an adapter at the build the installer installed, if any.
+    refresh_engine: Callable[[str], None] = lambda _name: None
 
 
 @dataclass
@@ -195,6 +197,7 @@ class ShardRunner:
         return await self._supervise(engine)
 
     def _engine(self) -> tuple[Engine | None, Failure | None]:
+        self.ctx.refresh_engine(self.spec.profile.engine)
         try:
             return self.ctx.registry.get(self.spec.profile.engine), None
         except UnknownEngineError as exc:

