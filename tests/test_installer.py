@@ -439,3 +439,21 @@ async def test_the_real_llama_cpp_build_installs_through_the_same_path(
     assert f"installing: downloading {asset} ({round(archive.stat().st_size / 1_000_000)} MB)" in [
         e.message for e in events
     ]
+
+
+async def test_a_cpu_without_avx2_is_flagged_in_the_node_status(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    from llmgw_core.probe import CommandResult, Probe
+    from llmgw_installer.service import NO_AVX2
+    from tests.test_probe_and_builds import write_root
+
+    probe = Probe(
+        "node-a",
+        root=write_root(tmp_path / "root", flags="fpu sse4_2 avx"),
+        run=lambda argv: CommandResult(127, "", "nvidia-smi: not found"),
+    )
+    status = await converge(agent(tmp_path, nats_url, prefix, ""), bus, probe=probe)
+    assert status.warnings == (NO_AVX2,)
+    assert status.facts.gpus == ()
+    assert [e.name for e in status.engines] == ["sim"]

@@ -112,3 +112,40 @@ async def test_two_rank_llama_cpp_over_rpc_on_loopback(
             r = await client.post("/v1/completions", json={"prompt": "hello llama", "max_tokens": 6})
         assert r.status_code == 200
         assert r.json()["usage"]["completion_tokens"] == 6
+
+
+async def test_the_launcher_runs_the_build_the_installer_installed(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path, llama_bin: str, tiny_model: Path
+) -> None:
+    import os
+
+    from llmgw_core.events import EngineSpec
+    from tests.installer_support import pack
+    from tests.test_installer import agent, converge, engine, release_server, want
+
+    src = Path(llama_bin)
+    files = {
+        p.name: p
+        for p in src.iterdir()
+        if p.is_file()
+        and not p.is_symlink()
+        and (p.name in ("llama-server", "ggml-rpc-server") or ".so" in p.name)
+    }
+    links = {p.name: os.readlink(p) for p in src.iterdir() if p.is_symlink()}
+    archive = pack(tmp_path / "llama-b11434-bin-ubuntu-x64.tar.gz", files, symlinks=links)
+    async with release_server() as rel:
+        rel.tag = "b11434"
+        rel.add_file(archive)
+        await want(bus, EngineSpec(name="llamacpp", version="b11434"))
+        status = await converge(agent(tmp_path, nats_url, prefix, rel.api), bus)
+    assert engine(status)["state"] == "installed"
+    # No llamacpp in the launcher's agent.yaml: it must find the installer's build in the shared state dir.
+    config = agent_config(nats_url, prefix, tmp_path / "state")
+    async with shard_events(bus) as events, running_launcher(config, gpus=[]):
+        await bus.put(bus.names.shards_bucket, "node-a.l1", shard("node-a", "l1", llama_profile(tiny_model)))
+        ready = await eventually(lambda: (s := events.last("l1")) and s.state == "ready" and s, timeout=60)
+        exe = Path(f"/proc/{ready.pids[0]}/exe").resolve()
+        assert exe == Path(engine(status)["path"]) / "llama-server"
+        async with httpx.AsyncClient(base_url=ready.url, timeout=30) as client:
+            r = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+        assert r.json()["usage"]["completion_tokens"] == 4
