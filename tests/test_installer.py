@@ -457,3 +457,72 @@ async def test_a_cpu_without_avx2_is_flagged_in_the_node_status(
     assert status.warnings == (NO_AVX2,)
     assert status.facts.gpus == ()
     assert [e.name for e in status.engines] == ["sim"]
+
+
+async def test_an_air_gapped_mirror_directory_with_sha256sums(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    import hashlib
+
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    archive = pack(mirror / ASSET, {"llama-server": build_server(tmp_path / "b")})
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    (mirror / "SHA256SUMS").write_text(f"{digest}  {ASSET}\n")
+    await want(bus, LLAMA)
+    status = await converge(agent(tmp_path, nats_url, prefix, "http://127.0.0.1:9", mirror=str(mirror)), bus)
+    assert engine(status)["state"] == "installed"
+    (mirror / "SHA256SUMS").write_text(f"{'0' * 64}  {ASSET}\n")
+    status = await converge(
+        agent(tmp_path, nats_url, prefix, "", mirror=str(mirror), state_dir=str(tmp_path / "s2")), bus
+    )
+    assert engine(status)["detail"] == (
+        f"sha256 mismatch for {ASSET}: release says {'0' * 64}, downloaded file is {digest}"
+    )
+
+
+async def test_configured_engines_are_checked_never_taken_from_path(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    llama_dir = tmp_path / "llama"
+    build_server(llama_dir, "semver")
+    env_ok = tmp_path / "vllm-env"
+    (env_ok / "site" / "vllm").mkdir(parents=True)
+    (env_ok / "site" / "vllm" / "__init__.py").write_text('__version__ = "0.11.1"\n')
+    wrapper = env_ok / "python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={env_ok / "site"} exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    env_bad = tmp_path / "sglang-env"
+    env_bad.mkdir()
+    (env_bad / "python").symlink_to(sys.executable)
+    config = agent(
+        tmp_path,
+        nats_url,
+        prefix,
+        "",
+        engines={
+            "llamacpp": {"path": str(llama_dir)},
+            "vllm": {"path": str(env_ok)},
+            "sglang": {"path": str(env_bad)},
+        },
+    )
+    status = await converge(config, bus)
+    assert engine(status, "llamacpp") == {
+        "state": "configured",
+        "version": "0.5.0-dev",
+        "path": str(llama_dir),
+        "detail": "",
+    }
+    assert engine(status, "vllm") == {
+        "state": "configured",
+        "version": "0.11.1",
+        "path": str(env_ok),
+        "detail": "",
+    }
+    bad = engine(status, "sglang")
+    assert bad["state"] == "broken"
+    assert (
+        bad["detail"].startswith(f"{env_bad / 'python'}")
+        or "ModuleNotFoundError: No module named 'sglang'" in bad["detail"]
+    )
+    assert "No module named 'sglang'" in bad["detail"]

@@ -205,3 +205,136 @@ async def test_the_launcher_survives_its_own_sigkill_and_adopts_the_shard(
                 proc.wait()
         for pid in processes_with(f"--model {spec.profile.name}"):
             os.killpg(pid, signal.SIGKILL)
+
+
+async def test_a_shard_whose_health_fails_after_ready_is_failed_and_restarted(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    config = agent_config(nats_url, prefix, tmp_path / "agent")
+    async with shard_events(bus) as events, running_launcher(config):
+        await bus.put(
+            bus.names.shards_bucket,
+            "node-a.s1",
+            shard("node-a", "s1", sim_profile("--fail-health-after", "1")),
+        )
+        failed = await eventually(lambda: [s for s in events.of("s1") if s.state == "failed"], timeout=20)
+        assert failed[0].reason.endswith("/health failed 3 health checks in a row")
+        assert failed[0].reason.startswith("http://127.0.0.1:")
+        await eventually(
+            lambda: (s := events.last("s1")) and s.state == "ready" and s.restarts == 1, timeout=20
+        )
+        assert events.states("s1")[:4] == ["pending", "starting", "loading", "ready"]
+
+
+async def test_a_worker_whose_leader_never_listens_fails_at_the_wait_deadline(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    config = agent_config(nats_url, prefix, tmp_path / "b", node="node-b", wait_timeout_s=1.0)
+    dist = free_port()
+    p = sim_profile(nodes=2, gpus_per_node=1, tp=2)
+    rank1 = shard("node-b", "r0-1", p, rank=1, members=two_rank_members(dist), gpus=[0], fabric="ib-a")
+    async with shard_events(bus) as events, running_launcher(config):
+        await bus.put(bus.names.shards_bucket, "node-b.r0-1", rank1)
+        failed = await eventually(lambda: [s for s in events.of("r0-1") if s.state == "failed"], timeout=10)
+        assert failed[0].reason == (
+            f"sim-worker: waited 1s for 127.0.0.1:{dist} to accept connections; it never did"
+        )
+        assert failed[0].pids == ()
+
+
+class SidecarEngine:
+    """A designed seam: an adapter whose first command is a sidecar that dies."""
+
+    name = "sidecar-test"
+    health_path = "/health"
+    metrics_path = "/metrics"
+
+    def validate(self, profile: object, gpus: object, shard: object = None) -> list[str]:
+        return []
+
+    def serves_http(self, shard: object) -> bool:
+        return True
+
+    def commands(self, shard: object, environ: dict[str, str] | None = None) -> list[object]:
+        from llmgw_core.engines import Command, Sim
+
+        [main] = Sim().commands(shard, environ)  # type: ignore[arg-type]
+        sidecar = Command(
+            name="sidecar",
+            path=sys.executable,
+            args=("-c", "import time, sys; time.sleep(1.5); print('sidecar giving up'); sys.exit(3)"),
+            env=main.env,
+        )
+        return [sidecar, main]
+
+
+async def test_a_sidecar_that_dies_fails_the_shard(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    from llmgw_launcher import Launcher
+    from tests.launcher_support import H100
+
+    config = agent_config(nats_url, prefix, tmp_path / "agent")
+    launcher_bus = await Bus.connect(msgspec.structs.replace(config.nats).options(), service="launcher")
+    await launcher_bus.ensure()
+    launcher = Launcher(config, launcher_bus, gpus=H100)
+    launcher.ctx.registry.add(SidecarEngine())  # type: ignore[arg-type]
+    try:
+        async with shard_events(bus) as events, anyio.create_task_group() as tg:
+            await tg.start(launcher.run)
+            await bus.put(
+                bus.names.shards_bucket,
+                "node-a.s1",
+                shard("node-a", "s1", sim_profile(engine="sidecar-test")),
+            )
+            ready = await eventually(
+                lambda: (s := events.last("s1")) and s.state == "ready" and s, timeout=20
+            )
+            assert len(ready.pids) == 2
+            failed = await eventually(lambda: [s for s in events.of("s1") if s.state == "failed"], timeout=20)
+            assert failed[0].reason == (
+                f"sidecar (pid {ready.pids[0]}) exited with code 3; last log lines:\nsidecar giving up"
+            )
+            assert not pid_alive(ready.pids[1]), "the whole shard goes when its sidecar does"
+            tg.cancel_scope.cancel()
+    finally:
+        await launcher.stop_all()
+        await launcher_bus.close()
+
+
+async def test_a_shard_removed_while_the_launcher_was_down_is_stopped_when_it_returns(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    config = agent_config(nats_url, prefix, tmp_path / "agent")
+    config_path = tmp_path / "agent.yaml"
+    config_path.write_bytes(msgspec.yaml.encode(config))
+    spec = shard("node-a", "orphan", sim_profile())
+
+    def start_launcher() -> subprocess.Popen[bytes]:
+        with (tmp_path / "launcher.log").open("ab") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "llmgw_launcher", "--config", str(config_path)],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
+
+    procs = [start_launcher()]
+    try:
+        async with shard_events(bus) as events:
+            await bus.put(bus.names.shards_bucket, "node-a.orphan", spec)
+            ready = await eventually(
+                lambda: (s := events.last("orphan")) and s.state == "ready" and s, timeout=30
+            )
+            procs[0].kill()
+            procs[0].wait()
+            # The node was declared lost: placement took its shards away.
+            await bus.delete(bus.names.shards_bucket, "node-a.orphan")
+            assert pid_alive(ready.pids[0])
+            procs.append(start_launcher())
+            await eventually(lambda: events.states("orphan")[-1:] == ["stopped"], timeout=30)
+            assert not pid_alive(ready.pids[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=10)

@@ -169,3 +169,24 @@ def test_nvidia_smi_rows_and_versions() -> None:
     assert v is not None
     assert (v.text, v.build, v.commit) == ("0.5.0-dev", "17", "deadbee")
     assert parse_version("nonsense") is None
+
+
+def test_weights_fingerprint_is_cheap_and_changes_with_the_files(tmp_path: Path) -> None:
+    from llmgw_core.probe import weights_fingerprint
+
+    model = tmp_path / "llama-70b"
+    model.mkdir()
+    (model / "model-00001.safetensors").write_bytes(b"x" * 100)
+    first = weights_fingerprint(model)
+    assert len(first) == 16
+    assert weights_fingerprint(model) == first
+    (model / "model-00002.safetensors").write_bytes(b"y")
+    assert weights_fingerprint(model) != first
+    assert weights_fingerprint(tmp_path / "absent") == ""
+    facts = Probe(
+        "n",
+        root=write_root(tmp_path / "root"),
+        run=smi(None),  # type: ignore[arg-type]
+        model_paths=(str(model), str(tmp_path / "absent")),
+    ).facts()
+    assert facts.weights == {str(model): weights_fingerprint(model), str(tmp_path / "absent"): ""}

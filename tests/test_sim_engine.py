@@ -130,3 +130,29 @@ def test_sim_exits_with_the_code_it_was_given() -> None:
         timeout=30,
     )
     assert done.returncode == 7
+
+
+async def test_sim_fails_health_after_the_time_it_was_given() -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmgw_core.sim", "--port", str(port), "--fail-health-after", "0.5"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    codes: list[int] = []
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+
+            async def health() -> bool:
+                try:
+                    codes.append((await client.get("/health")).status_code)
+                except httpx.TransportError:
+                    return False
+                return codes[-1] == 503 and 200 in codes
+
+            await eventually(health, timeout=10)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert codes[0] == 200
+    assert codes[-1] == 503

@@ -102,7 +102,14 @@ class ShardRunner:
         self.spec = spec
         self.ctx = ctx
         self.adopt = adopt
-        self.procs: list[Proc] = []
+        # An adopted shard's processes are known from its record at once, so a
+        # shard that is stopped before it is ever supervised (an orphan) is
+        # still stopped for real.
+        self.procs: list[Proc] = (
+            [Proc(name=p.name, pid=p.pid, start_time=p.start_time, log=Path(p.log)) for p in adopt.procs]
+            if adopt
+            else []
+        )
         self.restarts = adopt.restarts if adopt else 0
         self.port = adopt.port if adopt else 0
         self.state: ShardState = "pending"
@@ -176,9 +183,6 @@ class ShardRunner:
 
     async def _adopt(self, record: ShardRecord) -> Failure:
         self.port = record.port
-        self.procs = [
-            Proc(name=p.name, pid=p.pid, start_time=p.start_time, log=Path(p.log)) for p in record.procs
-        ]
         engine, failure = self._engine()
         if failure is not None or engine is None:
             return failure or Failure("no engine")
