@@ -217,6 +217,15 @@ async def test_api_ctl_and_a_refusal_in_the_nodes_own_words(
             "NODE    REASON",
             "node-1  GPU class H100-80G, profile needs A100-80G",
         ]
+        deployed = subprocess.run(
+            [*ctl, "deploy", "more", "--profile", "tiny", "--replicas", "1"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert deployed.stdout == "deployment more: 1 x tiny requested\n", deployed.stderr
+        await eventually(lambda: ready_replicas(bus, "more", 1), timeout=60)
         listed = subprocess.run([*ctl, "nodes"], capture_output=True, text=True, env=env, timeout=60)
         assert listed.returncode == 0, listed.stderr
         header, row = listed.stdout.splitlines()

@@ -21,14 +21,23 @@ def main(argv: list[str] | None = None) -> int:
     ctl_sub.add_parser("nodes", help="every node: alive, GPUs, engines, install progress")
     p_explain = ctl_sub.add_parser("explain", help="why a deployment is placed where it is, or not at all")
     p_explain.add_argument("deployment")
+    p_deploy = ctl_sub.add_parser("deploy", help="create or change a deployment")
+    p_deploy.add_argument("name")
+    p_deploy.add_argument("--profile", required=True)
+    p_deploy.add_argument("--replicas", type=int, default=1)
+    p_deploy.add_argument("--pool", default="")
+    p_deploy.add_argument("--strategy", choices=["binpack", "spread"], default="binpack")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "up":
             from . import up
 
             return up.run(args.data_dir, args.port, args.api_port)
+        from llmgw_core import telemetry
+
         from . import ctl
 
+        telemetry.setup("llmgw-ctl", level="WARNING")
         return ctl.run(args)
     except LlmgwError as exc:
         print(f"llmgw: {exc}", file=sys.stderr)

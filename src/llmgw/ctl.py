@@ -6,11 +6,16 @@ import argparse
 import time
 
 import anyio
+import msgspec
 import nats.errors
 import nats.js.errors
+from opentelemetry import trace
 
 from llmgw_core.bus import Bus, BusOptions
-from llmgw_core.events import Heartbeat, NodeStatus, PlacementDecision, decoder
+from llmgw_core.events import Deployment, Heartbeat, NodeStatus, PlacementDecision, decoder
+from llmgw_core.telemetry import current_traceparent
+
+tracer = trace.get_tracer("llmgw.ctl")
 
 LISTEN_S = 2.5  # long enough to hear every live node's heartbeat at the default 1 s interval
 
@@ -74,11 +79,32 @@ async def explain(bus: Bus, deployment: str) -> str:
     return f"{deployment} replica {decision.replica}: refused\n" + table(["NODE", "REASON"], rows)
 
 
+async def deploy(bus: Bus, deployment: Deployment) -> Deployment:
+    """Write a deployment; the trace started here follows it through placement and the launchers."""
+    with tracer.start_as_current_span(f"ctl deploy {deployment.name}"):
+        deployment = msgspec.structs.replace(deployment, traceparent=current_traceparent())
+        await bus.put(bus.names.deployments_bucket, deployment.name, deployment)
+    return deployment
+
+
 def run(args: argparse.Namespace) -> int:
     async def main() -> str:
         async with await Bus.connect(BusOptions(prefix=args.prefix), service="llmgw-ctl") as bus:
             if args.ctl == "nodes":
                 return await nodes(bus)
+            if args.ctl == "deploy":
+                dep = msgspec.convert(
+                    {
+                        "name": args.name,
+                        "profile": args.profile,
+                        "replicas": args.replicas,
+                        "pool": args.pool,
+                        "strategy": args.strategy,
+                    },
+                    Deployment,
+                )
+                await deploy(bus, dep)
+                return f"deployment {dep.name}: {dep.replicas} x {dep.profile} requested"
             return await explain(bus, args.deployment)
 
     print(anyio.run(main))

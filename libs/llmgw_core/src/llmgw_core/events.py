@@ -151,6 +151,7 @@ class EngineSpec(Struct, frozen=True, kw_only=True):
 
 class DesiredEngines(Message, frozen=True):
     engines: tuple[EngineSpec, ...] = ()
+    traceparent: str = ""
 
 
 # --- shards -----------------------------------------------------------------
@@ -186,6 +187,7 @@ class Deployment(Message, frozen=True):
     replicas: Annotated[int, Meta(ge=0)] = 1
     pool: str = ""
     strategy: Literal["binpack", "spread"] = "binpack"
+    traceparent: str = ""
 
 
 ReplicaState = Literal["placing", "starting", "ready", "degraded", "failed", "unplaceable", "stopping"]

@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 import os
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 
 class _TraceIdFilter(logging.Filter):
@@ -42,3 +44,20 @@ def setup(service: str, *, level: str | None = None) -> None:
         provider = TracerProvider(resource=Resource.create({"service.name": service}))
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         trace.set_tracer_provider(provider)
+
+
+_propagator = TraceContextTextMapPropagator()
+
+
+def current_traceparent() -> str:
+    """The current span's W3C traceparent, to store in a KV value that headers cannot reach."""
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier)
+    return carrier.get("traceparent", "")
+
+
+def context_from(traceparent: str) -> otel_context.Context:
+    """A context whose parent is `traceparent` (the current one if empty)."""
+    if not traceparent:
+        return otel_context.get_current()
+    return _propagator.extract({"traceparent": traceparent})

@@ -10,6 +10,7 @@ import anyio
 import anyio.abc
 import httpx
 import msgspec
+from opentelemetry import trace
 
 from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig
@@ -27,12 +28,14 @@ from llmgw_core.events import (
 )
 from llmgw_core.installed import engines_root
 from llmgw_core.probe import Probe
+from llmgw_core.telemetry import context_from
 
 from . import ospkg
 from .engines import configured_engines
 from .pipeline import Installation, InstallContext, clean_staging
 
 log = logging.getLogger("llmgw.installer")
+tracer = trace.get_tracer("llmgw.installer")
 
 NO_AVX2 = "no AVX2: CPU inference runs several times slower on this node"
 
@@ -75,6 +78,7 @@ class Installer:
         self.probed_at = 0.0
         self.install_words = ""
         self.desired: tuple[EngineSpec, ...] = ()
+        self.desired_traceparent = ""
         self.root = engines_root(config.state_dir)
         self.packages = ospkg.detect() if packages is True else (packages or None)
         self.http_timeout_s = http_timeout_s
@@ -155,7 +159,7 @@ class Installer:
                 version_timeout_s=self.version_timeout_s,
             )
             for spec in pending:
-                state = await Installation(spec, ctx).run()
+                state = await self._install(spec, ctx)
                 if state.state == "broken":
                     # Seen broken (an upgrade removed a library, a file was deleted):
                     # say so, then install it again from scratch.
@@ -167,7 +171,7 @@ class Installer:
                     )
                     await self._status()
                     await anyio.to_thread.run_sync(shutil.rmtree, Path(self.root / spec.name / spec.version))
-                    state = await Installation(spec, ctx).run()
+                    state = await self._install(spec, ctx)
                 self._set_engine(state)
         self.probed_at = now()
         await self.bus.publish(
@@ -180,6 +184,12 @@ class Installer:
                 log.warning("engine %s is %s: %s", engine.name, engine.state, engine.detail)
         return status
 
+    async def _install(self, spec: EngineSpec, ctx: InstallContext) -> EngineState:
+        with tracer.start_as_current_span(
+            f"install {spec.name} {spec.version}", context=context_from(self.desired_traceparent)
+        ):
+            return await Installation(spec, ctx).run()
+
     def _set_engine(self, state: EngineState) -> None:
         others = [e for e in self.engines if e.name != state.name]
         self.engines = tuple(sorted([*others, state], key=lambda s: s.name))
@@ -191,10 +201,12 @@ class Installer:
     async def load_desired(self) -> None:
         found = await self.bus.get(self.bus.names.config_bucket, "engines", DesiredEngines)
         self.desired = found[0].engines if found else ()
+        self.desired_traceparent = found[0].traceparent if found else ""
 
     async def _watch_desired(self) -> None:
         async for change in self.bus.watch(self.bus.names.config_bucket, DesiredEngines, "engines"):
             desired = change.value.engines if change.value else ()
+            self.desired_traceparent = change.value.traceparent if change.value else ""
             if desired != self.desired:
                 self.desired = desired
                 self._wake.set()

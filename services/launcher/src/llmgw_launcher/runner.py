@@ -20,6 +20,7 @@ from pathlib import Path
 import anyio
 import httpx
 import msgspec
+from opentelemetry import trace
 
 from llmgw_core.engines import (
     Address,
@@ -31,11 +32,13 @@ from llmgw_core.engines import (
     UnknownEngineError,
 )
 from llmgw_core.events import ShardState, ShardStatus, now
+from llmgw_core.telemetry import context_from
 
 from . import procs
 from .records import ProcRecord, Records, ShardRecord
 
 log = logging.getLogger("llmgw.launcher")
+tracer = trace.get_tracer("llmgw.launcher")
 
 # Consecutive failed health checks, after a shard was ready, that fail it.
 HEALTH_FAILURES_TO_FAIL = 3
@@ -217,6 +220,19 @@ class ShardRunner:
         return f"http://{host}:{self.port}"
 
     async def _attempt(self) -> Failure:
+        # The span covers the way to ready (or failure) and joins the trace the
+        # placement started; the supervision that follows is not part of it.
+        with tracer.start_as_current_span(
+            f"start shard {self.key}", context=context_from(self.spec.traceparent)
+        ) as span:
+            span.set_attribute("llmgw.restarts", self.restarts)
+            outcome = await self._start_all()
+        if isinstance(outcome, Failure):
+            return outcome
+        return await self._supervise(outcome)
+
+    async def _start_all(self) -> Failure | Engine:
+        """pending -> starting -> (waiting) -> (loading) -> ready; the engine, or why not."""
         self.procs = []
         await self._set("pending")
         engine, failure = self._engine()
@@ -253,7 +269,7 @@ class ShardRunner:
                 return self._exit_failure(dead)
         await self._set("ready")
         self._save(ready=True)
-        return await self._supervise(engine)
+        return engine
 
     def _start(self, cmd: Command) -> Failure | None:
         log_path = self.ctx.state_dir / "logs" / self.key / f"{len(self.procs)}-{cmd.name}.log"

@@ -9,13 +9,17 @@ from typing import Any
 
 import anyio
 import msgspec
+from opentelemetry import trace
 
 from llmgw_core.errors import BusError
 from llmgw_core.events import Deployment
 from llmgw_core.httpserver import Request, Response, json_response, text_response
+from llmgw_core.telemetry import context_from, current_traceparent
 
 from .decide import Refusal, decide
 from .service import PlacementService
+
+tracer = trace.get_tracer("llmgw.placement.api")
 
 
 def _builtins(value: Any) -> Any:
@@ -101,10 +105,14 @@ class Api:
             dep = msgspec.json.decode(req.body, type=Deployment)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return json_response({"error": f"invalid deployment: {exc}"}, 400)
-        try:
-            await self.service.bus.put(self.service.bus.names.deployments_bucket, dep.name, dep)
-        except BusError as exc:
-            return json_response({"error": str(exc)}, 503)
+        with tracer.start_as_current_span(
+            f"api deploy {dep.name}", context=context_from(req.headers.get("traceparent", ""))
+        ):
+            dep = msgspec.structs.replace(dep, traceparent=current_traceparent())
+            try:
+                await self.service.bus.put(self.service.bus.names.deployments_bucket, dep.name, dep)
+            except BusError as exc:
+                return json_response({"error": str(exc)}, 503)
         return json_response(_builtins(dep))
 
     def metrics(self) -> str:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
+from opentelemetry import trace
 
 from llmgw_core.bus import Bus
 from llmgw_core.engines import Member, Profile, ShardSpec
@@ -33,11 +34,13 @@ from llmgw_core.events import (
     ShardStatus,
     now,
 )
+from llmgw_core.telemetry import context_from, current_traceparent
 
 from .config import ServerConfig
 from .decide import NodeIndex, NodeView, Placement, Refusal, decide
 
 log = logging.getLogger("llmgw.placement")
+tracer = trace.get_tracer("llmgw.placement")
 
 _REPLICA_NUMBER = re.compile(r"^r(\d+)$")
 
@@ -263,6 +266,17 @@ class Controller:
         return True
 
     async def _commit(self, dep: Deployment, profile: Profile, fp: str, replica: str, p: Placement) -> None:
+        # One trace from `ctl deploy` to the engines: the deployment carries its
+        # trace context, this span continues it, and the shard specs carry it on.
+        with tracer.start_as_current_span(
+            f"place {dep.name}/{replica}", context=context_from(dep.traceparent)
+        ):
+            await self._commit_in_span(dep, profile, fp, replica, p)
+
+    async def _commit_in_span(
+        self, dep: Deployment, profile: Profile, fp: str, replica: str, p: Placement
+    ) -> None:
+        traceparent = current_traceparent()
         members = (
             tuple(Member(node=a.node, addr=a.addr, port=a.port) for a in p.members)
             if len(p.members) > 1
@@ -287,6 +301,7 @@ class Controller:
                     pool=dep.pool,
                     profile_fp=fp,
                     deployment=dep.name,
+                    traceparent=traceparent,
                 )
             )
         record = ReplicaRecord(

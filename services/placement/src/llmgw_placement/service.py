@@ -12,17 +12,20 @@ from typing import TypeVar
 import anyio
 import anyio.abc
 import msgspec
+from opentelemetry import trace
 
 from llmgw_core.bus import Bus, KVChange
 from llmgw_core.engines import Profile
 from llmgw_core.errors import BusError
 from llmgw_core.events import Deployment, DesiredEngines, Heartbeat, NodeStatus, ShardStatus
+from llmgw_core.telemetry import current_traceparent
 
 from .config import ServerConfig
 from .controller import ClusterState, Controller
 from .lease import Lease, LeaseLost
 
 log = logging.getLogger("llmgw.placement")
+tracer = trace.get_tracer("llmgw.placement")
 
 T = TypeVar("T", bound=msgspec.Struct)
 
@@ -43,7 +46,12 @@ class PlacementService:
     async def seed(self) -> None:
         """server.yaml's engines, catalog and deployments into their buckets."""
         names = self.bus.names
-        await self.bus.put(names.config_bucket, "engines", DesiredEngines(engines=self.config.engines))
+        with tracer.start_as_current_span("placement: desired engines"):
+            desired = DesiredEngines(engines=self.config.engines, traceparent=current_traceparent())
+            current = await self.bus.get(names.config_bucket, "engines", DesiredEngines)
+            # Rewritten only when the list changes: every installer reconverges on a write.
+            if current is None or current[0].engines != desired.engines:
+                await self.bus.put(names.config_bucket, "engines", desired)
         for profile in self.config.catalog:
             await self.bus.put(names.catalog_bucket, profile.name, profile.wire())
         for dep in self.config.deployments:

@@ -95,6 +95,9 @@ class ShardSpec(Struct, frozen=True, kw_only=True):
     pool: str = ""
     profile_fp: str = ""
     deployment: str = ""
+    # W3C traceparent of the placement that wrote this spec: the launcher's
+    # spans join the trace that began with `ctl deploy`.
+    traceparent: str = ""
 
     @property
     def world(self) -> int:
@@ -118,10 +121,11 @@ class ShardSpec(Struct, frozen=True, kw_only=True):
     def process_view(self) -> ShardSpec:
         """The spec less the fields that do not change any process.
 
-        Pool, fabric name, fingerprint and deployment are bookkeeping: a spec
-        that differs only there is not a reason to restart a running engine.
+        Pool, fabric name, fingerprint, deployment and trace context are
+        bookkeeping: a spec that differs only there is not a reason to restart
+        a running engine.
         """
-        return msgspec.structs.replace(self, pool="", fabric="", profile_fp="", deployment="")
+        return msgspec.structs.replace(self, pool="", fabric="", profile_fp="", deployment="", traceparent="")
 
 
 class Address(Struct, frozen=True):

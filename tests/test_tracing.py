@@ -1,0 +1,93 @@
+"""One trace follows a deployment from `ctl deploy` through placement to the launcher's shard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+from nats.aio.msg import Msg
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from llmgw.ctl import deploy
+from llmgw_core.bus import Bus, BusOptions
+from llmgw_core.events import Deployment
+from llmgw_placement import PlacementService, ServerConfig
+from tests.cluster_support import sim_catalog
+from tests.launcher_support import agent_config, running_launcher, shard_events
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="session")
+def spans() -> InMemorySpanExporter:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    return exporter
+
+
+async def test_one_trace_from_ctl_deploy_to_the_shard(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path, spans: InMemorySpanExporter
+) -> None:
+    spans.clear()
+    config = msgspec.convert(
+        {
+            "nats": {"url": nats_url, "prefix": prefix},
+            "engines": [],
+            "catalog": [sim_catalog()],
+            "heartbeat_interval_s": 0.3,
+            "node_timeout_s": 2.0,
+        },
+        ServerConfig,
+    )
+    placement_bus = await Bus.connect(BusOptions(url=nats_url, prefix=prefix), service="placement")
+    headers: list[str] = []
+
+    async def on_event(msg: Msg) -> None:
+        headers.append((msg.headers or {}).get("traceparent", ""))
+
+    sub = await bus.nc.subscribe(f"{prefix}.events.shard.>", cb=on_event)
+    try:
+        async with anyio.create_task_group() as tg, shard_events(bus) as events:
+            service = PlacementService(config, placement_bus)
+            await tg.start(service.run)
+            async with running_launcher(agent_config(nats_url, prefix, tmp_path / "agent")):
+                # The node must be known to placement: report it like an installer would.
+                from llmgw_installer import Installer
+
+                node = agent_config(nats_url, prefix, tmp_path / "agent", simulate={"gpu_count": 2})
+                installer = Installer(node, bus, packages=None)
+                await installer.converge_once()
+                await bus.publish_core(
+                    bus.names.heartbeat("node-a"),
+                    __import__("llmgw_core.events", fromlist=["Heartbeat"]).Heartbeat(
+                        node="node-a", service="installer", at=0.0
+                    ),
+                )
+                await deploy(bus, Deployment(name="chat", profile="tiny", replicas=1))
+                await eventually(lambda: events.states("chat-r0-0")[-1:] == ["ready"], timeout=30)
+                assert service.controller is not None
+            tg.cancel_scope.cancel()
+    finally:
+        await sub.unsubscribe()
+        await placement_bus.close()
+    by_name = {s.name: s for s in spans.get_finished_spans()}
+    deploy_span = by_name["ctl deploy chat"]
+    place_span = by_name["place chat/r0"]
+    start_span = by_name["start shard node-a.chat-r0-0"]
+    trace_id = deploy_span.context.trace_id
+    assert place_span.context.trace_id == trace_id
+    assert start_span.context.trace_id == trace_id
+    assert place_span.parent is not None
+    assert place_span.parent.span_id == deploy_span.context.span_id
+    assert start_span.parent is not None
+    assert start_span.parent.span_id == place_span.context.span_id
+    # Other systems see it too: the shard events carry the same trace.
+    assert any(h.split("-")[1] == format(trace_id, "032x") for h in headers if h)
