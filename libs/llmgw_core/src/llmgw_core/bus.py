@@ -428,6 +428,7 @@ class Bus:
                         continue
                     await handler(value, msg.subject)
         finally:
+            send.close()
             with anyio.CancelScope(shield=True):
                 with contextlib.suppress(nats.errors.Error, OSError):
                     await sub.unsubscribe()
