@@ -526,3 +526,29 @@ async def test_configured_engines_are_checked_never_taken_from_path(
         or "ModuleNotFoundError: No module named 'sglang'" in bad["detail"]
     )
     assert "No module named 'sglang'" in bad["detail"]
+
+
+async def test_the_installer_serves_prometheus_metrics(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    import httpx
+
+    from tests.test_sim_engine import free_port
+
+    archive = pack(tmp_path / ASSET, {"llama-server": build_server(tmp_path / "b")})
+    port = free_port()
+    async with release_server() as rel:
+        rel.add_file(archive)
+        await want(bus, LLAMA)
+        inst = installer(
+            agent(tmp_path, nats_url, prefix, rel.api, installer_metrics_port=port, recheck_interval_s=600),
+            bus,
+        )
+        async with anyio.create_task_group() as tg:
+            await tg.start(inst.run)
+            async with httpx.AsyncClient() as client:
+                text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+            tg.cancel_scope.cancel()
+    lines = text.splitlines()
+    assert 'llmgw_installer_engine_up{engine="llamacpp",state="installed",version="b1234"} 1' in lines
+    assert "llmgw_installer_installs_failed_total 0" in lines

@@ -338,3 +338,17 @@ async def test_a_shard_removed_while_the_launcher_was_down_is_stopped_when_it_re
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=10)
+
+
+async def test_the_launcher_serves_prometheus_metrics(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    config = agent_config(nats_url, prefix, tmp_path / "agent", launcher_metrics_port=port)
+    async with shard_events(bus) as events, running_launcher(config):
+        await bus.put(bus.names.shards_bucket, "node-a.s1", shard("node-a", "s1", sim_profile()))
+        await eventually(lambda: events.states("s1")[-1:] == ["ready"], timeout=20)
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+    assert 'llmgw_launcher_shards{state="ready"} 1' in text.splitlines()
+    assert "# TYPE llmgw_launcher_restarts gauge" in text

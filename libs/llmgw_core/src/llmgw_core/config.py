@@ -108,6 +108,10 @@ class AgentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
     restart_backoff_s: float = 1.0
     restart_backoff_cap_s: float = 60.0
     health_interval_s: float = 1.0
+    # Prometheus /metrics of each agent on mgmt_addr; 0 turns it off (the default,
+    # so that several simulated nodes can share one machine).
+    installer_metrics_port: int = 0
+    launcher_metrics_port: int = 0
 
     @property
     def state_path(self) -> Path:

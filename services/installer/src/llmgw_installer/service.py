@@ -27,6 +27,7 @@ from llmgw_core.events import (
     now,
 )
 from llmgw_core.installed import engines_root
+from llmgw_core.metrics import Sample, serve_metrics
 from llmgw_core.probe import Probe
 from llmgw_core.telemetry import context_from
 
@@ -79,6 +80,8 @@ class Installer:
         self.install_words = ""
         self.desired: tuple[EngineSpec, ...] = ()
         self.desired_traceparent = ""
+        self.failures = 0
+        self.metrics_port = 0
         self.root = engines_root(config.state_dir)
         self.packages = ospkg.detect() if packages is True else (packages or None)
         self.http_timeout_s = http_timeout_s
@@ -195,6 +198,7 @@ class Installer:
         self.engines = tuple(sorted([*others, state], key=lambda s: s.name))
         if state.state == "failed":
             self.install_words = f"install failed: {state.detail}"
+            self.failures += 1
 
     # --- the service -----------------------------------------------------------------
 
@@ -215,6 +219,10 @@ class Installer:
         await self.load_desired()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._heartbeat)
+            if self.config.installer_metrics_port:
+                self.metrics_port = await tg.start(
+                    serve_metrics, self.metrics, self.config.mgmt_addr, self.config.installer_metrics_port
+                )
             await self.converge_once()
             tg.start_soon(self._watch_desired)
             task_status.started()
@@ -226,6 +234,30 @@ class Installer:
                     await self.converge_once()
                 except BusError as exc:
                     log.warning("recheck could not report: %s", exc)
+
+    def metrics(self) -> list[Sample]:
+        samples = [
+            Sample(
+                "llmgw_installer_engine_up",
+                "gauge",
+                "1 if the engine is installed or configured and runs.",
+                int(e.runs),
+                (("engine", e.name), ("state", e.state), ("version", e.version)),
+            )
+            for e in self.engines
+        ]
+        samples.append(
+            Sample(
+                "llmgw_installer_probed_at_seconds",
+                "gauge",
+                "When this node last probed.",
+                round(self.probed_at, 3),
+            )
+        )
+        samples.append(
+            Sample("llmgw_installer_installs_failed_total", "counter", "Installs that failed.", self.failures)
+        )
+        return samples
 
     async def _heartbeat(self) -> None:
         subject = self.bus.names.heartbeat(self.config.node)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from llmgw_core.engines import GPUInfo, Registry, ShardSpec, default_registry
 from llmgw_core.errors import BusError
 from llmgw_core.events import Heartbeat, ShardStatus, now
 from llmgw_core.installed import installed
+from llmgw_core.metrics import Sample, serve_metrics
 from llmgw_core.probe import Probe
 
 from .reconcile import diff
@@ -79,6 +81,7 @@ class Launcher:
         self.desired: dict[str, ShardSpec] = {}
         self._ports_in_use: set[int] = set()
         self._tg: anyio.abc.TaskGroup | None = None
+        self.metrics_port = 0
         self._lock = anyio.Lock()
         self.ctx = Context(
             node=self.node,
@@ -151,6 +154,10 @@ class Launcher:
             self._tg = tg
             await self.reconcile()
             tg.start_soon(self._heartbeat)
+            if self.config.launcher_metrics_port:
+                self.metrics_port = await tg.start(
+                    serve_metrics, self.metrics, self.config.mgmt_addr, self.config.launcher_metrics_port
+                )
             task_status.started()
             async for change in self.bus.watch(self.bus.names.shards_bucket, ShardSpec, pattern):
                 if change.value is None:
@@ -213,6 +220,30 @@ class Launcher:
         async with self._lock:
             for key in sorted(self.handles):
                 await self._stop(key)
+
+    def metrics(self) -> list[Sample]:
+        states: Counter[str] = Counter(h.runner.state for h in self.handles.values())
+        samples = [
+            Sample("llmgw_launcher_shards", "gauge", "Shards on this node by state.", n, (("state", st),))
+            for st, n in sorted(states.items())
+        ]
+        samples.append(
+            Sample(
+                "llmgw_launcher_restarts",
+                "gauge",
+                "Restarts of the shards now on this node.",
+                sum(h.runner.restarts for h in self.handles.values()),
+            )
+        )
+        samples.append(
+            Sample(
+                "llmgw_bus_decode_errors_total",
+                "counter",
+                "Messages that did not decode.",
+                sum(self.bus.decode_errors.values()),
+            )
+        )
+        return samples
 
     async def _heartbeat(self) -> None:
         subject = self.bus.names.heartbeat(self.node)
