@@ -34,7 +34,9 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         with NatsContainer() as container:
             yield container.nats_uri()
         return
-    server = NatsServer(store_dir=tmp_path_factory.mktemp("nats"))
+    # Every test is a cluster of its own on this server, each reserving its
+    # streams' byte limits: give the reservations room (the data is tiny).
+    server = NatsServer(store_dir=tmp_path_factory.mktemp("nats"), max_store="4T")
     server.start()
     try:
         yield server.url

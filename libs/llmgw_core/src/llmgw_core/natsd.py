@@ -39,12 +39,14 @@ def find_nats_server() -> str:
     )
 
 
-def server_config(store_dir: str, *, host: str, port: int, sync_always: bool) -> str:
+def server_config(store_dir: str, *, host: str, port: int, sync_always: bool, max_store: str = "") -> str:
     # sync_interval: always: an acknowledged write is on disk. The default
     # (fsync every two minutes) lost acknowledged writes in Jepsen's 2025
     # analysis of NATS; control-plane writes are few, so llmgw pays for safety.
     sync = "\n  sync_interval: always" if sync_always else ""
-    return f'host: {host}\nport: {port}\njetstream {{\n  store_dir: "{store_dir}"{sync}\n}}\n'
+    # JetStream reserves every stream's max_bytes against this limit up front.
+    store = f"\n  max_file_store: {max_store}" if max_store else ""
+    return f'host: {host}\nport: {port}\njetstream {{\n  store_dir: "{store_dir}"{sync}{store}\n}}\n'
 
 
 @dataclass
@@ -54,6 +56,8 @@ class NatsServer:
     port: int = -1
     sync_always: bool = True
     log_path: Path | None = None
+    # e.g. "1T": a test server holds one cluster per test, each reserving its streams' limits.
+    max_store: str = ""
     proc: subprocess.Popen[str] | None = field(default=None, init=False)
     _lines: list[str] = field(default_factory=list, init=False)
     _pump: threading.Thread | None = field(default=None, init=False)
@@ -71,6 +75,7 @@ class NatsServer:
                 host=self.host,
                 port=self.port,
                 sync_always=self.sync_always,
+                max_store=self.max_store,
             )
         )
         self._lines = []

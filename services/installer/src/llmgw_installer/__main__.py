@@ -7,7 +7,6 @@ engine is not running (for operators' scripts).
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 import anyio
@@ -17,12 +16,13 @@ from llmgw_core import telemetry
 from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig, load
 from llmgw_core.errors import LlmgwError
+from llmgw_core.lifecycle import cancel_on_signal
 
 from .service import Installer
 
 
 async def _main(config: AgentConfig, once: bool) -> int:
-    bus = await Bus.connect(config.nats.options(), service=f"installer-{config.node}")
+    bus = await Bus.connect(config.nats, service=f"installer-{config.node}")
     async with bus:
         await bus.ensure()
         installer = Installer(config, bus)
@@ -32,14 +32,7 @@ async def _main(config: AgentConfig, once: bool) -> int:
             sys.stdout.write(msgspec.json.format(msgspec.json.encode(status)).decode() + "\n")
             return 0 if all(e.runs for e in status.engines) else 1
         async with anyio.create_task_group() as tg:
-
-            async def stop_on_signal() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for _ in signals:
-                        tg.cancel_scope.cancel()
-                        return
-
-            tg.start_soon(stop_on_signal)
+            tg.start_soon(cancel_on_signal, tg.cancel_scope)
             await tg.start(installer.run)
     return 0
 

@@ -20,7 +20,6 @@ from llmgw_core.events import (
     EngineInventory,
     EngineSpec,
     EngineState,
-    Heartbeat,
     InstallProgress,
     NodeFacts,
     NodeStatus,
@@ -218,7 +217,7 @@ class Installer:
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await self.load_desired()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._heartbeat)
+            tg.start_soon(self.bus.heartbeat, self.config.node, "installer", self.config.heartbeat_interval_s)
             if self.config.installer_metrics_port:
                 self.metrics_port = await tg.start(
                     serve_metrics, self.metrics, self.config.mgmt_addr, self.config.installer_metrics_port
@@ -258,14 +257,3 @@ class Installer:
             Sample("llmgw_installer_installs_failed_total", "counter", "Installs that failed.", self.failures)
         )
         return samples
-
-    async def _heartbeat(self) -> None:
-        subject = self.bus.names.heartbeat(self.config.node)
-        while True:
-            try:
-                await self.bus.publish_core(
-                    subject, Heartbeat(node=self.config.node, service="installer", at=now())
-                )
-            except Exception as exc:  # liveness must never take the installer down
-                log.warning("heartbeat failed: %s", exc)
-            await anyio.sleep(self.config.heartbeat_interval_s)

@@ -21,7 +21,7 @@ from .service import Launcher
 
 
 async def _main(config: AgentConfig, stop_engines: bool) -> None:
-    bus = await Bus.connect(config.nats.options(), service=f"launcher-{config.node}")
+    bus = await Bus.connect(config.nats, service=f"launcher-{config.node}")
     async with bus:
         await bus.ensure()
         launcher = Launcher(config, bus)

@@ -16,7 +16,7 @@ from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig
 from llmgw_core.engines import GPUInfo, Registry, ShardSpec, default_registry
 from llmgw_core.errors import BusError
-from llmgw_core.events import Heartbeat, ShardStatus, now
+from llmgw_core.events import ShardStatus
 from llmgw_core.installed import installed
 from llmgw_core.metrics import Sample, serve_metrics
 from llmgw_core.probe import Probe
@@ -153,7 +153,7 @@ class Launcher:
         async with anyio.create_task_group() as tg:
             self._tg = tg
             await self.reconcile()
-            tg.start_soon(self._heartbeat)
+            tg.start_soon(self.bus.heartbeat, self.config.node, "launcher", self.config.heartbeat_interval_s)
             if self.config.launcher_metrics_port:
                 self.metrics_port = await tg.start(
                     serve_metrics, self.metrics, self.config.mgmt_addr, self.config.launcher_metrics_port
@@ -244,12 +244,3 @@ class Launcher:
             )
         )
         return samples
-
-    async def _heartbeat(self) -> None:
-        subject = self.bus.names.heartbeat(self.node)
-        while True:
-            try:
-                await self.bus.publish_core(subject, Heartbeat(node=self.node, service="launcher", at=now()))
-            except Exception as exc:  # liveness must never take the launcher down
-                log.warning("heartbeat failed: %s", exc)
-            await anyio.sleep(self.config.heartbeat_interval_s)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 import anyio
@@ -13,6 +12,7 @@ from llmgw_core.bus import Bus
 from llmgw_core.config import load
 from llmgw_core.errors import LlmgwError
 from llmgw_core.httpserver import serve
+from llmgw_core.lifecycle import cancel_on_signal
 
 from .api import Api
 from .config import ServerConfig
@@ -20,19 +20,12 @@ from .service import PlacementService
 
 
 async def _main(config: ServerConfig) -> None:
-    bus = await Bus.connect(config.nats.options(), service="placement")
+    bus = await Bus.connect(config.nats, service="placement")
     async with bus:
         await bus.ensure()
         service = PlacementService(config, bus)
         async with anyio.create_task_group() as tg:
-
-            async def stop_on_signal() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for _ in signals:
-                        tg.cancel_scope.cancel()
-                        return
-
-            tg.start_soon(stop_on_signal)
+            tg.start_soon(cancel_on_signal, tg.cancel_scope)
             await tg.start(service.run)
             port = await tg.start(serve, Api(service).handle, config.http.host, config.http.port)
             print(f"llmgw-placement: API on http://{config.http.host}:{port}", flush=True)
