@@ -64,7 +64,7 @@ class BusOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # 1 on one machine, 3 on a NATS cluster.
     replicas: int = 1
     events_max_age_s: float = 7 * 24 * 3600
-    events_max_bytes: int = 1 << 30
+    events_max_bytes: int = 256 << 20
 
     def resolved_url(self) -> str:
         return self.url or os.environ.get("LLMGW_NATS_URL", "") or DEFAULT_URL
@@ -193,7 +193,7 @@ class Bus:
                 subjects=[self.names.dlq_all],
                 storage=api.StorageType.FILE,
                 max_age=o.events_max_age_s,
-                max_bytes=min(o.events_max_bytes, 256 << 20),
+                max_bytes=min(o.events_max_bytes, 64 << 20),
                 num_replicas=o.replicas,
             ),
         )
