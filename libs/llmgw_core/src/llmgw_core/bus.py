@@ -97,6 +97,7 @@ class Bus:
         self.reconnects = 0
         self._kvs: dict[str, KeyValue] = {}
         self._reconnected = anyio.Event()
+        self.closing = False
 
     # --- connection ---------------------------------------------------------
 
@@ -107,6 +108,8 @@ class Bus:
         holder: list[Bus] = []
 
         async def on_disconnect() -> None:
+            if holder and holder[0].closing:
+                return
             log.warning("%s: disconnected from NATS at %s", service, url)
 
         async def on_reconnect() -> None:
@@ -160,6 +163,7 @@ class Bus:
         self._reconnected = anyio.Event()
 
     async def close(self) -> None:
+        self.closing = True
         if not self.nc.is_closed:
             try:
                 await self.nc.drain()
