@@ -170,7 +170,17 @@ async def test_api_ctl_and_a_refusal_in_the_nodes_own_words(
     import subprocess
     import sys
 
+    from llmgw_core.events import ReplicaStatus, decoder
+
     big = {**sim_catalog(name="big"), "gpu_class": "A100-80G"}
+    unplaceable: list[ReplicaStatus] = []
+
+    async def on_replica(msg: object) -> None:
+        status = decoder(ReplicaStatus).decode(msg.data)  # type: ignore[attr-defined]
+        if status.state == "unplaceable":
+            unplaceable.append(status)
+
+    await bus.nc.subscribe(f"{prefix}.events.replica.huge.*", cb=on_replica)
     with cluster(tmp_path, nats_url, prefix) as c:
         c.start_node("node-1", gpus=2)
         c.start_placement(
@@ -199,6 +209,11 @@ async def test_api_ctl_and_a_refusal_in_the_nodes_own_words(
             assert 'llmgw_replicas{deployment="chat",state="ready"} 1' in metrics
             assert "llmgw_placement_leader 1" in metrics
             assert (await client.get("/api/explain/nope")).status_code == 404
+        await eventually(lambda: unplaceable, timeout=10)
+        assert (unplaceable[0].replica, unplaceable[0].reason) == (
+            "r0",
+            "node-1: GPU class H100-80G, profile needs A100-80G",
+        )
 
         env = {**os.environ, "LLMGW_NATS_URL": nats_url}
         ctl = [

@@ -356,6 +356,14 @@ class Controller:
         if previous is None or previous.outcome != "refused" or previous.reasons != decision.reasons:
             log.warning("cannot place %s: %s", dep.name, text)
             await self._event(self.bus.names.placement_event(dep.name), decision)
+            if replica != "-":
+                # The replica that could not be: no record (it holds nothing), but its state is told.
+                await self._event(
+                    self.bus.names.replica_event(dep.name, replica),
+                    ReplicaStatus(
+                        deployment=dep.name, replica=replica, state="unplaceable", reason=text, at=now()
+                    ),
+                )
 
     async def _remove_replica(
         self, record: ReplicaRecord, why: str, state: ReplicaState = "stopping"
