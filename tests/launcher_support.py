@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,3 +148,13 @@ def processes_with(marker: str) -> list[int]:
         if marker in cmdline and pid_alive(int(entry.name)):
             found.append(int(entry.name))
     return found
+
+
+def start_launcher_process(config_path: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    """`llmgw-launcher --config` as its own process, stderr appended to `log_path`."""
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "llmgw_launcher", "--config", str(config_path)],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )

@@ -23,6 +23,7 @@ from tests.launcher_support import (
     shard,
     shard_events,
     sim_profile,
+    start_launcher_process,
     two_rank_members,
 )
 from tests.test_sim_engine import free_port
@@ -166,12 +167,7 @@ async def test_the_launcher_survives_its_own_sigkill_and_adopts_the_shard(
     spec = shard("node-a", "s1", sim_profile("--load-time", "0.2"))
 
     def start_launcher() -> subprocess.Popen[bytes]:
-        with (tmp_path / "launcher.log").open("ab") as log:
-            return subprocess.Popen(
-                [sys.executable, "-m", "llmgw_launcher", "--config", str(config_path)],
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )
+        return start_launcher_process(config_path, tmp_path / "launcher.log")
 
     first = start_launcher()
     second: subprocess.Popen[bytes] | None = None
@@ -311,12 +307,7 @@ async def test_a_shard_removed_while_the_launcher_was_down_is_stopped_when_it_re
     spec = shard("node-a", "orphan", sim_profile())
 
     def start_launcher() -> subprocess.Popen[bytes]:
-        with (tmp_path / "launcher.log").open("ab") as log:
-            return subprocess.Popen(
-                [sys.executable, "-m", "llmgw_launcher", "--config", str(config_path)],
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )
+        return start_launcher_process(config_path, tmp_path / "launcher.log")
 
     procs = [start_launcher()]
     try:

@@ -60,6 +60,19 @@ def _link_inside(member: PurePosixPath, target: str, archive: str, kind: str) ->
         )
 
 
+def _count_size(archive: str, name: str, size: int, total: int, limits: Limits) -> int:
+    """The running total with this member added, or ArchiveError for a member or archive too large."""
+    if size > limits.max_member_bytes:
+        raise ArchiveError(
+            f"{archive}: member {name!r} claims {size} bytes, "
+            f"over the {limits.max_member_bytes}-byte limit; refused"
+        )
+    total += size
+    if total > limits.max_total_bytes:
+        raise ArchiveError(f"{archive}: more than {limits.max_total_bytes} bytes in all; refused")
+    return total
+
+
 def check_tar(tf: tarfile.TarFile, archive: str, limits: Limits) -> list[tarfile.TarInfo]:
     members = []
     total = 0
@@ -89,14 +102,7 @@ def check_tar(tf: tarfile.TarFile, archive: str, limits: Limits) -> list[tarfile
                 raise ArchiveError(
                     f"{archive}: member {m.name!r} is written through symlink {str(parent)!r}; refused"
                 )
-        if m.size > limits.max_member_bytes:
-            raise ArchiveError(
-                f"{archive}: member {m.name!r} claims {m.size} bytes, over the "
-                f"{limits.max_member_bytes}-byte limit; refused"
-            )
-        total += m.size
-        if total > limits.max_total_bytes:
-            raise ArchiveError(f"{archive}: more than {limits.max_total_bytes} bytes in all; refused")
+        total = _count_size(archive, m.name, m.size, total, limits)
         members.append(m)
     return members
 
@@ -155,14 +161,7 @@ def extract_zip(path: Path, dest: Path, limits: Limits = Limits()) -> None:
                 target = zf.read(info).decode("utf-8", "replace")
                 _link_inside(name, target, archive, "symlink")
                 links[str(name)] = target
-            if info.file_size > limits.max_member_bytes:
-                raise ArchiveError(
-                    f"{archive}: member {info.filename!r} claims {info.file_size} bytes, over the "
-                    f"{limits.max_member_bytes}-byte limit; refused"
-                )
-            total += info.file_size
-            if total > limits.max_total_bytes:
-                raise ArchiveError(f"{archive}: more than {limits.max_total_bytes} bytes in all; refused")
+            total = _count_size(archive, info.filename, info.file_size, total, limits)
             plan.append((info, name, mode))
         for info, name, mode in plan:
             target_path = dest.joinpath(*name.parts) if name.parts else dest
