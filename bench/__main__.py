@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import durability, placement
+from bench import durability, fleet, placement
 
 ROOT = Path(__file__).parent.parent
 
@@ -38,7 +38,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("--quick", action="store_true", help="smaller runs (for a smoke check)")
     args = parser.parse_args()
-    sections = [durability.run(quick=args.quick), placement.run(quick=args.quick)]
+    sections = [
+        durability.run(quick=args.quick),
+        placement.run(quick=args.quick),
+        fleet.run(quick=args.quick),
+    ]
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
     ).stdout

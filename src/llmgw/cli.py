@@ -15,6 +15,13 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--data-dir", default=".llmgw", help="where the local cluster keeps its state")
     p_up.add_argument("--port", type=int, default=4222, help="NATS client port")
     p_up.add_argument("--api-port", type=int, default=8080, help="placement's HTTP API port")
+    p_fleet = sub.add_parser(
+        "fleet", help="run thousands of simulated node agents against a cluster (scale tests)"
+    )
+    p_fleet.add_argument("--nodes", type=int, default=1000)
+    p_fleet.add_argument("--gpus", type=int, default=8, help="simulated H100s per node")
+    p_fleet.add_argument("--name", default="sim", help="node ids are <name>-00000, <name>-00001, …")
+    p_fleet.add_argument("--prefix", default="llmgw", help="subject prefix of the cluster")
     p_ctl = sub.add_parser("ctl", help="inspect a running cluster (LLMGW_NATS_URL)")
     p_ctl.add_argument("--prefix", default="llmgw", help="subject prefix of the cluster")
     ctl_sub = p_ctl.add_subparsers(dest="ctl", required=True)
@@ -34,6 +41,12 @@ def main(argv: list[str] | None = None) -> int:
 
             return up.run(args.data_dir, args.port, args.api_port)
         from llmgw_core import telemetry
+
+        if args.command == "fleet":
+            from . import fleet
+
+            telemetry.setup("llmgw-fleet")
+            return fleet.main(args.nodes, args.gpus, args.name, args.prefix)
 
         from . import ctl
 

@@ -61,6 +61,13 @@ class Usage:
         if spec.members:
             self.ports[spec.node].add(spec.members[spec.rank].port)
 
+    def remove(self, spec: ShardSpec) -> None:
+        self.gpus[spec.node].difference_update(spec.gpus)
+        self.shards[spec.node] -= 1
+        self.replicas_of[spec.node][spec.deployment] -= 1
+        if spec.members:
+            self.ports[spec.node].discard(spec.members[spec.rank].port)
+
 
 @dataclass
 class ClusterState:
@@ -71,6 +78,8 @@ class ClusterState:
     catalog: dict[str, Profile]
     deployments: dict[str, Deployment]
     shard_status: dict[str, ShardStatus]
+    # Bumped on every change to `nodes`: the controller rebuilds its index only then.
+    nodes_version: int = 0
 
     @classmethod
     def empty(cls) -> ClusterState:
@@ -98,8 +107,11 @@ class Controller:
         self.decisions: dict[str, PlacementDecision] = {}
         self.writes = 0
         self._index = NodeIndex()
-        self._step_usage = Usage()
+        self._index_signature: tuple[int, frozenset[str]] | None = None
+        self._usage_all = Usage()
         self._step_at = 0.0
+        # The highest replica number used per deployment, so a new id costs nothing to find.
+        self._replica_numbers: dict[str, int] = {}
 
     # --- loading -----------------------------------------------------------------
 
@@ -110,6 +122,7 @@ class Controller:
         replicas = await self.bus.entries(names.replicas_bucket, ReplicaRecord)
         self.shards = {k: c.value for k, c in shards.items() if c.value is not None}
         self.replicas = {k: c.value for k, c in replicas.items() if c.value is not None}
+        self._usage_all = self._usage(self.shards.values())
         owned = {key for r in self.replicas.values() for key in r.shards}
         for key in sorted(set(self.shards) - owned):
             log.warning("shard %s belongs to no replica; removing it", key)
@@ -161,10 +174,19 @@ class Controller:
         )
 
     def index(self, at: float) -> NodeIndex:
-        """Every node's view, indexed; kept current through a step as replicas are placed."""
-        self._step_usage = self._usage(self.shards.values())
+        """Every node's view, indexed: rebuilt when a node's status or liveness changed, otherwise
+        kept current as this placement adds and removes shards, so a step does not cost O(nodes)."""
+        alive = frozenset(n for n in self.state.nodes if self.alive(n, at)[0])
+        signature = (self.state.nodes_version, alive)
+        if signature != self._index_signature:
+            self._index_signature = signature
+            self._index = NodeIndex([self._view(n, at, self._usage_all) for n in sorted(self.state.nodes)])
         self._step_at = at
-        return NodeIndex([self._view(n, at, self._step_usage) for n in sorted(self.state.nodes)])
+        return self._index
+
+    def _reindex(self, node: str) -> None:
+        if node in self.state.nodes:
+            self._index.add(self._view(node, self._step_at, self._usage_all))
 
     # --- the step ---------------------------------------------------------------------
 
@@ -244,20 +266,32 @@ class Controller:
     # --- writes -------------------------------------------------------------------
 
     def _next_replica_id(self, dep: str) -> str:
-        numbers = [
-            int(m.group(1))
-            for r in self.replicas.values()
-            if r.deployment == dep
-            if (m := _REPLICA_NUMBER.match(r.replica))
-        ]
-        return f"r{max(numbers, default=-1) + 1}"
+        if dep not in self._replica_numbers:
+            self._replica_numbers[dep] = max(
+                (
+                    int(m.group(1))
+                    for r in self.replicas.values()
+                    if r.deployment == dep
+                    if (m := _REPLICA_NUMBER.match(r.replica))
+                ),
+                default=-1,
+            )
+        return f"r{self._replica_numbers[dep] + 1}"
 
     async def _place(self, dep: Deployment, profile: Profile, fp: str) -> bool:
-        views = self.views(self.clock())
         fabric_hcas = {name: fc.hcas for name, fc in self.config.fabrics.items()}
         decision = decide(
-            dep, profile, views, fabric_hcas=fabric_hcas, port_range=self.config.dist_port_range
+            dep, profile, self._index, fabric_hcas=fabric_hcas, port_range=self.config.dist_port_range
         )
+        if isinstance(decision, Refusal):
+            # A refusal quotes every node, "lost 12 s ago" included: say it with fresh views.
+            decision = decide(
+                dep,
+                profile,
+                self.views(self.clock()),
+                fabric_hcas=fabric_hcas,
+                port_range=self.config.dist_port_range,
+            )
         replica = self._next_replica_id(dep.name)
         if isinstance(decision, Refusal):
             await self._refuse(dep, replica, decision.text(), decision.reasons)
@@ -317,6 +351,7 @@ class Controller:
             created_at=now(),
             updated_at=now(),
         )
+        self._replica_numbers[dep.name] = int(replica[1:])
         # The record first: a placement that dies here leaves a record whose
         # shards a successor finishes writing, never shards that nobody owns.
         await self._save_replica(record)
@@ -325,9 +360,9 @@ class Controller:
             self.shards[key] = spec
             await self.bus.put(self.bus.names.shards_bucket, key, spec)
             self.writes += 1
-            # Only the chosen nodes' views change: update them in the step's index.
-            self._step_usage.add(spec)
-            self._index.add(self._view(spec.node, self._step_at, self._step_usage))
+            # Only the chosen nodes' views change: update them in the index.
+            self._usage_all.add(spec)
+            self._reindex(spec.node)
         await self._save_replica(msgspec.structs.replace(record, state="starting", updated_at=now()))
         decision = PlacementDecision(
             deployment=dep.name,
@@ -382,7 +417,10 @@ class Controller:
         self.writes += 1
 
     async def _delete_shard(self, key: str) -> None:
-        self.shards.pop(key, None)
+        spec = self.shards.pop(key, None)
+        if spec is not None:
+            self._usage_all.remove(spec)
+            self._reindex(spec.node)
         await self.bus.delete(self.bus.names.shards_bucket, key)
         self.writes += 1
 

@@ -55,26 +55,55 @@ class NodeIndex:
     def __init__(self, views: Sequence[NodeView] = ()) -> None:
         self.views: dict[str, NodeView] = {}
         self._buckets: dict[tuple[str, str], set[str]] = defaultdict(set)
+        # (engine, GPU class) -> free GPUs of that class -> nodes: binpack walks it upwards.
+        self._by_free: dict[tuple[str, str], dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
+        self._by_weights: dict[str, set[str]] = defaultdict(set)
         for view in views:
             self.add(view)
+
+    def _keys(self, view: NodeView) -> list[tuple[tuple[str, str], int]]:
+        if not view.alive:
+            return []
+        return [
+            ((engine, cls), len(view.free_gpus(cls)) if cls else 0)
+            for engine, state in view.engines.items()
+            if state.runs
+            for cls in (*view.classes, "")
+        ]
 
     def add(self, view: NodeView) -> None:
         self.remove(view.node)
         self.views[view.node] = view
-        if not view.alive:
-            return
-        for engine, state in view.engines.items():
-            if state.runs:
-                for cls in (*view.classes, ""):
-                    self._buckets[(engine, cls)].add(view.node)
+        for key, free in self._keys(view):
+            self._buckets[key].add(view.node)
+            self._by_free[key][free].add(view.node)
+        for path in view.weights:
+            self._by_weights[path].add(view.node)
 
     def remove(self, node: str) -> None:
         old = self.views.pop(node, None)
         if old is None:
             return
-        for engine in old.engines:
-            for cls in (*old.classes, ""):
-                self._buckets.get((engine, cls), set()).discard(node)
+        for key, free in self._keys(old):
+            self._buckets[key].discard(node)
+            self._by_free[key][free].discard(node)
+        for path in old.weights:
+            self._by_weights[path].discard(node)
+
+    def is_candidate(self, profile: Profile, node: str) -> bool:
+        return node in self._buckets.get((profile.engine, profile.gpu_class), set())
+
+    def holding(self, path: str) -> list[NodeView]:
+        return [self.views[n] for n in sorted(self._by_weights.get(path, set()))]
+
+    def by_free(self, profile: Profile, at_least: int) -> list[list[NodeView]]:
+        """Candidates grouped by free GPUs of the profile's class, fewest first, from `at_least` up."""
+        buckets = self._by_free.get((profile.engine, profile.gpu_class), {})
+        return [
+            [self.views[n] for n in sorted(buckets[free])]
+            for free in sorted(buckets)
+            if free >= at_least and buckets[free]
+        ]
 
     def candidates(self, profile: Profile) -> list[NodeView]:
         names = self._buckets.get((profile.engine, profile.gpu_class), set())
@@ -205,9 +234,24 @@ def decide(
     is needed anyway.
     """
     index = nodes if isinstance(nodes, NodeIndex) else NodeIndex(nodes)
-    decision = _decide(deployment, profile, index.candidates(profile), fabric_hcas, port_range)
-    if isinstance(decision, Placement):
-        return decision
+    if profile.nodes <= 1 and profile.gpu_class and deployment.strategy == "binpack":
+        # Binpack's order is (holds the weights, fewest GPUs left, ...): look at the
+        # weight holders, then walk the free-GPU buckets upwards; the first bucket
+        # with a fitting node holds the answer, so a big fleet is not scanned.
+        need = gpus_needed(profile)
+        groups = [
+            [v for v in index.holding(profile.model_path) if index.is_candidate(profile, v.node)],
+            *index.by_free(profile, need),
+        ]
+        for group in groups:
+            # In score order, the first node that fits is the best of its group.
+            for view in sorted(group, key=lambda v: _score(v, profile, deployment)):
+                if unfit(view, profile, deployment) is None:
+                    return _decide(deployment, profile, [view], fabric_hcas, port_range)
+    else:
+        decision = _decide(deployment, profile, index.candidates(profile), fabric_hcas, port_range)
+        if isinstance(decision, Placement):
+            return decision
     return _decide(deployment, profile, index.all(), fabric_hcas, port_range)
 
 

@@ -64,6 +64,8 @@ class PlacementService:
                 target.pop(change.key, None)
             else:
                 target[change.key] = change.value
+            if target is self.state.nodes:
+                self.state.nodes_version += 1
             self.wake()
 
     async def _heartbeats(

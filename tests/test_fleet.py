@@ -1,0 +1,61 @@
+"""Placement over a fleet of 200 simulated nodes on the real protocol: binpack really packs."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+
+from llmgw.fleet import Fleet
+from llmgw_core.bus import Bus, BusOptions
+from llmgw_core.events import Deployment, ReplicaRecord
+from llmgw_placement import PlacementService, ServerConfig
+from tests.waiting import eventually
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
+
+
+async def test_a_fleet_of_200_nodes_takes_100_replicas_packed_onto_25(
+    bus: Bus, nats_url: str, prefix: str
+) -> None:
+    options = BusOptions(url=nats_url, prefix=prefix)
+    fleet_bus = await Bus.connect(options, service="fleet")
+    placement_bus = await Bus.connect(options, service="placement")
+    config = msgspec.convert(
+        {
+            "nats": {"url": nats_url, "prefix": prefix},
+            "engines": [],
+            "node_timeout_s": 30.0,
+            "catalog": [
+                {"name": "tp2", "engine": "sim", "model_path": "sim://x", "gpu_class": "H100-80G", "tp": 2}
+            ],
+        },
+        ServerConfig,
+    )
+    fleet = Fleet(fleet_bus, [f"sim-{i:03d}" for i in range(200)], gpus_per_node=8)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(fleet.run)
+            service = PlacementService(config, placement_bus)
+            await tg.start(service.run)
+            await eventually(
+                lambda: service.controller is not None and len(service.state.nodes) == 200, timeout=30
+            )
+            await bus.put(
+                bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp2", replicas=100)
+            )
+
+            async def all_ready() -> list[ReplicaRecord]:
+                found = await bus.entries(bus.names.replicas_bucket, ReplicaRecord)
+                ready = [c.value for c in found.values() if c.value and c.value.state == "ready"]
+                assert len(ready) == 100, len(ready)
+                return ready
+
+            ready = await eventually(all_ready, timeout=120, interval=0.3)
+            tg.cancel_scope.cancel()
+    finally:
+        await fleet_bus.close()
+        await placement_bus.close()
+    nodes = sorted({r.members[0].node for r in ready})
+    assert nodes == [f"sim-{i:03d}" for i in range(25)], "binpack fills whole nodes, in node order"
+    assert len(fleet.ready) == 100
