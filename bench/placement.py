@@ -73,7 +73,7 @@ def run(quick: bool = False) -> str:
         "`python -m bench`: one `decide()` call for a new replica over N nodes (a quarter of them "
         "H100 nodes running vLLM, the profile's engine and class), mean of repeated calls. Baseline: "
         "the same call given a plain list of views, which it must index first (every node examined). "
-        "The controller builds the index once per control step and updates it as replicas are placed.",
+        "The controller keeps its index across control steps and updates it as replicas are placed.",
         "",
         "| nodes | profile | plain list (ms) | prebuilt index (ms) | speed-up |",
         "|---|---|---|---|---|",
