@@ -243,3 +243,35 @@ async def test_api_ctl_and_a_refusal_in_the_nodes_own_words(
         header, row = listed.stdout.splitlines()
         assert header.split() == ["NODE", "STATE", "GPUS", "ENGINES", "INSTALL", "WARNINGS"]
         assert row.startswith("node-1  alive  2x NVIDIA H100 80GB HBM3  sim 0.1.0 (configured)")
+
+
+async def test_a_paused_leader_is_fenced_and_never_places_twice(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    import os
+    import signal
+
+    with cluster(tmp_path, nats_url, prefix) as c:
+        c.start_node("node-1", gpus=4)
+        p1 = c.start_placement("p1", [sim_catalog()], [])
+        await eventually(lambda: "active placement" in c.log("placement-p1"), timeout=30)
+        c.start_placement("p2", [sim_catalog()], [])
+        await eventually(lambda: "API on" in c.log("placement-p2"), timeout=30)
+        # p1 freezes (a GC pause, a stalled VM): p2 takes over once the lease stops moving.
+        os.kill(p1.pid, signal.SIGSTOP)
+        try:
+            await eventually(lambda: "active placement" in c.log("placement-p2"), timeout=30)
+            await bus.put(
+                bus.names.deployments_bucket, "late", Deployment(name="late", profile="tiny", replicas=1)
+            )
+            await eventually(lambda: ready_replicas(bus, "late", 1), timeout=60)
+        finally:
+            os.kill(p1.pid, signal.SIGCONT)
+        # p1 wakes up still believing it leads; its next write is fenced off.
+        await eventually(
+            lambda: "the placement lease was taken by another process" in c.log("placement-p1"), timeout=30
+        )
+        await anyio.sleep(c.node_timeout_s)
+        assert [r.replica for r in await replicas(bus, "late")] == ["r0"]
+        shards = await bus.entries(bus.names.shards_bucket, ShardSpec)
+        assert [k for k in shards if ".late-" in k] == ["node-1.late-r0-0"]

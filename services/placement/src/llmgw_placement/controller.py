@@ -14,7 +14,7 @@ import logging
 import re
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -95,12 +95,16 @@ class Controller:
         *,
         clock: Callable[[], float] = time.monotonic,
         started_at: float | None = None,
+        fence: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.config = config
         self.bus = bus
         self.state = state
         self.clock = clock
         self.started_at = clock() if started_at is None else started_at
+        # Called before every placement or removal: raises if this placement
+        # no longer holds the lease, so a paused ex-leader never writes.
+        self.fence = fence
         # What this placement wrote: the shards and replicas buckets, in memory.
         self.shards: dict[str, ShardSpec] = {}
         self.replicas: dict[str, ReplicaRecord] = {}
@@ -299,7 +303,12 @@ class Controller:
         await self._commit(dep, profile, fp, replica, decision)
         return True
 
+    async def _fenced(self) -> None:
+        if self.fence is not None:
+            await self.fence()
+
     async def _commit(self, dep: Deployment, profile: Profile, fp: str, replica: str, p: Placement) -> None:
+        await self._fenced()
         # One trace from `ctl deploy` to the engines: the deployment carries its
         # trace context, this span continues it, and the shard specs carry it on.
         with tracer.start_as_current_span(
@@ -403,6 +412,7 @@ class Controller:
     async def _remove_replica(
         self, record: ReplicaRecord, why: str, state: ReplicaState = "stopping"
     ) -> None:
+        await self._fenced()
         log.info("removing %s/%s: %s", record.deployment, record.replica, why)
         await self._event(
             self.bus.names.replica_event(record.deployment, record.replica),

@@ -32,6 +32,7 @@ class Lease:
         self.interval = interval
         self.timeout = timeout
         self.revision = 0
+        self._lock = anyio.Lock()
 
     async def _kv(self) -> KeyValue:
         return await self.bus.kv(self.bus.names.leases_bucket)
@@ -72,15 +73,26 @@ class Lease:
                     continue
             await anyio.sleep(self.interval / 2)
 
-    async def hold(self) -> None:
-        """Renew every interval until cancelled; raises LeaseLost if another process took it."""
-        while True:
-            await anyio.sleep(self.interval)
+    async def renew(self) -> None:
+        """Compare-and-set the lease forward; LeaseLost if another process has taken it.
+
+        Placement calls this before every write that places or removes a
+        replica (fencing): a holder that was paused past the timeout finds out
+        here, before it writes, that a standby took over.
+        """
+        async with self._lock:
             kv = await self._kv()
             try:
                 self.revision = int(await kv.update(LEASE_KEY, self.holder.encode(), last=self.revision))
             except nats.js.errors.KeyWrongLastSequenceError as exc:
                 raise LeaseLost(f"{self.holder}: the placement lease was taken by another process") from exc
+
+    async def hold(self) -> None:
+        """Renew every interval until cancelled; raises LeaseLost if another process took it."""
+        while True:
+            await anyio.sleep(self.interval)
+            try:
+                await self.renew()
             except (nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError) as exc:
                 log.warning("%s: lease renewal failed: %s", self.holder, exc)
 

@@ -105,7 +105,9 @@ class PlacementService:
 
     async def _lead(self, lease: Lease) -> None:
         await self.seed()
-        controller = Controller(self.config, self.bus, self.state, clock=anyio.current_time)
+        controller = Controller(
+            self.config, self.bus, self.state, clock=anyio.current_time, fence=lease.renew
+        )
         await controller.load()
         self.controller = controller
         self.is_leader = True
@@ -119,5 +121,8 @@ class PlacementService:
                     await controller.step()
                 except BusError as exc:
                     log.warning("control step failed, retrying: %s", exc)
+                except LeaseLost:
+                    tg.cancel_scope.cancel()
+                    raise
                 with anyio.move_on_after(interval):
                     await self._wake.wait()
