@@ -275,3 +275,44 @@ async def test_a_paused_leader_is_fenced_and_never_places_twice(
         assert [r.replica for r in await replicas(bus, "late")] == ["r0"]
         shards = await bus.entries(bus.names.shards_bucket, ShardSpec)
         assert [k for k in shards if ".late-" in k] == ["node-1.late-r0-0"]
+
+
+async def test_a_catalog_change_that_fits_nowhere_leaves_the_old_replicas_serving(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    with cluster(tmp_path, nats_url, prefix) as c:
+        c.start_node("node-1", gpus=1)
+        c.start_placement("p1", [sim_catalog()], [{"name": "chat", "profile": "tiny", "replicas": 1}])
+        [before] = await eventually(lambda: ready_replicas(bus, "chat", 1), timeout=60)
+        impossible = msgspec.convert({**sim_catalog(), "gpu_class": "A100-80G"}, Profile)
+        await bus.put(bus.names.catalog_bucket, "tiny", impossible)
+        await eventually(
+            lambda: (
+                "cannot place chat: node-1: GPU class H100-80G, profile needs A100-80G"
+                in c.log("placement-p1")
+            ),
+            timeout=30,
+        )
+        await anyio.sleep(c.node_timeout_s)
+        [after] = await ready_replicas(bus, "chat", 1)
+        assert (after.replica, after.profile_fp) == (before.replica, before.profile_fp)
+
+
+async def test_without_room_for_a_new_replica_first_the_roll_is_in_place(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    with cluster(tmp_path, nats_url, prefix) as c:
+        c.start_node("node-1", gpus=1)
+        c.start_placement("p1", [sim_catalog()], [{"name": "chat", "profile": "tiny", "replicas": 1}])
+        [before] = await eventually(lambda: ready_replicas(bus, "chat", 1), timeout=60)
+        changed = msgspec.convert(sim_catalog("--tokens-per-second", "100"), Profile)
+        await bus.put(bus.names.catalog_bucket, "tiny", changed)
+
+        async def rolled() -> ReplicaRecord:
+            [r] = await ready_replicas(bus, "chat", 1)
+            assert r.profile_fp == changed.fingerprint()
+            return r
+
+        after = await eventually(rolled, timeout=60)
+        assert after.replica != before.replica
+        assert "replaced in place: no room for a new replica first" in c.log("placement-p1")

@@ -196,8 +196,7 @@ class Controller:
 
     async def step(self) -> None:
         at = self.clock()
-        self._index = self.index(at)
-        alive = {v.node for v in self._index.all() if v.alive}
+        alive = {v.node for v in self.index(at).all() if v.alive}
         for key in sorted(self.replicas):
             record = self.replicas[key]
             if record.deployment not in self.state.deployments:
@@ -231,10 +230,13 @@ class Controller:
                 return
             if len(current) + len(stale) > dep.replicas:
                 await self._remove_replica(_pick_to_remove(stale), "replaced by a replica of the new profile")
-            elif not await self._place(dep, profile, fp) and stale:
-                await self._remove_replica(
-                    _pick_to_remove(stale), "replaced in place: no room for a new replica first"
-                )
+            elif not await self._place(dep, profile, fp):
+                # No room for a new one first. Only if the new profile fits once
+                # an old replica is gone does that replica go; a profile that fits
+                # nowhere must not take the serving replicas down with it.
+                victim = _pick_to_remove(stale)
+                if self._fits_without(victim, dep, profile):
+                    await self._remove_replica(victim, "replaced in place: no room for a new replica first")
             return
         missing = dep.replicas - len(current)
         for _ in range(missing):
@@ -242,6 +244,16 @@ class Controller:
                 break
         for record in sorted(current, key=_replica_order, reverse=True)[: max(0, -missing)]:
             await self._remove_replica(record, f"scaled down to {dep.replicas}")
+
+    def _fits_without(self, record: ReplicaRecord, dep: Deployment, profile: Profile) -> bool:
+        at = self.clock()
+        usage = self._usage(s for k, s in self.shards.items() if k not in set(record.shards))
+        views = [self._view(n, at, usage) for n in sorted(self.state.nodes)]
+        fabric_hcas = {name: fc.hcas for name, fc in self.config.fabrics.items()}
+        decision = decide(
+            dep, profile, views, fabric_hcas=fabric_hcas, port_range=self.config.dist_port_range
+        )
+        return isinstance(decision, Placement)
 
     async def _observe(self, record: ReplicaRecord) -> None:
         """A replica's state from its shards: ready only when every shard is and the leader answered."""
