@@ -63,6 +63,7 @@ class BusOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     tls_key: str = ""
     # 1 on one machine, 3 on a NATS cluster.
     replicas: int = 1
+    connect_timeout_s: float = 15.0
     events_max_age_s: float = 7 * 24 * 3600
     events_max_bytes: int = 256 << 20
 
@@ -117,7 +118,10 @@ class Bus:
             if holder:
                 holder[0]._on_reconnect()
 
+        errors: list[Exception] = []
+
         async def on_error(exc: Exception) -> None:
+            errors.append(exc)
             log.warning("%s: NATS error: %s", service, exc)
 
         kwargs: dict[str, Any] = {
@@ -145,12 +149,22 @@ class Bus:
             if options.tls_cert:
                 ctx.load_cert_chain(options.tls_cert, options.tls_key or None)
             kwargs["tls"] = ctx
+        nc = Client()
         try:
-            nc = await nats.connect(**kwargs)
-        except (OSError, nats.errors.Error) as exc:
+            # Once connected, a lost server is retried forever; the first
+            # connection is bounded, so a wrong address or password is an error
+            # the operator sees, not a hang.
+            with anyio.fail_after(options.connect_timeout_s):
+                await nc.connect(**kwargs)
+        except (OSError, nats.errors.Error, TimeoutError) as exc:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await nc.close()
+            # The server's own refusal says more than the broken pipe that follows it.
+            refusals = [e for e in errors if "authoriz" in str(e).lower() or "authentic" in str(e).lower()]
+            cause = refusals[0] if refusals else errors[-1] if errors else exc
             raise BusError(
-                f"cannot connect to NATS at {url}: {exc}; is nats-server running? "
-                "Set LLMGW_NATS_URL to its address"
+                f"cannot connect to NATS at {url}: {cause or type(cause).__name__}; is nats-server running, "
+                "and are the credentials right? Set LLMGW_NATS_URL (or nats: url) to its address"
             ) from exc
         bus = cls(nc, options, service)
         holder.append(bus)

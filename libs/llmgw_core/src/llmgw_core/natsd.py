@@ -58,6 +58,8 @@ class NatsServer:
     log_path: Path | None = None
     # e.g. "1T": a test server holds one cluster per test, each reserving its streams' limits.
     max_store: str = ""
+    # More nats-server configuration (tls {…}, authorization {…}), appended as is.
+    extra_config: str = ""
     proc: subprocess.Popen[str] | None = field(default=None, init=False)
     _lines: list[str] = field(default_factory=list, init=False)
     _pump: threading.Thread | None = field(default=None, init=False)
@@ -77,6 +79,7 @@ class NatsServer:
                 sync_always=self.sync_always,
                 max_store=self.max_store,
             )
+            + self.extra_config
         )
         self._lines = []
         self.proc = subprocess.Popen(
