@@ -256,20 +256,3 @@ def decoder(kind: type[T]) -> msgspec.json.Decoder[T]:
         found = msgspec.json.Decoder(kind)
         _decoders[kind] = found
     return found  # type: ignore[return-value]
-
-
-ALL_TYPES: tuple[type[Struct], ...] = (
-    NodeFacts,
-    EngineInventory,
-    InstallProgress,
-    NodeStatus,
-    Heartbeat,
-    DesiredEngines,
-    ShardSpec,
-    ShardStatus,
-    Profile,
-    Deployment,
-    ReplicaRecord,
-    ReplicaStatus,
-    PlacementDecision,
-)

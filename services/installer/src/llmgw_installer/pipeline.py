@@ -8,7 +8,6 @@ A crash anywhere leaves no marker; the next start removes the staging leftovers.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import time
@@ -302,11 +301,3 @@ class Installation:
                 f"sha256 mismatch for {asset.name}: release says {asset.sha256}, downloaded file is {got}"
             )
         return dest
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()

@@ -41,12 +41,8 @@ def start_time(pid: int) -> int | None:
     A pid alone is not an identity: pids are recycled, and adopting a stranger
     that got an old engine's pid would report a dead engine as ready.
     """
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    if fields[0] in ("Z", "X"):
+    fields = _stat(Path(f"/proc/{pid}"))
+    if fields is None or fields[0] in ("Z", "X"):
         return None
     return int(fields[19])
 
@@ -75,13 +71,18 @@ def group_alive(pgid: int) -> bool:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+        fields = _stat(entry)
+        if fields is not None and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             return True
     return False
+
+
+def _stat(proc_dir: Path) -> list[str] | None:
+    """`/proc/<pid>/stat` after the command name: state, ppid, pgrp, …; None if the process is gone."""
+    try:
+        return (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
 
 
 def tail(log_path: Path, lines: int = 20) -> list[str]:

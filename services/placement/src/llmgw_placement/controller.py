@@ -144,8 +144,7 @@ class Controller:
         return at - seen < timeout, at - seen
 
     def views(self, at: float) -> list[NodeView]:
-        usage = self._usage(self.shards.values())
-        return [self._view(name, at, usage) for name in sorted(self.state.nodes)]
+        return [self._view(name, at, self._usage_all) for name in sorted(self.state.nodes)]
 
     @staticmethod
     def _usage(specs: Iterable[ShardSpec]) -> Usage:
