@@ -65,12 +65,6 @@ async def test_one_trace_from_ctl_deploy_to_the_shard(
                 node = agent_config(nats_url, prefix, tmp_path / "agent", simulate={"gpu_count": 2})
                 installer = Installer(node, bus, packages=None)
                 await installer.converge_once()
-                await bus.publish_core(
-                    bus.names.heartbeat("node-a"),
-                    __import__("llmgw_core.events", fromlist=["Heartbeat"]).Heartbeat(
-                        node="node-a", service="installer", at=0.0
-                    ),
-                )
                 await deploy(bus, Deployment(name="chat", profile="tiny", replicas=1))
                 await eventually(lambda: events.states("chat-r0-0")[-1:] == ["ready"], timeout=30)
                 assert service.controller is not None

@@ -69,7 +69,7 @@ class Fleet:
             start = time.monotonic()
             for node in self.nodes:
                 await self.bus.publish_core(
-                    self.bus.names.heartbeat(node), Heartbeat(node=node, service="fleet", at=now())
+                    self.bus.names.heartbeat(node, "agent"), Heartbeat(node=node, service="agent", at=now())
                 )
             await self.bus.nc.flush()
             await anyio.sleep(max(0.0, self.heartbeat_interval_s - (time.monotonic() - start)))

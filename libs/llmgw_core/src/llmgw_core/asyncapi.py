@@ -83,10 +83,11 @@ CHANNELS: list[tuple[str, str, type[msgspec.Struct], str, list[str], str]] = [
     ),
     (
         "heartbeat",
-        _N.heartbeat("{node}"),
+        _N.heartbeat("{node}", "{service}"),
         ev.Heartbeat,
-        "Plain NATS liveness, every heartbeat_interval (default 1 s).",
-        ["node"],
+        "Plain NATS liveness of one node service (installer, launcher, or agent for both), "
+        "every heartbeat_interval (default 1 s).",
+        ["node", "service"],
         "receive",
     ),
     (

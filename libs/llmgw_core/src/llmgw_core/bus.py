@@ -272,10 +272,10 @@ class Bus:
         await self.nc.publish(subject, encode(msg), headers=self._headers(None))
 
     async def heartbeat(self, node: str, service: str, interval: float) -> None:
-        """Publish `<prefix>.heartbeat.<node>` every `interval` until cancelled; never raises."""
+        """Publish `<prefix>.heartbeat.<node>.<service>` every `interval` until cancelled; never raises."""
         from .events import Heartbeat, now
 
-        subject = self.names.heartbeat(node)
+        subject = self.names.heartbeat(node, service)
         while True:
             try:
                 await self.publish_core(subject, Heartbeat(node=node, service=service, at=now()))

@@ -94,12 +94,15 @@ class Names:
     def placement_event(self, deployment: str) -> str:
         return f"{self.prefix}.events.placement.{deployment}"
 
-    def heartbeat(self, node: str) -> str:
-        return f"{self.prefix}.heartbeat.{node}"
+    def heartbeat(self, node: str, service: str) -> str:
+        """Each node service beats on its own subject: a silent launcher is told apart
+        from a silent installer (`service` is `installer`, `launcher`, or `agent` for a
+        process that is both, such as a simulated fleet node)."""
+        return f"{self.prefix}.heartbeat.{node}.{service}"
 
     @property
     def heartbeat_all(self) -> str:
-        return f"{self.prefix}.heartbeat.*"
+        return f"{self.prefix}.heartbeat.>"
 
     def dlq(self, service: str) -> str:
         return f"{self.prefix}.dlq.{service}"
