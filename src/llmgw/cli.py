@@ -34,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     p_deploy.add_argument("--replicas", type=int, default=1)
     p_deploy.add_argument("--pool", default="")
     p_deploy.add_argument("--strategy", choices=["binpack", "spread"], default="binpack")
+    p_apply = ctl_sub.add_parser(
+        "apply",
+        help="write the engines, catalog and deployments of a server.yaml, replacing what the cluster has",
+    )
+    p_apply.add_argument("-f", "--file", required=True, help="server.yaml")
+    p_delete = ctl_sub.add_parser("delete", help="delete a deployment: its replicas stop")
+    p_delete.add_argument("kind", choices=["deployment"])
+    p_delete.add_argument("name")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "up":

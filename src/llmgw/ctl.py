@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import anyio
@@ -12,6 +13,7 @@ import nats.js.errors
 from opentelemetry import trace
 
 from llmgw_core.bus import Bus, BusOptions
+from llmgw_core.errors import ConfigError, LlmgwError
 from llmgw_core.events import Deployment, Heartbeat, NodeStatus, PlacementDecision, decoder
 from llmgw_core.telemetry import current_traceparent
 
@@ -87,6 +89,45 @@ async def deploy(bus: Bus, deployment: Deployment) -> Deployment:
     return deployment
 
 
+async def apply(bus: Bus, path: str) -> str:
+    """Write what server.yaml says: its engines, every profile and every deployment it names.
+
+    Keys the file does not name are left as they are (delete a deployment with
+    `llmgw ctl delete deployment NAME`).
+    """
+    from llmgw_core.config import load
+    from llmgw_core.events import DesiredEngines
+    from llmgw_placement.checks import check_deployment
+    from llmgw_placement.config import ServerConfig
+
+    config = load(path, ServerConfig)
+    names = bus.names
+    for dep in config.deployments:
+        problem = check_deployment(dep.name, dep.wire(), max_replicas=config.max_replicas)
+        if problem:
+            raise ConfigError(f"{path}: {problem}")
+    await bus.put(names.config_bucket, "engines", DesiredEngines(engines=config.engines))
+    for profile in config.catalog:
+        await bus.put(names.catalog_bucket, profile.name, profile.wire())
+    for dep in config.deployments:
+        await deploy(bus, dep.wire())
+    return (
+        f"applied {path}: {len(config.engines)} engines, {len(config.catalog)} profiles, "
+        f"{len(config.deployments)} deployments"
+    )
+
+
+async def delete_deployment(bus: Bus, name: str) -> str:
+    if await bus.get(bus.names.deployments_bucket, name, Deployment) is None:
+        raise NotFound(f"no deployment {name}")
+    await bus.delete(bus.names.deployments_bucket, name)
+    return f"deployment {name} deleted: its replicas stop"
+
+
+class NotFound(LlmgwError):
+    """What was named does not exist (exit code 3)."""
+
+
 def run(args: argparse.Namespace) -> int:
     async def main() -> str:
         async with await Bus.connect(BusOptions(prefix=args.prefix), service="llmgw-ctl") as bus:
@@ -105,7 +146,15 @@ def run(args: argparse.Namespace) -> int:
                 )
                 await deploy(bus, dep)
                 return f"deployment {dep.name}: {dep.replicas} x {dep.profile} requested"
+            if args.ctl == "apply":
+                return await apply(bus, args.file)
+            if args.ctl == "delete":
+                return await delete_deployment(bus, args.name)
             return await explain(bus, args.deployment)
 
-    print(anyio.run(main))
+    try:
+        print(anyio.run(main))
+    except NotFound as exc:
+        print(f"llmgw: {exc}", file=sys.stderr)
+        return 3
     return 0

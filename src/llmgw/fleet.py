@@ -16,6 +16,7 @@ import anyio.abc
 
 from llmgw_core.bus import Bus
 from llmgw_core.engines import GPUInfo, ShardSpec
+from llmgw_core.errors import BusError
 from llmgw_core.events import EngineState, Heartbeat, NodeFacts, NodeStatus, ShardStatus, now
 
 SIM_ENGINE = EngineState(name="sim", state="configured", version="fleet")
@@ -30,6 +31,8 @@ class Fleet:
     heartbeat_interval_s: float = 1.0
     ready: dict[str, ShardStatus] = field(default_factory=dict)
     ready_at: dict[str, float] = field(default_factory=dict)
+    # Answers not yet written (NATS was away): spec, or None for a removed shard.
+    _unwritten: dict[str, ShardSpec | None] = field(default_factory=dict)
 
     def status(self, node: str, index: int) -> NodeStatus:
         gpus = tuple(
@@ -64,45 +67,78 @@ class Fleet:
                 tg.start_soon(one, index, node)
 
     async def heartbeats(self) -> None:
-        """One heartbeat per node per interval, spread over the interval."""
+        """One heartbeat per node per interval, spread evenly over the interval (a real fleet's
+        nodes are not in step; one burst of every node at once is not what a placement meets)."""
+        slices = max(1, min(len(self.nodes), int(self.heartbeat_interval_s / 0.01)))
+        per_slice = -(-len(self.nodes) // slices)
         while True:
             start = time.monotonic()
-            for node in self.nodes:
-                await self.bus.publish_core(
-                    self.bus.names.heartbeat(node, "agent"), Heartbeat(node=node, service="agent", at=now())
-                )
-            await self.bus.nc.flush()
-            await anyio.sleep(max(0.0, self.heartbeat_interval_s - (time.monotonic() - start)))
+            for i in range(slices):
+                for node in self.nodes[i * per_slice : (i + 1) * per_slice]:
+                    try:
+                        await self.bus.publish_core(
+                            self.bus.names.heartbeat(node, "agent"),
+                            Heartbeat(node=node, service="agent", at=now()),
+                        )
+                    except BusError:
+                        break  # NATS is away: the next interval tries again
+                due = start + (i + 1) * self.heartbeat_interval_s / slices
+                await anyio.sleep(max(0.0, due - time.monotonic()))
 
     async def answer_shards(self) -> None:
-        """Every shard placed on a fleet node is reported ready at once; a removed one, stopped."""
+        """Every shard placed on a fleet node is reported ready at once; a removed one, stopped.
+
+        A write that fails while NATS is away is retried until it lands, so the
+        fleet converges after an outage like a real launcher does."""
         mine = set(self.nodes)
-        async for change in self.bus.watch(self.bus.names.shards_bucket, ShardSpec):
-            node, _, shard = change.key.partition(".")
-            if node not in mine:
-                continue
-            if change.value is None:
-                self.ready.pop(change.key, None)
-                await self.bus.delete(self.bus.names.shard_status_bucket, change.key)
-                continue
-            spec = change.value
-            status = ShardStatus(
-                node=node,
-                shard=shard,
-                replica=spec.replica,
-                deployment=spec.deployment,
-                state="ready",
-                port=8000,
-                url=f"http://{spec.host}:8000" if spec.is_leader else "",
-                profile_fp=spec.profile_fp,
-                pool=spec.pool,
-                fabric=spec.fabric,
-                rank=spec.rank,
-                at=now(),
-            )
-            await self.bus.put(self.bus.names.shard_status_bucket, change.key, status)
-            self.ready[change.key] = status
-            self.ready_at[change.key] = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._retry_unwritten)
+            async for change in self.bus.watch(self.bus.names.shards_bucket, ShardSpec):
+                node, _, _ = change.key.partition(".")
+                if node not in mine:
+                    continue
+                self._unwritten[change.key] = change.value
+                try:
+                    await self._answer(change.key, change.value)
+                except BusError:
+                    continue
+                if self._unwritten.get(change.key) is change.value:
+                    del self._unwritten[change.key]
+
+    async def _retry_unwritten(self) -> None:
+        while True:
+            await anyio.sleep(0.5)
+            for key, spec in list(self._unwritten.items()):
+                try:
+                    await self._answer(key, spec)
+                except BusError:
+                    break
+                if self._unwritten.get(key) is spec:
+                    del self._unwritten[key]
+
+    async def _answer(self, key: str, spec: ShardSpec | None) -> None:
+        node, _, shard = key.partition(".")
+        if spec is None:
+            await self.bus.delete(self.bus.names.shard_status_bucket, key)
+            self.ready.pop(key, None)
+            return
+        status = ShardStatus(
+            node=node,
+            shard=shard,
+            replica=spec.replica,
+            deployment=spec.deployment,
+            state="ready",
+            port=8000,
+            url=f"http://{spec.host}:8000" if spec.is_leader else "",
+            profile_fp=spec.profile_fp,
+            pool=spec.pool,
+            fabric=spec.fabric,
+            rank=spec.rank,
+            at=now(),
+        )
+        await self.bus.put(self.bus.names.shard_status_bucket, key, status)
+        self.ready[key] = status
+        self.ready_at[key] = time.monotonic()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await self.register()

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import ssl
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -46,6 +47,27 @@ T = TypeVar("T", bound=msgspec.Struct)
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 KV_OPS_DELETE = ("DEL", "PURGE")
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether trying the same call again can help: a timeout, a reconnect, a stream
+    whose leader is being elected (no responders, 503), a connection being replaced."""
+    if isinstance(exc, nats.js.errors.APIError):
+        return exc.code in (503, 504) or isinstance(exc, nats.js.errors.ServiceUnavailableError)
+    return isinstance(
+        exc,
+        (
+            nats.errors.TimeoutError,
+            nats.errors.NoRespondersError,
+            nats.errors.ConnectionReconnectingError,
+            nats.errors.ConnectionClosedError,
+            nats.errors.StaleConnectionError,
+            nats.errors.OutboundBufferLimitError,
+            nats.js.errors.NoStreamResponseError,
+            OSError,
+            TimeoutError,
+        ),
+    )
 
 
 class BusOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -99,6 +121,10 @@ class Bus:
         self._kvs: dict[str, KeyValue] = {}
         self._reconnected = anyio.Event()
         self.closing = False
+        # Whether this client can hear the bus now, and since when (time.monotonic()):
+        # a judge of liveness grants every node a fresh timeout from that moment.
+        self.connected = True
+        self.connected_since = time.monotonic()
 
     # --- connection ---------------------------------------------------------
 
@@ -109,6 +135,8 @@ class Bus:
         holder: list[Bus] = []
 
         async def on_disconnect() -> None:
+            if holder:
+                holder[0].connected = False
             if holder and holder[0].closing:
                 return
             log.warning("%s: disconnected from NATS at %s", service, url)
@@ -125,7 +153,8 @@ class Bus:
             log.warning("%s: NATS error: %s", service, exc)
 
         kwargs: dict[str, Any] = {
-            "servers": [url],
+            # Several servers of one NATS cluster: "nats://a:4222,nats://b:4222".
+            "servers": [u.strip() for u in url.split(",") if u.strip()],
             "name": service,
             "allow_reconnect": True,
             "max_reconnect_attempts": -1,
@@ -172,6 +201,8 @@ class Bus:
 
     def _on_reconnect(self) -> None:
         self.reconnects += 1
+        self.connected = True
+        self.connected_since = time.monotonic()
         self._kvs.clear()
         self._reconnected.set()
         self._reconnected = anyio.Event()
@@ -245,9 +276,12 @@ class Bus:
         kv = self._kvs.get(bucket)
         if kv is None:
             try:
-                kv = await self.js.key_value(bucket)
-            except nats.js.errors.BucketNotFoundError:
-                kv = await self._ensure_bucket(bucket)
+                try:
+                    kv = await self.js.key_value(bucket)
+                except nats.js.errors.BucketNotFoundError:
+                    kv = await self._ensure_bucket(bucket)
+            except (nats.errors.Error, OSError) as exc:
+                raise BusError(f"cannot open bucket {bucket}: {exc or type(exc).__name__}") from exc
             self._kvs[bucket] = kv
         return kv
 
@@ -261,15 +295,25 @@ class Bus:
     async def publish(self, subject: str, msg: msgspec.Struct, *, msg_id: str | None = None) -> int:
         """Publish an event to JetStream; returns its sequence (a duplicate gets the first's)."""
         with tracer.start_as_current_span(f"publish {subject}", kind=trace.SpanKind.PRODUCER):
-            try:
-                ack = await self.js.publish(subject, encode(msg), headers=self._headers(msg_id))
-            except nats.errors.Error as exc:
-                raise BusError(f"publish to {subject} failed: {exc}") from exc
-        return int(ack.seq)
+            # One message id for every try: a retried publish that did land is stored once.
+            headers = self._headers(msg_id)
+            data = encode(msg)
+            for attempt in range(1, 4):
+                try:
+                    ack = await self.js.publish(subject, data, headers=headers)
+                    return int(ack.seq)
+                except (nats.errors.Error, OSError) as exc:
+                    if attempt == 3 or not transient(exc):
+                        raise BusError(f"publish to {subject} failed: {exc or type(exc).__name__}") from exc
+                await anyio.sleep(0.2 * attempt)
+        raise AssertionError("unreachable")
 
     async def publish_core(self, subject: str, msg: msgspec.Struct) -> None:
         """Plain NATS publish, for liveness: nothing is stored."""
-        await self.nc.publish(subject, encode(msg), headers=self._headers(None))
+        try:
+            await self.nc.publish(subject, encode(msg), headers=self._headers(None))
+        except (nats.errors.Error, OSError) as exc:
+            raise BusError(f"publish to {subject} failed: {exc or type(exc).__name__}") from exc
 
     async def heartbeat(self, node: str, service: str, interval: float) -> None:
         """Publish `<prefix>.heartbeat.<node>.<service>` every `interval` until cancelled; never raises."""
@@ -283,25 +327,52 @@ class Bus:
                 log.warning("%s: heartbeat failed: %s", service, exc)
             await anyio.sleep(interval)
 
-    async def put(self, bucket: str, key: str, value: msgspec.Struct, *, attempts: int = 3) -> int:
-        """Write a key; a put is idempotent, so a timed-out one (lost in a reconnect) is retried."""
-        data = encode(value)
+    async def _kv_call(self, what: str, bucket: str, call: Callable[[KeyValue], Awaitable[Any]]) -> Any:
+        """One KV operation, retried while the failure is transient (a write is idempotent:
+        the same value again, or a compare-and-set that fails loudly if it already landed)."""
+        attempts = 3
         for attempt in range(1, attempts + 1):
             try:
-                kv = await self.kv(bucket)
-                return int(await kv.put(key, data))
-            except (nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError) as exc:
+                return await call(await self.kv(bucket))
+            except BusError:
                 if attempt == attempts:
-                    raise BusError(f"write {bucket}/{key} failed {attempts} times: {exc}") from exc
-                await anyio.sleep(0.2 * attempt)
-            except nats.errors.Error as exc:
-                raise BusError(f"write {bucket}/{key} failed: {exc}") from exc
+                    raise
+            except (nats.errors.Error, OSError) as exc:
+                if isinstance(exc, nats.js.errors.NotFoundError | nats.js.errors.KeyWrongLastSequenceError):
+                    raise
+                if attempt == attempts or not transient(exc):
+                    raise BusError(f"{what} failed: {exc or type(exc).__name__}") from exc
+            await anyio.sleep(0.2 * attempt)
         raise AssertionError("unreachable")
 
-    async def get(self, bucket: str, key: str, kind: type[T]) -> tuple[T, int] | None:
-        kv = await self.kv(bucket)
+    async def put(self, bucket: str, key: str, value: msgspec.Struct) -> int:
+        """Write a key; a put is idempotent, so a timed-out one (lost in a reconnect) is retried."""
+        data = encode(value)
+        return int(await self._kv_call(f"write {bucket}/{key}", bucket, lambda kv: kv.put(key, data)))
+
+    async def create(self, bucket: str, key: str, value: msgspec.Struct) -> int | None:
+        """Write a key only if it has no value; None if it has one."""
+        data = encode(value)
         try:
-            entry = await kv.get(key)
+            return int(await self._kv_call(f"create {bucket}/{key}", bucket, lambda kv: kv.create(key, data)))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return None
+
+    async def update(self, bucket: str, key: str, value: msgspec.Struct, *, last: int) -> int | None:
+        """Compare-and-set: write only if the key is still at revision `last`; None if it moved."""
+        data = encode(value)
+        try:
+            return int(
+                await self._kv_call(
+                    f"update {bucket}/{key}", bucket, lambda kv: kv.update(key, data, last=last)
+                )
+            )
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return None
+
+    async def get(self, bucket: str, key: str, kind: type[T]) -> tuple[T, int] | None:
+        try:
+            entry = await self._kv_call(f"read {bucket}/{key}", bucket, lambda kv: kv.get(key))
         except nats.js.errors.NotFoundError:  # never written, or deleted
             return None
         if entry.value is None or entry.operation in KV_OPS_DELETE:
@@ -309,21 +380,23 @@ class Bus:
         return decoder(kind).decode(entry.value), int(entry.revision or 0)
 
     async def delete(self, bucket: str, key: str) -> None:
-        kv = await self.kv(bucket)
         try:
-            await kv.delete(key)
+            await self._kv_call(f"delete {bucket}/{key}", bucket, lambda kv: kv.delete(key))
         except nats.js.errors.NotFoundError:
             return
 
     async def entries(self, bucket: str, kind: type[T], keys: str = ">") -> dict[str, KVChange[T]]:
         """A snapshot of every key's current value (bad values are skipped, and counted)."""
         out: dict[str, KVChange[T]] = {}
-        with anyio.fail_after(30):
-            async for change in self.watch(bucket, kind, keys, snapshot_only=True):
-                if change.value is None:
-                    out.pop(change.key, None)
-                else:
-                    out[change.key] = change
+        try:
+            with anyio.fail_after(30):
+                async for change in self.watch(bucket, kind, keys, snapshot_only=True):
+                    if change.value is None:
+                        out.pop(change.key, None)
+                    else:
+                        out[change.key] = change
+        except TimeoutError as exc:
+            raise BusError(f"reading {bucket} took over 30 s; is NATS reachable?") from exc
         return out
 
     # --- bad messages ---------------------------------------------------------
@@ -438,28 +511,34 @@ class Bus:
         *,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Handle plain NATS messages (heartbeats) until cancelled; bad ones go to the DLQ."""
-        send, receive = anyio.create_memory_object_stream[Msg](1024)
+        """Handle plain NATS messages (heartbeats) until cancelled; bad ones go to the DLQ.
+
+        The handler runs in the subscription's own callback, one message at a
+        time, with no queue of llmgw's in between: a heartbeat handler only
+        records a time, and a queue that a burst overflows would turn a busy
+        judge into a cluster of "lost" nodes.
+        """
+        dec = decoder(kind)
 
         async def on_msg(msg: Msg) -> None:
             try:
-                send.send_nowait(msg)
-            except anyio.WouldBlock:
-                log.warning("%s: dropping a message on %s: handler is behind", self.service, msg.subject)
+                value = dec.decode(msg.data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                await self.dead_letter(msg.subject, msg.data, str(exc))
+                return
+            try:
+                await handler(value, msg.subject)
+            except Exception as exc:  # a handler's fault costs that message, never the subscription
+                log.exception("%s: handler for %s failed: %s", self.service, msg.subject, exc)
 
-        sub = await self.nc.subscribe(subject, cb=on_msg)
+        try:
+            sub = await self.nc.subscribe(subject, cb=on_msg)
+        except (nats.errors.Error, OSError) as exc:
+            raise BusError(f"cannot subscribe to {subject}: {exc or type(exc).__name__}") from exc
         task_status.started()
         try:
-            async with receive:
-                async for msg in receive:
-                    try:
-                        value = self._decode(kind, msg.subject, msg.data)
-                    except DecodeFailure as exc:
-                        await self.dead_letter(msg.subject, msg.data, exc.error)
-                        continue
-                    await handler(value, msg.subject)
+            await anyio.sleep_forever()
         finally:
-            send.close()
             with anyio.CancelScope(shield=True):
                 with contextlib.suppress(nats.errors.Error, OSError):
                     await sub.unsubscribe()
@@ -480,7 +559,7 @@ class Bus:
             try:
                 kv = await self.kv(bucket)
                 watcher = await kv.watch(keys)
-            except (nats.errors.Error, OSError) as exc:
+            except (nats.errors.Error, OSError, BusError) as exc:
                 log.warning("%s: cannot watch %s yet: %s", self.service, bucket, exc)
                 await anyio.sleep(0.5)
                 continue
@@ -492,6 +571,10 @@ class Bus:
                         if self.reconnects != epoch:
                             break
                         continue
+                    except (nats.errors.Error, OSError) as exc:
+                        log.warning("%s: watch of %s broke, opening it again: %s", self.service, bucket, exc)
+                        await anyio.sleep(0.5)
+                        break
                     if entry is None:
                         # The initial values are all out.
                         if snapshot_only:
@@ -502,8 +585,17 @@ class Bus:
                     if rev <= seen.get(key, 0):
                         continue
                     seen[key] = rev
-                    if entry.operation in KV_OPS_DELETE or not entry.value:
+                    if entry.operation in KV_OPS_DELETE:
                         yield KVChange(key, None, rev)
+                        continue
+                    if not entry.value:
+                        # Only a KV delete (its KV-Operation header) removes a key: an empty
+                        # value put by mistake must not stop an engine or drop a deployment.
+                        await self.dead_letter(
+                            f"$KV.{bucket}.{key}",
+                            b"",
+                            "an empty value is not a delete (use a KV delete); the key keeps its last value",
+                        )
                         continue
                     try:
                         value = self._decode(kind, f"$KV.{bucket}.{key}", entry.value)

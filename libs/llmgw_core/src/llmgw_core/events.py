@@ -190,7 +190,10 @@ class Deployment(Message, frozen=True):
     traceparent: str = ""
 
 
-ReplicaState = Literal["placing", "starting", "ready", "degraded", "failed", "unplaceable", "stopping"]
+# `unknown`: a launcher of the replica has gone silent, so nothing says whether it still serves.
+ReplicaState = Literal[
+    "placing", "starting", "ready", "degraded", "failed", "unplaceable", "stopping", "unknown"
+]
 
 
 class ReplicaRecord(Message, frozen=True):

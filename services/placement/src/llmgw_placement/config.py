@@ -59,3 +59,5 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     # Rendezvous and RPC ports that multi-node replicas get on their nodes.
     dist_port_range: tuple[int, int] = (30000, 39999)
     identity: str = ""
+    # The most replicas one deployment may ask for; a larger count is refused where it enters.
+    max_replicas: int = 10_000

@@ -5,6 +5,13 @@ deployments, shard statuses, the replicas and shards this placement wrote)
 and makes the writes that move it one step towards the desired state. A
 restarted placement loads the buckets and, for replicas that are fine,
 writes nothing.
+
+A step works on a snapshot taken when it starts: the watchers keep changing
+`ClusterState` while the step awaits its writes (a deployment deleted mid-step
+must cost nothing but its replicas). A step that fails part-way leaves the
+buckets in a state the next step repairs: a replica record still `placing`
+(its shards not all written) is removed and placed again, and this
+placement's memory of a key changes only after the bus acknowledged it.
 """
 
 from __future__ import annotations
@@ -74,16 +81,45 @@ class ClusterState:
     """Everything placement reads, kept current by watchers (in every placement, active or not)."""
 
     nodes: dict[str, NodeStatus]
+    # The node's launcher (or all-in-one agent) last heard, by this placement's
+    # monotonic clock, and by the sender's wall clock (for "no heartbeat since …").
     last_seen: dict[str, float]
     catalog: dict[str, Profile]
     deployments: dict[str, Deployment]
     shard_status: dict[str, ShardStatus]
+    last_seen_wall: dict[str, float] = field(default_factory=dict)
+    # The node's installer last heard (monotonic): shown, never a reason to fail over.
+    installer_seen: dict[str, float] = field(default_factory=dict)
     # Bumped on every change to `nodes`: the controller rebuilds its index only then.
     nodes_version: int = 0
+    # Since when this placement could hear every heartbeat (its start, its last
+    # reconnect, the end of its last stall); None while it cannot hear at all.
+    # A node is judged only on silence that this placement could have heard.
+    heard_from: float | None = 0.0
 
     @classmethod
     def empty(cls) -> ClusterState:
         return cls({}, {}, {}, {}, {})
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What one step acts on: copies, so a watcher's change cannot move under it."""
+
+    deployments: dict[str, Deployment]
+    catalog: dict[str, Profile]
+    shard_status: dict[str, ShardStatus]
+
+
+class ReplicaIds(msgspec.Struct, frozen=True, kw_only=True):
+    """`replica-ids.<deployment>` in the leases bucket: replica numbers below `next` were handed out."""
+
+    deployment: str
+    next: int
+
+
+# Replica numbers are reserved this many at a time: one write per block, not per replica.
+ID_BLOCK = 64
 
 
 class Controller:
@@ -94,14 +130,12 @@ class Controller:
         state: ClusterState,
         *,
         clock: Callable[[], float] = time.monotonic,
-        started_at: float | None = None,
         fence: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.config = config
         self.bus = bus
         self.state = state
         self.clock = clock
-        self.started_at = clock() if started_at is None else started_at
         # Called before every placement or removal: raises if this placement
         # no longer holds the lease, so a paused ex-leader never writes.
         self.fence = fence
@@ -114,8 +148,10 @@ class Controller:
         self._index_signature: tuple[int, frozenset[str]] | None = None
         self._usage_all = Usage()
         self._step_at = 0.0
-        # The highest replica number used per deployment, so a new id costs nothing to find.
-        self._replica_numbers: dict[str, int] = {}
+        # Per deployment, the next replica number and the end of the block reserved in the bucket.
+        self._ids: dict[str, tuple[int, int]] = {}
+        # Deployments whose unknown profile was dead-lettered already (by value).
+        self._told_unknown: dict[str, Deployment] = {}
 
     # --- loading -----------------------------------------------------------------
 
@@ -135,13 +171,26 @@ class Controller:
     # --- node views ------------------------------------------------------------------
 
     def alive(self, node: str, at: float) -> tuple[bool, float]:
+        """Whether the node's launcher was heard within `node_timeout`, and for how long it was not.
+
+        Silence counts only from when this placement could hear it: after its
+        own start, reconnect or stall every node gets a full timeout again,
+        and while it cannot hear the bus at all nobody is declared lost.
+        """
         seen = self.state.last_seen.get(node)
-        timeout = self.config.node_timeout_s
-        if seen is None:
-            # A placement that just started has heard no heartbeat yet: give
-            # every node one timeout before calling it lost.
-            return at - self.started_at < timeout, at - self.started_at
-        return at - seen < timeout, at - seen
+        silent = at - seen if seen is not None else float("inf")
+        heard_from = self.state.heard_from
+        if heard_from is None:
+            return True, silent
+        judged = min(silent, at - heard_from)
+        return judged < self.config.node_timeout_s, silent
+
+    def launcher_stale(self, node: str, at: float) -> bool:
+        """Whether the node's launcher has missed a few heartbeats: what it reported may be stale."""
+        if self.state.heard_from is None:
+            return False
+        seen = max(self.state.last_seen.get(node, float("-inf")), self.state.heard_from)
+        return at - seen > max(3 * self.config.heartbeat_interval_s, self.config.node_timeout_s / 2)
 
     def views(self, at: float) -> list[NodeView]:
         return [self._view(name, at, self._usage_all) for name in sorted(self.state.nodes)]
@@ -157,10 +206,19 @@ class Controller:
         status = self.state.nodes[name]
         alive, since = self.alive(name, at)
         facts = status.facts
+        lost_since = ""
+        if not alive:
+            wall = self.state.last_seen_wall.get(name)
+            lost_since = (
+                time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(wall))
+                if wall
+                else "this placement started"
+            )
         return NodeView(
             node=name,
             alive=alive,
             lost_for_s=since,
+            lost_since=lost_since,
             pools=frozenset(p for p, pats in self.config.pools.items() if _matches(name, pats)),
             fabric=next((f for f, fc in sorted(self.config.fabrics.items()) if _matches(name, fc.nodes)), ""),
             gpus=facts.gpus,
@@ -194,17 +252,29 @@ class Controller:
     # --- the step ---------------------------------------------------------------------
 
     async def step(self) -> None:
+        """One pass over every deployment. A bus fault raises BusError and costs this pass
+        only: what was written stays consistent, and the next pass goes on from there."""
         at = self.clock()
+        snap = Snapshot(
+            deployments=dict(self.state.deployments),
+            catalog=dict(self.state.catalog),
+            shard_status=dict(self.state.shard_status),
+        )
         alive = {v.node for v in self.index(at).all() if v.alive}
         for key in sorted(self.replicas):
-            record = self.replicas[key]
-            if record.deployment not in self.state.deployments:
+            record = self.replicas.get(key)
+            if record is None:
+                continue
+            if record.deployment not in snap.deployments:
                 await self._remove_replica(record, "deployment deleted")
-        for name in sorted(self.state.deployments):
-            await self._converge(self.state.deployments[name], alive)
+            elif record.state == "placing":
+                # Its shards were not all written (a fault mid-commit): start it again.
+                await self._remove_replica(record, "placement was interrupted; placing it again")
+        for name in sorted(snap.deployments):
+            await self._converge(snap.deployments[name], alive, snap, at)
 
-    async def _converge(self, dep: Deployment, alive: set[str]) -> None:
-        profile = self.state.catalog.get(dep.profile)
+    async def _converge(self, dep: Deployment, alive: set[str], snap: Snapshot, at: float) -> None:
+        profile = snap.catalog.get(dep.profile)
         mine = sorted((r for r in self.replicas.values() if r.deployment == dep.name), key=_replica_order)
         # Failover: a replica with any rank on a lost node is placed again, whole.
         for record in mine:
@@ -213,11 +283,12 @@ class Controller:
                 await self._remove_replica(record, f"node {', '.join(lost)} lost", state="failed")
         mine = [r for r in mine if _key(r) in self.replicas]
         for record in mine:
-            await self._observe(record)
+            await self._observe(record, snap, at)
         mine = [self.replicas[_key(r)] for r in mine]
         if profile is None:
-            await self._refuse(dep, "-", f"profile {dep.profile} is not in the catalog")
+            await self._unknown_profile(dep)
             return
+        self._told_unknown.pop(dep.name, None)
         fp = profile.fingerprint()
         current = [r for r in mine if r.profile_fp == fp]
         stale = [r for r in mine if r.profile_fp != fp]
@@ -244,6 +315,19 @@ class Controller:
         for record in sorted(current, key=_replica_order, reverse=True)[: max(0, -missing)]:
             await self._remove_replica(record, f"scaled down to {dep.replicas}")
 
+    async def _unknown_profile(self, dep: Deployment) -> None:
+        """A deployment naming no profile of the catalog: refused (once), and its value copied to
+        the DLQ once, so whoever wrote it can see why. It is placed when the profile appears."""
+        await self._refuse(dep, "-", f"profile {dep.profile} is not in the catalog")
+        if self._told_unknown.get(dep.name) != dep:
+            self._told_unknown[dep.name] = dep
+            await self.bus.dead_letter(
+                f"$KV.{self.bus.names.deployments_bucket}.{dep.name}",
+                msgspec.json.encode(dep),
+                f"deployment {dep.name}: profile {dep.profile} is not in the catalog "
+                f"({', '.join(sorted(self.state.catalog)) or 'the catalog is empty'})",
+            )
+
     def _fits_without(self, record: ReplicaRecord, dep: Deployment, profile: Profile) -> bool:
         at = self.clock()
         usage = self._usage(s for k, s in self.shards.items() if k not in set(record.shards))
@@ -254,14 +338,23 @@ class Controller:
         )
         return isinstance(decision, Placement)
 
-    async def _observe(self, record: ReplicaRecord) -> None:
-        """A replica's state from its shards: ready only when every shard is and the leader answered."""
-        statuses = [self.state.shard_status.get(k) for k in record.shards]
+    async def _observe(self, record: ReplicaRecord, snap: Snapshot, at: float) -> None:
+        """A replica's state from its shards: ready only when every shard is and the leader answered.
+
+        A shard whose launcher has gone silent reported what it saw then, not
+        now: the replica's readiness is `unknown` until the launcher is heard
+        again (or the node is declared lost and the replica placed elsewhere).
+        """
+        statuses = [snap.shard_status.get(k) for k in record.shards]
         url = ""
         state: ReplicaState
         reason = ""
         failed = [s for s in statuses if s is not None and s.state == "failed"]
-        if failed:
+        silent = sorted({m.node for m in record.members if self.launcher_stale(m.node, at)})
+        if silent:
+            state = "unknown"
+            reason = f"launcher on {', '.join(silent)} silent: readiness unknown"
+        elif failed:
             state = "failed" if any(not s.retryable for s in failed) else "degraded"
             reason = "; ".join(f"{s.node}/{s.shard}: {s.reason}" for s in failed)
         elif statuses and all(
@@ -280,18 +373,36 @@ class Controller:
 
     # --- writes -------------------------------------------------------------------
 
-    def _next_replica_id(self, dep: str) -> str:
-        if dep not in self._replica_numbers:
-            self._replica_numbers[dep] = max(
-                (
-                    int(m.group(1))
-                    for r in self.replicas.values()
-                    if r.deployment == dep
-                    if (m := _REPLICA_NUMBER.match(r.replica))
-                ),
-                default=-1,
-            )
-        return f"r{self._replica_numbers[dep] + 1}"
+    async def _next_replica_id(self, dep: str) -> str:
+        """A replica id never used before in this deployment, across failovers, restarts and
+        leaders: numbers are reserved in the leases bucket by compare-and-set, a block at a time."""
+        number, end = self._ids.get(dep, (0, 0))
+        if number >= end:
+            number, end = await self._reserve_ids(dep)
+        self._ids[dep] = (number, end)
+        return f"r{number}"
+
+    async def _reserve_ids(self, dep: str) -> tuple[int, int]:
+        bucket, key = self.bus.names.leases_bucket, f"replica-ids.{dep}"
+        used = max(
+            (
+                int(m.group(1)) + 1
+                for r in self.replicas.values()
+                if r.deployment == dep
+                if (m := _REPLICA_NUMBER.match(r.replica))
+            ),
+            default=0,
+        )
+        while True:
+            current = await self.bus.get(bucket, key, ReplicaIds)
+            start = max(used, current[0].next if current else 0, self._ids.get(dep, (0, 0))[0])
+            block = ReplicaIds(deployment=dep, next=start + ID_BLOCK)
+            if current is None:
+                written = await self.bus.create(bucket, key, block)
+            else:
+                written = await self.bus.update(bucket, key, block, last=current[1])
+            if written is not None:
+                return start, start + ID_BLOCK
 
     async def _place(self, dep: Deployment, profile: Profile, fp: str) -> bool:
         fabric_hcas = {name: fc.hcas for name, fc in self.config.fabrics.items()}
@@ -307,7 +418,8 @@ class Controller:
                 fabric_hcas=fabric_hcas,
                 port_range=self.config.dist_port_range,
             )
-        replica = self._next_replica_id(dep.name)
+        # The id the replica gets if it is placed; a refusal names it too, without using it up.
+        replica = await self._next_replica_id(dep.name)
         if isinstance(decision, Refusal):
             await self._refuse(dep, replica, decision.text(), decision.reasons)
             return False
@@ -371,14 +483,16 @@ class Controller:
             created_at=now(),
             updated_at=now(),
         )
-        self._replica_numbers[dep.name] = int(replica[1:])
-        # The record first: a placement that dies here leaves a record whose
-        # shards a successor finishes writing, never shards that nobody owns.
+        number, end = self._ids[dep.name]
+        self._ids[dep.name] = (number + 1, end)
+        # The record first: a placement that dies here leaves a record in
+        # `placing` that the next step removes with whatever shards it has,
+        # never shards that nobody owns.
         await self._save_replica(record)
         for spec in specs:
             key = self.bus.names.shard_key(spec.node, spec.shard)
-            self.shards[key] = spec
             await self.bus.put(self.bus.names.shards_bucket, key, spec)
+            self.shards[key] = spec
             self.writes += 1
             # Only the chosen nodes' views change: update them in the index.
             self._usage_all.add(spec)
@@ -433,23 +547,23 @@ class Controller:
         )
         for key in record.shards:
             await self._delete_shard(key)
-        self.replicas.pop(_key(record), None)
         await self.bus.delete(self.bus.names.replicas_bucket, _key(record))
+        self.replicas.pop(_key(record), None)
         self.writes += 1
 
     async def _delete_shard(self, key: str) -> None:
+        await self.bus.delete(self.bus.names.shards_bucket, key)
         spec = self.shards.pop(key, None)
         if spec is not None:
             self._usage_all.remove(spec)
             self._reindex(spec.node)
-        await self.bus.delete(self.bus.names.shards_bucket, key)
         self.writes += 1
 
     async def _save_replica(self, record: ReplicaRecord) -> None:
         key = _key(record)
         previous = self.replicas.get(key)
-        self.replicas[key] = record
         await self.bus.put(self.bus.names.replicas_bucket, key, record)
+        self.replicas[key] = record
         self.writes += 1
         if previous is None or previous.state != record.state:
             await self._event(

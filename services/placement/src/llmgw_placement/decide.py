@@ -23,6 +23,9 @@ class NodeView:
     node: str
     alive: bool = True
     lost_for_s: float = 0.0
+    # When the node was last heard, as UTC wall-clock text: a refusal that quotes it
+    # stays the same while the node stays lost, so it is published once, not every step.
+    lost_since: str = ""
     pools: frozenset[str] = frozenset()
     fabric: str = ""
     gpus: tuple[GPUInfo, ...] = ()
@@ -149,6 +152,8 @@ def gpus_needed(profile: Profile) -> int:
 def unfit(node: NodeView, profile: Profile, deployment: Deployment) -> str | None:
     """Why `node` cannot take one rank of `profile`, in the node's own words where it gave them."""
     if not node.alive:
+        if node.lost_since:
+            return f"lost: no heartbeat since {node.lost_since}"
         return f"lost {int(node.lost_for_s)} s ago"
     if deployment.pool and deployment.pool not in node.pools:
         return f"not in pool {deployment.pool}"

@@ -2,6 +2,13 @@
 
 No clocks are compared between machines: a standby takes over when the
 lease's revision has not moved for `timeout` seconds by its own clock.
+
+Only another holder's write ends a lease. A renewal that timed out may still
+have landed (NATS buffers a publish across a reconnect), leaving this holder
+one revision behind its own write: the next compare-and-set fails, the lease
+is read back, and if it still names this holder the revision is adopted. A
+bus fault (timeout, no responders while a stream elects a leader, a
+reconnect) costs one renewal, retried; it never ends the process.
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
-from llmgw_core.bus import Bus
+from llmgw_core.bus import Bus, transient
+from llmgw_core.errors import BusError
 
 log = logging.getLogger("llmgw.placement.lease")
 
@@ -32,73 +40,132 @@ class Lease:
         self.interval = interval
         self.timeout = timeout
         self.revision = 0
+        # When this holder last proved it held the lease (time.monotonic()).
+        self.proved_at = 0.0
         self._lock = anyio.Lock()
+        self._failing_since: float | None = None
 
     async def _kv(self) -> KeyValue:
         return await self.bus.kv(self.bus.names.leases_bucket)
+
+    def _outage(self, what: str, exc: BaseException) -> None:
+        """Log a bus fault once per outage, not once per call."""
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
+            log.warning(
+                "%s: %s failed, retrying until NATS answers: %s", self.holder, what, exc or type(exc).__name__
+            )
+
+    def _recovered(self) -> None:
+        if self._failing_since is not None:
+            log.warning(
+                "%s: NATS answers again after %.1f s", self.holder, time.monotonic() - self._failing_since
+            )
+            self._failing_since = None
 
     async def acquire(self) -> None:
         """Return once this process holds the lease."""
         seen_rev = -1
         seen_at = time.monotonic()
         while True:
-            kv = await self._kv()
             try:
-                self.revision = int(await kv.create(LEASE_KEY, self.holder.encode()))
-                log.info("%s: took the placement lease (revision %d)", self.holder, self.revision)
-                return
-            except nats.js.errors.KeyWrongLastSequenceError:
-                pass
-            except (nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError):
-                await anyio.sleep(self.interval)
-                continue
-            try:
-                entry = await kv.get(LEASE_KEY)
-                rev = int(entry.revision or 0)
-                deleted = entry.operation in ("DEL", "PURGE")
+                rev = await self._try_acquire(seen_rev, seen_at)
+                self._recovered()
+                if rev is None:
+                    return
+                if rev != seen_rev:
+                    seen_rev, seen_at = rev, time.monotonic()
             except nats.js.errors.NotFoundError:
                 continue
-            except (nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError):
-                await anyio.sleep(self.interval)
-                continue
-            if rev != seen_rev:
-                seen_rev, seen_at = rev, time.monotonic()
-            stale = time.monotonic() - seen_at >= self.timeout
-            if deleted or stale:
-                try:
-                    self.revision = int(await kv.update(LEASE_KEY, self.holder.encode(), last=rev))
-                    log.info("%s: took over the placement lease from a silent holder", self.holder)
-                    return
-                except nats.js.errors.KeyWrongLastSequenceError:
-                    continue
+            except (nats.errors.Error, OSError, BusError) as exc:
+                if isinstance(exc, nats.errors.Error | OSError) and not transient(exc):
+                    log.warning("%s: reading the lease failed: %s", self.holder, exc)
+                self._outage("taking the lease", exc)
+                # A silence of our own is not the holder's: start its timeout again.
+                seen_rev, seen_at = -1, time.monotonic()
             await anyio.sleep(self.interval / 2)
 
+    async def _try_acquire(self, seen_rev: int, seen_at: float) -> int | None:
+        """None once this process holds the lease; else the revision the holder is at."""
+        kv = await self._kv()
+        try:
+            self.revision = int(await kv.create(LEASE_KEY, self.holder.encode()))
+            self.proved_at = time.monotonic()
+            log.info("%s: took the placement lease (revision %d)", self.holder, self.revision)
+            return None
+        except nats.js.errors.KeyWrongLastSequenceError:
+            pass
+        entry = await kv.get(LEASE_KEY)
+        rev = int(entry.revision or 0)
+        if entry.operation not in ("DEL", "PURGE") and entry.value == self.holder.encode():
+            # Our own lease, from before a reconnect: keep it.
+            self.revision = rev
+            self.proved_at = time.monotonic()
+            return None
+        deleted = entry.operation in ("DEL", "PURGE")
+        stale = rev == seen_rev and time.monotonic() - seen_at >= self.timeout
+        if deleted or stale:
+            try:
+                self.revision = int(await kv.update(LEASE_KEY, self.holder.encode(), last=rev))
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return rev
+            self.proved_at = time.monotonic()
+            log.info("%s: took over the placement lease from a silent holder", self.holder)
+            return None
+        return rev
+
     async def renew(self) -> None:
-        """Compare-and-set the lease forward; LeaseLost if another process has taken it.
+        """Compare-and-set the lease forward; LeaseLost if another process has taken it,
+        BusError if NATS could not be asked (the caller retries later).
 
         Placement calls this before every write that places or removes a
         replica (fencing): a holder that was paused past the timeout finds out
         here, before it writes, that a standby took over.
         """
         async with self._lock:
-            kv = await self._kv()
             try:
-                self.revision = int(await kv.update(LEASE_KEY, self.holder.encode(), last=self.revision))
-            except nats.js.errors.KeyWrongLastSequenceError as exc:
+                await self._renew()
+            except (nats.errors.Error, OSError) as exc:
+                self._outage("renewing the lease", exc)
+                raise BusError(f"lease renewal failed: {exc or type(exc).__name__}") from exc
+            except BusError as exc:
+                self._outage("renewing the lease", exc)
+                raise
+            self._recovered()
+
+    async def _renew(self) -> None:
+        kv = await self._kv()
+        try:
+            self.revision = int(await kv.update(LEASE_KEY, self.holder.encode(), last=self.revision))
+        except nats.js.errors.KeyWrongLastSequenceError as exc:
+            try:
+                entry = await kv.get(LEASE_KEY)
+            except nats.js.errors.NotFoundError:
+                entry = None
+            if entry is None or entry.operation in ("DEL", "PURGE") or entry.value != self.holder.encode():
                 raise LeaseLost(f"{self.holder}: the placement lease was taken by another process") from exc
+            # A renewal of ours landed after its caller gave up on it: adopt it and move on.
+            self.revision = int(
+                await kv.update(LEASE_KEY, self.holder.encode(), last=int(entry.revision or 0))
+            )
+        self.proved_at = time.monotonic()
+
+    def proven(self) -> bool:
+        """Whether this holder proved its lease recently enough that no standby can have taken it."""
+        return time.monotonic() - self.proved_at < self.timeout
 
     async def hold(self) -> None:
-        """Renew every interval until cancelled; raises LeaseLost if another process took it."""
+        """Renew every interval until cancelled; raises LeaseLost only if another process took it."""
         while True:
             await anyio.sleep(self.interval)
             try:
                 await self.renew()
-            except (nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError) as exc:
-                log.warning("%s: lease renewal failed: %s", self.holder, exc)
+            except BusError:
+                continue
 
     async def release(self) -> None:
-        kv = await self._kv()
         try:
+            kv = await self._kv()
             await kv.delete(LEASE_KEY, last=self.revision)
-        except (nats.errors.Error, nats.js.errors.KeyWrongLastSequenceError):
+        except (nats.errors.Error, OSError, BusError):
             return

@@ -1,0 +1,264 @@
+"""The control plane under ordinary faults: deletions mid-step, bad input, launcher silence,
+replica ids across failovers and leaders, and desired state that no restart rewrites.
+
+Placements run in-process (each with its own NATS connection) over simulated
+fleets on the real protocol; the faults are real: KV deletes and purges,
+values written by hand, heartbeats that stop.
+"""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import msgspec
+import pytest
+
+from llmgw_core.bus import Bus
+from llmgw_core.engines import Profile, ShardSpec
+from llmgw_core.events import Deployment, PlacementDecision, ReplicaStatus, decoder
+from tests.control_support import TP1, control_plane, dlq, ready_replicas, replicas
+from tests.waiting import eventually
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
+
+
+async def test_deployments_deleted_at_any_moment_never_stop_placement(
+    bus: Bus, nats_url: str, prefix: str
+) -> None:
+    """Regression: a deployment deleted while a step awaited its writes raised KeyError and
+    placement exited (the standby then died the same way)."""
+    rng = random.Random(8)
+    async with control_plane(nats_url, prefix) as cp:
+        await cp.start_fleet([f"n{i}" for i in range(4)], gpus=8)
+        a = await cp.start_placement("a")
+        b = await cp.start_placement("b")
+        await eventually(lambda: len(cp.leaders()) == 1, timeout=20)
+        kv = await bus.kv(bus.names.deployments_bucket)
+        names = [f"d{i}" for i in range(6)]
+        with anyio.fail_after(60):
+            for _ in range(60):
+                name = rng.choice(names)
+                action = rng.random()
+                if action < 0.5:
+                    await bus.put(
+                        bus.names.deployments_bucket,
+                        name,
+                        Deployment(name=name, profile="tp1", replicas=rng.randint(0, 4)),
+                    )
+                elif action < 0.8:
+                    await kv.delete(name)
+                else:
+                    await kv.purge(name)
+                await anyio.sleep(rng.uniform(0.0, 0.15))
+        left = {k: c.value for k, c in (await bus.entries(bus.names.deployments_bucket, Deployment)).items()}
+        wanted = {name: dep.replicas for name, dep in left.items() if dep is not None}
+
+        async def converged() -> bool:
+            found = await replicas(bus)
+            per: dict[str, int] = {}
+            for r in found.values():
+                assert r.deployment in wanted, f"replica {r.deployment}.{r.replica} of a deleted deployment"
+                if r.state == "ready":
+                    per[r.deployment] = per.get(r.deployment, 0) + 1
+            assert per == {k: v for k, v in wanted.items() if v}, (per, wanted)
+            shards = await bus.entries(bus.names.shards_bucket, ShardSpec)
+            assert all(c.value is not None and c.value.deployment in wanted for c in shards.values())
+            assert sum(per.values()) == len(shards) == len(found), (
+                "one shard per TP=1 replica, none left over"
+            )
+            return True
+
+        await eventually(converged, timeout=60, interval=0.3)
+        assert cp.crashes() == []
+        assert not a.stopped.is_set()
+        assert not b.stopped.is_set()
+        assert len(cp.leaders()) == 1
+
+
+async def test_bad_desired_state_is_dead_lettered_and_causes_nothing(
+    bus: Bus, nats_url: str, prefix: str
+) -> None:
+    async with control_plane(nats_url, prefix) as cp:
+        await cp.start_fleet(["n0", "n1"], gpus=8)
+        p = await cp.start_placement("a", max_replicas=20)
+        await eventually(lambda: p.service.controller is not None, timeout=20)
+        await bus.put(
+            bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1", replicas=2)
+        )
+        await eventually(lambda: ready_replicas(bus, "chat"), timeout=20)
+        await eventually(lambda: _count(ready_replicas(bus, "chat"), 2), timeout=20)
+        before = set(await replicas(bus))
+        kv = await bus.kv(bus.names.deployments_bucket)
+        # A body that disagrees with its key: placed and removed in a loop before.
+        await bus.put(
+            bus.names.deployments_bucket, "evil", Deployment(name="docs", profile="tp1", replicas=1)
+        )
+        # An empty value is not a delete: chat keeps its replicas.
+        await kv.put("chat", b"")
+        # Over the configured maximum.
+        await bus.put(
+            bus.names.deployments_bucket, "huge", Deployment(name="huge", profile="tp1", replicas=21)
+        )
+        # A profile the catalog does not have.
+        await bus.put(
+            bus.names.deployments_bucket, "ghost", Deployment(name="ghost", profile="nope", replicas=1)
+        )
+        # A name that breaks the naming rule (a dot splits a subject).
+        await kv.put("bad.name", b'{"kind":"Deployment","name":"bad.name","profile":"tp1"}')
+
+        async def all_dead_lettered() -> list[str]:
+            errors = [
+                f"{m.headers.get('Llmgw-Subject', '')}: {m.headers.get('Llmgw-Error', '')}"
+                for m in await dlq(bus)
+                if m.headers
+            ]
+            assert len(errors) >= 5, errors
+            return errors
+
+        errors = await eventually(all_dead_lettered, timeout=20, interval=0.3)
+        text = "\n".join(errors)
+        assert "key evil holds a deployment named docs" in text
+        assert "an empty value is not a delete" in text
+        assert "deployment huge asks for 21 replicas, over the maximum of 20" in text
+        assert "deployment ghost: profile nope is not in the catalog (tp1)" in text
+        assert (
+            f"$KV.{bus.names.deployments_bucket}.bad.name: Expected `str` matching regex "
+            "'^[A-Za-z0-9_-]+$' - at `$.name`" in text
+        )
+        writes = p.service.controller.writes if p.service.controller else 0
+        await anyio.sleep(2.0)
+        assert set(await replicas(bus)) == before, "bad input placed or removed nothing"
+        assert p.service.controller is not None
+        assert p.service.controller.writes == writes
+        assert sum(p.bus.decode_errors.values()) == len(errors) == 5, "each one counted"
+        assert len(await dlq(bus)) == len(errors), "each bad value is dead-lettered once, not every step"
+
+
+async def _equal(found: object, expected: object) -> bool:
+    got = await found  # type: ignore[misc]
+    assert got == expected, got
+    return True
+
+
+async def _count(found: object, n: int) -> bool:
+    return len(await found) == n  # type: ignore[misc]
+
+
+async def test_a_silent_launcher_makes_readiness_unknown_then_fails_over(
+    bus: Bus, nats_url: str, prefix: str
+) -> None:
+    async with control_plane(nats_url, prefix) as cp:
+        silent_node = await cp.start_fleet(["n0"], gpus=8)
+        p = await cp.start_placement("a", node_timeout_s=4.0)
+        await eventually(lambda: p.service.controller is not None, timeout=20)
+        await bus.put(
+            bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1", replicas=1)
+        )
+        await eventually(lambda: _count(ready_replicas(bus, "chat"), 1), timeout=20)
+        await cp.start_fleet(["n1"], gpus=8)
+        silent_node.cancel()  # n0's agent stops: no heartbeat, no status update
+        states: list[str] = []
+
+        async def watch() -> None:
+            sub = await bus.js.subscribe(bus.names.replica_event("chat", "*"), ordered_consumer=True)
+            async for msg in sub.messages:
+                states.append(decoder(ReplicaStatus).decode(msg.data).state)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            await eventually(lambda: "unknown" in states, timeout=10)
+            found = await replicas(bus)
+            r0 = found["chat.r0"]
+            assert r0.state == "unknown"
+            assert r0.reason == "launcher on n0 silent: readiness unknown"
+            # Then the node is lost and the replica placed again elsewhere, under a new id.
+            await eventually(lambda: _count(ready_replicas(bus, "chat"), 1), timeout=20)
+            assert await ready_replicas(bus, "chat") == ["chat.r1"]
+            tg.cancel_scope.cancel()
+        assert states.index("unknown") < states.index("failed")
+
+
+async def test_replica_ids_never_repeat_across_failovers_and_restarts(
+    bus: Bus, nats_url: str, prefix: str
+) -> None:
+    async with control_plane(nats_url, prefix) as cp:
+        first = await cp.start_fleet(["n0"], gpus=8)
+        p = await cp.start_placement("a")
+        await eventually(lambda: p.service.controller is not None, timeout=20)
+        await bus.put(
+            bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1", replicas=1)
+        )
+        await eventually(lambda: _count(ready_replicas(bus, "chat"), 1), timeout=20)
+        await cp.start_fleet(["n1"], gpus=8)
+        first.cancel()
+        await eventually(lambda: _equal(ready_replicas(bus, "chat"), ["chat.r1"]), timeout=20)
+        # A new placement (the old one gone) continues the numbers, and so does a re-created deployment.
+        p.kill()
+        await p.stopped.wait()
+        q = await cp.start_placement("b")
+        await eventually(lambda: q.service.controller is not None, timeout=20)
+        await bus.delete(bus.names.deployments_bucket, "chat")
+        await eventually(lambda: _count(ready_replicas(bus, "chat"), 0), timeout=20)
+        await bus.put(
+            bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1", replicas=2)
+        )
+        await eventually(lambda: _count(ready_replicas(bus, "chat"), 2), timeout=20)
+        placed = await _placed(bus, "chat")
+        assert len(placed) == len(set(placed)) == 4, placed
+        assert sorted(await ready_replicas(bus, "chat")) != ["chat.r0", "chat.r1"]
+
+
+async def _placed(bus: Bus, deployment: str) -> list[str]:
+    sub = await bus.js.subscribe(bus.names.placement_event(deployment), ordered_consumer=True)
+    out = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except TimeoutError:
+                return out
+            decision = decoder(PlacementDecision).decode(msg.data)
+            if decision.outcome == "placed":
+                out.append(decision.replica)
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_runtime_changes_survive_a_leader_change(bus: Bus, nats_url: str, prefix: str) -> None:
+    """Regression: the standby rewrote a runtime scale (3) back to server.yaml's 2 and stopped a
+    ready replica."""
+    seeded = {"deployments": [{"name": "chat", "profile": "tp1", "replicas": 2}]}
+    async with control_plane(nats_url, prefix) as cp:
+        await cp.start_fleet(["n0", "n1"], gpus=8)
+        a = await cp.start_placement("a", **seeded)
+        await eventually(lambda: a.service.is_leader, timeout=20)
+        b = await cp.start_placement("b", **seeded)
+        await eventually(lambda: _count(ready_replicas(bus, "chat"), 2), timeout=20)
+        await bus.put(
+            bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1", replicas=3)
+        )
+        edited = msgspec.convert({**TP1, "args": ["--tokens-per-second", "99"]}, Profile)
+        await bus.put(bus.names.catalog_bucket, "tp1", edited)
+
+        async def rolled() -> bool:
+            found = await replicas(bus)
+            assert len(found) == 3, found
+            assert all(r.state == "ready" and r.profile_fp == edited.fingerprint() for r in found.values()), (
+                found
+            )
+            return True
+
+        await eventually(rolled, timeout=40, interval=0.3)
+        before = await ready_replicas(bus, "chat")
+        a.kill()
+        await eventually(lambda: b.service.is_leader, timeout=20)
+        await anyio.sleep(2.0)
+        got = await bus.get(bus.names.deployments_bucket, "chat", Deployment)
+        assert got is not None
+        assert got[0].replicas == 3
+        profile = await bus.get(bus.names.catalog_bucket, "tp1", Profile)
+        assert profile is not None
+        assert profile[0].args == ("--tokens-per-second", "99")
+        assert await ready_replicas(bus, "chat") == before
+        assert cp.crashes() == []

@@ -1,0 +1,148 @@
+"""NATS itself fails: outages of 5 s, 60 s and 5 min, and members of a 3-server cluster killed.
+
+Regressions pinned here: a 10 s outage ended the active placement (an uncaught
+`nats: timeout` from the lease renewal); a 5 s one made it demote itself
+("lease was taken by another process") though no one took it, and once declared
+every node lost on reconnect, removing and re-placing every replica; killing
+the leader of the leases bucket in a 3-server cluster ended both placements.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from llmgw_core.bus import Bus, BusOptions
+from llmgw_core.errors import BusError
+from llmgw_core.events import Deployment
+from llmgw_core.natsd import NatsServer
+from tests.control_support import control_plane, ready_replicas, replicas
+from tests.nats_cluster import nats_cluster
+from tests.waiting import eventually
+
+pytestmark = [pytest.mark.anyio]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("outage_s", [5, 60, 300])
+async def test_a_nats_outage_costs_nothing_and_fails_no_node_over(
+    own_nats: NatsServer, prefix: str, outage_s: int
+) -> None:
+    async with await Bus.connect(BusOptions(url=own_nats.url, prefix=prefix), service="test") as bus:
+        await bus.ensure()
+        async with control_plane(own_nats.url, prefix) as cp:
+            await cp.start_fleet(["n0", "n1", "n2"], gpus=8)
+            a = await cp.start_placement("a")
+            b = await cp.start_placement("b")
+            await eventually(lambda: len(cp.leaders()) == 1, timeout=20)
+            await bus.put(
+                bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1", replicas=6)
+            )
+
+            async def six_ready() -> list[str]:
+                ready = await ready_replicas(bus, "chat")
+                assert len(ready) == 6, ready
+                return ready
+
+            before = await eventually(six_ready, timeout=30, interval=0.3)
+            leader = cp.leaders()[0]
+            started = time.monotonic()
+            own_nats.stop()
+            await anyio.sleep(outage_s)
+            own_nats.start()
+            print(f"NATS away for {time.monotonic() - started:.1f} s")
+            await eventually(lambda: len(cp.leaders()) == 1, timeout=30)
+            after = await eventually(six_ready, timeout=60, interval=0.5)
+            assert after == before, (
+                "no replica was failed over: placement could not hear, so it judged no one"
+            )
+            # A short outage leaves the lease with its holder.
+            if outage_s < 60:
+                assert cp.leaders() == [leader]
+            assert cp.crashes() == []
+            assert not a.stopped.is_set()
+            assert not b.stopped.is_set()
+
+
+@pytest.mark.timeout(420)
+async def test_killing_each_member_of_a_3_server_cluster_during_a_deployment(
+    tmp_path: Path, prefix: str
+) -> None:
+    with nats_cluster(tmp_path) as cluster:
+        options = BusOptions(url=cluster.url, prefix=prefix, replicas=3)
+        bus = await Bus.connect(options, service="test")
+        try:
+
+            async def ensured() -> bool:
+                try:
+                    await bus.ensure()
+                except BusError:
+                    return False
+                return True
+
+            await eventually(ensured, timeout=60, interval=1.0)
+            async with control_plane(cluster.url, prefix) as cp:
+                await cp.start_fleet(["n0", "n1", "n2"], gpus=8)
+                a = await cp.start_placement("a", nats={"url": cluster.url, "prefix": prefix, "replicas": 3})
+                b = await cp.start_placement("b", nats={"url": cluster.url, "prefix": prefix, "replicas": 3})
+                await eventually(lambda: len(cp.leaders()) == 1, timeout=30)
+                wanted = 2
+                await bus.put(
+                    bus.names.deployments_bucket,
+                    "chat",
+                    Deployment(name="chat", profile="tp1", replicas=wanted),
+                )
+
+                async def leader_of(bucket: str) -> str:
+                    info = await bus.js.stream_info(f"KV_{bucket}")
+                    assert info.cluster is not None
+                    assert info.cluster.leader
+                    return info.cluster.leader
+
+                # The leader of the leases bucket, then whichever server leads the shards
+                # bucket by then, then every member not killed yet.
+                killed: list[str] = []
+                while set(killed) != set(cluster.servers):
+                    if not killed:
+                        name = await leader_of(bus.names.leases_bucket)
+                    elif len(killed) == 1:
+                        name = await eventually(lambda: leader_of(bus.names.shards_bucket), timeout=30)
+                    else:
+                        name = sorted(set(cluster.servers) - set(killed))[0]
+                    killed.append(name)
+                    wanted += 2
+                    cluster.kill(name)
+                    print(f"killed {name}; chat to {wanted} replicas")
+                    # As an operator would: a write refused while the cluster elects is tried again.
+                    await eventually(functools.partial(_put, bus, wanted), timeout=30, interval=0.5)
+                    await anyio.sleep(3)
+                    cluster.restart(name)
+                    await anyio.sleep(2)
+
+                async def converged() -> bool:
+                    ready = await ready_replicas(bus, "chat")
+                    assert len(ready) == wanted, (len(ready), wanted)
+                    assert len(await replicas(bus)) == wanted
+                    return True
+
+                await eventually(converged, timeout=90, interval=0.5)
+                await eventually(lambda: len(cp.leaders()) == 1, timeout=30)
+                assert cp.crashes() == []
+                assert not a.stopped.is_set()
+                assert not b.stopped.is_set()
+        finally:
+            await bus.close()
+
+
+async def _put(bus: Bus, replicas: int) -> bool:
+    try:
+        await bus.put(
+            bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1", replicas=replicas)
+        )
+    except BusError:
+        return False
+    return True
