@@ -27,6 +27,7 @@ class Cluster:
     node_timeout_s: float = 2.0
     heartbeat_s: float = 0.3
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    argv: dict[str, list[str]] = field(default_factory=dict)
 
     def server_config(
         self, identity: str, catalog: list[dict[str, Any]], deployments: list[dict[str, Any]]
@@ -73,7 +74,12 @@ class Cluster:
         with (self.root / f"{name}.log").open("ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.procs[name] = proc
+        self.argv[name] = argv
         return proc
+
+    def respawn(self, name: str) -> subprocess.Popen[bytes]:
+        """Start a process again with the command line it was first started with."""
+        return self._spawn(name, self.argv[name])
 
     def start_placement(
         self, identity: str, catalog: list[dict[str, Any]], deployments: list[dict[str, Any]]

@@ -150,6 +150,9 @@ class Bus:
 
         async def on_error(exc: Exception) -> None:
             errors.append(exc)
+            del errors[:-8]
+            if holder and not holder[0].connected:
+                return  # each failed reconnect of an outage: the disconnect was logged once
             log.warning("%s: NATS error: %s", service, exc)
 
         kwargs: dict[str, Any] = {
@@ -193,7 +196,9 @@ class Bus:
             cause = refusals[0] if refusals else errors[-1] if errors else exc
             raise BusError(
                 f"cannot connect to NATS at {url}: {cause or type(cause).__name__}; is nats-server running, "
-                "and are the credentials right? Set LLMGW_NATS_URL (or nats: url) to its address"
+                "and are the credentials right? Set LLMGW_NATS_URL (or nats: url) to its address",
+                # A refused identity stays refused; a server that is not up yet may come up.
+                retryable=not refusals,
             ) from exc
         bus = cls(nc, options, service)
         holder.append(bus)

@@ -8,11 +8,10 @@ import sys
 import anyio
 
 from llmgw_core import telemetry
-from llmgw_core.bus import Bus
 from llmgw_core.config import load
 from llmgw_core.errors import LlmgwError
 from llmgw_core.httpserver import serve
-from llmgw_core.lifecycle import cancel_on_signal
+from llmgw_core.lifecycle import cancel_on_signal, connect_service
 
 from .api import Api
 from .config import ServerConfig
@@ -20,9 +19,8 @@ from .service import PlacementService
 
 
 async def _main(config: ServerConfig) -> None:
-    bus = await Bus.connect(config.nats, service="placement")
+    bus = await connect_service(config.nats, "placement")
     async with bus:
-        await bus.ensure()
         service = PlacementService(config, bus)
         async with anyio.create_task_group() as tg:
             tg.start_soon(cancel_on_signal, tg.cancel_scope)

@@ -167,6 +167,12 @@ class Controller:
         for key in sorted(set(self.shards) - owned):
             log.warning("shard %s belongs to no replica; removing it", key)
             await self._delete_shard(key)
+        for key, record in self.replicas.items():
+            if record.state != "placing" and not set(record.shards) <= set(self.shards):
+                # Its shard specs are gone (deleted by hand, or a value that did not
+                # decode): what it holds is unknown, so it is removed and placed again.
+                log.warning("replica %s lost its shard specs; placing it again", key)
+                self.replicas[key] = msgspec.structs.replace(record, state="placing")
 
     # --- node views ------------------------------------------------------------------
 
