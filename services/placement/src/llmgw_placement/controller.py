@@ -24,6 +24,7 @@ from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
+import anyio
 import msgspec
 from opentelemetry import trace
 
@@ -120,6 +121,9 @@ class ReplicaIds(msgspec.Struct, frozen=True, kw_only=True):
 
 # Replica numbers are reserved this many at a time: one write per block, not per replica.
 ID_BLOCK = 64
+# Placements written together after one proof of the lease, and how many are in flight at once.
+BATCH_MAX = 512
+FLUSH_CONCURRENCY = 64
 
 
 class Controller:
@@ -150,6 +154,9 @@ class Controller:
         self._step_at = 0.0
         # Per deployment, the next replica number and the end of the block reserved in the bucket.
         self._ids: dict[str, tuple[int, int]] = {}
+        # Placements taken in memory and not yet written (see `flush`).
+        self._batch: list[tuple[ReplicaRecord, list[ShardSpec], PlacementDecision, str]] = []
+        self._fenced_at: float | None = None
         # Deployments whose unknown profile was dead-lettered already (by value).
         self._told_unknown: dict[str, Deployment] = {}
 
@@ -276,8 +283,15 @@ class Controller:
             elif record.state == "placing":
                 # Its shards were not all written (a fault mid-commit): start it again.
                 await self._remove_replica(record, "placement was interrupted; placing it again")
-        for name in sorted(snap.deployments):
-            await self._converge(snap.deployments[name], alive, snap, at)
+        try:
+            for name in sorted(snap.deployments):
+                await self._converge(snap.deployments[name], alive, snap, at)
+        except BaseException:
+            # What was queued is not written: those replicas stay `placing` in
+            # memory, and the next step removes them and places them again.
+            self._batch = []
+            raise
+        await self.flush()
 
     async def _converge(self, dep: Deployment, alive: set[str], snap: Snapshot, at: float) -> None:
         profile = snap.catalog.get(dep.profile)
@@ -433,49 +447,56 @@ class Controller:
         return True
 
     async def _fenced(self) -> None:
-        if self.fence is not None:
-            await self.fence()
+        """Prove the lease before writing: at most once per heartbeat interval, so a batch of
+        placements costs one compare-and-set, not one each. A paused ex-leader resumes with
+        its proof older than that, tries again, and learns here that it lost the lease."""
+        if self.fence is None:
+            return
+        at = self.clock()
+        if self._fenced_at is not None and at - self._fenced_at < self.config.heartbeat_interval_s:
+            return
+        await self.fence()
+        self._fenced_at = self.clock()
 
     async def _commit(self, dep: Deployment, profile: Profile, fp: str, replica: str, p: Placement) -> None:
-        await self._fenced()
         # One trace from `ctl deploy` to the engines: the deployment carries its
         # trace context, this span continues it, and the shard specs carry it on.
         with tracer.start_as_current_span(
             f"place {dep.name}/{replica}", context=context_from(dep.traceparent)
         ):
-            await self._commit_in_span(dep, profile, fp, replica, p)
+            self._plan(dep, profile, fp, replica, p)
+        if len(self._batch) >= BATCH_MAX:
+            await self.flush()
 
-    async def _commit_in_span(
-        self, dep: Deployment, profile: Profile, fp: str, replica: str, p: Placement
-    ) -> None:
+    def _plan(self, dep: Deployment, profile: Profile, fp: str, replica: str, p: Placement) -> None:
+        """Take the placement in memory now (the next decision sees its GPUs taken), and queue
+        its writes for `flush`."""
         traceparent = current_traceparent()
         members = (
             tuple(Member(node=a.node, addr=a.addr, port=a.port) for a in p.members)
             if len(p.members) > 1
             else ()
         )
-        specs = []
-        for a in p.members:
-            shard = f"{dep.name}-{replica}-{a.rank}"
-            specs.append(
-                ShardSpec(
-                    replica=replica,
-                    shard=shard,
-                    node=a.node,
-                    profile=profile,
-                    rank=a.rank,
-                    gpus=a.gpus,
-                    host=a.addr,
-                    port=0,
-                    members=members,
-                    hcas=a.hcas,
-                    fabric=p.fabric,
-                    pool=dep.pool,
-                    profile_fp=fp,
-                    deployment=dep.name,
-                    traceparent=traceparent,
-                )
+        specs = [
+            ShardSpec(
+                replica=replica,
+                shard=f"{dep.name}-{replica}-{a.rank}",
+                node=a.node,
+                profile=profile,
+                rank=a.rank,
+                gpus=a.gpus,
+                host=a.addr,
+                port=0,
+                members=members,
+                hcas=a.hcas,
+                fabric=p.fabric,
+                pool=dep.pool,
+                profile_fp=fp,
+                deployment=dep.name,
+                traceparent=traceparent,
             )
+            for a in p.members
+        ]
         record = ReplicaRecord(
             deployment=dep.name,
             replica=replica,
@@ -491,19 +512,12 @@ class Controller:
         )
         number, end = self._ids[dep.name]
         self._ids[dep.name] = (number + 1, end)
-        # The record first: a placement that dies here leaves a record in
-        # `placing` that the next step removes with whatever shards it has,
-        # never shards that nobody owns.
-        await self._save_replica(record)
+        self.replicas[_key(record)] = record
         for spec in specs:
-            key = self.bus.names.shard_key(spec.node, spec.shard)
-            await self.bus.put(self.bus.names.shards_bucket, key, spec)
-            self.shards[key] = spec
-            self.writes += 1
+            self.shards[self.bus.names.shard_key(spec.node, spec.shard)] = spec
             # Only the chosen nodes' views change: update them in the index.
             self._usage_all.add(spec)
             self._reindex(spec.node)
-        await self._save_replica(msgspec.structs.replace(record, state="starting", updated_at=now()))
         decision = PlacementDecision(
             deployment=dep.name,
             replica=replica,
@@ -513,7 +527,65 @@ class Controller:
         )
         self.decisions[dep.name] = decision
         log.info("placed %s/%s on %s", dep.name, replica, ", ".join(decision.nodes))
-        await self._event(self.bus.names.placement_event(dep.name), decision)
+        self._batch.append((record, specs, decision, traceparent))
+
+    async def flush(self) -> None:
+        """Write every queued placement, many in flight at once, after one proof of the lease.
+
+        Each replica's own writes keep their order: the record (`placing`)
+        first, then its shard specs, then the record (`starting`). A replica
+        whose writes fail stays `placing` in memory, and the next step removes
+        it and places it again; the failure costs this step (BusError).
+        """
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
+        await self._fenced()
+        failures: list[BaseException] = []
+        limiter = anyio.CapacityLimiter(FLUSH_CONCURRENCY)
+
+        async def write(
+            record: ReplicaRecord, specs: list[ShardSpec], decision: PlacementDecision, traceparent: str
+        ) -> None:
+            async with limiter:
+                try:
+                    with tracer.start_as_current_span(
+                        f"commit {record.deployment}/{record.replica}", context=context_from(traceparent)
+                    ):
+                        await self._write_placement(record, specs, decision)
+                except BusError as exc:
+                    failures.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for item in batch:
+                tg.start_soon(write, *item)
+        if failures:
+            raise BusError(f"{len(failures)} of {len(batch)} placements were not written: {failures[0]}")
+
+    async def _write_placement(
+        self, record: ReplicaRecord, specs: list[ShardSpec], decision: PlacementDecision
+    ) -> None:
+        names = self.bus.names
+        key = _key(record)
+        await self.bus.put(names.replicas_bucket, key, record)
+        async with anyio.create_task_group() as tg:
+            for spec in specs:
+                tg.start_soon(self.bus.put, names.shards_bucket, names.shard_key(spec.node, spec.shard), spec)
+        starting = msgspec.structs.replace(record, state="starting", updated_at=now())
+        await self.bus.put(names.replicas_bucket, key, starting)
+        self.writes += 2 + len(specs)
+        if self.replicas.get(key) is record:
+            self.replicas[key] = starting
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._event, names.placement_event(record.deployment), decision)
+            for state in ("placing", "starting"):
+                tg.start_soon(
+                    self._event,
+                    names.replica_event(record.deployment, record.replica),
+                    ReplicaStatus(
+                        deployment=record.deployment, replica=record.replica, state=state, at=now()
+                    ),
+                )
 
     async def _refuse(
         self, dep: Deployment, replica: str, text: str, reasons: tuple[tuple[str, str], ...] = ()
