@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import anyio
 import msgspec
@@ -14,12 +13,12 @@ from opentelemetry import trace
 
 from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.errors import ConfigError, LlmgwError
-from llmgw_core.events import Deployment, Heartbeat, NodeStatus, PlacementDecision, decoder
+from llmgw_core.events import Deployment, Liveness, NodeLiveness, NodeStatus, PlacementDecision, decoder
 from llmgw_core.telemetry import current_traceparent
 
 tracer = trace.get_tracer("llmgw.ctl")
 
-LISTEN_S = 2.5  # long enough to hear every live node's heartbeat at the default 1 s interval
+LIVENESS_TIMEOUT_S = 1.5
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -29,21 +28,41 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+async def liveness(bus: Bus) -> Liveness | None:
+    """Placement's own judgement of every node (the one that fails nodes over), or None
+    when no placement answers."""
+    try:
+        reply = await bus.nc.request(bus.names.liveness_request, b"", timeout=LIVENESS_TIMEOUT_S)
+    except (nats.errors.Error, OSError):
+        return None
+    return decoder(Liveness).decode(reply.data)
+
+
+def node_state(live: NodeLiveness | None, judged: bool) -> str:
+    if not judged:
+        return "unknown (no placement answered)"
+    if live is None:
+        return "unknown (not heard since placement started)"
+    if live.alive:
+        return "alive"
+    if live.silent_s < 0:
+        return "lost (not heard since placement started)"
+    return f"lost {_ago(live.silent_s)} ago"
+
+
+def _ago(seconds: float) -> str:
+    s = int(seconds)
+    if s < 120:
+        return f"{s} s"
+    if s < 7200:
+        return f"{s // 60} min"
+    return f"{s // 3600} h"
+
+
 async def nodes(bus: Bus) -> str:
-    heard: dict[str, float] = {}
-
-    async def on_beat(beat: Heartbeat, subject: str) -> None:
-        heard[beat.node] = time.time()
-
-    async with anyio.create_task_group() as tg:
-        await tg.start(
-            lambda task_status: bus.subscribe_core(
-                bus.names.heartbeat_all, Heartbeat, on_beat, task_status=task_status
-            )
-        )
-        statuses = await bus.entries(bus.names.nodes_bucket, NodeStatus)
-        await anyio.sleep(LISTEN_S)
-        tg.cancel_scope.cancel()
+    statuses = await bus.entries(bus.names.nodes_bucket, NodeStatus)
+    judged = await liveness(bus)
+    live = {n.node: n for n in judged.nodes} if judged else {}
     rows = []
     for key in sorted(statuses):
         status = statuses[key].value
@@ -53,13 +72,18 @@ async def nodes(bus: Bus) -> str:
         engines = ", ".join(
             f"{e.name} {e.version or ''} ({e.state})".replace("  ", " ") for e in status.engines
         )
+        node_live = live.get(status.node)
+        install = status.install or "-"
+        if node_live is not None and not node_live.alive and status.install:
+            # What a lost node said last is not news: say so.
+            install = f"{status.install} (last known)"
         rows.append(
             [
                 status.node,
-                "alive" if status.node in heard else f"silent {LISTEN_S:g}s",
+                node_state(node_live, judged is not None),
                 gpu_text,
                 engines or "none",
-                status.install or "-",
+                install,
                 "; ".join(status.warnings) or "-",
             ]
         )

@@ -26,9 +26,11 @@ __all__ = [
     "EngineState",
     "Heartbeat",
     "InstallProgress",
+    "Liveness",
     "Member",
     "NetInterface",
     "NodeFacts",
+    "NodeLiveness",
     "NodeReason",
     "NodeStatus",
     "PlacementDecision",
@@ -136,6 +138,26 @@ class Heartbeat(Message, frozen=True):
     node: Token
     service: str
     at: float
+
+
+class NodeLiveness(Struct, frozen=True, kw_only=True, array_like=True):
+    """One node as placement judges it (array-like: 10,000 of them fit one NATS message)."""
+
+    node: str
+    alive: bool
+    # Seconds since its launcher was last heard; -1 if not since the judging placement started.
+    silent_s: float
+    # Seconds since its installer was last heard; -1 likewise.
+    installer_silent_s: float = -1.0
+
+
+class Liveness(Message, frozen=True):
+    """The reply to `<prefix>.placement.liveness`."""
+
+    placement: str
+    leader: bool
+    nodes: tuple[NodeLiveness, ...] = ()
+    at: float = 0.0
 
 
 # --- engines the control plane wants ----------------------------------------

@@ -104,6 +104,12 @@ class Names:
     def heartbeat_all(self) -> str:
         return f"{self.prefix}.heartbeat.>"
 
+    @property
+    def liveness_request(self) -> str:
+        """Request/reply: every placement (one answers, a queue group) replies with a
+        `Liveness` of every node, as it judges them; `llmgw ctl` asks it."""
+        return f"{self.prefix}.placement.liveness"
+
     def dlq(self, service: str) -> str:
         return f"{self.prefix}.dlq.{service}"
 

@@ -5,14 +5,15 @@ Every placement serves it; a standby answers from the same watched state.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-import anyio
 import msgspec
 from opentelemetry import trace
 
+from llmgw_core.engines import GPUInfo
 from llmgw_core.errors import BusError
-from llmgw_core.events import Deployment
+from llmgw_core.events import Deployment, EngineState
 from llmgw_core.httpserver import Request, Response, json_response, text_response
 from llmgw_core.telemetry import context_from, current_traceparent
 
@@ -26,6 +27,23 @@ def _builtins(value: Any) -> Any:
     return msgspec.to_builtins(value)
 
 
+_encode = msgspec.json.Encoder().encode
+
+
+class NodeRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One node in `/api/nodes`: as its agents reported it, and whether placement hears it."""
+
+    node: str
+    alive: bool
+    # Seconds since its launcher was last heard; -1 if never since this placement started.
+    seen_s_ago: float
+    gpus: tuple[GPUInfo, ...]
+    engines: tuple[EngineState, ...]
+    install: str
+    warnings: tuple[str, ...]
+    probed_at: float
+
+
 class Api:
     def __init__(self, service: PlacementService) -> None:
         self.service = service
@@ -33,7 +51,8 @@ class Api:
     async def handle(self, req: Request) -> Response:
         path = req.path.rstrip("/")
         if path == "/api/nodes" and req.method == "GET":
-            return json_response(self.nodes())
+            # msgspec encodes 10,000 nodes with their GPUs in milliseconds; stdlib json does not.
+            return Response(body=_encode(self.nodes()) + b"\n")
         if path == "/api/deployments":
             if req.method == "POST":
                 return await self.put_deployment(req)
@@ -50,23 +69,24 @@ class Api:
             return json_response({"leader": self.service.is_leader, "identity": self.service.identity})
         return json_response({"error": f"no route {req.method} {req.path}"}, 404)
 
-    def nodes(self) -> list[dict[str, Any]]:
+    def nodes(self) -> list[NodeRow]:
         controller = self.service.controller
-        at = anyio.current_time()
+        at = time.monotonic()
         out = []
-        for status in sorted(self.service.state.nodes.values(), key=lambda s: s.node):
+        for name in sorted(self.service.state.nodes):
+            status = self.service.state.nodes[name]
             alive, since = controller.alive(status.node, at) if controller else (True, 0.0)
             out.append(
-                {
-                    "node": status.node,
-                    "alive": alive,
-                    "seen_s_ago": round(since, 1),
-                    "gpus": [_builtins(g) for g in status.facts.gpus],
-                    "engines": [_builtins(e) for e in status.engines],
-                    "install": status.install,
-                    "warnings": list(status.warnings),
-                    "probed_at": status.probed_at,
-                }
+                NodeRow(
+                    node=status.node,
+                    alive=alive,
+                    seen_s_ago=round(since, 1) if since != float("inf") else -1.0,
+                    gpus=status.facts.gpus,
+                    engines=status.engines,
+                    install=status.install,
+                    warnings=status.warnings,
+                    probed_at=status.probed_at,
+                )
             )
         return out
 
@@ -84,7 +104,7 @@ class Api:
             decision = decide(
                 dep,
                 profile,
-                controller.views(anyio.current_time()),
+                controller.views(time.monotonic()),
                 port_range=self.service.config.dist_port_range,
             )
             if isinstance(decision, Refusal):

@@ -8,6 +8,7 @@ lead again. Faults are logged once per outage, not once per call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -19,12 +20,24 @@ from typing import TypeVar
 import anyio
 import anyio.abc
 import msgspec
+import nats.errors
+from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from llmgw_core.bus import Bus, KVChange
 from llmgw_core.engines import Profile
 from llmgw_core.errors import BusError
-from llmgw_core.events import Deployment, DesiredEngines, Heartbeat, NodeStatus, ShardStatus, encode
+from llmgw_core.events import (
+    Deployment,
+    DesiredEngines,
+    Heartbeat,
+    Liveness,
+    NodeLiveness,
+    NodeStatus,
+    ShardStatus,
+    encode,
+    now,
+)
 from llmgw_core.telemetry import current_traceparent
 
 from .checks import check_deployment, check_profile
@@ -149,11 +162,53 @@ class PlacementService:
                 )
             expected = at + tick
 
+    def liveness(self) -> Liveness:
+        """Every node as this placement judges it, for `llmgw ctl nodes` and the API."""
+        at = time.monotonic()
+        controller = self.controller or Controller(self.config, self.bus, self.state)
+        state = self.state
+        out = []
+        for node in sorted(state.nodes):
+            alive, silent = controller.alive(node, at)
+            installer = state.installer_seen.get(node)
+            out.append(
+                NodeLiveness(
+                    node=node,
+                    alive=alive,
+                    silent_s=round(silent, 1) if silent != float("inf") else -1.0,
+                    installer_silent_s=round(at - installer, 1) if installer is not None else -1.0,
+                )
+            )
+        return Liveness(placement=self.identity, leader=self.is_leader, nodes=tuple(out), at=now())
+
+    async def _answer_liveness(self) -> None:
+        async def answer(msg: Msg) -> None:
+            try:
+                await msg.respond(encode(self.liveness()))
+            except (nats.errors.Error, OSError) as exc:
+                log.warning("%s: could not answer a liveness request: %s", self.identity, exc)
+
+        while True:
+            try:
+                sub = await self.bus.nc.subscribe(
+                    self.bus.names.liveness_request, queue="placement", cb=answer
+                )
+            except (nats.errors.Error, OSError) as exc:
+                log.warning("%s: cannot answer liveness requests yet: %s", self.identity, exc)
+                await anyio.sleep(1.0)
+                continue
+            try:
+                await anyio.sleep_forever()
+            finally:
+                with anyio.CancelScope(shield=True), contextlib.suppress(nats.errors.Error, OSError):
+                    await sub.unsubscribe()
+
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         names = self.bus.names
         max_replicas = self.config.max_replicas
         async with anyio.create_task_group() as tg:
             await tg.start(self._heartbeats)
+            tg.start_soon(self._answer_liveness)
             tg.start_soon(self._hearing)
             tg.start_soon(self._mirror, names.nodes_bucket, NodeStatus, self.state.nodes, _check_node)
             tg.start_soon(self._mirror, names.catalog_bucket, Profile, self.state.catalog, check_profile)
