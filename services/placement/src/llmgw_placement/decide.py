@@ -7,8 +7,11 @@ restarted placement (or a test) computes exactly what the last one did.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+
+from sortedcontainers import SortedList
 
 from llmgw_core.engines import GPUInfo, Profile, validate_profile
 from llmgw_core.events import Deployment, EngineState
@@ -58,8 +61,12 @@ class NodeIndex:
     def __init__(self, views: Sequence[NodeView] = ()) -> None:
         self.views: dict[str, NodeView] = {}
         self._buckets: dict[tuple[str, str], set[str]] = defaultdict(set)
-        # (engine, GPU class) -> free GPUs of that class -> nodes: binpack walks it upwards.
-        self._by_free: dict[tuple[str, str], dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
+        # (engine, GPU class) -> free GPUs of that class -> nodes in binpack order within
+        # the bucket ((-shards, node)): binpack walks the buckets upwards and takes the first
+        # node that fits, without sorting a big fleet for every decision.
+        self._by_free: dict[tuple[str, str], dict[int, SortedList]] = defaultdict(
+            lambda: defaultdict(SortedList)
+        )
         self._by_weights: dict[str, set[str]] = defaultdict(set)
         for view in views:
             self.add(view)
@@ -79,7 +86,7 @@ class NodeIndex:
         self.views[view.node] = view
         for key, free in self._keys(view):
             self._buckets[key].add(view.node)
-            self._by_free[key][free].add(view.node)
+            self._by_free[key][free].add((-view.shards, view.node))
         for path in view.weights:
             self._by_weights[path].add(view.node)
 
@@ -89,7 +96,7 @@ class NodeIndex:
             return
         for key, free in self._keys(old):
             self._buckets[key].discard(node)
-            self._by_free[key][free].discard(node)
+            self._by_free[key][free].discard((-old.shards, node))
         for path in old.weights:
             self._by_weights[path].discard(node)
 
@@ -99,14 +106,14 @@ class NodeIndex:
     def holding(self, path: str) -> list[NodeView]:
         return [self.views[n] for n in sorted(self._by_weights.get(path, set()))]
 
-    def by_free(self, profile: Profile, at_least: int) -> list[list[NodeView]]:
-        """Candidates grouped by free GPUs of the profile's class, fewest first, from `at_least` up."""
+    def binpack_order(self, profile: Profile, at_least: int) -> Iterator[NodeView]:
+        """Candidates with at least `at_least` free GPUs of the profile's class, in binpack order
+        (fewest free first, then most shards, then node id), produced lazily."""
         buckets = self._by_free.get((profile.engine, profile.gpu_class), {})
-        return [
-            [self.views[n] for n in sorted(buckets[free])]
-            for free in sorted(buckets)
-            if free >= at_least and buckets[free]
-        ]
+        for free in sorted(buckets):
+            if free >= at_least:
+                for _, node in buckets[free]:
+                    yield self.views[node]
 
     def candidates(self, profile: Profile) -> list[NodeView]:
         names = self._buckets.get((profile.engine, profile.gpu_class), set())
@@ -244,15 +251,16 @@ def decide(
         # weight holders, then walk the free-GPU buckets upwards; the first bucket
         # with a fitting node holds the answer, so a big fleet is not scanned.
         need = gpus_needed(profile)
-        groups = [
-            [v for v in index.holding(profile.model_path) if index.is_candidate(profile, v.node)],
-            *index.by_free(profile, need),
-        ]
-        for group in groups:
-            # In score order, the first node that fits is the best of its group.
-            for view in sorted(group, key=lambda v: _score(v, profile, deployment)):
-                if unfit(view, profile, deployment) is None:
-                    return _decide(deployment, profile, [view], fabric_hcas, port_range)
+        holders = [v for v in index.holding(profile.model_path) if index.is_candidate(profile, v.node)]
+        # In score order, the first node that fits is the best. A weight holder that does
+        # not fit here does not fit in its free-GPU bucket either, so the buckets' own order
+        # (which ignores weights) picks the same node the full score would.
+        ordered = chain(
+            sorted(holders, key=lambda v: _score(v, profile, deployment)), index.binpack_order(profile, need)
+        )
+        for view in ordered:
+            if unfit(view, profile, deployment) is None:
+                return _decide(deployment, profile, [view], fabric_hcas, port_range)
     else:
         decision = _decide(deployment, profile, index.candidates(profile), fabric_hcas, port_range)
         if isinstance(decision, Placement):
