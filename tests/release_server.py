@@ -25,6 +25,8 @@ class ReleaseServer:
     requests: list[str] = field(default_factory=list)
     port: int = 0
     release_status: int = 200
+    # The release lookup itself: "ok" | "500" | "500-once" | "stall" | "garbage"
+    release_behaviour: str = "ok"
 
     @property
     def api(self) -> str:
@@ -64,6 +66,15 @@ class ReleaseServer:
     async def handle(self, req: Request) -> Response:
         self.requests.append(req.path)
         if req.path == f"/repos/{self.repo}/releases/tags/{self.tag}":
+            mode = self.release_behaviour
+            if mode == "500-once":
+                self.release_behaviour = "ok"
+            if mode in ("500", "500-once"):
+                return json_response({"message": "Server Error"}, 500)
+            if mode == "stall":
+                await anyio.sleep(3600)
+            if mode == "garbage":
+                return Response(body=b"<html>rate limited</html>", content_type="text/html")
             if self.release_status != 200:
                 return json_response({"message": "Not Found"}, self.release_status)
             return Response(body=json.dumps({"tag_name": self.tag, "assets": self._assets()}).encode())

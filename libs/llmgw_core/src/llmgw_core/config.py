@@ -77,6 +77,11 @@ class AgentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
     allow_os_packages: bool = True
     github_api: str = "https://api.github.com"
     mirror: str = ""
+    # Unpacking an engine archive: at most this many bytes in all, and no member
+    # over this multiple of the archive's own size (a bomb of zeros is refused
+    # before it is written).
+    unpack_max_bytes: int = 4 << 30
+    unpack_max_ratio: float = 100.0
     # Launcher timing.
     stop_grace_s: float = 10.0
     wait_timeout_s: float = 600.0

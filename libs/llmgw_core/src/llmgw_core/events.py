@@ -167,7 +167,8 @@ class EngineSpec(Struct, frozen=True, kw_only=True):
     name: str
     version: str = ""
     # "github:<owner>/<repo>" (default for llamacpp), "mirror:<url or dir>",
-    # or "configured" for Python environments named in agent.yaml.
+    # or "configured": the engine is the one agent.yaml names under engines:
+    # (checked like an installed one); nothing is downloaded.
     source: str = ""
 
 

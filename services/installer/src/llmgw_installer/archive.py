@@ -12,28 +12,81 @@ drive letters).
 
 The archive's own internal symlinks are kept: llama.cpp ships `.so` chains
 (`libllama.so -> libllama.so.0 -> libllama.so.0.6.0`).
+
+Sizes are judged before anything is written: a member whose declared size
+is over `max_ratio` times the archive's own (compressed) size, or that takes
+the total over `max_total_bytes`, is refused naming the member; a 300 MB
+member of zeros packs into 300 kB and must not fill the disk to be noticed.
+tar copies exactly the size its header declares; a zip member's stream is
+counted while it is written and cut off at the declared size.
+
+A corrupt or truncated archive (its published sha256 may well match: the
+release itself is broken) is refused naming the member being read and what
+the decompressor said. A tar stream is read to its end, checksum included,
+before a byte is written, so a broken deflate stream never leaves half a tree.
 """
 
 from __future__ import annotations
 
+import gzip
+import lzma
 import os
 import posixpath
 import stat
 import tarfile
 import zipfile
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Literal
 
+from .errors import ArchiveError
 
-class ArchiveError(Exception):
-    """The archive was refused; nothing outside the destination was written."""
+# What reading a damaged archive raises, from tarfile, zipfile and the decompressors.
+_READ_ERRORS = (
+    tarfile.TarError,
+    zipfile.BadZipFile,
+    EOFError,
+    zlib.error,
+    lzma.LZMAError,
+    gzip.BadGzipFile,
+)
+
+_TAR_MODES: dict[str, Literal["r:gz", "r:xz", "r:"]] = {
+    ".tar.gz": "r:gz",
+    ".tgz": "r:gz",
+    ".tar.xz": "r:xz",
+    ".tar": "r:",
+}
+
+_ZIP_METHODS = {
+    zipfile.ZIP_STORED: "stored",
+    zipfile.ZIP_DEFLATED: "deflate",
+    zipfile.ZIP_BZIP2: "bzip2",
+    zipfile.ZIP_LZMA: "lzma",
+}
 
 
 @dataclass(frozen=True)
 class Limits:
     max_entries: int = 20_000
     max_member_bytes: int = 3 << 30
-    max_total_bytes: int = 16 << 30
+    max_total_bytes: int = 4 << 30
+    # A member may unpack to at most this many times the archive's own size.
+    max_ratio: float = 100.0
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text if text else type(exc).__name__
+
+
+def _unreadable(archive: str, member: str | None, exc: BaseException) -> ArchiveError:
+    where = f"member {member!r}" if member else "its first member"
+    return ArchiveError(
+        f"{archive}: cannot read {where}: {_reason(exc)}; the archive is corrupt or truncated, refused"
+    )
 
 
 def _check_name(name: str, archive: str) -> PurePosixPath:
@@ -60,24 +113,53 @@ def _link_inside(member: PurePosixPath, target: str, archive: str, kind: str) ->
         )
 
 
-def _count_size(archive: str, name: str, size: int, total: int, limits: Limits) -> int:
-    """The running total with this member added, or ArchiveError for a member or archive too large."""
+def _count_size(archive: str, name: str, size: int, total: int, compressed: int, limits: Limits) -> int:
+    """The running total with this member added, or ArchiveError for a member or archive too large.
+
+    `compressed` is the archive's own size on disk (0: unknown, no ratio is judged).
+    """
     if size > limits.max_member_bytes:
         raise ArchiveError(
             f"{archive}: member {name!r} claims {size} bytes, "
             f"over the {limits.max_member_bytes}-byte limit; refused"
         )
+    ratio = size / compressed if compressed else 0.0
+    if ratio > limits.max_ratio:
+        raise ArchiveError(
+            f"{archive}: member {name!r} claims {size} bytes, {ratio:.0f}× the archive's "
+            f"{compressed} bytes, over the {limits.max_ratio:g}× limit; refused"
+        )
     total += size
     if total > limits.max_total_bytes:
-        raise ArchiveError(f"{archive}: more than {limits.max_total_bytes} bytes in all; refused")
+        raise ArchiveError(
+            f"{archive}: member {name!r} takes the total to {total} bytes, "
+            f"over the {limits.max_total_bytes}-byte limit; refused"
+        )
     return total
 
 
-def check_tar(tf: tarfile.TarFile, archive: str, limits: Limits) -> list[tarfile.TarInfo]:
+class _Reading:
+    """The member whose header or data is being read, for naming it when the stream breaks."""
+
+    def __init__(self) -> None:
+        self.member: str | None = None
+
+    def track(self, members: list[tarfile.TarInfo]) -> Iterator[tarfile.TarInfo]:
+        for m in members:
+            self.member = m.name
+            yield m
+
+
+def check_tar(
+    tf: tarfile.TarFile, archive: str, limits: Limits, compressed: int = 0, reading: _Reading | None = None
+) -> list[tarfile.TarInfo]:
+    """Every member, checked; then the rest of the stream, so that a damaged one fails here."""
+    reading = reading or _Reading()
     members = []
     total = 0
     links: dict[str, str] = {}
     for count, m in enumerate(tf, start=1):
+        reading.member = m.name
         if count > limits.max_entries:
             raise ArchiveError(f"{archive}: more than {limits.max_entries} entries; refused")
         name = _check_name(m.name, archive)
@@ -102,26 +184,51 @@ def check_tar(tf: tarfile.TarFile, archive: str, limits: Limits) -> list[tarfile
                 raise ArchiveError(
                     f"{archive}: member {m.name!r} is written through symlink {str(parent)!r}; refused"
                 )
-        total = _count_size(archive, m.name, m.size, total, limits)
+        total = _count_size(archive, m.name, m.size, total, compressed, limits)
         members.append(m)
+    # tarfile stops at the end-of-archive blocks; the compressor's own checksum
+    # (gzip's CRC, xz's) sits after them and is only checked when read.
+    fileobj = tf.fileobj
+    if fileobj is not None:
+        trailing = 0
+        while chunk := fileobj.read(1 << 20):
+            trailing += len(chunk)
+            if trailing > limits.max_total_bytes:
+                raise ArchiveError(
+                    f"{archive}: more than {limits.max_total_bytes} bytes after the last member; refused"
+                )
     return members
 
 
 def extract_tar(path: Path, dest: Path, limits: Limits = Limits()) -> None:
     archive = path.name
+    reading = _Reading()
+    mode = _TAR_MODES[next(e for e in _TAR_MODES if archive.endswith(e))]
     try:
-        with tarfile.open(path, "r:*") as tf:
-            members = check_tar(tf, archive, limits)
-            for m in members:
-                m.mode &= ~(stat.S_ISUID | stat.S_ISGID)
-            try:
-                tf.extractall(dest, members=members, filter="data")
-            except tarfile.FilterError as exc:
-                raise ArchiveError(f"{archive}: {exc}; refused") from exc
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        if isinstance(exc, ArchiveError):
-            raise
-        raise ArchiveError(f"{archive}: not a readable tar archive: {exc}") from exc
+        compressed = path.stat().st_size
+        tf = tarfile.open(path, mode)  # noqa: SIM115 (closed below; opening is what may fail here)
+    except FileNotFoundError as exc:
+        raise ArchiveError(f"{archive}: cannot open: {exc.strerror}") from exc
+    except (*_READ_ERRORS, OSError) as exc:
+        raise ArchiveError(f"{archive}: not a readable tar archive: {_reason(exc)}; refused") from exc
+    with tf:
+        try:
+            members = check_tar(tf, archive, limits, compressed, reading)
+        except (*_READ_ERRORS, OSError) as exc:
+            raise _unreadable(archive, reading.member, exc) from exc
+        for m in members:
+            m.mode &= ~(stat.S_ISUID | stat.S_ISGID)
+        reading.member = None
+        try:
+            tf.extractall(dest, members=reading.track(members), filter="data")
+        except tarfile.FilterError as exc:
+            raise ArchiveError(f"{archive}: {exc}; refused") from exc
+        except _READ_ERRORS as exc:
+            raise _unreadable(archive, reading.member, exc) from exc
+        except OSError as exc:  # the node's own disk: full, read-only, quota
+            raise ArchiveError(
+                f"{archive}: cannot write member {reading.member!r}: {exc.strerror or exc}"
+            ) from exc
 
 
 def _zip_mode(info: zipfile.ZipInfo) -> int:
@@ -131,9 +238,10 @@ def _zip_mode(info: zipfile.ZipInfo) -> int:
 def extract_zip(path: Path, dest: Path, limits: Limits = Limits()) -> None:
     archive = path.name
     try:
+        compressed = path.stat().st_size
         zf = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise ArchiveError(f"{archive}: not a readable zip archive: {exc}") from exc
+    except (*_READ_ERRORS, OSError, ValueError) as exc:
+        raise ArchiveError(f"{archive}: not a readable zip archive: {_reason(exc)}; refused") from exc
     with zf:
         infos = zf.infolist()
         if len(infos) > limits.max_entries:
@@ -147,6 +255,13 @@ def extract_zip(path: Path, dest: Path, limits: Limits = Limits()) -> None:
             kind = stat.S_IFMT(mode)
             if kind in (stat.S_IFCHR, stat.S_IFBLK, stat.S_IFIFO, stat.S_IFSOCK):
                 raise ArchiveError(f"{archive}: member {info.filename!r} is a device or fifo; refused")
+            if info.flag_bits & 0x1:
+                raise ArchiveError(f"{archive}: member {info.filename!r} is encrypted; refused")
+            if info.compress_type not in _ZIP_METHODS:
+                raise ArchiveError(
+                    f"{archive}: member {info.filename!r} uses compression method {info.compress_type}, "
+                    f"not one of {', '.join(sorted(_ZIP_METHODS.values()))}; refused"
+                )
             for parent in name.parents:
                 if str(parent) in links:
                     raise ArchiveError(
@@ -158,33 +273,71 @@ def extract_zip(path: Path, dest: Path, limits: Limits = Limits()) -> None:
                     raise ArchiveError(
                         f"{archive}: symlink {info.filename!r} has a {info.file_size}-byte target; refused"
                     )
-                target = zf.read(info).decode("utf-8", "replace")
+                try:
+                    target = zf.read(info).decode("utf-8", "replace")
+                except (*_READ_ERRORS, OSError) as exc:
+                    raise _unreadable(archive, info.filename, exc) from exc
                 _link_inside(name, target, archive, "symlink")
                 links[str(name)] = target
-            total = _count_size(archive, info.filename, info.file_size, total, limits)
+            total = _count_size(archive, info.filename, info.file_size, total, compressed, limits)
             plan.append((info, name, mode))
         for info, name, mode in plan:
-            target_path = dest.joinpath(*name.parts) if name.parts else dest
-            kind = stat.S_IFMT(mode)
-            if info.is_dir():
-                target_path.mkdir(parents=True, exist_ok=True)
-                continue
-            target_path.parent.mkdir(parents=True, exist_ok=True)
-            if kind == stat.S_IFLNK:
-                os.symlink(links[str(name)], target_path)
-                continue
-            written = 0
-            with zf.open(info) as src, open(target_path, "xb") as out:
-                while chunk := src.read(1 << 20):
-                    written += len(chunk)
-                    # The header's size is a claim; the stream is what counts.
-                    if written > limits.max_member_bytes or written > info.file_size:
-                        raise ArchiveError(
-                            f"{archive}: member {info.filename!r} is larger than it claims; refused"
-                        )
+            _write_zip_member(zf, archive, info, name, mode, dest, links, limits)
+
+
+def _write_zip_member(
+    zf: zipfile.ZipFile,
+    archive: str,
+    info: zipfile.ZipInfo,
+    name: PurePosixPath,
+    mode: int,
+    dest: Path,
+    links: dict[str, str],
+    limits: Limits,
+) -> None:
+    target_path = dest.joinpath(*name.parts) if name.parts else dest
+    kind = stat.S_IFMT(mode)
+    try:
+        if info.is_dir():
+            target_path.mkdir(parents=True, exist_ok=True)
+            return
+        target_path.parent.mkdir(parents=True, exist_ok=True)
+        if kind == stat.S_IFLNK:
+            os.symlink(links[str(name)], target_path)
+            return
+        out = open(target_path, "xb")  # noqa: SIM115 (closed below, with the source)
+    except OSError as exc:
+        raise ArchiveError(
+            f"{archive}: cannot write member {info.filename!r}: {exc.strerror or exc}"
+        ) from exc
+    written = 0
+    with out:
+        try:
+            src = zf.open(info)
+        except (*_READ_ERRORS, OSError) as exc:
+            raise _unreadable(archive, info.filename, exc) from exc
+        with src:
+            while True:
+                try:
+                    chunk = src.read(1 << 20)
+                except (*_READ_ERRORS, OSError) as exc:
+                    raise _unreadable(archive, info.filename, exc) from exc
+                if not chunk:
+                    break
+                written += len(chunk)
+                # The header's size is a claim; the stream is what counts.
+                if written > limits.max_member_bytes or written > info.file_size:
+                    raise ArchiveError(
+                        f"{archive}: member {info.filename!r} is larger than it claims; refused"
+                    )
+                try:
                     out.write(chunk)
-            perms = mode & 0o777 if mode else 0o644
-            os.chmod(target_path, perms & ~(stat.S_ISUID | stat.S_ISGID))
+                except OSError as exc:
+                    raise ArchiveError(
+                        f"{archive}: cannot write member {info.filename!r}: {exc.strerror or exc}"
+                    ) from exc
+    perms = mode & 0o777 if mode else 0o644
+    os.chmod(target_path, perms & ~(stat.S_ISUID | stat.S_ISGID))
 
 
 def extract(path: Path, dest: Path, limits: Limits = Limits()) -> None:
@@ -192,7 +345,7 @@ def extract(path: Path, dest: Path, limits: Limits = Limits()) -> None:
     name = path.name
     if name.endswith(".zip"):
         extract_zip(path, dest, limits)
-    elif name.endswith((".tar.gz", ".tgz", ".tar.xz", ".tar", ".tar.zst")):
+    elif name.endswith(tuple(_TAR_MODES)):
         extract_tar(path, dest, limits)
     else:
         raise ArchiveError(f"{name}: unknown archive type (expected .tar.gz or .zip)")

@@ -7,18 +7,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
-import anyio
 import httpx
 
 from .builds import Asset
+from .errors import DownloadError
+from .retry import OnRetry, retrying
 
 Progress = Callable[[int, int], Awaitable[None]]
-
-
-class DownloadError(Exception):
-    def __init__(self, message: str, *, retryable: bool) -> None:
-        super().__init__(message)
-        self.retryable = retryable
 
 
 async def _fetch_once(client: httpx.AsyncClient, asset: Asset, dest: Path, progress: Progress) -> str:
@@ -27,13 +22,18 @@ async def _fetch_once(client: httpx.AsyncClient, asset: Asset, dest: Path, progr
     if asset.url.startswith("file://"):
         src = Path(urlparse(asset.url).path)
         try:
-            with src.open("rb") as f, dest.open("wb") as out:
+            f = src.open("rb")
+        except OSError as exc:
+            raise DownloadError(f"cannot read {src}: {exc.strerror}", retryable=False) from exc
+        try:
+            with f, dest.open("wb") as out:
                 while chunk := f.read(1 << 20):
                     digest.update(chunk)
                     out.write(chunk)
         except OSError as exc:
-            raise DownloadError(f"cannot read {src}: {exc.strerror}", retryable=False) from exc
+            raise DownloadError(f"copying {src} to {dest}: {exc.strerror}", retryable=False) from exc
         return digest.hexdigest()
+    total = 0
     try:
         async with client.stream("GET", asset.url, follow_redirects=True) as response:
             if response.status_code != 200:
@@ -41,7 +41,8 @@ async def _fetch_once(client: httpx.AsyncClient, asset: Asset, dest: Path, progr
                     f"GET {asset.url} answered {response.status_code}",
                     retryable=response.status_code >= 500 or response.status_code == 429,
                 )
-            total = int(response.headers.get("content-length") or asset.size or 0)
+            length = response.headers.get("content-length") or ""
+            total = int(length) if length.isdigit() else asset.size
             with dest.open("wb") as out:
                 async for chunk in response.aiter_bytes(1 << 20):
                     digest.update(chunk)
@@ -57,6 +58,8 @@ async def _fetch_once(client: httpx.AsyncClient, asset: Asset, dest: Path, progr
         raise DownloadError(
             f"{asset.name}: transfer failed after {done} bytes: {exc}", retryable=True
         ) from exc
+    except OSError as exc:  # the node's own disk: full, read-only
+        raise DownloadError(f"{asset.name}: cannot write {dest}: {exc.strerror}", retryable=False) from exc
     expected = asset.size or total
     if expected and done != expected:
         raise DownloadError(f"{asset.name}: truncated: got {done} of {expected} bytes", retryable=True)
@@ -71,18 +74,14 @@ async def download(
     *,
     attempts: int = 3,
     backoff_s: float = 1.0,
-    on_retry: Callable[[int, DownloadError], Awaitable[None]] | None = None,
+    cap_s: float = 30.0,
+    on_retry: OnRetry | None = None,
 ) -> str:
     """Download `asset` to `dest`; returns the sha256 of what arrived. Retries what retrying can fix."""
-    for attempt in range(1, attempts + 1):
-        try:
-            return await _fetch_once(client, asset, dest, progress)
-        except DownloadError as exc:
-            if not exc.retryable or attempt == attempts:
-                if exc.retryable:
-                    raise DownloadError(f"{exc} (gave up after {attempts} attempts)", retryable=True) from exc
-                raise
-            if on_retry is not None:
-                await on_retry(attempt, exc)
-            await anyio.sleep(backoff_s * 2 ** (attempt - 1))
-    raise AssertionError("unreachable")
+    return await retrying(
+        lambda: _fetch_once(client, asset, dest, progress),
+        attempts=attempts,
+        backoff_s=backoff_s,
+        cap_s=cap_s,
+        on_retry=on_retry,
+    )

@@ -9,7 +9,8 @@ from pathlib import Path
 from llmgw_core.config import AgentConfig, ConfiguredEngine
 from llmgw_core.events import EngineState
 
-from .checks import CheckError, check_binary, run_version
+from .checks import check_binary, run_version
+from .errors import CheckError
 
 LLAMACPP_RPC = ("ggml-rpc-server", "rpc-server")
 

@@ -1,8 +1,13 @@
 """Installing one engine build, step by step, every step reported in the node's own words.
 
-resolve release -> choose build -> OS packages -> download -> verify sha256 ->
-unpack (safely) -> ldd every executable -> --version -> marker, rename into place.
+resolve release -> choose build -> download -> verify sha256 -> unpack (safely)
+-> ldd every ELF file -> OS packages for what ldd found missing -> ldd again
+-> --version -> marker, rename into place. Each step's event is published
+when that step starts, so what the node says is what it is doing.
+
 A crash anywhere leaves no marker; the next start removes the staging leftovers.
+An expected failure is an InstallError (see `errors`), reported in its own
+words; anything else is left to the service, which reports it as internal.
 """
 
 from __future__ import annotations
@@ -24,25 +29,29 @@ from llmgw_core.events import EngineSpec, EngineState, InstallProgress, NodeFact
 from llmgw_core.installed import MARKER, InstalledEngine, read_marker
 
 from . import ospkg
-from .archive import ArchiveError, Limits, extract
-from .builds import Asset, Build, NoBuildError, choose_build
-from .checks import CheckError, check_binary, describe_missing, missing_libraries
-from .download import DownloadError, download
-from .release import SourceError, github_assets, mirror_assets
+from .archive import Limits, extract
+from .builds import Asset, choose_build
+from .checks import describe_missing, missing_libraries, version_of
+from .download import download
+from .errors import CheckError, InstallError
+from .release import CONFIGURED, github_assets, mirror_assets, parse_source
 
-DEFAULT_SOURCE = "github:ggml-org/llama.cpp"
 SERVER = "llama-server"
 RPC_SERVERS = ("ggml-rpc-server", "rpc-server")
 
 Report = Callable[[InstallProgress], Awaitable[None]]
+# The ldd seam: the libraries `binary` needs that cannot be found, within `timeout` seconds.
+Ldd = Callable[[Path, float], list[str]]
 
 
-class InstallFailed(Exception):
+class InstallFailed(InstallError):
     pass
 
 
 @dataclass
 class InstallContext:
+    """What one converge pass shares between the installs it runs."""
+
     node: str
     root: Path
     facts: NodeFacts
@@ -53,8 +62,14 @@ class InstallContext:
     packages: ospkg.PackageManager | None = None
     allow_os_packages: bool = True
     version_timeout_s: float = 20.0
+    ldd_timeout_s: float = 15.0
     retry_backoff_s: float = 1.0
+    retry_cap_s: float = 30.0
+    attempts: int = 3
     limits: Limits = field(default_factory=Limits)
+    ldd: Ldd = missing_libraries
+    # The package index is refreshed at most once per pass, before its first install.
+    packages_refreshed: bool = False
 
 
 def mb(n: int) -> str:
@@ -84,12 +99,14 @@ def clean_staging(root: Path) -> list[str]:
     return removed
 
 
-def executables(bin_dir: Path) -> list[Path]:
+def elf_files(bin_dir: Path) -> list[Path]:
+    """Every ELF file in `bin_dir`: executables and the shared libraries llama.cpp loads at run time
+    (its CPU backends are dlopen'ed, so ldd on llama-server alone misses what they need)."""
     out = []
     for p in sorted(bin_dir.iterdir()):
-        if p.is_file() and not p.is_symlink() and os.access(p, os.X_OK):
+        if p.is_file() and not p.is_symlink():
             with p.open("rb") as f:
-                if f.read(4) == b"\x7fELF" and not p.name.endswith(".so") and ".so." not in p.name:
+                if f.read(4) == b"\x7fELF":
                     out.append(p)
     return out
 
@@ -102,13 +119,26 @@ def find_bin_dir(tree: Path) -> Path:
     return hits[0].parent
 
 
-def check_install(bin_dir: Path, timeout: float) -> str:
-    """ldd on every executable, then `llama-server --version`; the version text, or CheckError."""
-    for exe in executables(bin_dir):
-        missing = missing_libraries(exe)
-        if missing:
-            raise CheckError(describe_missing(exe, missing))
-    return check_binary(bin_dir / SERVER, timeout).text
+def missing_in(bin_dir: Path, ldd: Ldd, timeout: float) -> dict[str, str]:
+    """Library -> the first file in `bin_dir` that needs it, for what ldd cannot find.
+
+    A library that sits in `bin_dir` itself is not missing: a backend that llama-server
+    dlopens finds libggml-base.so already loaded, whatever ldd says of the backend alone.
+    """
+    missing: dict[str, str] = {}
+    for elf in elf_files(bin_dir):
+        for lib in ldd(elf, timeout):
+            if not (bin_dir / lib).exists():
+                missing.setdefault(lib, elf.name)
+    return missing
+
+
+def check_installed(bin_dir: Path, ldd: Ldd, ldd_timeout: float, version_timeout: float) -> str:
+    """ldd on every ELF file, then `llama-server --version`: the version text, or CheckError."""
+    missing = missing_in(bin_dir, ldd, ldd_timeout)
+    if missing:
+        raise CheckError(describe_missing(missing))
+    return version_of(bin_dir / SERVER, version_timeout).text
 
 
 class Installation:
@@ -139,6 +169,17 @@ class Installation:
         return EngineState(name=self.name, state="failed", version=self.tag, detail=reason)
 
     async def run(self) -> EngineState:
+        """Install (or recheck) the engine; an expected failure comes back as a `failed` state."""
+        try:
+            kind, _ = parse_source(self.spec.source)
+        except InstallError as exc:
+            return await self.fail("resolving", str(exc))
+        if kind == CONFIGURED:
+            return await self.fail(
+                "resolving",
+                f"{self.name} is to be configured on this node (source: configured), but agent.yaml "
+                f"names no path for it; add engines: {{{self.name}: {{path: ...}}}} to agent.yaml",
+            )
         if self.name != "llamacpp":
             return await self.fail(
                 "resolving",
@@ -150,7 +191,7 @@ class Installation:
             return await self.recheck(final)
         try:
             return await self._install(final)
-        except InstallFailed as exc:
+        except InstallError as exc:
             return await self.fail("failed", str(exc))
 
     async def recheck(self, final: Path) -> EngineState:
@@ -158,7 +199,9 @@ class Installation:
         assert marker is not None
         bin_dir = Path(marker.bin_dir)
         try:
-            version = await anyio.to_thread.run_sync(check_install, bin_dir, self.ctx.version_timeout_s)
+            version = await anyio.to_thread.run_sync(
+                check_installed, bin_dir, self.ctx.ldd, self.ctx.ldd_timeout_s, self.ctx.version_timeout_s
+            )
         except CheckError as exc:
             return EngineState(
                 name=self.name, state="broken", version=marker.version, path=str(bin_dir), detail=str(exc)
@@ -166,30 +209,33 @@ class Installation:
         return EngineState(name=self.name, state="installed", version=version, path=str(bin_dir))
 
     async def _assets(self) -> list[Asset]:
-        source = self.spec.source or DEFAULT_SOURCE
-        try:
-            if self.ctx.mirror or source.startswith("mirror:"):
-                return await mirror_assets(self.ctx.client, self.ctx.mirror or source.removeprefix("mirror:"))
-            return await github_assets(
-                self.ctx.client, self.ctx.github_api, source.removeprefix("github:"), self.tag
+        kind, where = parse_source(self.spec.source)
+
+        async def on_retry(attempt: int, exc: InstallError) -> None:
+            await self.step(
+                "resolving", f"installing: retrying the release lookup after attempt {attempt}: {exc}"
             )
-        except SourceError as exc:
-            raise InstallFailed(str(exc)) from exc
+
+        retry = {
+            "attempts": self.ctx.attempts,
+            "backoff_s": self.ctx.retry_backoff_s,
+            "cap_s": self.ctx.retry_cap_s,
+            "on_retry": on_retry,
+        }
+        if self.ctx.mirror or kind == "mirror":
+            return await mirror_assets(self.ctx.client, self.ctx.mirror or where, **retry)  # type: ignore[arg-type]
+        return await github_assets(self.ctx.client, self.ctx.github_api, where, self.tag, **retry)  # type: ignore[arg-type]
 
     async def _install(self, final: Path) -> EngineState:
         await self.step("resolving", f"installing: looking up {self.name} {self.tag}")
         assets = await self._assets()
-        try:
-            build = choose_build(assets, self.tag, self.ctx.facts)
-        except NoBuildError as exc:
-            raise InstallFailed(str(exc)) from exc
+        build = choose_build(assets, self.tag, self.ctx.facts)
         for asset in (build.main, build.runtime):
             if asset is not None and not asset.sha256:
                 raise InstallFailed(
                     f"{asset.name} has no published sha256 (no digest, no checksum file); "
                     "refusing to install it unverified"
                 )
-        await self._os_packages(build)
         staging = self.ctx.root / ".staging" / f"{self.name}-{self.tag}-{uuid.uuid4().hex[:8]}"
         (staging / "downloads").mkdir(parents=True)
         tree = staging / "tree"
@@ -199,21 +245,17 @@ class Installation:
                 if asset is not None:
                     path = await self._download(asset, staging / "downloads" / asset.name)
                     await self.step("unpacking", f"installing: unpacking {asset.name}")
-                    try:
-                        await anyio.to_thread.run_sync(extract, path, tree, self.ctx.limits)
-                    except ArchiveError as exc:
-                        raise InstallFailed(str(exc)) from exc
+                    await anyio.to_thread.run_sync(extract, path, tree, self.ctx.limits)
             bin_dir_in_tree = find_bin_dir(tree)
             if build.runtime is not None:
                 await self._merge_runtime(tree, bin_dir_in_tree)
-            await self.step("checking", f"installing: checking libraries of {bin_dir_in_tree.name}/ with ldd")
+            await self._check_libraries(bin_dir_in_tree)
             await self.step("version", f"installing: running {SERVER} --version")
-            try:
-                version = await anyio.to_thread.run_sync(
-                    check_install, bin_dir_in_tree, self.ctx.version_timeout_s
+            version = (
+                await anyio.to_thread.run_sync(
+                    version_of, bin_dir_in_tree / SERVER, self.ctx.version_timeout_s
                 )
-            except CheckError as exc:
-                raise InstallFailed(str(exc)) from exc
+            ).text
             bin_dir = final / bin_dir_in_tree.relative_to(tree)
             marker = InstalledEngine(
                 name=self.name,
@@ -244,26 +286,43 @@ class Installation:
             if lib.parent == tree and lib.parent != bin_dir:
                 shutil.move(str(lib), bin_dir / lib.name)
 
-    async def _os_packages(self, build: Build) -> None:
-        pm = self.ctx.packages
-        if pm is None:
-            return
-        wanted = (ospkg.CUDA_PACKAGES if build.cuda else ospkg.CPU_PACKAGES).get(pm.kind, ())
-        missing = await anyio.to_thread.run_sync(pm.missing, wanted)
+    async def _check_libraries(self, bin_dir: Path) -> None:
+        """ldd every ELF file; install the OS packages for what is missing; ldd again."""
+        await self.step("checking", f"installing: checking libraries of {bin_dir.name}/ with ldd")
+        missing = await anyio.to_thread.run_sync(missing_in, bin_dir, self.ctx.ldd, self.ctx.ldd_timeout_s)
         if not missing:
             return
-        if not self.ctx.allow_os_packages:
-            await self.step(
-                "packages",
-                f"installing: would install {' '.join(missing)} ({pm.kind}), but "
-                "allow_os_packages is false; install them by hand",
+        await self._os_packages(missing)
+        await self.step("checking", f"installing: checking libraries of {bin_dir.name}/ with ldd again")
+        still = await anyio.to_thread.run_sync(missing_in, bin_dir, self.ctx.ldd, self.ctx.ldd_timeout_s)
+        if still:
+            table = ospkg.PACKAGE_FOR.get(self.ctx.packages.kind if self.ctx.packages else "", {})
+            raise CheckError(describe_missing(still, table) + " (still missing after installing packages)")
+
+    async def _os_packages(self, missing: dict[str, str]) -> None:
+        """Install what provides `missing` (library -> file that needs it), or say what to install by hand."""
+        pm = self.ctx.packages
+        if pm is None:
+            raise CheckError(describe_missing(missing) + " (this node has neither apt nor dnf)")
+        table = ospkg.PACKAGE_FOR.get(pm.kind, {})
+        packages, unknown = ospkg.packages_for(pm.kind, missing)
+        if unknown:
+            raise CheckError(
+                describe_missing(missing, table)
+                + f"; no {pm.kind} package is known for {', '.join(unknown)}: install it by hand"
             )
-            return
-        await self.step("packages", f"installing: {pm.kind} install {' '.join(missing)}")
-        try:
-            await anyio.to_thread.run_sync(pm.install, missing)
-        except ospkg.PackageError as exc:
-            raise InstallFailed(str(exc)) from exc
+        if not self.ctx.allow_os_packages:
+            raise CheckError(
+                describe_missing(missing, table)
+                + " (allow_os_packages is false: llmgw does not install them)"
+            )
+        if not self.ctx.packages_refreshed:
+            await self.step("packages", f"installing: refreshing the {pm.kind} package index")
+            await anyio.to_thread.run_sync(pm.refresh)
+            self.ctx.packages_refreshed = True
+        libs = ", ".join(sorted(missing))
+        await self.step("packages", f"installing: {pm.kind} install {' '.join(packages)} (for {libs})")
+        await anyio.to_thread.run_sync(pm.install, packages)
 
     async def _download(self, asset: Asset, dest: Path) -> Path:
         await self.step(
@@ -282,17 +341,21 @@ class Installation:
                     total=total,
                 )
 
-        async def on_retry(attempt: int, exc: DownloadError) -> None:
+        async def on_retry(attempt: int, exc: InstallError) -> None:
             await self.step(
                 "downloading", f"installing: retrying {asset.name} after attempt {attempt}: {exc}"
             )
 
-        try:
-            got = await download(
-                self.ctx.client, asset, dest, progress, backoff_s=self.ctx.retry_backoff_s, on_retry=on_retry
-            )
-        except DownloadError as exc:
-            raise InstallFailed(str(exc)) from exc
+        got = await download(
+            self.ctx.client,
+            asset,
+            dest,
+            progress,
+            attempts=self.ctx.attempts,
+            backoff_s=self.ctx.retry_backoff_s,
+            cap_s=self.ctx.retry_cap_s,
+            on_retry=on_retry,
+        )
         await self.step("verifying", "installing: verifying sha256")
         if got != asset.sha256:
             with contextlib.suppress(OSError):

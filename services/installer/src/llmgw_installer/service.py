@@ -1,4 +1,11 @@
-"""The installer service: probe the node, converge its engines on the desired list, report, recheck."""
+"""The installer service: probe the node, converge its engines on the desired list, report, recheck.
+
+No exception leaves the main loop: a pass that fails (a corrupt archive, a
+release API down, a bus timeout, a bug) costs that pass. An engine that did
+not install is tried again after a backoff that doubles up to a cap (never
+later than the recheck interval); a change of the desired engines wakes the
+loop at once.
+"""
 
 from __future__ import annotations
 
@@ -31,8 +38,11 @@ from llmgw_core.probe import Probe
 from llmgw_core.telemetry import context_from
 
 from . import ospkg
+from .archive import Limits
+from .checks import missing_libraries
 from .engines import configured_engines
-from .pipeline import Installation, InstallContext, clean_staging
+from .pipeline import Installation, InstallContext, Ldd, clean_staging
+from .retry import backoff
 
 log = logging.getLogger("llmgw.installer")
 tracer = trace.get_tracer("llmgw.installer")
@@ -69,6 +79,9 @@ class Installer:
         http_timeout_s: float = 30.0,
         retry_backoff_s: float = 1.0,
         version_timeout_s: float = 20.0,
+        install_backoff_s: float = 10.0,
+        install_backoff_cap_s: float = 300.0,
+        ldd: Ldd = missing_libraries,
     ) -> None:
         self.config = config
         self.bus = bus
@@ -86,6 +99,15 @@ class Installer:
         self.http_timeout_s = http_timeout_s
         self.retry_backoff_s = retry_backoff_s
         self.version_timeout_s = version_timeout_s
+        self.install_backoff_s = install_backoff_s
+        self.install_backoff_cap_s = install_backoff_cap_s
+        self.ldd = ldd
+        self.limits = Limits(max_total_bytes=config.unpack_max_bytes, max_ratio=config.unpack_max_ratio)
+        # Passes in a row that left an engine not running, or that faulted.
+        self.failing_passes = 0
+        # The last pass hit a fault of the installer itself (not an engine refused).
+        self.faulted = False
+        self.faults = 0
         self._wake = anyio.Event()
         self._lock = anyio.Lock()
 
@@ -116,10 +138,41 @@ class Installer:
 
     # --- converging ----------------------------------------------------------------
 
-    async def converge_once(self) -> NodeStatus:
-        """Probe, check and install every engine, and report; returns what was reported."""
+    async def converge_once(self) -> NodeStatus | None:
+        """Probe, check and install every engine, and report; returns what was reported.
+
+        Never raises (but for cancellation): a fault is logged, counted, said in
+        the node's status where the bus allows, and leaves `faulted` set; then
+        the return value is None if nothing could be reported.
+        """
         async with self._lock:
-            return await self._converge()
+            self.faulted = False
+            try:
+                status: NodeStatus | None = await self._converge()
+            except Exception as exc:
+                status = await self._fault(exc)
+            if self.faulted or status is None or any(not e.runs for e in self.engines):
+                self.failing_passes += 1
+            else:
+                self.failing_passes = 0
+            return status
+
+    async def _fault(self, exc: Exception) -> NodeStatus | None:
+        """A pass failed outside any one install: say so, and let the next pass try again."""
+        self.faulted = True
+        self.faults += 1
+        if isinstance(exc, BusError):
+            log.warning("this pass could not report: %s", exc)
+        else:
+            log.error("internal error in this pass: %s", exc, exc_info=exc)
+        self.install_words = f"internal error: {type(exc).__name__}: {exc}"
+        if self.facts is None:
+            return None
+        try:
+            return await self._status()
+        except BusError as bus_exc:
+            log.warning("could not report the fault either: %s", bus_exc)
+            return None
 
     async def _converge(self) -> NodeStatus:
         node = self.config.node
@@ -159,6 +212,8 @@ class Installer:
                 allow_os_packages=self.config.allow_os_packages,
                 retry_backoff_s=self.retry_backoff_s,
                 version_timeout_s=self.version_timeout_s,
+                limits=self.limits,
+                ldd=self.ldd,
             )
             for spec in pending:
                 state = await self._install(spec, ctx)
@@ -187,10 +242,20 @@ class Installer:
         return status
 
     async def _install(self, spec: EngineSpec, ctx: InstallContext) -> EngineState:
+        """One engine's install or recheck; whatever goes wrong costs only this attempt."""
         with tracer.start_as_current_span(
             f"install {spec.name} {spec.version}", context=context_from(self.desired_traceparent)
         ):
-            return await Installation(spec, ctx).run()
+            installation = Installation(spec, ctx)
+            try:
+                return await installation.run()
+            except BusError:
+                raise  # the pass cannot report; it is retried as a whole
+            except Exception as exc:
+                self.faulted = True
+                self.faults += 1
+                log.error("internal error installing %s %s: %s", spec.name, spec.version, exc, exc_info=exc)
+                return await installation.fail("failed", f"internal error: {type(exc).__name__}: {exc}")
 
     def _set_engine(self, state: EngineState) -> None:
         others = [e for e in self.engines if e.name != state.name]
@@ -207,15 +272,33 @@ class Installer:
         self.desired_traceparent = found[0].traceparent if found else ""
 
     async def _watch_desired(self) -> None:
-        async for change in self.bus.watch(self.bus.names.config_bucket, DesiredEngines, "engines"):
-            desired = change.value.engines if change.value else ()
-            self.desired_traceparent = change.value.traceparent if change.value else ""
-            if desired != self.desired:
-                self.desired = desired
-                self._wake.set()
+        failures = 0
+        while True:
+            try:
+                async for change in self.bus.watch(self.bus.names.config_bucket, DesiredEngines, "engines"):
+                    failures = 0
+                    desired = change.value.engines if change.value else ()
+                    self.desired_traceparent = change.value.traceparent if change.value else ""
+                    if desired != self.desired:
+                        self.desired = desired
+                        self._wake.set()
+            except Exception as exc:
+                failures += 1
+                log.warning("watching the desired engines failed (%d in a row): %s", failures, exc)
+                await anyio.sleep(backoff(failures, 0.5, 30.0))
+
+    def next_pass_in(self) -> float:
+        """Seconds until the next pass: the recheck interval, or sooner while an engine is not running."""
+        recheck = self.config.recheck_interval_s
+        if not self.failing_passes:
+            return recheck
+        return min(recheck, backoff(self.failing_passes, self.install_backoff_s, self.install_backoff_cap_s))
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        await self.load_desired()
+        try:
+            await self.load_desired()
+        except Exception as exc:  # the watch below catches up once the bus answers
+            log.warning("could not read the desired engines yet: %s", exc)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.bus.heartbeat, self.config.node, "installer", self.config.heartbeat_interval_s)
             if self.config.installer_metrics_port:
@@ -226,13 +309,15 @@ class Installer:
             tg.start_soon(self._watch_desired)
             task_status.started()
             while True:
-                self._wake = anyio.Event()
-                with anyio.move_on_after(self.config.recheck_interval_s):
+                delay = self.next_pass_in()
+                if self.failing_passes:
+                    log.info("next attempt in %.0fs (%d failed passes in a row)", delay, self.failing_passes)
+                with anyio.move_on_after(delay):
                     await self._wake.wait()
-                try:
-                    await self.converge_once()
-                except BusError as exc:
-                    log.warning("recheck could not report: %s", exc)
+                # A fresh event before the pass: a change of the desired engines during
+                # the pass wakes the next wait at once instead of being lost.
+                self._wake = anyio.Event()
+                await self.converge_once()
 
     def metrics(self) -> list[Sample]:
         samples = [
@@ -255,5 +340,13 @@ class Installer:
         )
         samples.append(
             Sample("llmgw_installer_installs_failed_total", "counter", "Installs that failed.", self.failures)
+        )
+        samples.append(
+            Sample(
+                "llmgw_installer_faults_total",
+                "counter",
+                "Passes or installs cut short by a fault of the installer itself.",
+                self.faults,
+            )
         )
         return samples
