@@ -78,6 +78,7 @@ def env(**extra: str) -> tuple[tuple[str, str], ...]:
 MULTI_ENV = {
     "CUDA_VISIBLE_DEVICES": "0,1,2,3",
     "NCCL_IB_HCA": "mlx5_0,mlx5_1",
+    "NCCL_IB_DISABLE": "0",
     "NCCL_SOCKET_IFNAME": "eth0",
     "GLOO_SOCKET_IFNAME": "eth0",
 }
@@ -110,7 +111,7 @@ def test_vllm_one_node_tp1() -> None:
                 "--distributed-executor-backend",
                 "mp",
             ),
-            env=env(CUDA_VISIBLE_DEVICES="0"),
+            env=env(CUDA_VISIBLE_DEVICES="0", NCCL_IB_DISABLE="1"),
         )
     ]
 
@@ -146,15 +147,16 @@ def test_vllm_one_node_tp4_on_gpus_4_to_7_with_profile_args_and_env() -> None:
                 "8192",
             ),
             # The profile's env wins over what llmgw generates.
-            env=env(CUDA_VISIBLE_DEVICES="7,6,5,4", HF_HOME="/cache"),
+            env=env(CUDA_VISIBLE_DEVICES="7,6,5,4", HF_HOME="/cache", NCCL_IB_DISABLE="1"),
         )
     ]
 
 
 def test_vllm_two_nodes_with_ray() -> None:
     p = profile("vllm", tp=8, pp=1, nodes=2, gpus_per_node=4)
-    leader = VLLM(VLLM_BIN).commands(two_node(p, 0), BASE)
-    worker = VLLM(VLLM_BIN).commands(two_node(p, 1), BASE)
+    ray = VLLM(VLLMConfig(bin_dir="/opt/vllm/bin", multinode="ray"))
+    leader = ray.commands(two_node(p, 0), BASE)
+    worker = ray.commands(two_node(p, 1), BASE)
     assert leader == [
         Command(
             name="ray-head",
@@ -182,6 +184,9 @@ def test_vllm_two_nodes_with_ray() -> None:
                 "ray",
             ),
             env=env(**MULTI_ENV, VLLM_HOST_IP="10.0.0.1"),
+            # Started only once its own head listens: before that, `vllm serve`
+            # would start a Ray of its own and never see the worker's GPUs.
+            wait_for=(Address("10.0.0.1", 6379),),
         ),
     ]
     assert worker == [
@@ -283,7 +288,7 @@ def test_sglang_one_node_tp1() -> None:
                 "llama-70b",
                 "--enable-metrics",
             ),
-            env=env(CUDA_VISIBLE_DEVICES="0"),
+            env=env(CUDA_VISIBLE_DEVICES="0", NCCL_IB_DISABLE="1"),
         )
     ]
 
@@ -303,7 +308,7 @@ def test_sglang_one_node_tp4_on_gpus_4_to_7() -> None:
                 "llama-70b",
                 "--enable-metrics",
             ),
-            env=env(CUDA_VISIBLE_DEVICES="4,5,6,7"),
+            env=env(CUDA_VISIBLE_DEVICES="4,5,6,7", NCCL_IB_DISABLE="1"),
         )
     ]
 
@@ -364,7 +369,7 @@ def test_llamacpp_one_node_tp1() -> None:
             name="llama-server",
             path=f"{LC_BIN}/llama-server",
             args=LC_ARGS,
-            env=env(CUDA_VISIBLE_DEVICES="0"),
+            env=env(CUDA_VISIBLE_DEVICES="0", NCCL_IB_DISABLE="1"),
         )
     ]
 
@@ -375,7 +380,7 @@ def test_llamacpp_one_node_tp4_splits_rows_across_gpus_4_to_7() -> None:
             name="llama-server",
             path=f"{LC_BIN}/llama-server",
             args=(*LC_ARGS, "-sm", "row", "-ts", "1,1,1,1"),
-            env=env(CUDA_VISIBLE_DEVICES="4,5,6,7"),
+            env=env(CUDA_VISIBLE_DEVICES="4,5,6,7", NCCL_IB_DISABLE="1"),
         )
     ]
 
@@ -418,7 +423,7 @@ def test_llamacpp_runs_on_a_cpu_node_when_the_profile_names_no_gpu_class() -> No
     p = profile("llamacpp", gpu_class="")
     assert LlamaCpp().validate(p, []) == []
     [cmd] = LlamaCpp().commands(single(p, ()), {"PATH": "/usr/bin"})
-    assert cmd.env == (("PATH", "/usr/bin"),)
+    assert cmd.env == (("CUDA_VISIBLE_DEVICES", ""), ("NCCL_IB_DISABLE", "1"), ("PATH", "/usr/bin"))
 
 
 # --- sim --------------------------------------------------------------------
@@ -442,7 +447,7 @@ def test_sim_one_node_and_two_nodes() -> None:
             "--load-time",
             "0.5",
         ),
-        env=env(),
+        env=env(CUDA_VISIBLE_DEVICES="", NCCL_IB_DISABLE="1"),
     )
     p2 = profile("sim", tp=8, nodes=2, gpus_per_node=4)
     [leader] = Sim().commands(two_node(p2, 0, 7000), BASE)
@@ -463,7 +468,7 @@ def test_sim_one_node_and_two_nodes() -> None:
 
 def test_sim_one_node_tp4_on_gpus_4_to_7() -> None:
     [cmd] = Sim().commands(single(profile("sim", tp=4), (4, 5, 6, 7)), BASE)
-    assert cmd.env == env(CUDA_VISIBLE_DEVICES="4,5,6,7")
+    assert cmd.env == env(CUDA_VISIBLE_DEVICES="4,5,6,7", NCCL_IB_DISABLE="1")
 
 
 # --- environment rules --------------------------------------------------------
@@ -474,6 +479,63 @@ def test_multi_node_without_hcas_disables_ib() -> None:
     s = msgspec.structs.replace(two_node(p, 0), hcas=(), mgmt_iface="")
     [cmd] = SG.commands(s, BASE)
     assert cmd.env == env(CUDA_VISIBLE_DEVICES="0,1,2,3", NCCL_IB_DISABLE="1")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "llamacpp", "sim"])
+def test_the_management_interface_pins_bootstrap_on_one_node_too(engine: str) -> None:
+    # Regression: the interface never reached a shard, so NCCL and Gloo bootstrapped
+    # over whatever they found first (docker0, IPoIB) and the first all-reduce hung.
+    s = msgspec.structs.replace(single(profile(engine, tp=2), (0, 1)), mgmt_iface="ens5")
+    [cmd] = default_registry().get(engine).commands(s, BASE)
+    assert cmd.env == env(
+        CUDA_VISIBLE_DEVICES="0,1",
+        NCCL_IB_DISABLE="1",
+        NCCL_SOCKET_IFNAME="ens5",
+        GLOO_SOCKET_IFNAME="ens5",
+    )
+
+
+def test_each_rank_pins_bootstrap_to_its_own_nodes_interface() -> None:
+    p = profile("sglang", tp=4, pp=2, nodes=2, gpus_per_node=4)
+    worker = msgspec.structs.replace(two_node(p, 1, 5000), mgmt_iface="bond0")
+    [cmd] = SG.commands(worker, BASE)
+    assert cmd.env == env(**{**MULTI_ENV, "NCCL_SOCKET_IFNAME": "bond0", "GLOO_SOCKET_IFNAME": "bond0"})
+
+
+@pytest.mark.parametrize("engine", ["llamacpp", "sim"])
+def test_a_cpu_shard_is_hidden_from_every_gpu(engine: str) -> None:
+    # Regression: with no GPUs in the shard CUDA_VISIBLE_DEVICES was left unset, so
+    # a CUDA build (llama.cpp -ngl 999) on a GPU node took GPUs placement counted free.
+    p = profile(engine, gpu_class="")
+    [cmd] = default_registry().get(engine).commands(single(p, ()), BASE)
+    assert cmd.env == env(CUDA_VISIBLE_DEVICES="", NCCL_IB_DISABLE="1")
+
+
+def test_an_inherited_ib_disable_does_not_survive_a_shard_with_hcas() -> None:
+    p = profile("sglang", tp=4, pp=2, nodes=2, gpus_per_node=4)
+    [cmd] = SG.commands(two_node(p, 0, 5000), {**BASE, "NCCL_IB_DISABLE": "1", "NCCL_IB_HCA": "mlx5_9"})
+    assert cmd.env == env(**MULTI_ENV)
+
+
+def test_one_node_disables_ib_even_when_the_agent_enabled_it() -> None:
+    [cmd] = SG.commands(single(profile("sglang"), (3,)), {**BASE, "NCCL_IB_DISABLE": "0"})
+    assert cmd.env == env(CUDA_VISIBLE_DEVICES="3", NCCL_IB_DISABLE="1")
+
+
+def test_the_profiles_env_still_wins_over_every_generated_variable() -> None:
+    p = profile(
+        "sglang",
+        gpu_class="",
+        env={"CUDA_VISIBLE_DEVICES": "0", "NCCL_IB_DISABLE": "0", "NCCL_SOCKET_IFNAME": "=eth1"},
+    )
+    s = msgspec.structs.replace(single(p, ()), mgmt_iface="eth0")
+    [cmd] = SG.commands(s, BASE)
+    assert cmd.env == env(
+        CUDA_VISIBLE_DEVICES="0",
+        NCCL_IB_DISABLE="0",
+        NCCL_SOCKET_IFNAME="=eth1",
+        GLOO_SOCKET_IFNAME="eth0",
+    )
 
 
 # --- validation -----------------------------------------------------------------
@@ -498,6 +560,23 @@ def test_multi_node_without_hcas_disables_ib() -> None:
             H100,
             ["profile llama-70b: 2 nodes x 4 GPUs does not match TP 8 x PP 2"],
         ),
+        (
+            {"tp": 8, "nodes": 2, "gpus_per_node": 0},
+            H100,
+            ["profile llama-70b: gpus_per_node must be positive when nodes > 1, got 0 (nodes is 2)"],
+        ),
+        (
+            {"tp": 8, "nodes": 2, "gpus_per_node": -4},
+            H100,
+            ["profile llama-70b: gpus_per_node must be positive when nodes > 1, got -4 (nodes is 2)"],
+        ),
+        # One node: gpus_per_node 0 means "unset", which is TP x PP.
+        (
+            {"tp": 2, "pp": 2, "gpus_per_node": 0},
+            H100[:2],
+            ["profile llama-70b: needs 4 GPUs per node, node has 2"],
+        ),
+        ({"tp": 2, "pp": 2}, H100[:4], []),
         ({"tp": 4}, H100[:2], ["profile llama-70b: needs 4 GPUs per node, node has 2"]),
         (
             {"tp": 2},
@@ -531,6 +610,13 @@ def test_multi_node_without_hcas_disables_ib() -> None:
             [GPUInfo(index=0, name="vGPU", compute_capability="[N/A]")],
             [],
         ),
+        # Repeated: the engine's argparse keeps the last value, so that is the one checked.
+        (
+            {"args": ["--quantization", "awq", "--max-model-len", "4096", "-q", "fp8"]},
+            [A100[0]],
+            ["profile llama-70b: fp8 needs compute capability 8.9, GPU 0 (NVIDIA A100-SXM4-80GB) has 8.0"],
+        ),
+        ({"args": ["--quantization=fp8", "--quantization", "awq"]}, [A100[0]], []),
         (
             {"model_path": "", "tp": 0, "pp": 0},
             H100,
@@ -546,12 +632,18 @@ def test_multi_node_without_hcas_disables_ib() -> None:
         "tp-zero",
         "gpus-per-node",
         "nodes-mismatch",
+        "gpus-per-node-zero",
+        "gpus-per-node-negative",
+        "gpus-per-node-zero-on-one-node-is-tp-x-pp",
+        "tp-x-pp-on-one-node",
         "too-few-gpus",
         "mixed",
         "fp8-and-mixed",
         "awq-ok",
         "awq-too-old",
         "unparseable-capability",
+        "quantization-repeated-last-wins",
+        "quantization-repeated-last-fits",
         "every-problem",
     ],
 )
@@ -586,6 +678,7 @@ def test_validation_of_gpus_the_node_does_not_have() -> None:
         (["-q", "gptq"], "gptq"),
         (["--max-model-len", "4096"], None),
         (["-q"], None),
+        (["--quantization", "awq", "--quantization=fp8"], "fp8"),
     ],
 )
 def test_quantization_is_read_from_every_spelling(args: list[str], method: str | None) -> None:

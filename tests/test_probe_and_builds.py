@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from llmgw_core.engines import GPUInfo
-from llmgw_core.events import NodeFacts
-from llmgw_core.probe import CommandResult, Probe, parse_nvidia_smi_gpus
+from llmgw_core.events import NetInterface, NodeFacts
+from llmgw_core.probe import CommandResult, Probe, parse_nvidia_smi_gpus, run_command
 from llmgw_installer.builds import Asset, NoBuildError, choose_build
 from llmgw_installer.checks import parse_version
 
@@ -54,8 +55,14 @@ def write_root(
     return root
 
 
-def smi(gpus_csv: str | None) -> object:
+def smi(gpus_csv: str | None, ip_json: str | None = None) -> object:
+    """A command runner that answers like nvidia-smi (and `ip`, when given its output)."""
+
     def run(argv: list[str]) -> CommandResult:
+        if argv[0] == "ip":
+            if ip_json is None:
+                return CommandResult(127, "", "ip: not found")
+            return CommandResult(0, ip_json)
         if gpus_csv is None:
             return CommandResult(127, "", "nvidia-smi: not found")
         if argv[1:2] == ["--query-gpu=index,name,uuid,compute_cap,memory.total"]:
@@ -190,3 +197,97 @@ def test_weights_fingerprint_is_cheap_and_changes_with_the_files(tmp_path: Path)
         model_paths=(str(model), str(tmp_path / "absent")),
     ).facts()
     assert facts.weights == {str(model): weights_fingerprint(model), str(tmp_path / "absent"): ""}
+
+
+# --- interfaces and the management interface ----------------------------------
+
+IP_JSON = (FIXTURES / "ip-addr-gpu-node.json").read_text()
+
+
+@pytest.mark.parametrize(
+    ("mgmt_addr", "iface"),
+    [
+        ("10.1.2.11", "eno1"),
+        ("fd00:10:1:2::11", "eno1"),
+        ("192.168.50.11", "ibp26s0"),
+        ("127.0.0.1", "lo"),
+        # An address no interface holds (NAT, a typo): nothing is pinned.
+        ("10.9.9.9", ""),
+    ],
+)
+def test_the_management_interface_is_the_one_holding_the_management_address(
+    tmp_path: Path, mgmt_addr: str, iface: str
+) -> None:
+    probe = Probe("gpu-01", root=write_root(tmp_path), run=smi(None, IP_JSON), mgmt_addr=mgmt_addr)  # type: ignore[arg-type]
+    facts = probe.facts()
+    assert (facts.mgmt_addr, facts.mgmt_iface) == (mgmt_addr, iface)
+    assert facts.interfaces == (
+        NetInterface(name="docker0", addresses=("172.17.0.1/16",), mac="02:42:8f:11:22:33", up=False),
+        NetInterface(
+            name="eno1",
+            addresses=("10.1.2.11/24", "fd00:10:1:2::11/64", "fe80::3eec:efff:fe12:3456/64"),
+            mac="3c:ec:ef:12:34:56",
+        ),
+        NetInterface(
+            name="ibp220s0",
+            mac="00:00:10:87:fe:80:00:00:00:00:00:00:a0:88:c2:03:00:1a:2b:3d",
+            up=False,
+        ),
+        NetInterface(
+            name="ibp26s0",
+            addresses=("192.168.50.11/24",),
+            mac="00:00:10:49:fe:80:00:00:00:00:00:00:a0:88:c2:03:00:1a:2b:3c",
+        ),
+        NetInterface(name="lo", addresses=("127.0.0.1/8", "::1/128"), mac="00:00:00:00:00:00"),
+    )
+
+
+def test_the_operator_names_the_management_interface_over_what_the_probe_finds(tmp_path: Path) -> None:
+    probe = Probe(
+        "gpu-01",
+        root=write_root(tmp_path),
+        run=smi(None, IP_JSON),  # type: ignore[arg-type]
+        mgmt_addr="10.1.2.11",
+        mgmt_iface="bond0",
+    )
+    assert probe.facts().mgmt_iface == "bond0"
+
+
+def test_without_iproute2_interfaces_come_from_sys_and_proc(tmp_path: Path) -> None:
+    root = write_root(tmp_path)
+    (root / "proc/net").mkdir(parents=True)
+    (root / "proc/net/if_inet6").write_text((FIXTURES / "if_inet6-gpu-node.txt").read_text())
+    for name in ("eth0", "ib0"):
+        (root / "sys/class/net" / name).rename(
+            root / "sys/class/net" / {"eth0": "eno1", "ib0": "ibp26s0"}[name]
+        )
+    facts = Probe("gpu-01", root=root, run=smi(None), mgmt_addr="fd00:10:1:2::11").facts()  # type: ignore[arg-type]
+    assert facts.mgmt_iface == "eno1"
+    assert [(i.name, i.addresses) for i in facts.interfaces] == [
+        ("eno1", ("fd00:10:1:2::11/64", "fe80::3eec:efff:fe12:3456/64")),
+        ("ibp26s0", ()),
+        ("lo", ("::1/128",)),
+    ]
+
+
+def not_found(argv: list[str]) -> CommandResult:
+    return CommandResult(127, "", f"{argv[0]}: not found")
+
+
+@pytest.mark.parametrize(
+    "runner",
+    [
+        pytest.param(
+            run_command,
+            marks=pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2 (`ip`) is not installed"),
+            id="ip",
+        ),
+        pytest.param(not_found, id="without-iproute2"),
+    ],
+)
+def test_this_machines_loopback_holds_127_0_0_1(runner: object) -> None:
+    facts = Probe("local-1", run=runner, mgmt_addr="127.0.0.1").facts()  # type: ignore[arg-type]
+    assert facts.mgmt_iface == "lo"
+    [lo] = [i for i in facts.interfaces if i.name == "lo"]
+    assert "127.0.0.1/8" in lo.addresses
+    assert lo.up

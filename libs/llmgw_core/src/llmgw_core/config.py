@@ -57,7 +57,10 @@ class ConfiguredEngine(Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """
 
     path: str
-    multinode: Literal["ray", "native"] = "ray"
+    # vLLM across nodes: "auto" uses vLLM's own multi-node mode when the
+    # environment's vLLM has it (0.11.1 and later), Ray otherwise; "ray" or
+    # "native" force one. Every node of a replica must end up with the same.
+    multinode: Literal["auto", "ray", "native"] = "auto"
 
 
 class AgentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -59,6 +59,7 @@ class Message(Struct, frozen=True, kw_only=True, tag_field="kind", tag=True):
 
 class NetInterface(Struct, frozen=True, kw_only=True):
     name: str
+    # With their prefix length: "10.0.0.1/24", "fe80::1/64".
     addresses: tuple[str, ...] = ()
     mac: str = ""
     up: bool = True
@@ -82,6 +83,8 @@ class NodeFacts(Message, frozen=True):
     mgmt_addr: str = ""
     weights: dict[str, str] = {}
     simulated: bool = False
+    # The interface that holds mgmt_addr: shards pin NCCL's and Gloo's bootstrap to it.
+    mgmt_iface: str = ""
 
     @property
     def has_avx2(self) -> bool:

@@ -4,18 +4,28 @@ Every source is injectable: `root` is where /etc, /proc and /sys are read
 from, and `run` executes commands (nvidia-smi, ip), so tests feed recorded
 files and outputs. Nothing here raises for missing hardware: a node without
 GPUs is a CPU node.
+
+Interfaces and their addresses come from `ip -j addr show`; where iproute2 is
+missing (slim container images) from /sys, /proc/net/if_inet6 and, for IPv4 on
+the real machine, the kernel's SIOCGIFADDR. The management interface is the one
+that holds the management address: engines pin NCCL's and Gloo's bootstrap to it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import ipaddress
 import os
 import platform
 import socket
+import struct
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import msgspec
 
 from .engines import GPUInfo
 from .events import NetInterface, NodeFacts
@@ -33,6 +43,11 @@ NVIDIA_SMI_GPUS = [
     "--format=csv,noheader,nounits",
 ]
 NVIDIA_SMI_DRIVER = ["nvidia-smi"]
+IP_ADDR = ["ip", "-j", "addr", "show"]
+
+# From <linux/sockios.h>: the primary IPv4 address and netmask of an interface.
+SIOCGIFADDR = 0x8915
+SIOCGIFNETMASK = 0x891B
 
 
 @dataclass(frozen=True)
@@ -125,6 +140,102 @@ def parse_meminfo(text: str) -> int:
     return 0
 
 
+class _IpAddr(msgspec.Struct):
+    family: str = ""
+    local: str = ""
+    prefixlen: int = 0
+
+
+class _IpLink(msgspec.Struct):
+    ifname: str
+    address: str = ""
+    operstate: str = ""
+    addr_info: list[_IpAddr] = []
+
+
+def parse_ip_addr(text: str) -> tuple[NetInterface, ...] | None:
+    """`ip -j addr show`, as interfaces with their addresses (`10.0.0.1/24`); None if it is not that."""
+    try:
+        links = msgspec.json.decode(text, type=list[_IpLink])
+    except msgspec.DecodeError:
+        return None
+    return tuple(
+        NetInterface(
+            name=link.ifname,
+            addresses=tuple(
+                f"{a.local}/{a.prefixlen}"
+                for a in link.addr_info
+                if a.family in ("inet", "inet6") and a.local
+            ),
+            mac=link.address,
+            up=link.operstate.lower() in ("up", "unknown"),
+        )
+        for link in sorted(links, key=lambda link: link.ifname)
+    )
+
+
+def parse_if_inet6(text: str) -> dict[str, list[str]]:
+    """/proc/net/if_inet6 (address, index, prefix length, scope, flags, name; hex) by interface."""
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) != 6 or len(parts[0]) != 32:
+            continue
+        try:
+            addr = ipaddress.IPv6Address(int(parts[0], 16))
+            prefix = int(parts[2], 16)
+        except ValueError:
+            continue
+        out.setdefault(parts[5], []).append(f"{addr}/{prefix}")
+    return out
+
+
+def ipv4_of(name: str) -> str | None:
+    """The primary IPv4 address of interface `name` on this machine, as `addr/prefix`."""
+    request = struct.pack("256s", name.encode()[:15])
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            addr = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, request)[20:24]
+            mask = fcntl.ioctl(sock.fileno(), SIOCGIFNETMASK, request)[20:24]
+    except OSError:
+        # EADDRNOTAVAIL: the interface has no IPv4 address.
+        return None
+    prefix = bin(int.from_bytes(mask, "big")).count("1")
+    return f"{socket.inet_ntoa(addr)}/{prefix}"
+
+
+def addresses_of(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """`host` as IP addresses: itself if it is one, else what it resolves to (nothing if it does not)."""
+    try:
+        return {ipaddress.ip_address(host)}
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return set()
+    found: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
+    for info in infos:
+        try:
+            found.add(ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]))
+        except ValueError:
+            continue
+    return found
+
+
+def interface_holding(interfaces: tuple[NetInterface, ...], host: str) -> str:
+    """The name of the interface that holds `host`'s address; "" when none does."""
+    wanted = addresses_of(host) if host else set()
+    for iface in interfaces:
+        for text in iface.addresses:
+            try:
+                if ipaddress.ip_interface(text).ip in wanted:
+                    return iface.name
+            except ValueError:
+                continue
+    return ""
+
+
 def weights_fingerprint(path: Path) -> str:
     """Cheap: names, sizes and mtimes of the files under `path`, hashed. No file is read."""
     h = hashlib.sha256()
@@ -146,6 +257,8 @@ class Probe:
     run: CommandRunner = field(default=run_command)
     model_paths: tuple[str, ...] = ()
     mgmt_addr: str = ""
+    # The operator's choice (agent.yaml `mgmt_iface`); found from mgmt_addr when empty.
+    mgmt_iface: str = ""
 
     def _read(self, rel: str) -> str:
         try:
@@ -168,16 +281,29 @@ class Probe:
             return ()
 
     def interfaces(self) -> tuple[NetInterface, ...]:
+        listed = self.run(IP_ADDR)
+        if listed.returncode == 0:
+            parsed = parse_ip_addr(listed.stdout)
+            if parsed is not None:
+                return parsed
+        return self._sysfs_interfaces()
+
+    def _sysfs_interfaces(self) -> tuple[NetInterface, ...]:
+        """Without iproute2: names, MACs and states from /sys, IPv6 from /proc, IPv4 from the kernel."""
         net = self.root / "sys/class/net"
         try:
             names = sorted(p.name for p in net.iterdir())
         except OSError:
             return ()
+        ipv6 = parse_if_inet6(self._read("proc/net/if_inet6"))
+        real = self.root == Path("/")
         out = []
         for name in names:
             mac = self._read(f"sys/class/net/{name}/address").strip()
             state = self._read(f"sys/class/net/{name}/operstate").strip()
-            out.append(NetInterface(name=name, mac=mac, up=state in ("up", "unknown")))
+            v4 = ipv4_of(name) if real else None
+            addresses = ((v4,) if v4 else ()) + tuple(ipv6.get(name, ()))
+            out.append(NetInterface(name=name, addresses=addresses, mac=mac, up=state in ("up", "unknown")))
         return tuple(out)
 
     def facts(self) -> NodeFacts:
@@ -186,6 +312,8 @@ class Probe:
         gpus, driver, cuda = self.gpus()
         kernel = self._read("proc/sys/kernel/osrelease").strip() or platform.release()
         weights = {p: weights_fingerprint(Path(p)) for p in self.model_paths}
+        mgmt_addr = self.mgmt_addr or socket.gethostbyname("localhost")
+        interfaces = self.interfaces()
         return NodeFacts(
             node=self.node,
             os_id=osr.get("ID", ""),
@@ -200,7 +328,8 @@ class Probe:
             cuda_driver=cuda,
             gpus=gpus,
             hcas=self.hcas(),
-            interfaces=self.interfaces(),
-            mgmt_addr=self.mgmt_addr or socket.gethostbyname("localhost"),
+            interfaces=interfaces,
+            mgmt_addr=mgmt_addr,
             weights=weights,
+            mgmt_iface=self.mgmt_iface or interface_holding(interfaces, mgmt_addr),
         )

@@ -51,7 +51,9 @@ NO_AVX2 = "no AVX2: CPU inference runs several times slower on this node"
 
 
 def node_facts(config: AgentConfig, probe: Probe | None = None) -> NodeFacts:
-    probe = probe or Probe(config.node, model_paths=config.model_paths, mgmt_addr=config.mgmt_addr)
+    probe = probe or Probe(
+        config.node, model_paths=config.model_paths, mgmt_addr=config.mgmt_addr, mgmt_iface=config.mgmt_iface
+    )
     facts = probe.facts()
     if config.simulate is not None:
         facts = msgspec.structs.replace(

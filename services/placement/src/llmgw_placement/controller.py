@@ -245,6 +245,7 @@ class Controller:
             shards=usage.shards[name],
             used_ports=frozenset(usage.ports[name]),
             replicas_of=dict(usage.replicas_of[name]),
+            mgmt_iface=facts.mgmt_iface,
         )
 
     def index(self, at: float) -> NodeIndex:
@@ -489,6 +490,7 @@ class Controller:
                 port=0,
                 members=members,
                 hcas=a.hcas,
+                mgmt_iface=a.mgmt_iface,
                 fabric=p.fabric,
                 pool=dep.pool,
                 profile_fp=fp,

@@ -42,6 +42,7 @@ class NodeView:
     shards: int = 0
     used_ports: frozenset[int] = frozenset()
     replicas_of: Mapping[str, int] = field(default_factory=dict)
+    mgmt_iface: str = ""
 
     def free_gpus(self, cls: str) -> list[GPUInfo]:
         return [g for g in self.gpus if g.index not in self.used_gpus and gpu_class(g) == cls]
@@ -131,6 +132,7 @@ class Assignment:
     addr: str
     port: int = 0
     hcas: tuple[str, ...] = ()
+    mgmt_iface: str = ""
 
 
 @dataclass(frozen=True)
@@ -290,7 +292,15 @@ def _decide(
         best = min(fit, key=lambda n: _score(n, profile, deployment))
         gpus = choose_gpus(best.free_gpus(profile.gpu_class), need) if need else []
         return Placement(
-            (Assignment(node=best.node, rank=0, gpus=tuple(g.index for g in gpus), addr=best.mgmt_addr),)
+            (
+                Assignment(
+                    node=best.node,
+                    rank=0,
+                    gpus=tuple(g.index for g in gpus),
+                    addr=best.mgmt_addr,
+                    mgmt_iface=best.mgmt_iface,
+                ),
+            )
         )
     by_fabric: dict[str, list[NodeView]] = defaultdict(list)
     for node in fit:
@@ -328,6 +338,7 @@ def _decide(
                 addr=node.mgmt_addr,
                 port=port,
                 hcas=hcas,
+                mgmt_iface=node.mgmt_iface,
             )
         )
     return Placement(tuple(members_out), fabric=fabric)

@@ -9,27 +9,30 @@ from ._types import ShardSpec
 
 def generated_env(shard: ShardSpec) -> dict[str, str]:
     """The variables llmgw sets for a shard, before the profile's own env."""
-    env: dict[str, str] = {}
-    if shard.gpus:
-        # Pin the shard to its GPUs; without it every engine grabs GPU 0 and
-        # two shards on one node fight over the same memory.
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in shard.gpus)
-    if shard.world > 1:
-        if shard.hcas:
-            # NCCL_IB_HCA lists only the chosen fabric's adapters. Leaving it
-            # unset lets NCCL pick adapters from another fabric, where the peer
-            # is unreachable, and the job hangs instead of failing.
-            env["NCCL_IB_HCA"] = ",".join(shard.hcas)
-        else:
-            # No InfiniBand for this shard: NCCL must use sockets instead of
-            # probing verbs devices that lead nowhere.
-            env["NCCL_IB_DISABLE"] = "1"
-        if shard.mgmt_iface:
-            # Bootstrap over the management interface; NCCL and Gloo otherwise
-            # pick the first interface they find (docker0, an IB port) and the
-            # rendezvous times out.
-            env["NCCL_SOCKET_IFNAME"] = shard.mgmt_iface
-            env["GLOO_SOCKET_IFNAME"] = shard.mgmt_iface
+    # Pin the shard to its GPUs, and set it even when there are none: an
+    # empty list hides every GPU. Unset, a CPU replica on a GPU node (a CUDA
+    # build of llama.cpp with -ngl 999) takes GPUs that placement counts as
+    # free, and two shards on one node fight over the same memory.
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in shard.gpus)}
+    if shard.hcas:
+        # NCCL_IB_HCA lists only the chosen fabric's adapters. Leaving it
+        # unset lets NCCL pick adapters from another fabric, where the peer
+        # is unreachable, and the job hangs instead of failing. IB is enabled
+        # explicitly: an NCCL_IB_DISABLE=1 inherited from the agent's own
+        # environment would otherwise send the traffic over sockets.
+        env["NCCL_IB_HCA"] = ",".join(shard.hcas)
+        env["NCCL_IB_DISABLE"] = "0"
+    else:
+        # No InfiniBand for this shard (one node, or a fabric without HCAs):
+        # NCCL must not probe verbs devices that lead nowhere.
+        env["NCCL_IB_DISABLE"] = "1"
+    if shard.mgmt_iface:
+        # Bootstrap over the management interface, on one node too; NCCL and
+        # Gloo otherwise pick the first interface they find (docker0, an IPoIB
+        # port that does not route between fabrics) and the first all-reduce
+        # hangs.
+        env["NCCL_SOCKET_IFNAME"] = shard.mgmt_iface
+        env["GLOO_SOCKET_IFNAME"] = shard.mgmt_iface
     return env
 
 

@@ -23,7 +23,12 @@ MIN_CAPABILITY: dict[str, int] = {
 
 
 def quantization_of(args: tuple[str, ...] | list[str]) -> str | None:
-    """The method named by `--quantization X`, `--quantization=X` or `-q X`; the last one wins."""
+    """The method named by `--quantization X`, `--quantization=X` or `-q X`; the last one wins.
+
+    The last, because that is the one the engine uses: vLLM and SGLang parse
+    their command line with argparse, where a repeated option keeps its last
+    value. Checking the first would pass a profile whose kernels the GPU lacks.
+    """
     found: str | None = None
     it = iter(range(len(args)))
     for i in it:

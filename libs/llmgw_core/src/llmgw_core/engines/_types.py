@@ -54,8 +54,13 @@ class Profile(Struct, frozen=True, kw_only=True):
 
     @property
     def per_node_gpus(self) -> int:
-        """GPUs each node of the replica must give this profile."""
-        if self.gpus_per_node is not None:
+        """GPUs each node of the replica must give this profile.
+
+        Unset (or not positive) on one node, it is TP x PP: vLLM and SGLang
+        start tp x pp workers on one node, one GPU each. A multi-node profile
+        must say it (validation refuses it otherwise).
+        """
+        if self.gpus_per_node is not None and self.gpus_per_node > 0:
             return self.gpus_per_node
         return self.tp * self.pp if self.nodes == 1 else 0
 

@@ -31,6 +31,12 @@ def validate_profile(
         errors.append(
             f"profile {profile.name}: gpus_per_node is required when nodes > 1 (nodes is {profile.nodes})"
         )
+    elif profile.nodes > 1 and profile.gpus_per_node is not None and profile.gpus_per_node <= 0:
+        # Zero GPUs per node would place a multi-node replica on no GPUs at all.
+        errors.append(
+            f"profile {profile.name}: gpus_per_node must be positive when nodes > 1, "
+            f"got {profile.gpus_per_node} (nodes is {profile.nodes})"
+        )
     per_node = profile.per_node_gpus
     shape_known = profile.tp >= 1 and profile.pp >= 1 and profile.nodes >= 1
     if (

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
+from pathlib import Path
 from typing import Literal
 
 from msgspec import Struct
@@ -11,13 +14,61 @@ from ._env import generated_env, materialise
 from ._types import Address, Command, GPUInfo, Profile, ShardSpec
 from ._validate import validate_profile
 
+# vLLM's own multi-node mode (`--nnodes/--node-rank/--master-addr`, `--headless`
+# on the other ranks; vllm-project/vllm#23691) is in every release from 0.11.1.
+NATIVE_MULTINODE_SINCE = (0, 11, 1)
+
+Multinode = Literal["auto", "ray", "native"]
+
 
 class VLLMConfig(Struct, frozen=True, kw_only=True):
     # The Python environment vLLM is installed in; `vllm` and `ray` are its scripts.
     bin_dir: str = ""
-    # "ray": a Ray cluster per replica (head on rank 0, workers join it).
-    # "native": vLLM's own multi-node mode (vLLM >= 0.11.1: --nnodes/--node-rank).
-    multinode: Literal["ray", "native"] = "ray"
+    # "auto": vLLM's native multi-node mode when the environment's vLLM has it
+    # (read from its package metadata), a Ray cluster per replica otherwise.
+    # "ray" or "native" force one (every node of a replica must agree).
+    multinode: Multinode = "auto"
+
+
+def installed_version(bin_dir: str) -> str | None:
+    """The version of the `vllm` package in the environment whose scripts are in `bin_dir`.
+
+    Read from the environment's own package metadata (`lib/python3.*/site-packages`
+    next to `bin/`), so nothing is started: importing vLLM takes seconds and a GPU
+    driver. None when there is no environment or no vLLM in it.
+    """
+    if not bin_dir:
+        return None
+    prefix = Path(bin_dir).parent
+    paths = sorted(
+        str(p)
+        for pattern in ("lib/python3*/site-packages", "lib64/python3*/site-packages")
+        for p in prefix.glob(pattern)
+    )
+    if not paths:
+        return None
+    for dist in importlib.metadata.distributions(name="vllm", path=paths):
+        version = dist.version
+        if version:
+            return str(version)
+    return None
+
+
+def release_of(version: str) -> tuple[int, ...]:
+    """`"0.11.1rc2.dev5+g1234.cu128"` -> (0, 11, 1): the release numbers, nothing after them."""
+    match = re.match(r"v?(\d+(?:\.\d+)*)", version.strip())
+    return tuple(int(n) for n in match.group(1).split(".")) if match else ()
+
+
+def multinode_mode(config: VLLMConfig) -> Literal["ray", "native"]:
+    """How this node runs a multi-node replica: the configured mode, or detected from the installed vLLM."""
+    if config.multinode != "auto":
+        return config.multinode
+    version = installed_version(config.bin_dir)
+    if version is not None and release_of(version) >= NATIVE_MULTINODE_SINCE:
+        return "native"
+    # Unknown or older: Ray, which every vLLM that runs on several nodes supports.
+    return "ray"
 
 
 class VLLM:
@@ -47,7 +98,7 @@ class VLLM:
             gen["VLLM_HOST_IP"] = shard.me().addr
         env = materialise(environ, gen, profile.env)
         leader = shard.leader()
-        if shard.world > 1 and self.config.multinode == "ray":
+        if shard.world > 1 and multinode_mode(self.config) == "ray":
             if not shard.is_leader:
                 return [
                     Command(
@@ -75,7 +126,18 @@ class VLLM:
                 ),
                 env=env,
             )
-            return [head, self._serve(shard, env, ("--distributed-executor-backend", "ray"))]
+            # The server waits for its own head too: started before the head
+            # listens, `vllm serve` starts a Ray of its own (or sees only this
+            # node's GPUs) instead of joining the replica's cluster.
+            return [
+                head,
+                self._serve(
+                    shard,
+                    env,
+                    ("--distributed-executor-backend", "ray"),
+                    wait_for=(Address(leader.addr, leader.port),),
+                ),
+            ]
         # vLLM 0.11.1 stopped guessing Ray when a cluster is around: say which
         # executor to use every time, so an upgrade does not change behaviour.
         extra: tuple[str, ...] = ("--distributed-executor-backend", "mp")
@@ -94,7 +156,13 @@ class VLLM:
                 extra += ("--headless",)
         return [self._serve(shard, env, extra)]
 
-    def _serve(self, shard: ShardSpec, env: tuple[tuple[str, str], ...], extra: tuple[str, ...]) -> Command:
+    def _serve(
+        self,
+        shard: ShardSpec,
+        env: tuple[tuple[str, str], ...],
+        extra: tuple[str, ...],
+        wait_for: tuple[Address, ...] = (),
+    ) -> Command:
         profile = shard.profile
         args = (
             "serve",
@@ -112,4 +180,4 @@ class VLLM:
             *extra,
             *profile.args,
         )
-        return Command(name="vllm", path=self._bin("vllm"), args=args, env=env)
+        return Command(name="vllm", path=self._bin("vllm"), args=args, env=env, wait_for=wait_for)

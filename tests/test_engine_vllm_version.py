@@ -1,0 +1,123 @@
+"""vLLM's multi-node mode follows the vLLM installed in the configured environment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from llmgw_core.config import AgentConfig, loads
+from llmgw_core.engines import VLLM, Member, Profile, ShardSpec, VLLMConfig
+from llmgw_core.engines.vllm import installed_version, multinode_mode, release_of
+
+
+def fake_env(root: Path, version: str | None, python: str = "python3.12") -> str:
+    """A Python environment as uv or venv lays it out, with a vllm distribution of `version`."""
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "vllm").write_text("#!/bin/sh\n")
+    site = root / "lib" / python / "site-packages"
+    site.mkdir(parents=True)
+    (site / "ray-2.49.0.dist-info").mkdir()
+    (site / "ray-2.49.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: ray\nVersion: 2.49.0\n"
+    )
+    if version is not None:
+        info = site / f"vllm-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    return str(root / "bin")
+
+
+def shard(rank: int) -> ShardSpec:
+    p = msgspec.convert(
+        {
+            "name": "llama-70b",
+            "engine": "vllm",
+            "model_path": "/models/llama-70b",
+            "gpu_class": "H100-80G",
+            "tp": 8,
+            "nodes": 2,
+            "gpus_per_node": 4,
+        },
+        Profile,
+    )
+    members = (
+        Member(node="gpu-01", addr="10.0.0.1", port=29500),
+        Member(node="gpu-02", addr="10.0.0.2", port=29500),
+    )
+    return ShardSpec(
+        replica="r0",
+        shard=f"r0-{rank}",
+        node=members[rank].node,
+        profile=p,
+        rank=rank,
+        gpus=(0, 1, 2, 3),
+        port=8000,
+        members=members,
+        fabric="ib-a",
+    )
+
+
+@pytest.mark.parametrize(
+    ("version", "mode"),
+    [
+        ("0.11.1", "native"),
+        ("0.12.0", "native"),
+        ("0.11.2.dev14+g1a2b3c4.cu128", "native"),
+        ("1.0.0", "native"),
+        ("0.11.0", "ray"),
+        ("0.10.2", "ray"),
+        (None, "ray"),
+    ],
+)
+def test_the_installed_version_chooses_the_multi_node_mode(
+    tmp_path: Path, version: str | None, mode: str
+) -> None:
+    bin_dir = fake_env(tmp_path / "venv", version)
+    assert installed_version(bin_dir) == version
+    assert multinode_mode(VLLMConfig(bin_dir=bin_dir)) == mode
+    [worker] = VLLM(VLLMConfig(bin_dir=bin_dir)).commands(shard(1), {})
+    if mode == "native":
+        assert (worker.name, worker.args[-1]) == ("vllm", "--headless")
+        assert worker.wait_for == ()
+    else:
+        assert worker.name == "ray-worker"
+        assert worker.path == f"{bin_dir}/ray"
+
+
+def test_a_lib64_environment_is_read_too(tmp_path: Path) -> None:
+    root = tmp_path / "env"
+    fake_env(root, "0.11.1")
+    (root / "lib").rename(root / "lib64")
+    assert installed_version(str(root / "bin")) == "0.11.1"
+
+
+def test_the_configured_mode_overrides_what_is_installed(tmp_path: Path) -> None:
+    new = fake_env(tmp_path / "new", "0.11.1")
+    old = fake_env(tmp_path / "old", "0.10.2")
+    assert multinode_mode(VLLMConfig(bin_dir=new, multinode="ray")) == "ray"
+    assert multinode_mode(VLLMConfig(bin_dir=old, multinode="native")) == "native"
+    [leader, server] = VLLM(VLLMConfig(bin_dir=new, multinode="ray")).commands(shard(0), {})
+    assert (leader.name, server.name) == ("ray-head", "vllm")
+
+
+def test_no_environment_means_ray(tmp_path: Path) -> None:
+    assert installed_version("") is None
+    assert installed_version(str(tmp_path / "absent" / "bin")) is None
+    assert multinode_mode(VLLMConfig()) == "ray"
+
+
+def test_agent_yaml_detects_unless_told() -> None:
+    config = loads(b"node: gpu-01\nengines:\n  vllm:\n    path: /opt/vllm/bin\n", AgentConfig)
+    assert config.engines["vllm"].multinode == "auto"
+    config = loads(b"node: gpu-01\nengines:\n  vllm: {path: /opt/vllm/bin, multinode: ray}\n", AgentConfig)
+    assert config.engines["vllm"].multinode == "ray"
+
+
+@pytest.mark.parametrize(
+    ("text", "release"),
+    [("0.11.1", (0, 11, 1)), ("0.11.1rc2", (0, 11, 1)), ("v0.9", (0, 9)), ("nonsense", ())],
+)
+def test_release_numbers(text: str, release: tuple[int, ...]) -> None:
+    assert release_of(text) == release
