@@ -6,6 +6,7 @@ restarted placement (or a test) computes exactly what the last one did.
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,12 +45,44 @@ class NodeView:
     replicas_of: Mapping[str, int] = field(default_factory=dict)
     mgmt_iface: str = ""
 
+    # A view never changes once made: what is derived from it is computed once.
+    _free: dict[str, list[GPUInfo]] = field(default_factory=dict, compare=False, repr=False)
+    _classes: list[frozenset[str]] = field(default_factory=list, compare=False, repr=False)
+    _counts: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    _chosen: dict[tuple[str, int], list[GPUInfo]] = field(default_factory=dict, compare=False, repr=False)
+    # unfit() per (profile fingerprint, deployment name, pool): the many replicas of one
+    # deployment placed in a step meet the same unchanged views again and again.
+    _unfit: dict[tuple[str, str, str], str | None] = field(default_factory=dict, compare=False, repr=False)
+    _scores: dict[tuple[str, str, str], tuple[object, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
     def free_gpus(self, cls: str) -> list[GPUInfo]:
-        return [g for g in self.gpus if g.index not in self.used_gpus and gpu_class(g) == cls]
+        found = self._free.get(cls)
+        if found is None:
+            found = [g for g in self.gpus if g.index not in self.used_gpus and gpu_class(g) == cls]
+            self._free[cls] = found
+        return found
 
     @property
     def classes(self) -> frozenset[str]:
-        return frozenset(gpu_class(g) for g in self.gpus)
+        if not self._classes:
+            self._classes.append(frozenset(gpu_class(g) for g in self.gpus))
+        return self._classes[0]
+
+    def count_of(self, cls: str) -> int:
+        """GPUs of class `cls` on the node, free or not."""
+        found = self._counts.get(cls)
+        if found is None:
+            found = self._counts[cls] = sum(1 for g in self.gpus if gpu_class(g) == cls)
+        return found
+
+    def chosen(self, cls: str, n: int) -> list[GPUInfo]:
+        """The `n` free GPUs of class `cls` a rank would get (see `choose_gpus`)."""
+        found = self._chosen.get((cls, n))
+        if found is None:
+            found = self._chosen[(cls, n)] = choose_gpus(self.free_gpus(cls), n)
+        return found
 
 
 class NodeIndex:
@@ -69,6 +102,8 @@ class NodeIndex:
             lambda: defaultdict(SortedList)
         )
         self._by_weights: dict[str, set[str]] = defaultdict(set)
+        # Candidates per (engine, class) in node order, made again only after that set changed.
+        self._sorted: dict[tuple[str, str], list[NodeView]] = {}
         for view in views:
             self.add(view)
 
@@ -86,6 +121,7 @@ class NodeIndex:
         self.remove(view.node)
         self.views[view.node] = view
         for key, free in self._keys(view):
+            self._sorted.pop(key, None)
             self._buckets[key].add(view.node)
             self._by_free[key][free].add((-view.shards, view.node))
         for path in view.weights:
@@ -96,6 +132,7 @@ class NodeIndex:
         if old is None:
             return
         for key, free in self._keys(old):
+            self._sorted.pop(key, None)
             self._buckets[key].discard(node)
             self._by_free[key][free].discard((-old.shards, node))
         for path in old.weights:
@@ -117,8 +154,12 @@ class NodeIndex:
                     yield self.views[node]
 
     def candidates(self, profile: Profile) -> list[NodeView]:
-        names = self._buckets.get((profile.engine, profile.gpu_class), set())
-        return [self.views[n] for n in sorted(names)]
+        key = (profile.engine, profile.gpu_class)
+        found = self._sorted.get(key)
+        if found is None:
+            names = self._buckets.get(key, set())
+            found = self._sorted[key] = [self.views[n] for n in sorted(names)]
+        return found
 
     def all(self) -> list[NodeView]:
         return [self.views[n] for n in sorted(self.views)]
@@ -158,8 +199,17 @@ def gpus_needed(profile: Profile) -> int:
     return profile.per_node_gpus if profile.gpu_class else 0
 
 
-def unfit(node: NodeView, profile: Profile, deployment: Deployment) -> str | None:
-    """Why `node` cannot take one rank of `profile`, in the node's own words where it gave them."""
+def unfit(
+    node: NodeView,
+    profile: Profile,
+    deployment: Deployment,
+    memo: dict[tuple[tuple[str, str, int], ...], list[str]] | None = None,
+) -> str | None:
+    """Why `node` cannot take one rank of `profile`, in the node's own words where it gave them.
+
+    `memo` keeps the profile's validation per kind of GPU set across the nodes of one
+    decision: a fleet has few kinds of GPU, and validating each node's anew is most
+    of the cost of a multi-node decision."""
     if not node.alive:
         if node.lost_since:
             return f"lost: no heartbeat since {node.lost_since}"
@@ -177,16 +227,20 @@ def unfit(node: NodeView, profile: Profile, deployment: Deployment) -> str | Non
         )
     need = gpus_needed(profile)
     if profile.gpu_class:
-        classes = sorted({gpu_class(g) for g in node.gpus})
-        if not classes:
+        if not node.gpus:
             return f"no GPUs, profile needs {profile.gpu_class}"
-        if profile.gpu_class not in classes:
-            return f"GPU class {', '.join(classes)}, profile needs {profile.gpu_class}"
-        of_class = [g for g in node.gpus if gpu_class(g) == profile.gpu_class]
+        if profile.gpu_class not in node.classes:
+            return f"GPU class {', '.join(sorted(node.classes))}, profile needs {profile.gpu_class}"
         free = node.free_gpus(profile.gpu_class)
         if len(free) < need:
-            return f"{len(free)} of {len(of_class)} GPUs free, profile needs {need}"
-        problems = validate_profile(profile, choose_gpus(free, need))
+            return f"{len(free)} of {node.count_of(profile.gpu_class)} GPUs free, profile needs {need}"
+        chosen = node.chosen(profile.gpu_class, need)
+        kind = tuple((g.name, g.compute_capability, g.memory_mb) for g in chosen)
+        problems = memo.get(kind) if memo is not None else None
+        if problems is None:
+            problems = validate_profile(profile, chosen)
+            if memo is not None:
+                memo[kind] = problems
         if problems:
             return problems[0].split(": ", 1)[1]
     elif not node.avx2 and profile.engine != "sim":
@@ -225,6 +279,15 @@ def _score(node: NodeView, profile: Profile, deployment: Deployment) -> tuple[ob
     return (not has_weights, free_after, -node.shards, node.node)
 
 
+def _cached_score(
+    node: NodeView, profile: Profile, deployment: Deployment, key: tuple[str, str, str]
+) -> tuple[object, ...]:
+    found = node._scores.get(key)
+    if found is None:
+        found = node._scores[key] = _score(node, profile, deployment)
+    return found
+
+
 def _port(nodes: Sequence[NodeView], port_range: tuple[int, int]) -> int:
     used = set().union(*(n.used_ports for n in nodes))
     for port in range(port_range[0], port_range[1] + 1):
@@ -260,8 +323,9 @@ def decide(
         ordered = chain(
             sorted(holders, key=lambda v: _score(v, profile, deployment)), index.binpack_order(profile, need)
         )
+        memo: dict[tuple[tuple[str, str, int], ...], list[str]] = {}
         for view in ordered:
-            if unfit(view, profile, deployment) is None:
+            if unfit(view, profile, deployment, memo) is None:
                 return _decide(deployment, profile, [view], fabric_hcas, port_range)
     else:
         decision = _decide(deployment, profile, index.candidates(profile), fabric_hcas, port_range)
@@ -279,8 +343,13 @@ def _decide(
 ) -> Decision:
     reasons: dict[str, str] = {}
     fit: list[NodeView] = []
+    memo: dict[tuple[tuple[str, str, int], ...], list[str]] = {}
+    cache_key = (profile.fingerprint(), deployment.name, deployment.pool)
     for node in nodes:
-        why = unfit(node, profile, deployment)
+        if cache_key in node._unfit:
+            why = node._unfit[cache_key]
+        else:
+            why = node._unfit[cache_key] = unfit(node, profile, deployment, memo)
         if why is None:
             fit.append(node)
         else:
@@ -314,7 +383,9 @@ def _decide(
                     f"profile needs {profile.nodes}"
                 )
             continue
-        chosen = sorted(members, key=lambda n: _score(n, profile, deployment))[: profile.nodes]
+        chosen = heapq.nsmallest(
+            profile.nodes, members, key=lambda n: _cached_score(n, profile, deployment, cache_key)
+        )
         free_after = sum(len(n.free_gpus(profile.gpu_class)) for n in members) - need * profile.nodes
         key: tuple[object, ...] = (
             (free_after, fabric) if deployment.strategy == "binpack" else (-free_after, fabric)
