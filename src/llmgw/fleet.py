@@ -19,6 +19,9 @@ from llmgw_core.engines import GPUInfo, ShardSpec
 from llmgw_core.errors import BusError
 from llmgw_core.events import EngineState, Heartbeat, NodeFacts, NodeStatus, ShardStatus, now
 
+# Not a value of `Fleet._unwritten` (whose values may be None: a removed shard).
+_GONE = object()
+
 SIM_ENGINE = EngineState(name="sim", state="configured", version="fleet")
 
 
@@ -102,7 +105,7 @@ class Fleet:
                     await self._answer(change.key, change.value)
                 except BusError:
                     continue
-                if self._unwritten.get(change.key) is change.value:
+                if self._unwritten.get(change.key, _GONE) is change.value:
                     del self._unwritten[change.key]
 
     async def _retry_unwritten(self) -> None:
@@ -113,7 +116,7 @@ class Fleet:
                     await self._answer(key, spec)
                 except BusError:
                     break
-                if self._unwritten.get(key) is spec:
+                if self._unwritten.get(key, _GONE) is spec:
                     del self._unwritten[key]
 
     async def _answer(self, key: str, spec: ShardSpec | None) -> None:

@@ -149,6 +149,10 @@ class Controller:
         self.decisions: dict[str, PlacementDecision] = {}
         self.writes = 0
         self._index = NodeIndex()
+        # Bumped whenever the index is made anew (its generation restarts then).
+        self._index_id = 0
+        # Per deployment, what its last refusal was computed against (see `_place`).
+        self._refused: dict[str, tuple[int, int, str, str, str]] = {}
         self._index_signature: tuple[int, frozenset[str]] | None = None
         self._usage_all = Usage()
         self._step_at = 0.0
@@ -256,6 +260,7 @@ class Controller:
         if signature != self._index_signature:
             self._index_signature = signature
             self._index = NodeIndex([self._view(n, at, self._usage_all) for n in sorted(self.state.nodes)])
+            self._index_id += 1
         self._step_at = at
         return self._index
 
@@ -339,7 +344,7 @@ class Controller:
     async def _unknown_profile(self, dep: Deployment) -> None:
         """A deployment naming no profile of the catalog: refused (once), and its value copied to
         the DLQ once, so whoever wrote it can see why. It is placed when the profile appears."""
-        await self._refuse(dep, "-", f"profile {dep.profile} is not in the catalog")
+        await self._refuse(dep, "-", Refusal((("-", f"profile {dep.profile} is not in the catalog"),)))
         if self._told_unknown.get(dep.name) != dep:
             self._told_unknown[dep.name] = dep
             await self.bus.dead_letter(
@@ -426,24 +431,22 @@ class Controller:
                 return start, start + ID_BLOCK
 
     async def _place(self, dep: Deployment, profile: Profile, fp: str) -> bool:
+        # Nothing a refusal depends on moved since the last one: it still holds, and
+        # deciding again would cost a pass over every node for the same answer.
+        refused = self._refused.get(dep.name)
+        if refused == (self._index_id, self._index.generation, fp, dep.pool, dep.strategy):
+            return False
         fabric_hcas = {name: fc.hcas for name, fc in self.config.fabrics.items()}
         decision = decide(
             dep, profile, self._index, fabric_hcas=fabric_hcas, port_range=self.config.dist_port_range
         )
-        if isinstance(decision, Refusal):
-            # A refusal quotes every node, "lost 12 s ago" included: say it with fresh views.
-            decision = decide(
-                dep,
-                profile,
-                self.views(self.clock()),
-                fabric_hcas=fabric_hcas,
-                port_range=self.config.dist_port_range,
-            )
         # The id the replica gets if it is placed; a refusal names it too, without using it up.
         replica = await self._next_replica_id(dep.name)
         if isinstance(decision, Refusal):
-            await self._refuse(dep, replica, decision.text(), decision.reasons)
+            self._refused[dep.name] = (self._index_id, self._index.generation, fp, dep.pool, dep.strategy)
+            await self._refuse(dep, replica, decision)
             return False
+        self._refused.pop(dep.name, None)
         await self._commit(dep, profile, fp, replica, decision)
         return True
 
@@ -589,28 +592,31 @@ class Controller:
                     ),
                 )
 
-    async def _refuse(
-        self, dep: Deployment, replica: str, text: str, reasons: tuple[tuple[str, str], ...] = ()
-    ) -> None:
+    async def _refuse(self, dep: Deployment, replica: str, refusal: Refusal) -> None:
+        reasons = refusal.reasons
         decision = PlacementDecision(
             deployment=dep.name,
             replica=replica,
             outcome="refused",
-            reasons=tuple(NodeReason(node=n, reason=r) for n, r in reasons)
-            or (NodeReason(node="-", reason=text),),
+            reasons=tuple(NodeReason(node=n, reason=r) for n, r in reasons),
             at=now(),
         )
         previous = self.decisions.get(dep.name)
         self.decisions[dep.name] = decision
         if previous is None or previous.outcome != "refused" or previous.reasons != decision.reasons:
-            log.warning("cannot place %s: %s", dep.name, text)
+            # Every node's reason goes to the event; the log says it in one line.
+            log.warning("cannot place %s: %s", dep.name, refusal.summary())
             await self._event(self.bus.names.placement_event(dep.name), decision)
             if replica != "-":
                 # The replica that could not be: no record (it holds nothing), but its state is told.
                 await self._event(
                     self.bus.names.replica_event(dep.name, replica),
                     ReplicaStatus(
-                        deployment=dep.name, replica=replica, state="unplaceable", reason=text, at=now()
+                        deployment=dep.name,
+                        replica=replica,
+                        state="unplaceable",
+                        reason=refusal.text(),
+                        at=now(),
                     ),
                 )
 

@@ -7,7 +7,7 @@ restarted placement (or a test) computes exactly what the last one did.
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -102,6 +102,8 @@ class NodeIndex:
             lambda: defaultdict(SortedList)
         )
         self._by_weights: dict[str, set[str]] = defaultdict(set)
+        # Moves on every change: a refusal computed at one generation holds until it moves.
+        self.generation = 0
         # Candidates per (engine, class) in node order, made again only after that set changed.
         self._sorted: dict[tuple[str, str], list[NodeView]] = {}
         for view in views:
@@ -119,6 +121,7 @@ class NodeIndex:
 
     def add(self, view: NodeView) -> None:
         self.remove(view.node)
+        self.generation += 1
         self.views[view.node] = view
         for key, free in self._keys(view):
             self._sorted.pop(key, None)
@@ -131,6 +134,7 @@ class NodeIndex:
         old = self.views.pop(node, None)
         if old is None:
             return
+        self.generation += 1
         for key, free in self._keys(old):
             self._sorted.pop(key, None)
             self._buckets[key].discard(node)
@@ -190,6 +194,18 @@ class Refusal:
         if not self.reasons:
             return "no nodes known"
         return "; ".join(f"{node}: {reason}" for node, reason in self.reasons)
+
+    def summary(self, limit: int = 5) -> str:
+        """For a log line: every node when a few, else the reasons counted.
+
+        `5000 nodes refused: 4998 x 0 of 8 GPUs free, profile needs 1; 2 x lost: …`"""
+        if len(self.reasons) <= limit:
+            return self.text()
+        counts = Counter(reason for _, reason in self.reasons)
+        parts = [f"{n} x {reason}" for reason, n in counts.most_common(limit)]
+        rest = len(counts) - limit
+        more = f"; and {rest} other reasons" if rest > 0 else ""
+        return f"{len(self.reasons)} nodes refused: {'; '.join(parts)}{more}"
 
 
 Decision = Placement | Refusal
