@@ -59,3 +59,15 @@ async def test_a_fleet_of_200_nodes_takes_100_replicas_packed_onto_25(
     nodes = sorted({r.members[0].node for r in ready})
     assert nodes == [f"sim-{i:03d}" for i in range(25)], "binpack fills whole nodes, in node order"
     assert len(fleet.ready) == 100
+
+
+def test_fleet_shards_split_the_nodes_without_overlap() -> None:
+    from llmgw.fleet import shard_of
+    from llmgw_core.errors import ConfigError
+
+    names = [f"sim-{i:05d}" for i in range(10)]
+    parts = [shard_of(names, f"{i}/3") for i in range(3)]
+    assert [len(p) for p in parts] == [4, 4, 2]
+    assert [n for p in parts for n in p] == names
+    with pytest.raises(ConfigError, match=r"--shard 3/3: expected I/N with 0 <= I < N, e\.g\. 0/4"):
+        shard_of(names, "3/3")

@@ -22,6 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     p_fleet.add_argument("--gpus", type=int, default=8, help="simulated H100s per node")
     p_fleet.add_argument("--name", default="sim", help="node ids are <name>-00000, <name>-00001, …")
     p_fleet.add_argument("--prefix", default="llmgw", help="subject prefix of the cluster")
+    p_fleet.add_argument(
+        "--shard",
+        default="0/1",
+        help="I/N: run the I-th of N equal parts of the fleet (several processes share a big fleet)",
+    )
     p_ctl = sub.add_parser("ctl", help="inspect a running cluster (LLMGW_NATS_URL)")
     p_ctl.add_argument("--prefix", default="llmgw", help="subject prefix of the cluster")
     ctl_sub = p_ctl.add_subparsers(dest="ctl", required=True)
@@ -54,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             from . import fleet
 
             telemetry.setup("llmgw-fleet")
-            return fleet.main(args.nodes, args.gpus, args.name, args.prefix)
+            return fleet.main(args.nodes, args.gpus, args.name, args.prefix, shard=args.shard)
 
         from . import ctl
 

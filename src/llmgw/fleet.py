@@ -16,7 +16,7 @@ import anyio.abc
 
 from llmgw_core.bus import Bus
 from llmgw_core.engines import GPUInfo, ShardSpec
-from llmgw_core.errors import BusError
+from llmgw_core.errors import BusError, ConfigError
 from llmgw_core.events import EngineState, Heartbeat, NodeFacts, NodeStatus, ShardStatus, now
 
 # Not a value of `Fleet._unwritten` (whose values may be None: a removed shard).
@@ -151,20 +151,35 @@ class Fleet:
             task_status.started()
 
 
-def main(nodes: int, gpus: int, name: str, prefix: str) -> int:
+def shard_of(names: list[str], shard: str) -> list[str]:
+    """The I-th of N contiguous parts of `names`, for `--shard I/N`."""
+    try:
+        i, n = (int(x) for x in shard.split("/"))
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise ConfigError(f"--shard {shard}: expected I/N with 0 <= I < N, e.g. 0/4")
+    size = -(-len(names) // n)
+    return names[i * size : (i + 1) * size]
+
+
+def main(nodes: int, gpus: int, name: str, prefix: str, *, shard: str = "0/1") -> int:
     """Run the fleet until Ctrl-C, against the cluster at LLMGW_NATS_URL."""
     from llmgw_core.bus import BusOptions
     from llmgw_core.lifecycle import cancel_on_signal
 
+    mine = shard_of([f"{name}-{i:05d}" for i in range(nodes)], shard)
+
     async def run() -> None:
         async with await Bus.connect(BusOptions(prefix=prefix), service="llmgw-fleet") as bus:
             await bus.ensure()
-            fleet = Fleet(bus, [f"{name}-{i:05d}" for i in range(nodes)], gpus_per_node=gpus)
+            fleet = Fleet(bus, mine, gpus_per_node=gpus)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(cancel_on_signal, tg.cancel_scope)
                 await tg.start(fleet.run)
                 print(
-                    f"llmgw fleet: {nodes} simulated nodes with {gpus} GPUs each are up; Ctrl-C stops them",
+                    f"llmgw fleet: {len(mine)} simulated nodes with {gpus} GPUs each are up "
+                    f"(part {shard}); Ctrl-C stops them",
                     flush=True,
                 )
 
