@@ -160,6 +160,7 @@ class Controller:
         self._ids: dict[str, tuple[int, int]] = {}
         # Placements taken in memory and not yet written (see `flush`).
         self._batch: list[tuple[ReplicaRecord, list[ShardSpec], PlacementDecision, str]] = []
+        self._removals: list[tuple[ReplicaRecord, dict[str, ShardSpec], str, ReplicaState]] = []
         self._fenced_at: float | None = None
         # Deployments whose unknown profile was dead-lettered already (by value).
         self._told_unknown: dict[str, Deployment] = {}
@@ -294,8 +295,12 @@ class Controller:
                 await self._converge(snap.deployments[name], alive, snap, at)
         except BaseException:
             # What was queued is not written: those replicas stay `placing` in
-            # memory, and the next step removes them and places them again.
+            # memory, and the next step removes them and places them again; the
+            # removals are remembered again and retried.
             self._batch = []
+            for record, specs, _, _ in self._removals:
+                self._unremove(record, specs)
+            self._removals = []
             raise
         await self.flush()
 
@@ -535,19 +540,38 @@ class Controller:
         self._batch.append((record, specs, decision, traceparent))
 
     async def flush(self) -> None:
-        """Write every queued placement, many in flight at once, after one proof of the lease.
+        """Write every queued removal, then every queued placement, many in flight at once,
+        after one proof of the lease.
 
-        Each replica's own writes keep their order: the record (`placing`)
-        first, then its shard specs, then the record (`starting`). A replica
-        whose writes fail stays `placing` in memory, and the next step removes
-        it and places it again; the failure costs this step (BusError).
+        Removals go first: a placement may reuse GPUs a removal freed. Each
+        replica's own writes keep their order: the record (`placing`) first,
+        then its shard specs, then the record (`starting`). A replica whose
+        writes fail stays `placing` in memory, and the next step removes it and
+        places it again; a removal that fails is remembered again and retried.
+        Any failure costs this step (BusError).
         """
+        removals, self._removals = self._removals, []
         batch, self._batch = self._batch, []
-        if not batch:
+        if not removals and not batch:
             return
-        await self._fenced()
+        try:
+            await self._fenced()
+        except BaseException:
+            for record, specs, _, _ in removals:
+                self._unremove(record, specs)
+            raise
         failures: list[BaseException] = []
         limiter = anyio.CapacityLimiter(FLUSH_CONCURRENCY)
+
+        async def remove(
+            record: ReplicaRecord, specs: dict[str, ShardSpec], why: str, state: ReplicaState
+        ) -> None:
+            async with limiter:
+                try:
+                    await self._write_removal(record, specs, why, state)
+                except BusError as exc:
+                    failures.append(exc)
+                    self._unremove(record, specs)
 
         async def write(
             record: ReplicaRecord, specs: list[ShardSpec], decision: PlacementDecision, traceparent: str
@@ -561,6 +585,11 @@ class Controller:
                 except BusError as exc:
                     failures.append(exc)
 
+        async with anyio.create_task_group() as tg:
+            for removal in removals:
+                tg.start_soon(remove, *removal)
+        if failures:
+            raise BusError(f"{len(failures)} of {len(removals)} removals were not written: {failures[0]}")
         async with anyio.create_task_group() as tg:
             for item in batch:
                 tg.start_soon(write, *item)
@@ -581,16 +610,13 @@ class Controller:
         self.writes += 2 + len(specs)
         if self.replicas.get(key) is record:
             self.replicas[key] = starting
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._event, names.placement_event(record.deployment), decision)
-            for state in ("placing", "starting"):
-                tg.start_soon(
-                    self._event,
-                    names.replica_event(record.deployment, record.replica),
-                    ReplicaStatus(
-                        deployment=record.deployment, replica=record.replica, state=state, at=now()
-                    ),
-                )
+        # In order: a subscriber sees one replica's states as they happened.
+        for state in ("placing", "starting"):
+            await self._event(
+                names.replica_event(record.deployment, record.replica),
+                ReplicaStatus(deployment=record.deployment, replica=record.replica, state=state, at=now()),
+            )
+        await self._event(names.placement_event(record.deployment), decision)
 
     async def _refuse(self, dep: Deployment, replica: str, refusal: Refusal) -> None:
         reasons = refusal.reasons
@@ -623,19 +649,43 @@ class Controller:
     async def _remove_replica(
         self, record: ReplicaRecord, why: str, state: ReplicaState = "stopping"
     ) -> None:
-        await self._fenced()
+        """Forget the replica now (its GPUs are free for the next decision) and queue its
+        deletes; `flush` writes them before any placement of the same step."""
         log.info("removing %s/%s: %s", record.deployment, record.replica, why)
+        key = _key(record)
+        self.replicas.pop(key, None)
+        specs = {k: spec for k in record.shards if (spec := self.shards.pop(k, None)) is not None}
+        for spec in specs.values():
+            self._usage_all.remove(spec)
+            self._reindex(spec.node)
+        self._removals.append((record, specs, why, state))
+        if len(self._removals) >= BATCH_MAX:
+            await self.flush()
+
+    async def _write_removal(
+        self, record: ReplicaRecord, specs: dict[str, ShardSpec], why: str, state: ReplicaState
+    ) -> None:
+        names = self.bus.names
         await self._event(
-            self.bus.names.replica_event(record.deployment, record.replica),
+            names.replica_event(record.deployment, record.replica),
             ReplicaStatus(
                 deployment=record.deployment, replica=record.replica, state=state, reason=why, at=now()
             ),
         )
-        for key in record.shards:
-            await self._delete_shard(key)
-        await self.bus.delete(self.bus.names.replicas_bucket, _key(record))
-        self.replicas.pop(_key(record), None)
-        self.writes += 1
+        async with anyio.create_task_group() as tg:
+            for key in record.shards:
+                tg.start_soon(self.bus.delete, names.shards_bucket, key)
+        await self.bus.delete(names.replicas_bucket, _key(record))
+        self.writes += 1 + len(record.shards)
+
+    def _unremove(self, record: ReplicaRecord, specs: dict[str, ShardSpec]) -> None:
+        """A removal whose deletes failed: remembered again, so the next step removes it again."""
+        self.replicas.setdefault(_key(record), record)
+        for key, spec in specs.items():
+            if key not in self.shards:
+                self.shards[key] = spec
+                self._usage_all.add(spec)
+                self._reindex(spec.node)
 
     async def _delete_shard(self, key: str) -> None:
         await self.bus.delete(self.bus.names.shards_bucket, key)
