@@ -91,8 +91,10 @@ class ClusterState:
     last_seen_wall: dict[str, float] = field(default_factory=dict)
     # The node's installer last heard (monotonic): shown, never a reason to fail over.
     installer_seen: dict[str, float] = field(default_factory=dict)
-    # Bumped on every change to `nodes`: the controller rebuilds its index only then.
+    # Bumped on every change to `nodes`.
     nodes_version: int = 0
+    # Nodes whose status changed since the controller last looked (it views only those again).
+    dirty_nodes: set[str] = field(default_factory=set)
     # Since when this placement could hear every heartbeat (its start, its last
     # reconnect, the end of its last stall); None while it cannot hear at all.
     # A node is judged only on silence that this placement could have heard.
@@ -153,7 +155,8 @@ class Controller:
         self._index_id = 0
         # Per deployment, what its last refusal was computed against (see `_place`).
         self._refused: dict[str, tuple[int, int, str, str, str]] = {}
-        self._index_signature: tuple[int, frozenset[str]] | None = None
+        # Who was alive when the index was last brought up to date (None: never built).
+        self._index_alive: frozenset[str] | None = None
         self._usage_all = Usage()
         self._step_at = 0.0
         # Per deployment, the next replica number and the end of the block reserved in the bucket.
@@ -254,15 +257,24 @@ class Controller:
         )
 
     def index(self, at: float) -> NodeIndex:
-        """Every node's view, indexed: rebuilt when a node's status or liveness changed, otherwise
-        kept current as this placement adds and removes shards, so a step does not cost O(nodes)."""
+        """Every node's view, indexed, and kept current: only the nodes whose status changed
+        (`state.dirty_nodes`) or whose liveness flipped are viewed again, and this placement's
+        own placements and removals update the nodes they touch, so a step costs O(changes),
+        not O(nodes). (Computing who is alive is the one pass over every node.)"""
+        self._step_at = at
         alive = frozenset(n for n in self.state.nodes if self.alive(n, at)[0])
-        signature = (self.state.nodes_version, alive)
-        if signature != self._index_signature:
-            self._index_signature = signature
+        dirty = self.state.dirty_nodes
+        self.state.dirty_nodes = set()
+        if self._index_alive is None:
             self._index = NodeIndex([self._view(n, at, self._usage_all) for n in sorted(self.state.nodes)])
             self._index_id += 1
-        self._step_at = at
+        else:
+            for node in sorted(dirty | (alive ^ self._index_alive)):
+                if node in self.state.nodes:
+                    self._index.add(self._view(node, at, self._usage_all))
+                else:
+                    self._index.remove(node)
+        self._index_alive = alive
         return self._index
 
     def _reindex(self, node: str) -> None:

@@ -111,6 +111,7 @@ class PlacementService:
                 target[change.key] = change.value
             if target is self.state.nodes:
                 self.state.nodes_version += 1
+                self.state.dirty_nodes.add(change.key)
             self.wake()
 
     async def _heartbeats(
