@@ -8,10 +8,11 @@ writes nothing.
 
 A step works on a snapshot taken when it starts: the watchers keep changing
 `ClusterState` while the step awaits its writes (a deployment deleted mid-step
-must cost nothing but its replicas). A step that fails part-way leaves the
-buckets in a state the next step repairs: a replica record still `placing`
-(its shards not all written) is removed and placed again, and this
-placement's memory of a key changes only after the bus acknowledged it.
+must cost nothing but its replicas). Placements and removals are planned in
+memory and written in a batch at the end (`flush`). A step that fails
+part-way leaves state the next step repairs: a replica still `placing` in
+memory (its writes failed) is removed and placed again, a removal whose
+deletes failed is remembered again and retried.
 """
 
 from __future__ import annotations
@@ -555,11 +556,10 @@ class Controller:
         """Write every queued removal, then every queued placement, many in flight at once,
         after one proof of the lease.
 
-        Removals go first: a placement may reuse GPUs a removal freed. Each
-        replica's own writes keep their order: the record (`placing`) first,
-        then its shard specs, then the record (`starting`). A replica whose
-        writes fail stays `placing` in memory, and the next step removes it and
-        places it again; a removal that fails is remembered again and retried.
+        Removals go first: a placement may reuse GPUs a removal freed. A
+        replica whose writes fail stays `placing` in memory, and the next step
+        removes it and places it again; a removal that fails is remembered
+        again and retried.
         Any failure costs this step (BusError).
         """
         removals, self._removals = self._removals, []
@@ -611,24 +611,28 @@ class Controller:
     async def _write_placement(
         self, record: ReplicaRecord, specs: list[ShardSpec], decision: PlacementDecision
     ) -> None:
+        """The record (`starting`), its shard specs and its events, all in flight at once: one
+        round trip, not one per write. A placement that dies part-way leaves either shards
+        that no record owns (removed when a placement takes over) or a record whose shards
+        are missing (removed and placed again), never a replica that looks whole."""
         names = self.bus.names
         key = _key(record)
-        await self.bus.put(names.replicas_bucket, key, record)
+        starting = msgspec.structs.replace(record, state="starting", updated_at=now())
         async with anyio.create_task_group() as tg:
+            tg.start_soon(self.bus.put, names.replicas_bucket, key, starting)
             for spec in specs:
                 tg.start_soon(self.bus.put, names.shards_bucket, names.shard_key(spec.node, spec.shard), spec)
-        starting = msgspec.structs.replace(record, state="starting", updated_at=now())
-        await self.bus.put(names.replicas_bucket, key, starting)
-        self.writes += 2 + len(specs)
+            tg.start_soon(
+                self._event,
+                names.replica_event(record.deployment, record.replica),
+                ReplicaStatus(
+                    deployment=record.deployment, replica=record.replica, state="starting", at=now()
+                ),
+            )
+            tg.start_soon(self._event, names.placement_event(record.deployment), decision)
+        self.writes += 1 + len(specs)
         if self.replicas.get(key) is record:
             self.replicas[key] = starting
-        # In order: a subscriber sees one replica's states as they happened.
-        for state in ("placing", "starting"):
-            await self._event(
-                names.replica_event(record.deployment, record.replica),
-                ReplicaStatus(deployment=record.deployment, replica=record.replica, state=state, at=now()),
-            )
-        await self._event(names.placement_event(record.deployment), decision)
 
     async def _refuse(self, dep: Deployment, replica: str, refusal: Refusal) -> None:
         reasons = refusal.reasons
