@@ -242,7 +242,8 @@ def run(quick: bool = False) -> str:
         "| from kill to all 400 ready elsewhere (s) | node_timeout (s) | placements in all "
         "| replica ids placed twice |",
         "|---|---|---|---|",
-        f"| {fo['elapsed_s']:.1f} | {fo['node_timeout_s']:.0f} | {fo['placements']:.0f} | {fo['twice']:.0f} |",
+        f"| {fo['elapsed_s']:.1f} | {fo['node_timeout_s']:.0f} | {fo['placements']:.0f} "
+        f"| {fo['twice']:.0f} |",
         "",
     ]
     return "\n".join(lines)

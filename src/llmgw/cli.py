@@ -1,4 +1,5 @@
-"""The `llmgw` command: `llmgw up` runs a cluster on this machine; `llmgw ctl` talks to one."""
+"""The `llmgw` command: `llmgw up` runs a cluster on this machine; `llmgw ctl` talks to one;
+`llmgw node onboard` installs a machine into one."""
 
 from __future__ import annotations
 
@@ -47,8 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     p_delete = ctl_sub.add_parser("delete", help="delete a deployment: its replicas stop")
     p_delete.add_argument("kind", choices=["deployment"])
     p_delete.add_argument("name")
+    _onboard_parser(sub)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if args.command == "node":
+            from . import onboard
+
+            return onboard.run(args)
         if args.command == "up":
             from . import up
 
@@ -68,3 +74,41 @@ def main(argv: list[str] | None = None) -> int:
     except LlmgwError as exc:
         print(f"llmgw: {exc}", file=sys.stderr)
         return 2
+
+
+def _onboard_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p_node = sub.add_parser("node", help="manage the machines of a cluster")
+    node_sub = p_node.add_subparsers(dest="node_command", required=True)
+    p = node_sub.add_parser(
+        "onboard",
+        help="install llmgw on a machine over SSH, start its agents and wait for its first probe",
+        description="Install llmgw on HOST over SSH from wheels built here (the host needs no package "
+        "index), write agent.yaml and systemd units, start the agents and print the node's first probe.",
+    )
+    p.add_argument("host", help="the machine's name or address")
+    p.add_argument("--user", help="SSH login (default: as ssh would)")
+    p.add_argument("--identity", help="SSH private key file (default: your keys and agent)")
+    p.add_argument("--port", type=int, default=22, help="SSH port")
+    p.add_argument(
+        "--known-hosts", help="known_hosts file that holds the host's key (default ~/.ssh/known_hosts)"
+    )
+    p.add_argument("--node", default="", help="node id (default: the host's short name)")
+    p.add_argument("--install-dir", default="/opt/llmgw", help="where llmgw, its config and its state go")
+    p.add_argument("--unit-dir", default="/etc/systemd/system", help="where the systemd units go")
+    p.add_argument(
+        "--start",
+        choices=["systemd", "direct"],
+        default="systemd",
+        help="start the agents through systemd, or directly on a host without it",
+    )
+    p.add_argument("--python", default="python3", help="the host's Python 3.11+ interpreter")
+    p.add_argument("--nats-url", default="", help="the bus as the node reaches it (default LLMGW_NATS_URL)")
+    p.add_argument("--prefix", default="llmgw", help="subject prefix of the cluster")
+    p.add_argument("--node-creds", help="NATS credentials file for the node (copied to it)")
+    p.add_argument(
+        "--mgmt-addr", default="", help="the node's management address (default: the one SSH reached)"
+    )
+    p.add_argument(
+        "--model-path", action="append", default=[], help="weights directory on the node (repeatable)"
+    )
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the first probe")
