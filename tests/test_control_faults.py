@@ -267,3 +267,26 @@ async def test_runtime_changes_survive_a_leader_change(bus: Bus, nats_url: str, 
         assert profile[0].args == ("--tokens-per-second", "99")
         assert await ready_replicas(bus, "chat") == before
         assert cp.crashes() == []
+
+
+async def test_a_placement_that_falls_behind_fails_no_node_over(bus: Bus, nats_url: str, prefix: str) -> None:
+    """Regression: at 5,000 nodes placement fell behind on heartbeats, declared every node
+    lost and failed the cluster over. Here its loop is blocked past node_timeout (as a long
+    step or a starved CPU would): it says so once, and moves nothing."""
+    import time
+
+    async with control_plane(nats_url, prefix) as cp:
+        await cp.start_fleet(["n0", "n1"], gpus=8)
+        p = await cp.start_placement("a")
+        await eventually(lambda: p.service.controller is not None, timeout=20)
+        await bus.put(
+            bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1", replicas=2)
+        )
+        await eventually(lambda: _count(ready_replicas(bus, "chat"), 2), timeout=20)
+        before = await ready_replicas(bus, "chat")
+        time.sleep(3.0)  # noqa: ASYNC251 - on purpose: placement (and the fleet beside it) hear nothing
+        await anyio.sleep(3.0)
+        assert p.service.behind
+        assert p.service.stalls >= 1
+        assert await ready_replicas(bus, "chat") == before, "nothing was failed over"
+        assert cp.crashes() == []

@@ -151,6 +151,15 @@ class Api:
         for (dep, state), n in sorted(counts.items()):
             lines.append(f'llmgw_replicas{{deployment="{dep}",state="{state}"}} {n}')
         lines += [
+            "# HELP llmgw_placement_behind 1 while placement is behind (node deadlines extended).",
+            "# TYPE llmgw_placement_behind gauge",
+            f"llmgw_placement_behind {int(self.service.behind)}",
+            "# HELP llmgw_placement_stalls_total Times placement's loop ran over 0.5 s late.",
+            "# TYPE llmgw_placement_stalls_total counter",
+            f"llmgw_placement_stalls_total {self.service.stalls}",
+            "# HELP llmgw_placement_step_failures_total Control steps that failed (retried with backoff).",
+            "# TYPE llmgw_placement_step_failures_total counter",
+            f"llmgw_placement_step_failures_total {self.service.step_failures}",
             "# HELP llmgw_nodes Nodes known.",
             "# TYPE llmgw_nodes gauge",
             f"llmgw_nodes {len(self.service.state.nodes)}",

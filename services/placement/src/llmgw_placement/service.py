@@ -53,6 +53,8 @@ T = TypeVar("T", bound=msgspec.Struct)
 # A control loop that waits longer than this past its deadline was stalled: the
 # heartbeats it should have heard are still queued, so silence is not judged for it.
 STALL_S = 0.5
+# No stall for this long: placement has caught up.
+CAUGHT_UP_S = 10.0
 # The longest pause between failed control steps.
 BACKOFF_CAP_S = 5.0
 
@@ -67,6 +69,10 @@ class PlacementService:
         self.controller: Controller | None = None
         self.is_leader = False
         self.step_failures = 0
+        # Overload: whether this placement is behind now, and how often its loop stalled.
+        self.behind = False
+        self.stalls = 0
+        self._last_stall = 0.0
         self.invalid_inputs = 0
         self._wake = anyio.Event()
 
@@ -156,11 +162,19 @@ class PlacementService:
                 )
             elif at - expected > STALL_S:
                 self.state.heard_from = at
-                log.warning(
-                    "%s: placement was behind by %.1f s: every node gets a full node_timeout",
-                    self.identity,
-                    at - expected,
-                )
+                self.stalls += 1
+                if not self.behind:
+                    log.warning(
+                        "%s: placement is behind (its loop ran %.1f s late): every node gets a full "
+                        "node_timeout until it catches up",
+                        self.identity,
+                        at - expected,
+                    )
+                self.behind = True
+                self._last_stall = at
+            elif self.behind and at - self._last_stall > CAUGHT_UP_S:
+                self.behind = False
+                log.warning("%s: placement caught up (%d stalls)", self.identity, self.stalls)
             expected = at + tick
 
     def liveness(self) -> Liveness:
