@@ -11,7 +11,7 @@ import nats.errors
 import nats.js.errors
 from opentelemetry import trace
 
-from llmgw_core.bus import Bus, BusOptions
+from llmgw_core.bus import Bus
 from llmgw_core.events import Deployment, Heartbeat, NodeStatus, PlacementDecision, decoder
 from llmgw_core.telemetry import current_traceparent
 
@@ -31,7 +31,8 @@ async def nodes(bus: Bus) -> str:
     heard: dict[str, float] = {}
 
     async def on_beat(beat: Heartbeat, subject: str) -> None:
-        heard[beat.node] = time.time()
+        # The subject names the node (its identity may publish only there), not the payload.
+        heard[subject.split(".")[-2]] = time.time()
 
     async with anyio.create_task_group() as tg:
         await tg.start(
@@ -89,7 +90,9 @@ async def deploy(bus: Bus, deployment: Deployment) -> Deployment:
 
 def run(args: argparse.Namespace) -> int:
     async def main() -> str:
-        async with await Bus.connect(BusOptions(prefix=args.prefix), service="llmgw-ctl") as bus:
+        from .cli import bus_options
+
+        async with await Bus.connect(bus_options(args), service="llmgw-ctl") as bus:
             if args.ctl == "nodes":
                 return await nodes(bus)
             if args.ctl == "deploy":

@@ -13,6 +13,7 @@ import anyio
 import msgspec
 
 from llmgw_core import telemetry
+from llmgw_core.access import prepare_node
 from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig, load
 from llmgw_core.errors import LlmgwError
@@ -24,7 +25,7 @@ from .service import Installer
 async def _main(config: AgentConfig, once: bool) -> int:
     bus = await Bus.connect(config.nats, service=f"installer-{config.node}")
     async with bus:
-        await bus.ensure()
+        await prepare_node(bus)
         installer = Installer(config, bus)
         if once:
             await installer.load_desired()

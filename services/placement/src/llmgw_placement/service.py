@@ -72,8 +72,11 @@ class PlacementService:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         async def seen(beat: Heartbeat, subject: str) -> None:
-            first = beat.node not in self.state.last_seen
-            self.state.last_seen[beat.node] = anyio.current_time()
+            # The node is the one the subject names: nats-server lets each node's identity
+            # publish only there, while the payload's `node` is whatever the sender wrote.
+            node = subject.split(".")[-2]
+            first = node not in self.state.last_seen
+            self.state.last_seen[node] = anyio.current_time()
             if first:
                 self.wake()
 
