@@ -55,6 +55,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, JetStreamManager, api
 
 from .errors import BusError, ConfigError
+from .metrics import Sample
 from .subjects import Names
 
 if TYPE_CHECKING:
@@ -401,6 +402,16 @@ class GuardedClient(Client):
                 if not waiter.done():
                     waiter.set_exception(denied)
         return True
+
+
+def permission_refusals(bus: Bus) -> Sample:
+    """A service's `/metrics` line: how often nats-server refused it a publish or a subscription."""
+    return Sample(
+        "llmgw_bus_permission_denied_total",
+        "counter",
+        "Publishes and subscriptions nats-server refused.",
+        getattr(bus.nc, "denied_total", 0),
+    )
 
 
 # --- streams and buckets exist before node services use them -------------------------

@@ -252,7 +252,8 @@ class Bus:
             with anyio.fail_after(options.connect_timeout_s):
                 await nc.connect(**kwargs)
         except (OSError, nats.errors.Error, TimeoutError) as exc:
-            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            # Bounded: closing a connection whose TLS handshake failed can wait forever.
+            with anyio.move_on_after(2, shield=True), contextlib.suppress(Exception):
                 await nc.close()
             raise BusError(_refused_connection(url, service, str(identity), errors, exc)) from exc
         bus = cls(nc, options, service)

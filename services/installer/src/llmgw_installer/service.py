@@ -12,6 +12,7 @@ import httpx
 import msgspec
 from opentelemetry import trace
 
+from llmgw_core.access import permission_refusals
 from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig
 from llmgw_core.errors import BusError
@@ -256,4 +257,5 @@ class Installer:
         samples.append(
             Sample("llmgw_installer_installs_failed_total", "counter", "Installs that failed.", self.failures)
         )
+        samples.append(permission_refusals(self.bus))
         return samples

@@ -203,7 +203,7 @@ class Api:
             "# HELP llmgw_bus_permission_denied_total Publishes and subscriptions nats-server refused.",
             "# TYPE llmgw_bus_permission_denied_total counter",
             f"llmgw_bus_permission_denied_total {getattr(self.service.bus.nc, 'denied_total', 0)}",
-            "# HELP llmgw_api_unauthorized_total API requests refused for a missing or wrong token.",
+            "# HELP llmgw_api_unauthorized_total API requests refused for their token (401 and 403).",
             "# TYPE llmgw_api_unauthorized_total counter",
             f"llmgw_api_unauthorized_total {self.refused}",
         ]
