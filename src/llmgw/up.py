@@ -25,8 +25,10 @@ import anyio
 import msgspec
 
 from llmgw_core import telemetry
+from llmgw_core.access import all_streams, require_streams
 from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.config import AgentConfig
+from llmgw_core.errors import BusError
 from llmgw_core.events import ReplicaRecord
 from llmgw_core.natsd import NatsServer
 from llmgw_placement.config import ServerConfig
@@ -134,6 +136,15 @@ class Processes:
 
 async def _wait_ready(bus: Bus, procs: Processes, timeout: float) -> ReplicaRecord:
     deadline = time.monotonic() + timeout
+    # Placement creates the streams and buckets; the operator only reads them.
+    while True:
+        procs.check()
+        try:
+            await require_streams(bus, all_streams(bus.names), timeout=1)
+            break
+        except BusError:
+            if time.monotonic() > deadline:
+                raise
     while True:
         procs.check()
         found = await bus.entries(bus.names.replicas_bucket, ReplicaRecord)

@@ -124,7 +124,7 @@ def _read_filtered(stream: str, subject_filter: str) -> list[str]:
     ]
 
 
-def _streams(names: Names) -> list[str]:
+def all_streams(names: Names) -> list[str]:
     return [names.events_stream, names.dlq_stream, *(_kv_stream(b) for b in names.buckets())]
 
 
@@ -181,7 +181,7 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             f"{p}.events.replica.>",
             f"{p}.events.placement.>",
             f"{p}.dlq.placement",
-            *(f"$JS.API.STREAM.{op}.{s}" for s in _streams(names) for op in ("CREATE", "UPDATE")),
+            *(f"$JS.API.STREAM.{op}.{s}" for s in all_streams(names) for op in ("CREATE", "UPDATE")),
             *(rule for b in names.buckets() for rule in _read_all(_kv_stream(b))),
         ]
         return Permissions(tuple(publish), (inbox, heartbeats))
@@ -191,7 +191,7 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             f"$KV.{names.catalog_bucket}.>",
             f"{p}.dlq.llmgw-ctl",
             f"{p}.dlq.llmgw-up",
-            *(rule for s in _streams(names) for rule in _read_all(s)),
+            *(rule for s in all_streams(names) for rule in _read_all(s)),
         ]
         return Permissions(tuple(publish), (inbox, heartbeats, names.events_all))
     if role == "observer":
@@ -424,6 +424,7 @@ async def require_streams(bus: Bus, streams: list[str], *, timeout: float = 30.0
     started at the same time wait for them, up to `timeout` seconds.
     """
     waiting: list[str] = []
+    said = False
     with anyio.move_on_after(timeout):
         while True:
             waiting = []
@@ -439,7 +440,9 @@ async def require_streams(bus: Bus, streams: list[str], *, timeout: float = 30.0
                     waiting.append(stream)
             if not waiting:
                 return
-            log.info("%s: waiting for placement to create %s", bus.service, ", ".join(waiting))
+            if not said:
+                said = True
+                log.info("%s: waiting for placement to create %s", bus.service, ", ".join(waiting))
             await anyio.sleep(0.5)
     raise BusError(
         f"{bus.service}: {', '.join(waiting)} still missing after {timeout:g}s at "
