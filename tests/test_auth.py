@@ -413,9 +413,13 @@ async def test_a_new_node_and_a_rotated_key_count_from_the_reload(
         pass
 
     old_seed = auth.node_seed("gpu-1").read_text()
+    before = await Bus.connect(options(auth.node_seed("gpu-1")), service="installer-gpu-1")
     auth.rotate("node-gpu-1")
     server.write()
     server.server.reload()
+    # The server closes what the old key had open.
+    await eventually(lambda: not before.nc.is_connected, timeout=10)
+    await before.close()
     async with await Bus.connect(options(auth.node_seed("gpu-1")), service="installer-gpu-1"):
         pass
     auth.node_seed("gpu-1").write_text(old_seed)

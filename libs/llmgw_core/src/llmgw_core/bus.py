@@ -205,14 +205,16 @@ class Bus:
 
         errors: list[Exception] = []
         nc = GuardedClient(service, str(identity))
+        connected = False
 
         async def on_error(exc: Exception) -> None:
             if nc.refused(exc):  # a permission refusal: logged and counted there
                 return
             errors.append(exc)
-            if (_authentication_refused(exc) or isinstance(exc, ssl.SSLError)) and not nc.is_connected:
-                # The server refused this identity, or TLS failed: asking again cannot help,
-                # so the first connection attempt is the last.
+            if (_authentication_refused(exc) or isinstance(exc, ssl.SSLError)) and not connected:
+                # The server refused this identity, or TLS failed, at the first connection:
+                # asking again cannot help, so this attempt is the last. (Once connected, a
+                # lost server is retried forever, whatever it answers meanwhile.)
                 nc.options["allow_reconnect"] = False
                 return
             log.warning("%s: NATS error: %s", service, exc)
@@ -251,6 +253,7 @@ class Bus:
             # the operator sees, not a hang.
             with anyio.fail_after(options.connect_timeout_s):
                 await nc.connect(**kwargs)
+            connected = True
         except (OSError, nats.errors.Error, TimeoutError) as exc:
             # Bounded: closing a connection whose TLS handshake failed can wait forever.
             with anyio.move_on_after(2, shield=True), contextlib.suppress(Exception):
