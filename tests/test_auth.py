@@ -443,3 +443,53 @@ async def test_a_refusal_is_logged_with_the_subject_and_the_identity_once(
         "(llmgw auth init writes them)"
     ]
     assert node.nc.denied_total == 3
+
+
+async def test_a_heartbeat_counts_for_the_node_its_subject_names(
+    bus: Bus, auth: AuthDir, connect_as: Connect, nats_url: str, prefix: str
+) -> None:
+    """gpu-1 may beat only on its own subject; what it writes inside does not keep gpu-2 alive."""
+    import anyio
+
+    from llmgw_placement import PlacementService, ServerConfig
+
+    config = msgspec.convert({"nats": {"url": nats_url, "prefix": prefix}, "engines": []}, ServerConfig)
+    service = PlacementService(config, await connect_as("placement"))
+    node = await connect_as("node-gpu-1")
+    async with anyio.create_task_group() as tg:
+        await tg.start(service.run)
+        await node.publish_core(
+            node.names.heartbeat("gpu-1", "launcher"), Heartbeat(node="gpu-2", service="launcher", at=now())
+        )
+        await eventually(lambda: "gpu-1" in service.state.last_seen)
+        assert "gpu-2" not in service.state.last_seen
+        tg.cancel_scope.cancel()
+
+
+async def test_ctl_takes_its_identity_from_a_flag(auth: AuthDir, server: SessionNats, prefix: str) -> None:
+    import os
+    import sys
+
+    import anyio
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_NATS_")}
+    env["LLMGW_NATS_URL"] = server.url
+    ctl = [
+        sys.executable,
+        "-c",
+        "import sys; from llmgw.cli import main; sys.exit(main())",
+        "ctl",
+        "--prefix",
+        prefix,
+    ]
+    ok = await anyio.run_process([*ctl, "--nkey", str(auth.seed("ctl")), "nodes"], env=env, check=False)
+    assert ok.returncode == 0, ok.stderr.decode()
+    assert ok.stdout.decode().split() == ["NODE", "STATE", "GPUS", "ENGINES", "INSTALL", "WARNINGS"]
+    # The observer may read nodes, but not write a deployment.
+    deploy = ["deploy", "chat", "--profile", "tiny"]
+    denied = await anyio.run_process(
+        [*ctl, "--nkey", str(auth.seed("observer")), *deploy], env=env, check=False
+    )
+    assert denied.returncode == 2
+    last = denied.stderr.decode().splitlines()[-1]
+    assert last.startswith(f"llmgw: write {prefix}-deployments/chat failed: nats-server refused observer (")
