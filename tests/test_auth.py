@@ -493,3 +493,31 @@ async def test_ctl_takes_its_identity_from_a_flag(auth: AuthDir, server: Session
     assert denied.returncode == 2
     last = denied.stderr.decode().splitlines()[-1]
     assert last.startswith(f"llmgw: write {prefix}-deployments/chat failed: nats-server refused observer (")
+
+
+async def test_the_fleet_command_joins_as_the_fleet_identity(
+    bus: Bus, auth: AuthDir, server: SessionNats, prefix: str, tmp_path: Path
+) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_NATS_")}
+    env["LLMGW_NATS_URL"] = server.url
+    argv = [sys.executable, "-c", "import sys; from llmgw.cli import main; sys.exit(main())", "fleet"]
+    argv += ["--prefix", prefix, "--nkey", str(auth.seed("fleet")), "--nodes", "3", "--name", "fl"]
+    with (tmp_path / "fleet.log").open("wb") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+
+        async def three() -> bool:
+            found = await bus.entries(bus.names.nodes_bucket, NodeStatus)
+            assert sorted(found) == ["fl-00000", "fl-00001", "fl-00002"]
+            return True
+
+        await eventually(three, timeout=30, interval=0.2)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+    assert "permission" not in (tmp_path / "fleet.log").read_text()

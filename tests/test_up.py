@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 async def operator_sees_the_cluster(text: str, data: Path) -> None:
     """Authentication is on: the printed ctl line and API token work, and nothing works without them."""
     auth = AuthDir(data / "auth")
-    assert sorted(auth.identities()) == ["ctl", "gateway", "node-local-1", "observer", "placement"]
+    assert sorted(auth.identities()) == ["ctl", "fleet", "gateway", "node-local-1", "observer", "placement"]
     assert 'include "../auth/auth.conf"' in (data / "nats" / "nats-server.conf").read_text()
     assert "nkey_seed_file" in (data / "server.yaml").read_text()
     assert "nkey_seed_file" in (data / "agent.yaml").read_text()

@@ -163,7 +163,8 @@ async def _wait_ready(bus: Bus, procs: Processes, timeout: float) -> ReplicaReco
 def identities(data_dir: Path) -> AuthDir:
     """The local cluster's identities: written on the first run, kept afterwards."""
     auth = AuthDir(data_dir / "auth")
-    created = auth.init([NODE])
+    # `fleet` too: a local cluster is where `llmgw fleet` is tried.
+    created = auth.init([NODE], fleet=True)
     if created:
         print(f"llmgw: wrote identities ({', '.join(created)}) and API tokens to {auth.path}", flush=True)
     return auth
