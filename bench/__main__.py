@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import durability, fleet, placement
+from bench import auth, durability, fleet, placement
 
 ROOT = Path(__file__).parent.parent
 
@@ -40,6 +40,7 @@ def main() -> int:
     args = parser.parse_args()
     sections = [
         durability.run(quick=args.quick),
+        auth.run(quick=args.quick),
         placement.run(quick=args.quick),
         fleet.run(quick=args.quick),
     ]

@@ -36,7 +36,7 @@ async def _rate(n: int, concurrency: int, one: Callable[[int], Awaitable[object]
 
 
 async def _measure(url: str, n: int) -> dict[tuple[str, int], tuple[float, float]]:
-    bus = await Bus.connect(BusOptions(url=url, prefix="busbench"), service="bench")
+    bus = await Bus.connect(BusOptions(url=url, prefix="busbench", insecure=True), service="bench")
     async with bus:
         await bus.ensure()
         kv = await bus.kv(bus.names.nodes_bucket)

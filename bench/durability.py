@@ -14,7 +14,7 @@ from llmgw_core.natsd import NatsServer
 
 
 async def _puts(url: str, n: int) -> float:
-    bus = await Bus.connect(BusOptions(url=url, prefix="bench"), service="bench")
+    bus = await Bus.connect(BusOptions(url=url, prefix="bench", insecure=True), service="bench")
     async with bus:
         await bus.ensure()
         msg = InstallProgress(node="gpu-01", engine="llamacpp", step="downloading", message="installing: x")

@@ -18,14 +18,15 @@ from llmgw_placement import PlacementService, ServerConfig
 
 async def _run(url: str, nodes: int, replicas: int) -> dict[str, float]:
     prefix = f"fleet{nodes}"
-    options = BusOptions(url=url, prefix=prefix)
+    # This server runs without authentication: what is measured is placement, not permission checks.
+    options = BusOptions(url=url, prefix=prefix, insecure=True)
     fleet_bus = await Bus.connect(options, service="fleet")
     placement_bus = await Bus.connect(options, service="placement")
     watch_bus = await Bus.connect(options, service="bench")
     await watch_bus.ensure()
     config = msgspec.convert(
         {
-            "nats": {"url": url, "prefix": prefix},
+            "nats": {"url": url, "prefix": prefix, "insecure": True},
             "engines": [],
             "catalog": [
                 {"name": "tp2", "engine": "sim", "model_path": "sim://x", "gpu_class": "H100-80G", "tp": 2}

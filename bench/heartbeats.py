@@ -43,9 +43,9 @@ def _measure(root: Path, url: str, nodes: int, window_s: float) -> dict[str, flo
     api_port = 18000 + nodes % 1000
     config = msgspec.convert(
         {
-            "nats": {"url": url, "prefix": prefix},
+            "nats": {"url": url, "prefix": prefix, "insecure": True},
             "engines": [],
-            "http": {"host": "127.0.0.1", "port": api_port},
+            "http": {"host": "127.0.0.1", "port": api_port, "insecure": True},
             "heartbeat_interval_s": 1.0,
             "node_timeout_s": 5.0,
         },
@@ -53,7 +53,7 @@ def _measure(root: Path, url: str, nodes: int, window_s: float) -> dict[str, flo
     )
     path = root / f"server-{nodes}.yaml"
     path.write_bytes(msgspec.yaml.encode(config))
-    env = {**os.environ, "LLMGW_NATS_URL": url}
+    env = {**os.environ, "LLMGW_NATS_URL": url, "LLMGW_NATS_INSECURE": "1"}
     logs = (root / f"placement-{nodes}.log").open("wb")
     placement = subprocess.Popen(
         [sys.executable, "-m", "llmgw_placement", "--config", str(path)],

@@ -38,7 +38,7 @@ class Processes:
     def __init__(self, root: Path, url: str, prefix: str) -> None:
         self.root, self.url, self.prefix = root, url, prefix
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.env = {**os.environ, "LLMGW_NATS_URL": url}
+        self.env = {**os.environ, "LLMGW_NATS_URL": url, "LLMGW_NATS_INSECURE": "1"}
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         log = (self.root / f"{name}.log").open("wb")
@@ -49,10 +49,10 @@ class Processes:
     def placement(self, node_timeout_s: float) -> subprocess.Popen[bytes]:
         config = msgspec.convert(
             {
-                "nats": {"url": self.url, "prefix": self.prefix},
+                "nats": {"url": self.url, "prefix": self.prefix, "insecure": True},
                 "engines": [],
                 "catalog": [TP2],
-                "http": {"host": "127.0.0.1", "port": 0},
+                "http": {"host": "127.0.0.1", "port": 0, "insecure": True},
                 "node_timeout_s": node_timeout_s,
             },
             ServerConfig,
@@ -123,7 +123,7 @@ async def _placed_events(bus: Bus) -> Counter[str]:
 async def throughput(root: Path, url: str, nodes: int, replicas: int, parts: int) -> dict[str, float]:
     prefix = f"scale{nodes}"
     procs = Processes(root, url, prefix)
-    async with await Bus.connect(BusOptions(url=url, prefix=prefix), service="bench") as bus:
+    async with await Bus.connect(BusOptions(url=url, prefix=prefix, insecure=True), service="bench") as bus:
         await bus.ensure()
         try:
             placement = procs.placement(node_timeout_s=10.0)
@@ -158,7 +158,7 @@ async def failover(root: Path, url: str, nodes: int, parts: int, replicas: int) 
     prefix = f"failover{nodes}"
     procs = Processes(root, url, prefix)
     node_timeout = 5.0
-    async with await Bus.connect(BusOptions(url=url, prefix=prefix), service="bench") as bus:
+    async with await Bus.connect(BusOptions(url=url, prefix=prefix, insecure=True), service="bench") as bus:
         await bus.ensure()
         try:
             procs.placement(node_timeout_s=node_timeout)

@@ -60,7 +60,7 @@ class Soak:
         self.nats.start()
         prefix = f"chaos{self.seed}"
         c = Cluster(root=self.root, nats_url=self.nats.url, prefix=prefix)
-        bus = await Bus.connect(BusOptions(url=self.nats.url, prefix=prefix), service="chaos")
+        bus = await Bus.connect(BusOptions(url=self.nats.url, prefix=prefix, insecure=True), service="chaos")
         try:
             await bus.ensure()
             for node in NODES:

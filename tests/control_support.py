@@ -21,13 +21,21 @@ from llmgw.fleet import Fleet
 from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.events import ReplicaRecord
 from llmgw_placement import PlacementService, ServerConfig
+from tests.auth_support import session_for
+
+
+def _insecure(url: str) -> bool:
+    """A server a test started for itself has no identities; the session's has (its harness
+    user's URL carries the password)."""
+    return session_for(url.split(",")[0]) is None
+
 
 TP1 = {"name": "tp1", "engine": "sim", "model_path": "sim://x", "gpu_class": "H100-80G", "tp": 1}
 
 
 def server_config(url: str, prefix: str, **overrides: Any) -> ServerConfig:
     raw: dict[str, Any] = {
-        "nats": {"url": url, "prefix": prefix},
+        "nats": {"url": url, "prefix": prefix, "insecure": _insecure(url)},
         "engines": [],
         "catalog": [TP1],
         "heartbeat_interval_s": 0.3,
@@ -61,6 +69,7 @@ class ControlPlane:
     buses: list[Bus] = field(default_factory=list)
 
     async def connect(self, service: str, **options: Any) -> Bus:
+        options.setdefault("insecure", _insecure(self.url))
         bus = await Bus.connect(BusOptions(url=self.url, prefix=self.prefix, **options), service=service)
         self.buses.append(bus)
         return bus

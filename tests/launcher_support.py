@@ -14,11 +14,13 @@ import anyio
 import msgspec
 from nats.aio.msg import Msg
 
-from llmgw_core.bus import Bus, BusOptions
+from llmgw_core.access import prepare_node
+from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig, NatsConfig
 from llmgw_core.engines import GPUInfo, Member, Profile, ShardSpec
 from llmgw_core.events import ShardStatus, decoder
 from llmgw_launcher import Launcher
+from tests.auth_support import session_for
 
 H100 = [GPUInfo(index=i, name="NVIDIA H100 80GB HBM3", compute_capability="9.0") for i in range(2)]
 
@@ -26,10 +28,18 @@ H100 = [GPUInfo(index=i, name="NVIDIA H100 80GB HBM3", compute_capability="9.0")
 def agent_config(
     nats_url: str, prefix: str, state_dir: Path, node: str = "node-a", **kw: object
 ) -> AgentConfig:
+    """On the session's server the launcher connects as its node's own identity."""
+    nats = NatsConfig(url=nats_url, prefix=prefix)
+    session = session_for(nats_url)
+    if session is not None:
+        if prefix not in session.dirs:
+            session.identities(prefix, state_dir.parent / f"auth-{prefix}")
+        seed = session.add_node(prefix, node).node_seed(node)
+        nats = NatsConfig(url=session.url, prefix=prefix, nkey_seed_file=str(seed))
     fields: dict[str, object] = {
         "node": node,
         "state_dir": str(state_dir),
-        "nats": msgspec.to_builtins(NatsConfig(url=nats_url, prefix=prefix)),
+        "nats": msgspec.to_builtins(nats),
         "stop_grace_s": 3.0,
         "wait_timeout_s": 20.0,
         "restart_backoff_s": 0.3,
@@ -109,10 +119,8 @@ async def shard_events(bus: Bus) -> AsyncIterator[ShardEvents]:
 @contextlib.asynccontextmanager
 async def running_launcher(config: AgentConfig, gpus: list[GPUInfo] | None = None) -> AsyncIterator[Launcher]:
     """A launcher in this process; at exit its engines are stopped too (tests leave nothing behind)."""
-    bus = await Bus.connect(
-        BusOptions(url=config.nats.url, prefix=config.nats.prefix), service=f"launcher-{config.node}"
-    )
-    await bus.ensure()
+    bus = await Bus.connect(config.nats, service=f"launcher-{config.node}")
+    await prepare_node(bus)
     launcher = Launcher(config, bus, gpus=H100 if gpus is None else gpus)
     try:
         async with anyio.create_task_group() as tg:

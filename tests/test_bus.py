@@ -127,7 +127,7 @@ async def test_kv_watch_yields_current_values_then_changes(bus: Bus) -> None:
 
 
 async def test_kv_watch_survives_a_server_restart(own_nats: NatsServer, prefix: str) -> None:
-    bus = await Bus.connect(BusOptions(url=own_nats.url, prefix=prefix), service="test")
+    bus = await Bus.connect(BusOptions(url=own_nats.url, prefix=prefix, insecure=True), service="test")
     await bus.ensure()
     bucket = bus.names.shards_bucket
     seen: list[KVChange[InstallProgress]] = []

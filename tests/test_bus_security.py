@@ -114,6 +114,6 @@ async def test_a_wrong_password_is_refused_with_the_address_and_what_to_do(
             BusOptions(url=url, user="llmgw", password="wrong", tls_ca=str(ca), connect_timeout_s=3),
             service="test",
         )
-    assert str(err.value).startswith(f"cannot connect to NATS at {url}: ")
+    assert str(err.value).startswith(f"test: cannot connect to NATS at {url} as user llmgw: ")
     assert "Authorization Violation" in str(err.value)
-    assert "LLMGW_NATS_URL" in str(err.value)
+    assert "auth.conf" in str(err.value)

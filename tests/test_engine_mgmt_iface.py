@@ -114,13 +114,23 @@ async def test_a_two_node_replica_bootstraps_over_each_nodes_management_interfac
         assert sorted(s.rank for s in by_node.values()) == [0, 1]
         assert {n: s.mgmt_iface for n, s in by_node.items()} == {"node-1": "lo", "node-2": "mgmt0"}
 
-        # What the engines were started with: each rank's own node's interface.
-        statuses = await bus.entries(bus.names.shard_status_bucket, ShardStatus)
-        for ch in statuses.values():
-            status = ch.value
-            assert status is not None
-            iface = {"node-1": "lo", "node-2": "mgmt0"}[status.node]
-            env = environ_of(status.pids[-1])
-            assert (env["NCCL_SOCKET_IFNAME"], env["GLOO_SOCKET_IFNAME"]) == (iface, iface)
-            assert env["CUDA_VISIBLE_DEVICES"] == "0"
+        # What the engines were started with: each rank's own node's interface. Read from
+        # the pids the shards report now (a rank restarted under load has a new one).
+        async def started_with() -> bool:
+            statuses = await bus.entries(bus.names.shard_status_bucket, ShardStatus)
+            assert len(statuses) == 2
+            for ch in statuses.values():
+                status = ch.value
+                assert status is not None
+                assert status.state == "ready", status
+                iface = {"node-1": "lo", "node-2": "mgmt0"}[status.node]
+                try:
+                    env = environ_of(status.pids[-1])
+                except ProcessLookupError as exc:
+                    raise AssertionError(f"{status.shard}: pid {status.pids[-1]} is gone") from exc
+                assert (env["NCCL_SOCKET_IFNAME"], env["GLOO_SOCKET_IFNAME"]) == (iface, iface)
+                assert env["CUDA_VISIBLE_DEVICES"] == "0"
+            return True
+
+        await eventually(started_with, timeout=60, interval=0.5)
             assert env["NCCL_IB_DISABLE"] == "1"

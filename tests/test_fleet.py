@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import anyio
 import msgspec
 import pytest
@@ -10,17 +12,27 @@ from llmgw.fleet import Fleet
 from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.events import Deployment, ReplicaRecord
 from llmgw_placement import PlacementService, ServerConfig
+from tests.auth_support import session_for
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 
 
 async def test_a_fleet_of_200_nodes_takes_100_replicas_packed_onto_25(
-    bus: Bus, nats_url: str, prefix: str
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
 ) -> None:
-    options = BusOptions(url=nats_url, prefix=prefix)
-    fleet_bus = await Bus.connect(options, service="fleet")
-    placement_bus = await Bus.connect(options, service="placement")
+    # On the session's server, the fleet and placement connect as their own identities.
+    session = session_for(nats_url)
+    if session is None:
+        fleet_options = placement_options = BusOptions(url=nats_url, prefix=prefix)
+    else:
+        auth = session.identities(prefix, tmp_path / "auth")
+        fleet_options = BusOptions(url=session.url, prefix=prefix, nkey_seed_file=str(auth.seed("fleet")))
+        placement_options = BusOptions(
+            url=session.url, prefix=prefix, nkey_seed_file=str(auth.seed("placement"))
+        )
+    fleet_bus = await Bus.connect(fleet_options, service="llmgw-fleet")
+    placement_bus = await Bus.connect(placement_options, service="placement")
     config = msgspec.convert(
         {
             "nats": {"url": nats_url, "prefix": prefix},
@@ -59,6 +71,7 @@ async def test_a_fleet_of_200_nodes_takes_100_replicas_packed_onto_25(
     nodes = sorted({r.members[0].node for r in ready})
     assert nodes == [f"sim-{i:03d}" for i in range(25)], "binpack fills whole nodes, in node order"
     assert len(fleet.ready) == 100
+    assert fleet_bus.nc.denied_total == placement_bus.nc.denied_total == 0
 
 
 def test_fleet_shards_split_the_nodes_without_overlap() -> None:

@@ -13,6 +13,7 @@ import httpx
 import msgspec
 import pytest
 
+from llmgw_core.access import prepare_node
 from llmgw_core.bus import Bus
 from llmgw_core.events import ShardStatus
 from llmgw_launcher import diff
@@ -278,8 +279,8 @@ async def test_a_sidecar_that_dies_fails_the_shard(
     from tests.launcher_support import H100
 
     config = agent_config(nats_url, prefix, tmp_path / "agent")
-    launcher_bus = await Bus.connect(config.nats, service="launcher")
-    await launcher_bus.ensure()
+    launcher_bus = await Bus.connect(config.nats, service=f"launcher-{config.node}")
+    await prepare_node(launcher_bus)
     launcher = Launcher(config, launcher_bus, gpus=H100)
     launcher.ctx.registry.add(SidecarEngine())  # type: ignore[arg-type]
     try:

@@ -32,7 +32,9 @@ pytestmark = [pytest.mark.anyio]
 async def test_a_nats_outage_costs_nothing_and_fails_no_node_over(
     own_nats: NatsServer, prefix: str, outage_s: int
 ) -> None:
-    async with await Bus.connect(BusOptions(url=own_nats.url, prefix=prefix), service="test") as bus:
+    async with await Bus.connect(
+        BusOptions(url=own_nats.url, prefix=prefix, insecure=True), service="test"
+    ) as bus:
         await bus.ensure()
         async with control_plane(own_nats.url, prefix) as cp:
             await cp.start_fleet(["n0", "n1", "n2"], gpus=8)
@@ -73,7 +75,7 @@ async def test_killing_each_member_of_a_3_server_cluster_during_a_deployment(
     tmp_path: Path, prefix: str
 ) -> None:
     with nats_cluster(tmp_path) as cluster:
-        options = BusOptions(url=cluster.url, prefix=prefix, replicas=3)
+        options = BusOptions(url=cluster.url, prefix=prefix, replicas=3, insecure=True)
         bus = await Bus.connect(options, service="test")
         try:
 
@@ -87,8 +89,12 @@ async def test_killing_each_member_of_a_3_server_cluster_during_a_deployment(
             await eventually(ensured, timeout=60, interval=1.0)
             async with control_plane(cluster.url, prefix) as cp:
                 await cp.start_fleet(["n0", "n1", "n2"], gpus=8)
-                a = await cp.start_placement("a", nats={"url": cluster.url, "prefix": prefix, "replicas": 3})
-                b = await cp.start_placement("b", nats={"url": cluster.url, "prefix": prefix, "replicas": 3})
+                a = await cp.start_placement(
+                    "a", nats={"url": cluster.url, "prefix": prefix, "replicas": 3, "insecure": True}
+                )
+                b = await cp.start_placement(
+                    "b", nats={"url": cluster.url, "prefix": prefix, "replicas": 3, "insecure": True}
+                )
                 await eventually(lambda: len(cp.leaders()) == 1, timeout=30)
                 wanted = 2
                 await bus.put(

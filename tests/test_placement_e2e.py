@@ -165,7 +165,6 @@ async def test_a_catalog_change_rolls_replicas_one_at_a_time_never_to_zero_ready
 async def test_api_ctl_and_a_refusal_in_the_nodes_own_words(
     bus: Bus, nats_url: str, prefix: str, tmp_path: Path
 ) -> None:
-    import os
     import re
     import subprocess
     import sys
@@ -193,7 +192,7 @@ async def test_api_ctl_and_a_refusal_in_the_nodes_own_words(
         )
         await eventually(lambda: ready_replicas(bus, "chat", 1), timeout=60)
         api = await eventually(lambda: re.search(r"API on (http://\S+)", c.log("placement-p1")), timeout=10)
-        async with httpx.AsyncClient(base_url=api.group(1), timeout=10) as client:
+        async with httpx.AsyncClient(base_url=api.group(1), timeout=10, headers=c.api_headers) as client:
             nodes = (await client.get("/api/nodes")).json()
             assert [(n["node"], n["alive"], len(n["gpus"])) for n in nodes] == [("node-1", True, 2)]
             assert [e["name"] for e in nodes[0]["engines"]] == ["sim"]
@@ -212,7 +211,7 @@ async def test_api_ctl_and_a_refusal_in_the_nodes_own_words(
         expected = ("r0", "node-1: GPU class H100-80G, profile needs A100-80G")
         await eventually(lambda: [(u.replica, u.reason) for u in unplaceable][-1:] == [expected], timeout=10)
 
-        env = {**os.environ, "LLMGW_NATS_URL": nats_url}
+        env = c.ctl_env()
         ctl = [
             sys.executable,
             "-c",

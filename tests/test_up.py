@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from llmgw.auth import AuthDir
 from tests.launcher_support import pid_alive, processes_with
 from tests.test_sim_engine import free_port
 from tests.waiting import eventually
@@ -20,21 +24,59 @@ ROOT = Path(__file__).parent.parent
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
 
-async def test_dev_up_brings_up_a_cluster_that_answers_and_stops_cleanly(tmp_path: Path) -> None:
+async def operator_sees_the_cluster(text: str, data: Path) -> None:
+    """Authentication is on: the printed ctl line and API token work, and nothing works without them."""
+    auth = AuthDir(data / "auth")
+    assert sorted(auth.identities()) == ["ctl", "fleet", "gateway", "node-local-1", "observer", "placement"]
+    assert 'include "../auth/auth.conf"' in (data / "nats" / "nats-server.conf").read_text()
+    assert "nkey_seed_file" in (data / "server.yaml").read_text()
+    assert "nkey_seed_file" in (data / "agent.yaml").read_text()
+
+    ctl_line = re.search(r"LLMGW_NATS_URL=(\S+) LLMGW_NATS_NKEY=(\S+) llmgw ctl nodes", text)
+    assert ctl_line, text
+    assert ctl_line.group(2) == str(auth.seed("ctl"))
+    env = {**os.environ, "LLMGW_NATS_URL": ctl_line.group(1), "LLMGW_NATS_NKEY": ctl_line.group(2)}
+    env.pop("LLMGW_NATS_INSECURE", None)
+    ctl = [sys.executable, "-c", "import sys; from llmgw.cli import main; sys.exit(main())", "ctl"]
+    listed = subprocess.run([*ctl, "nodes"], capture_output=True, text=True, env=env, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines()[1].startswith("local-1  alive  2x NVIDIA H100 80GB HBM3")
+    env.pop("LLMGW_NATS_NKEY")
+    refused = subprocess.run([*ctl, "nodes"], capture_output=True, text=True, env=env, timeout=60)
+    assert refused.returncode == 2
+    assert refused.stderr.startswith("llmgw: llmgw-ctl: no NATS identity for nats://127.0.0.1:")
+
+    api = re.search(r"API (http://\S+)\)", text)
+    token = re.search(r"its API token: (\S+) \(read only: (\S+)\)", text)
+    assert api, text
+    assert token, text
+    assert token.group(1) == auth.token()
+    async with httpx.AsyncClient(base_url=api.group(1), timeout=10) as client:
+        assert (await client.get("/api/replicas")).status_code == 401
+        for t in token.groups():
+            r = await client.get("/api/replicas", headers={"Authorization": f"Bearer {t}"})
+            assert r.status_code == 200
+            assert r.json()["chat.r0"]["state"] == "ready"
+
+
+@contextlib.contextmanager
+def dev_up(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
+    """`./dev up` in its own process group; killed at the end if a test left it running."""
     data = tmp_path / "cluster"
     out = tmp_path / "up.log"
+    argv = [
+        "./dev",
+        "up",
+        "--data-dir",
+        str(data),
+        "--port",
+        str(free_port()),
+        "--api-port",
+        str(free_port()),
+    ]
     with out.open("wb") as log:
         proc = subprocess.Popen(
-            [
-                "./dev",
-                "up",
-                "--data-dir",
-                str(data),
-                "--port",
-                str(free_port()),
-                "--api-port",
-                str(free_port()),
-            ],
+            [*argv, *flags],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -42,16 +84,39 @@ async def test_dev_up_brings_up_a_cluster_that_answers_and_stops_cleanly(tmp_pat
             start_new_session=True,
         )
     try:
+        yield proc, data, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
-        def ready_url() -> str:
-            text = out.read_text(errors="replace")
-            assert proc.poll() is None, text
-            m = re.search(r"is ready at (http://\S+)", text)
-            assert m, text[-2000:]
-            return m.group(1)
 
-        url = await eventually(ready_url, timeout=240, interval=0.5)
-        assert "curl -s " + url + "/v1/chat/completions" in out.read_text()
+async def ready(proc: subprocess.Popen[bytes], out: Path) -> str:
+    def ready_url() -> str:
+        text = out.read_text(errors="replace")
+        assert proc.poll() is None, text
+        m = re.search(r"is ready at (http://\S+)", text)
+        assert m, text[-2000:]
+        return m.group(1)
+
+    return await eventually(ready_url, timeout=240, interval=0.5)
+
+
+async def ctrl_c(proc: subprocess.Popen[bytes], out: Path, data: Path) -> None:
+    # Ctrl-C, as a terminal sends it: to the whole foreground process group.
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=60)
+    # `llmgw up` may outlive the wrappers that started it by a moment while it stops everything.
+    await eventually(lambda: "llmgw: stopped" in out.read_text(), timeout=60)
+    await eventually(lambda: processes_with(str(data)) == [], timeout=30)
+
+
+async def test_dev_up_brings_up_a_cluster_that_answers_and_stops_cleanly(tmp_path: Path) -> None:
+    with dev_up(tmp_path) as (proc, data, out):
+        url = await ready(proc, out)
+        text = out.read_text()
+        assert "curl -s " + url + "/v1/chat/completions" in text
+        assert "INSECURE" not in text
         async with httpx.AsyncClient(timeout=10) as client:
             r = await client.post(
                 f"{url}/v1/chat/completions",
@@ -59,21 +124,32 @@ async def test_dev_up_brings_up_a_cluster_that_answers_and_stops_cleanly(tmp_pat
             )
         assert r.status_code == 200
         assert r.json()["model"] == "tiny-chat"
+        await operator_sees_the_cluster(text, data)
         port = url.rsplit(":", 1)[1]
         engines = processes_with(f"--port {port} --model tiny-chat")
         assert len(engines) == 1
         agents = processes_with(str(data))
         assert len(agents) >= 4, "nats-server, placement, installer and launcher run from the data dir"
 
-        # Ctrl-C, as a terminal sends it: to the whole foreground process group.
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=60)
-        # `llmgw up` may outlive the wrappers that started it by a moment while it stops everything.
-        await eventually(lambda: "llmgw: stopped" in out.read_text(), timeout=60)
-        await eventually(lambda: processes_with(str(data)) == [], timeout=30)
+        await ctrl_c(proc, out, data)
         assert [p for p in engines if pid_alive(p)] == []
         assert processes_with(str(data)) == []
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+
+
+async def test_dev_up_without_authentication_must_be_asked_for_and_says_so(tmp_path: Path) -> None:
+    with dev_up(tmp_path, "--insecure") as (proc, data, out):
+        await ready(proc, out)
+        text = out.read_text()
+        assert "llmgw: INSECURE: NATS and the API run without authentication (--insecure)" in text
+        assert not (data / "auth").exists()
+        assert "include" not in (data / "nats" / "nats-server.conf").read_text()
+        # Each service says so in its own log too.
+        placement_log = (data / "logs" / "placement.log").read_text()
+        assert "connecting to NATS at nats://127.0.0.1:" in placement_log
+        assert "without credentials (insecure)" in placement_log
+        assert "has no token (http: insecure: true)" in placement_log
+        api = re.search(r"curl -s (http://\S+)/api/replicas", text)
+        assert api, text
+        async with httpx.AsyncClient(timeout=10) as client:
+            assert (await client.get(f"{api.group(1)}/api/replicas")).status_code == 200
+        await ctrl_c(proc, out, data)

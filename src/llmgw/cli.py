@@ -1,12 +1,48 @@
 """The `llmgw` command: `llmgw up` runs a cluster on this machine; `llmgw ctl` talks to one;
-`llmgw node onboard` installs a machine into one."""
+`llmgw node onboard` installs a machine into one; `llmgw auth` makes its identities."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from llmgw_core.errors import LlmgwError
+
+if TYPE_CHECKING:
+    from llmgw_core.bus import BusOptions
+
+
+def _identity_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--nkey",
+        default="",
+        metavar="SEED_FILE",
+        help="the identity's nkey seed file (default: LLMGW_NATS_NKEY)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="connect without credentials, to a cluster that runs without authentication "
+        "(LLMGW_NATS_INSECURE=1 does the same)",
+    )
+    p.add_argument("--tls-ca", default="", help="CA of the NATS server's certificate")
+    p.add_argument("--tls-cert", default="", help="client certificate, where the server asks for one")
+    p.add_argument("--tls-key", default="", help="the client certificate's key")
+
+
+def bus_options(args: argparse.Namespace) -> BusOptions:
+    """The NATS connection that `ctl` and `fleet` flags (and LLMGW_NATS_* variables) describe."""
+    from llmgw_core.bus import BusOptions
+
+    return BusOptions(
+        prefix=args.prefix,
+        nkey_seed_file=args.nkey,
+        insecure=args.insecure,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +52,36 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--data-dir", default=".llmgw", help="where the local cluster keeps its state")
     p_up.add_argument("--port", type=int, default=4222, help="NATS client port")
     p_up.add_argument("--api-port", type=int, default=8080, help="placement's HTTP API port")
+    p_up.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run NATS and the API without authentication (anyone who reaches them controls the cluster)",
+    )
+    p_auth = sub.add_parser("auth", help="the cluster's identities (nkeys), their permissions and API tokens")
+    auth_sub = p_auth.add_subparsers(dest="auth", required=True)
+    p_init = auth_sub.add_parser(
+        "init", help="write an nkey per identity, auth.conf for nats-server, and the API tokens"
+    )
+    p_init.add_argument("--dir", required=True, help="where to write them (keys already there are kept)")
+    p_init.add_argument("--node", action="append", default=[], help="a node id (repeat for each node)")
+    p_init.add_argument("--prefix", default="llmgw", help="subject prefix of the cluster")
+    p_init.add_argument(
+        "--fleet",
+        action="store_true",
+        help="also an identity for `llmgw fleet` (every node's rights: tests only)",
+    )
+    p_add = auth_sub.add_parser("add-node", help="give a new node its identity and rewrite auth.conf")
+    p_add.add_argument("node")
+    p_add.add_argument("--dir", required=True)
+    p_remove = auth_sub.add_parser("remove-node", help="remove a node's identity and rewrite auth.conf")
+    p_remove.add_argument("node")
+    p_remove.add_argument("--dir", required=True)
+    p_rotate = auth_sub.add_parser(
+        "rotate",
+        help="a new key for an identity (placement, ctl, node-<id>, …) or new API tokens (api-tokens)",
+    )
+    p_rotate.add_argument("identity")
+    p_rotate.add_argument("--dir", required=True)
     p_fleet = sub.add_parser(
         "fleet", help="run thousands of simulated node agents against a cluster (scale tests)"
     )
@@ -28,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         default="0/1",
         help="I/N: run the I-th of N equal parts of the fleet (several processes share a big fleet)",
     )
-    p_ctl = sub.add_parser("ctl", help="inspect a running cluster (LLMGW_NATS_URL)")
+    _identity_flags(p_fleet)
+    p_ctl = sub.add_parser("ctl", help="inspect a running cluster (LLMGW_NATS_URL, LLMGW_NATS_NKEY)")
     p_ctl.add_argument("--prefix", default="llmgw", help="subject prefix of the cluster")
+    _identity_flags(p_ctl)
     ctl_sub = p_ctl.add_subparsers(dest="ctl", required=True)
     ctl_sub.add_parser("nodes", help="every node: alive, GPUs, engines, install progress")
     p_explain = ctl_sub.add_parser("explain", help="why a deployment is placed where it is, or not at all")
@@ -58,14 +126,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             from . import up
 
-            return up.run(args.data_dir, args.port, args.api_port)
+            return up.run(args.data_dir, args.port, args.api_port, insecure=args.insecure)
+        if args.command == "auth":
+            from . import auth
+
+            return auth.main(args)
         from llmgw_core import telemetry
 
         if args.command == "fleet":
             from . import fleet
 
             telemetry.setup("llmgw-fleet")
-            return fleet.main(args.nodes, args.gpus, args.name, args.prefix, shard=args.shard)
+            return fleet.main(args.nodes, args.gpus, args.name, bus_options(args), shard=args.shard)
 
         from . import ctl
 

@@ -11,7 +11,7 @@ import nats.errors
 import nats.js.errors
 from opentelemetry import trace
 
-from llmgw_core.bus import Bus, BusOptions
+from llmgw_core.bus import Bus
 from llmgw_core.errors import ConfigError, LlmgwError
 from llmgw_core.events import Deployment, Liveness, NodeLiveness, NodeStatus, PlacementDecision, decoder
 from llmgw_core.telemetry import current_traceparent
@@ -154,7 +154,9 @@ class NotFound(LlmgwError):
 
 def run(args: argparse.Namespace) -> int:
     async def main() -> str:
-        async with await Bus.connect(BusOptions(prefix=args.prefix), service="llmgw-ctl") as bus:
+        from .cli import bus_options
+
+        async with await Bus.connect(bus_options(args), service="llmgw-ctl") as bus:
             if args.ctl == "nodes":
                 return await nodes(bus)
             if args.ctl == "deploy":

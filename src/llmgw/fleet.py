@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import anyio
 import anyio.abc
 
-from llmgw_core.bus import Bus
+from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.engines import GPUInfo, ShardSpec
 from llmgw_core.errors import BusError, ConfigError
 from llmgw_core.events import EngineState, Heartbeat, NodeFacts, NodeStatus, ShardStatus, now
@@ -163,16 +163,17 @@ def shard_of(names: list[str], shard: str) -> list[str]:
     return names[i * size : (i + 1) * size]
 
 
-def main(nodes: int, gpus: int, name: str, prefix: str, *, shard: str = "0/1") -> int:
-    """Run the fleet until Ctrl-C, against the cluster at LLMGW_NATS_URL."""
-    from llmgw_core.bus import BusOptions
+def main(nodes: int, gpus: int, name: str, options: BusOptions, *, shard: str = "0/1") -> int:
+    """Run the fleet until Ctrl-C, against the cluster at LLMGW_NATS_URL, as the `fleet` identity
+    (`llmgw auth init --fleet`)."""
+    from llmgw_core.access import prepare_node
     from llmgw_core.lifecycle import cancel_on_signal
 
     mine = shard_of([f"{name}-{i:05d}" for i in range(nodes)], shard)
 
     async def run() -> None:
-        async with await Bus.connect(BusOptions(prefix=prefix), service="llmgw-fleet") as bus:
-            await bus.ensure()
+        async with await Bus.connect(options, service="llmgw-fleet") as bus:
+            await prepare_node(bus)
             fleet = Fleet(bus, mine, gpus_per_node=gpus)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(cancel_on_signal, tg.cancel_scope)

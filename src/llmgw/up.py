@@ -5,6 +5,11 @@ placement, and one local node agent (installer + launcher) as separate
 processes, with a server.yaml that deploys a simulated model; waits until the
 replica answers; prints its endpoint and a curl that works; and on Ctrl-C
 stops the agents, their engines, placement and NATS, in that order.
+
+Authentication is on: the first run writes the identities and API tokens
+into `<data-dir>/auth` (`llmgw auth init`), NATS enforces each identity's
+permissions, and every process connects as its own. `--insecure` runs
+without, and says so.
 """
 
 from __future__ import annotations
@@ -20,19 +25,34 @@ import anyio
 import msgspec
 
 from llmgw_core import telemetry
+from llmgw_core.access import all_streams, require_streams
 from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.config import AgentConfig
+from llmgw_core.errors import BusError
 from llmgw_core.events import ReplicaRecord
 from llmgw_core.natsd import NatsServer
 from llmgw_placement.config import ServerConfig
+
+from .auth import AuthDir
 
 NODE = "local-1"
 DEPLOYMENT = "chat"
 
 
-def server_yaml(url: str, api_port: int) -> dict[str, Any]:
+def server_yaml(url: str, api_port: int, auth: AuthDir | None) -> dict[str, Any]:
+    if auth is None:
+        nats: dict[str, Any] = {"url": url, "insecure": True}
+        http: dict[str, Any] = {"host": "127.0.0.1", "port": api_port, "insecure": True}
+    else:
+        nats = {"url": url, "nkey_seed_file": str(auth.seed("placement"))}
+        http = {
+            "host": "127.0.0.1",
+            "port": api_port,
+            "token_file": str(auth.api_token_file),
+            "read_token_file": str(auth.api_read_token_file),
+        }
     return {
-        "nats": {"url": url},
+        "nats": nats,
         # The local cluster runs the built-in simulated engine; a node would
         # otherwise be asked to download a llama.cpp build first.
         "engines": [],
@@ -50,15 +70,20 @@ def server_yaml(url: str, api_port: int) -> dict[str, Any]:
             }
         ],
         "deployments": [{"name": DEPLOYMENT, "profile": "tiny-chat", "replicas": 1, "pool": "local"}],
-        "http": {"host": "127.0.0.1", "port": api_port},
+        "http": http,
     }
 
 
-def agent_yaml(url: str, state_dir: Path) -> dict[str, Any]:
+def agent_yaml(url: str, state_dir: Path, auth: AuthDir | None) -> dict[str, Any]:
+    nats: dict[str, Any] = (
+        {"url": url, "insecure": True}
+        if auth is None
+        else {"url": url, "nkey_seed_file": str(auth.node_seed(NODE))}
+    )
     return {
         "node": NODE,
         "state_dir": str(state_dir),
-        "nats": {"url": url},
+        "nats": nats,
         "simulate": {"gpu_count": 2},
         "port_range": [28000, 28999],
     }
@@ -111,6 +136,15 @@ class Processes:
 
 async def _wait_ready(bus: Bus, procs: Processes, timeout: float) -> ReplicaRecord:
     deadline = time.monotonic() + timeout
+    # Placement creates the streams and buckets; the operator only reads them.
+    while True:
+        procs.check()
+        try:
+            await require_streams(bus, all_streams(bus.names), timeout=1)
+            break
+        except BusError:
+            if time.monotonic() > deadline:
+                raise
     while True:
         procs.check()
         found = await bus.entries(bus.names.replicas_bucket, ReplicaRecord)
@@ -126,11 +160,33 @@ async def _wait_ready(bus: Bus, procs: Processes, timeout: float) -> ReplicaReco
         await anyio.sleep(0.3)
 
 
-async def _serve(data_dir: Path, port: int, api_port: int) -> int:
+def identities(data_dir: Path) -> AuthDir:
+    """The local cluster's identities: written on the first run, kept afterwards."""
+    auth = AuthDir(data_dir / "auth")
+    # `fleet` too: a local cluster is where `llmgw fleet` is tried.
+    created = auth.init([NODE], fleet=True)
+    if created:
+        print(f"llmgw: wrote identities ({', '.join(created)}) and API tokens to {auth.path}", flush=True)
+    return auth
+
+
+async def _serve(data_dir: Path, port: int, api_port: int, insecure: bool) -> int:
     logs = data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    server = NatsServer(store_dir=data_dir / "nats", port=port, log_path=logs / "nats.log")
+    auth = None if insecure else identities(data_dir)
+    server = NatsServer(
+        store_dir=data_dir / "nats",
+        port=port,
+        log_path=logs / "nats.log",
+        includes=(auth.conf,) if auth else (),
+    )
     await anyio.to_thread.run_sync(server.start)
+    if auth is None:
+        print(
+            "llmgw: INSECURE: NATS and the API run without authentication (--insecure); anyone who can "
+            "reach them can start any process on this machine",
+            flush=True,
+        )
     procs = Processes(logs)
     # The receiver stays open until everything is stopped: a second Ctrl-C (a
     # terminal and a wrapper like `uv run` can both deliver one) must not cut
@@ -146,7 +202,7 @@ async def _serve(data_dir: Path, port: int, api_port: int) -> int:
                         return
 
                 tg.start_soon(stop_on_signal)
-                await _bring_up(server.url, data_dir, api_port, procs)
+                await _bring_up(server.url, data_dir, api_port, procs, auth)
                 while True:
                     procs.check()
                     await anyio.sleep(1)
@@ -158,9 +214,9 @@ async def _serve(data_dir: Path, port: int, api_port: int) -> int:
     return 0
 
 
-async def _bring_up(url: str, data_dir: Path, api_port: int, procs: Processes) -> None:
-    server_cfg = _write(data_dir / "server.yaml", server_yaml(url, api_port), ServerConfig)
-    agent_cfg = _write(data_dir / "agent.yaml", agent_yaml(url, data_dir / "agent"), AgentConfig)
+async def _bring_up(url: str, data_dir: Path, api_port: int, procs: Processes, auth: AuthDir | None) -> None:
+    server_cfg = _write(data_dir / "server.yaml", server_yaml(url, api_port, auth), ServerConfig)
+    agent_cfg = _write(data_dir / "agent.yaml", agent_yaml(url, data_dir / "agent", auth), AgentConfig)
     print(f"llmgw: NATS JetStream at {url} (data in {data_dir})", flush=True)
     py = sys.executable
     procs.start("placement", [py, "-m", "llmgw_placement", "--config", str(server_cfg)])
@@ -168,12 +224,18 @@ async def _bring_up(url: str, data_dir: Path, api_port: int, procs: Processes) -
     procs.start(
         "launcher", [py, "-m", "llmgw_launcher", "--config", str(agent_cfg), "--stop-engines-on-exit"]
     )
+    api = f"http://127.0.0.1:{api_port}"
     print(
-        f"llmgw: placement (API http://127.0.0.1:{api_port}), installer and launcher for node {NODE} "
-        f"started; logs in {procs.logs}",
+        f"llmgw: placement (API {api}), installer and launcher for node {NODE} started; logs in {procs.logs}",
         flush=True,
     )
-    async with await Bus.connect(BusOptions(url=url), service="llmgw-up") as bus:
+    # `llmgw up` watches for readiness as the operator does, with the ctl identity.
+    options = (
+        BusOptions(url=url, insecure=True)
+        if auth is None
+        else BusOptions(url=url, nkey_seed_file=str(auth.seed("ctl")))
+    )
+    async with await Bus.connect(options, service="llmgw-up") as bus:
         replica = await _wait_ready(bus, procs, timeout=120)
     print(f"llmgw: deployment {DEPLOYMENT} replica {replica.replica} is ready at {replica.url}", flush=True)
     print("llmgw: try it:", flush=True)
@@ -182,12 +244,24 @@ async def _bring_up(url: str, data_dir: Path, api_port: int, procs: Processes) -
         """-d '{"model": "tiny-chat", "messages": [{"role": "user", "content": "hello"}]}'""",
         flush=True,
     )
+    if auth is None:
+        print(f"llmgw: the cluster: LLMGW_NATS_URL={url} LLMGW_NATS_INSECURE=1 llmgw ctl nodes", flush=True)
+        print(f"llmgw: its API: curl -s {api}/api/replicas", flush=True)
+    else:
+        print(
+            f"llmgw: the cluster, as the operator: LLMGW_NATS_URL={url} "
+            f"LLMGW_NATS_NKEY={auth.seed('ctl')} llmgw ctl nodes",
+            flush=True,
+        )
+        print(f"llmgw: its API token: {auth.token()} (read only: {auth.token(read_only=True)})", flush=True)
+        header = f'-H "Authorization: Bearer $(cat {auth.api_token_file})"'
+        print(f"llmgw: its API: curl -s {header} {api}/api/replicas", flush=True)
     print("llmgw: press Ctrl-C to stop the cluster", flush=True)
 
 
-def run(data_dir: str, port: int, api_port: int = 8080) -> int:
+def run(data_dir: str, port: int, api_port: int = 8080, *, insecure: bool = False) -> int:
     telemetry.setup("llmgw-up")
     try:
-        return anyio.run(_serve, Path(data_dir).resolve(), port, api_port)
+        return anyio.run(_serve, Path(data_dir).resolve(), port, api_port, insecure)
     except KeyboardInterrupt:
         return 130

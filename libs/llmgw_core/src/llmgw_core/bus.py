@@ -21,7 +21,9 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, TypeVar
+from urllib.parse import urlsplit
 
 import anyio
 import anyio.abc
@@ -36,6 +38,7 @@ from nats.js.kv import KeyValue
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
+from .access import GuardedClient, Identity, PermissionDenied, inbox_prefix, public_key_of
 from .errors import BusError
 from .events import decoder, encode
 from .subjects import DEFAULT_PREFIX, Names
@@ -76,6 +79,7 @@ class BusOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     url: str = ""
     prefix: str = DEFAULT_PREFIX
     creds_file: str = ""
+    # The identity's nkey seed (`llmgw auth init` writes one per identity); LLMGW_NATS_NKEY otherwise.
     nkey_seed_file: str = ""
     user: str = ""
     password: str = ""
@@ -88,9 +92,47 @@ class BusOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     connect_timeout_s: float = 15.0
     events_max_age_s: float = 7 * 24 * 3600
     events_max_bytes: int = 256 << 20
+    # Connecting without any credentials must be asked for (LLMGW_NATS_INSECURE=1 does the same).
+    insecure: bool = False
+    # Replies and deliveries come here; an nkey identity's default is `_INBOX.<public key>`,
+    # the private inbox its permissions name.
+    inbox_prefix: str = ""
 
     def resolved_url(self) -> str:
         return self.url or os.environ.get("LLMGW_NATS_URL", "") or DEFAULT_URL
+
+    def resolved_nkey(self) -> str:
+        return self.nkey_seed_file or os.environ.get("LLMGW_NATS_NKEY", "")
+
+    def resolved_insecure(self) -> bool:
+        return self.insecure or os.environ.get("LLMGW_NATS_INSECURE", "").lower() in ("1", "true", "yes")
+
+    def authenticated(self) -> bool:
+        """Whether this connection presents any credentials (a client certificate counts)."""
+        url = urlsplit(self.resolved_url())
+        return bool(
+            self.creds_file
+            or self.resolved_nkey()
+            or self.user
+            or self.token
+            or self.tls_cert
+            or url.username
+        )
+
+    def identity(self) -> Identity:
+        nkey = self.resolved_nkey()
+        if nkey:
+            return Identity(Path(nkey).name.removesuffix(".nk"), public_key_of(nkey))
+        if self.creds_file:
+            return Identity(f"credentials {Path(self.creds_file).name}")
+        user = self.user or urlsplit(self.resolved_url()).username
+        if user:
+            return Identity(f"user {user}")
+        if self.token:
+            return Identity("a token")
+        if self.tls_cert:
+            return Identity(f"client certificate {Path(self.tls_cert).name}")
+        return Identity("no credentials")
 
 
 @dataclass(frozen=True)
@@ -100,6 +142,35 @@ class KVChange(Generic[T]):
     key: str
     value: T | None
     revision: int
+
+
+def _authentication_refused(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "authoriz" in text or "authentic" in text
+
+
+def _refused_connection(
+    url: str, service: str, identity: str, errors: list[Exception], exc: BaseException
+) -> str:
+    """One line: what refused whom, and what to do."""
+    # The server's own refusal says more than the broken pipe that follows it.
+    refusals = [e for e in errors if _authentication_refused(e)]
+    tls = [e for e in [*errors, exc] if isinstance(e, ssl.SSLError)]
+    cause: BaseException = refusals[0] if refusals else tls[0] if tls else errors[-1] if errors else exc
+    if refusals:
+        hint = (
+            "the server does not accept this identity: check that its auth.conf lists the key "
+            "(`llmgw auth init` and `llmgw auth add-node` write it) and that this is the right seed file"
+        )
+    elif tls:
+        hint = (
+            "TLS failed: set nats: tls_ca to the CA that signed the server's certificate, and tls_cert and "
+            "tls_key where the server asks for client certificates"
+        )
+    else:
+        hint = "is nats-server running there? Set LLMGW_NATS_URL (or nats: url) to its address"
+    text = " ".join(f"{cause or type(cause).__name__}".split())
+    return f"{service}: cannot connect to NATS at {url} as {identity}: {text}; {hint}"
 
 
 class DecodeFailure(Exception):
@@ -132,6 +203,21 @@ class Bus:
     async def connect(cls, options: BusOptions | None = None, *, service: str) -> Bus:
         options = options or BusOptions()
         url = options.resolved_url()
+        identity = options.identity()
+        if not options.authenticated():
+            if not options.resolved_insecure():
+                raise BusError(
+                    f"{service}: no NATS identity for {url}: set nats: nkey_seed_file (or LLMGW_NATS_NKEY) "
+                    "to a seed that `llmgw auth init` wrote, or nats: insecure: true (LLMGW_NATS_INSECURE=1) "
+                    "for a cluster without authentication",
+                    retryable=False,
+                )
+            log.warning(
+                "%s: connecting to NATS at %s without credentials (insecure): anyone who reaches it can "
+                "write every key, start any process on any node and take the placement lease",
+                service,
+                url,
+            )
         holder: list[Bus] = []
 
         async def on_disconnect() -> None:
@@ -147,10 +233,20 @@ class Bus:
                 holder[0]._on_reconnect()
 
         errors: list[Exception] = []
+        nc = GuardedClient(service, str(identity))
+        connected = False
 
         async def on_error(exc: Exception) -> None:
+            if nc.refused(exc):  # a permission refusal: logged and counted there
+                return
             errors.append(exc)
             del errors[:-8]
+            if (_authentication_refused(exc) or isinstance(exc, ssl.SSLError)) and not connected:
+                # The server refused this identity, or TLS failed, at the first connection:
+                # asking again cannot help, so this attempt is the last. (Once connected, a
+                # lost server is retried forever, whatever it answers meanwhile.)
+                nc.options["allow_reconnect"] = False
+                return
             if holder and not holder[0].connected:
                 return  # each failed reconnect of an outage: the disconnect was logged once
             log.warning("%s: NATS error: %s", service, exc)
@@ -169,36 +265,37 @@ class Bus:
         }
         if options.creds_file:
             kwargs["user_credentials"] = options.creds_file
-        if options.nkey_seed_file:
-            kwargs["nkeys_seed"] = options.nkey_seed_file
+        if options.resolved_nkey():
+            kwargs["nkeys_seed"] = options.resolved_nkey()
         if options.user:
             kwargs["user"] = options.user
             kwargs["password"] = options.password
         if options.token:
             kwargs["token"] = options.token
+        inbox = options.inbox_prefix or (inbox_prefix(identity.public_key) if identity.public_key else "")
+        if inbox:
+            kwargs["inbox_prefix"] = inbox
         if options.tls_ca or options.tls_cert:
             ctx = ssl.create_default_context(cafile=options.tls_ca or None)
             if options.tls_cert:
                 ctx.load_cert_chain(options.tls_cert, options.tls_key or None)
             kwargs["tls"] = ctx
-        nc = Client()
         try:
             # Once connected, a lost server is retried forever; the first
             # connection is bounded, so a wrong address or password is an error
             # the operator sees, not a hang.
             with anyio.fail_after(options.connect_timeout_s):
                 await nc.connect(**kwargs)
+            connected = True
         except (OSError, nats.errors.Error, TimeoutError) as exc:
-            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            # Bounded: closing a connection whose TLS handshake failed can wait forever.
+            with anyio.move_on_after(2, shield=True), contextlib.suppress(Exception):
                 await nc.close()
-            # The server's own refusal says more than the broken pipe that follows it.
-            refusals = [e for e in errors if "authoriz" in str(e).lower() or "authentic" in str(e).lower()]
-            cause = refusals[0] if refusals else errors[-1] if errors else exc
+            refused = any(_authentication_refused(e) or isinstance(e, ssl.SSLError) for e in [*errors, exc])
             raise BusError(
-                f"cannot connect to NATS at {url}: {cause or type(cause).__name__}; is nats-server running, "
-                "and are the credentials right? Set LLMGW_NATS_URL (or nats: url) to its address",
+                _refused_connection(url, service, str(identity), errors, exc),
                 # A refused identity stays refused; a server that is not up yet may come up.
-                retryable=not refusals,
+                retryable=not refused,
             ) from exc
         bus = cls(nc, options, service)
         holder.append(bus)
@@ -564,6 +661,8 @@ class Bus:
             try:
                 kv = await self.kv(bucket)
                 watcher = await kv.watch(keys)
+            except PermissionDenied as exc:  # a configuration error: retrying cannot help
+                raise BusError(f"{self.service}: cannot watch {bucket} {keys}: {exc}") from exc
             except (nats.errors.Error, OSError, BusError) as exc:
                 log.warning("%s: cannot watch %s yet: %s", self.service, bucket, exc)
                 await anyio.sleep(0.5)

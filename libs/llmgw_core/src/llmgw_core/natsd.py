@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -60,6 +61,8 @@ class NatsServer:
     max_store: str = ""
     # More nats-server configuration (tls {…}, authorization {…}), appended as is.
     extra_config: str = ""
+    # Files to `include` (llmgw auth's auth.conf); nats-server wants them relative to its config.
+    includes: tuple[Path, ...] = ()
     proc: subprocess.Popen[str] | None = field(default=None, init=False)
     _lines: list[str] = field(default_factory=list, init=False)
     _pump: threading.Thread | None = field(default=None, init=False)
@@ -71,6 +74,9 @@ class NatsServer:
     def start(self, timeout: float = 20.0) -> None:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats-server.conf"
+        includes = "".join(
+            f'include "{os.path.relpath(p.resolve(), self.store_dir.resolve())}"\n' for p in self.includes
+        )
         conf.write_text(
             server_config(
                 str(self.store_dir / "jetstream"),
@@ -80,6 +86,7 @@ class NatsServer:
                 max_store=self.max_store,
             )
             + self.extra_config
+            + includes
         )
         self._lines = []
         self.proc = subprocess.Popen(
@@ -132,6 +139,19 @@ class NatsServer:
             self._pump.join(timeout)
             self._pump = None
         self.proc = None
+
+    def reload(self, timeout: float = 10.0) -> None:
+        """Re-read the configuration (new identities in an included auth.conf), as SIGHUP does."""
+        assert self.proc is not None, "the server is not running"
+        done = sum("Reloaded server configuration" in line for line in self._lines)
+        self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout
+        while sum("Reloaded server configuration" in line for line in self._lines) <= done:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise ConfigError(
+                    "nats-server did not reload its configuration:\n" + "".join(self._lines[-20:])
+                )
+            time.sleep(0.02)
 
     def restart(self) -> None:
         """Stop and start again on the same port and store directory."""

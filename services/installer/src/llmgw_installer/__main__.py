@@ -17,10 +17,11 @@ import anyio
 import msgspec
 
 from llmgw_core import telemetry
+from llmgw_core.access import prepare_node
 from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig, load
 from llmgw_core.errors import ConfigError, LlmgwError
-from llmgw_core.lifecycle import cancel_on_signal
+from llmgw_core.lifecycle import cancel_on_signal, connect_service
 
 from .service import Installer
 
@@ -30,9 +31,15 @@ log = logging.getLogger("llmgw.installer")
 
 
 async def _main(config: AgentConfig, once: bool) -> int:
-    bus = await Bus.connect(config.nats, service=f"installer-{config.node}")
+    service = f"installer-{config.node}"
+    # As a service it waits for NATS (it may start first); `--once` reports an unreachable bus.
+    bus = (
+        await Bus.connect(config.nats, service=service)
+        if once
+        else await connect_service(config.nats, service, ensure=False)
+    )
     async with bus:
-        await bus.ensure()
+        await prepare_node(bus)
         installer = Installer(config, bus)
         if once:
             await installer.load_desired()

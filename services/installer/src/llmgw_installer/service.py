@@ -19,6 +19,7 @@ import httpx
 import msgspec
 from opentelemetry import trace
 
+from llmgw_core.access import permission_refusals
 from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig
 from llmgw_core.errors import BusError
@@ -351,4 +352,5 @@ class Installer:
                 self.faults,
             )
         )
+        samples.append(permission_refusals(self.bus))
         return samples

@@ -13,6 +13,7 @@ import sys
 import anyio
 
 from llmgw_core import telemetry
+from llmgw_core.access import prepare_node
 from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig, load
 from llmgw_core.errors import LlmgwError
@@ -23,7 +24,7 @@ from .service import Launcher
 async def _main(config: AgentConfig, stop_engines: bool) -> None:
     bus = await Bus.connect(config.nats, service=f"launcher-{config.node}")
     async with bus:
-        await bus.ensure()
+        await prepare_node(bus)
         launcher = Launcher(config, bus)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with anyio.create_task_group() as tg:

@@ -32,6 +32,7 @@ from llmgw_core.engines import (
     UnknownEngineError,
 )
 from llmgw_core.events import ShardState, ShardStatus, now
+from llmgw_core.redact import scrub, secret_values
 from llmgw_core.telemetry import context_from
 
 from . import procs
@@ -123,6 +124,8 @@ class ShardRunner:
 
     async def _set(self, state: ShardState, reason: str = "", retryable: bool = True) -> None:
         self.state = state
+        # A reason may quote the engine's log, and an engine may print its environment.
+        reason = scrub(reason, secret_values(self.spec.profile.env, self.ctx.environ))
         status = ShardStatus(
             node=self.ctx.node,
             shard=self.spec.shard,

@@ -12,6 +12,7 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
+from llmgw_core.access import permission_refusals
 from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig
 from llmgw_core.engines import GPUInfo, Registry, ShardSpec, default_registry
@@ -243,4 +244,5 @@ class Launcher:
                 sum(self.bus.decode_errors.values()),
             )
         )
+        samples.append(permission_refusals(self.bus))
         return samples

@@ -22,10 +22,11 @@ async def _main(config: ServerConfig) -> None:
     bus = await connect_service(config.nats, "placement")
     async with bus:
         service = PlacementService(config, bus)
+        api = Api(service)
         async with anyio.create_task_group() as tg:
             tg.start_soon(cancel_on_signal, tg.cancel_scope)
             await tg.start(service.run)
-            port = await tg.start(serve, Api(service).handle, config.http.host, config.http.port)
+            port = await tg.start(serve, api.handle, config.http.host, config.http.port)
             print(f"llmgw-placement: API on http://{config.http.host}:{port}", flush=True)
 
 

@@ -1,18 +1,23 @@
 """Placement's HTTP API: `/api/nodes`, `/api/deployments`, `/api/replicas`, `/api/explain/<d>`, `/metrics`.
 
 Every placement serves it; a standby answers from the same watched state.
+Every route but `/healthz` wants `Authorization: Bearer <token>`: the API
+token reads and writes, the read token (for dashboards) only reads.
 """
 
 from __future__ import annotations
 
+import hmac
+import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
 from opentelemetry import trace
 
 from llmgw_core.engines import GPUInfo
-from llmgw_core.errors import BusError
+from llmgw_core.errors import BusError, ConfigError
 from llmgw_core.events import Deployment, EngineState
 from llmgw_core.httpserver import Request, Response, json_response, text_response
 from llmgw_core.telemetry import context_from, current_traceparent
@@ -21,6 +26,9 @@ from .decide import Refusal, decide
 from .service import PlacementService
 
 tracer = trace.get_tracer("llmgw.placement.api")
+log = logging.getLogger("llmgw.placement.api")
+
+UNAUTHORIZED = {"WWW-Authenticate": 'Bearer realm="llmgw"'}
 
 
 def _builtins(value: Any) -> Any:
@@ -44,12 +52,67 @@ class NodeRow(msgspec.Struct, frozen=True, kw_only=True):
     probed_at: float
 
 
+def _read_token(path: str, what: str) -> bytes:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"http: {what} {path}: cannot read it: {exc.strerror or exc}") from exc
+    if len(token) < 16:
+        raise ConfigError(f"http: {what} {path} holds {len(token)} characters; a token needs at least 16")
+    return token.encode()
+
+
 class Api:
     def __init__(self, service: PlacementService) -> None:
         self.service = service
+        http = service.config.http
+        self.token = _read_token(http.token_file, "token_file") if http.token_file else b""
+        self.read_token = (
+            _read_token(http.read_token_file, "read_token_file") if http.read_token_file else b""
+        )
+        self.refused = 0
+        if not self.token and not http.insecure:
+            raise ConfigError(
+                "http: no token_file: the API would let anyone who reaches it change deployments; "
+                "set http: token_file (and read_token_file) to the files `llmgw auth init` writes, "
+                "or http: insecure: true"
+            )
+        if not self.token:
+            log.warning(
+                "the API on %s:%d has no token (http: insecure: true): anyone who reaches it may change "
+                "deployments",
+                http.host,
+                http.port,
+            )
+
+    def _access(self, req: Request) -> str:
+        """`write`, `read` or `none`, from the request's bearer token."""
+        if not self.token:
+            return "write"
+        scheme, _, given = req.headers.get("authorization", "").partition(" ")
+        presented = given.strip().encode() if scheme.lower() == "bearer" else b""
+        # Both comparisons always run, in constant time: how long a refusal takes says
+        # nothing about which token, or how much of one, was right.
+        write = hmac.compare_digest(presented, self.token)
+        read = bool(self.read_token) and hmac.compare_digest(presented, self.read_token)
+        return "write" if write else "read" if read else "none"
 
     async def handle(self, req: Request) -> Response:
         path = req.path.rstrip("/")
+        if path == "/healthz":
+            return json_response({"leader": self.service.is_leader, "identity": self.service.identity})
+        access = self._access(req)
+        if access == "none":
+            self.refused += 1
+            response = json_response({"error": "this API wants Authorization: Bearer <token>"}, 401)
+            response.headers.update(UNAUTHORIZED)
+            return response
+        if req.method not in ("GET", "HEAD") and access != "write":
+            self.refused += 1
+            return json_response({"error": "the read token cannot change anything; use the API token"}, 403)
+        return await self._route(req, path)
+
+    async def _route(self, req: Request, path: str) -> Response:
         if path == "/api/nodes" and req.method == "GET":
             # msgspec encodes 10,000 nodes with their GPUs in milliseconds; stdlib json does not.
             return Response(body=_encode(self.nodes()) + b"\n")
@@ -65,7 +128,7 @@ class Api:
             return self.explain(path.removeprefix("/api/explain/"))
         if path == "/metrics":
             return text_response(self.metrics(), content_type="text/plain; version=0.0.4")
-        if path in ("", "/healthz"):
+        if path == "":
             return json_response({"leader": self.service.is_leader, "identity": self.service.identity})
         return json_response({"error": f"no route {req.method} {req.path}"}, 404)
 
@@ -166,5 +229,11 @@ class Api:
             "# HELP llmgw_bus_decode_errors_total Messages that did not decode.",
             "# TYPE llmgw_bus_decode_errors_total counter",
             f"llmgw_bus_decode_errors_total {sum(self.service.bus.decode_errors.values())}",
+            "# HELP llmgw_bus_permission_denied_total Publishes and subscriptions nats-server refused.",
+            "# TYPE llmgw_bus_permission_denied_total counter",
+            f"llmgw_bus_permission_denied_total {getattr(self.service.bus.nc, 'denied_total', 0)}",
+            "# HELP llmgw_api_unauthorized_total API requests refused for their token (401 and 403).",
+            "# TYPE llmgw_api_unauthorized_total counter",
+            f"llmgw_api_unauthorized_total {self.refused}",
         ]
         return "\n".join(lines) + "\n"

@@ -43,6 +43,11 @@ class FabricConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 class HttpConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8080
+    # Bearer tokens (`llmgw auth init` writes both): reads and writes, and reads only.
+    token_file: str = ""
+    read_token_file: str = ""
+    # Serve without tokens: anyone who reaches the port may change deployments.
+    insecure: bool = False
 
 
 class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

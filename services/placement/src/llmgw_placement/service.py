@@ -127,13 +127,16 @@ class PlacementService:
 
         async def seen(beat: Heartbeat, subject: str) -> None:
             # Only a time is recorded here, in the subscription's callback: no
-            # queue to overflow, no log line per message.
-            if beat.service == "installer":
-                state.installer_seen[beat.node] = time.monotonic()
+            # queue to overflow, no log line per message. The node and the service
+            # are the ones the subject names: nats-server lets each node's identity
+            # publish only there, while the payload says whatever the sender wrote.
+            _, _, node, service = subject.rsplit(".", 3)
+            if service == "installer":
+                state.installer_seen[node] = time.monotonic()
                 return
-            first = beat.node not in state.last_seen
-            state.last_seen[beat.node] = time.monotonic()
-            state.last_seen_wall[beat.node] = beat.at
+            first = node not in state.last_seen
+            state.last_seen[node] = time.monotonic()
+            state.last_seen_wall[node] = beat.at
             if first:
                 self.wake()
 

@@ -1,0 +1,472 @@
+"""Who may do what on the bus: llmgw's identities, their nats-server permissions,
+and the client's side of a refusal.
+
+Each process connects with an identity (an nkey; `llmgw auth init` makes them)
+whose rights nats-server itself enforces, subject by subject:
+
+    placement   writes shard specs, replicas, the lease and the desired engines;
+                seeds the catalog and deployments (server.yaml, its token-checked
+                API); creates and updates llmgw's streams and buckets
+    ctl         the operator: writes deployments and the catalog; reads everything
+    observer    reads events, node status, shard status, replicas and heartbeats;
+                writes nothing (and never sees shard specs: they carry environments)
+    gateway     reads the replicas bucket
+    node-<id>   one per node, shared by its installer and launcher: writes only its
+                own status, shard statuses, heartbeats and events; reads the desired
+                engines and only its own shard specs
+    fleet       `llmgw fleet`'s simulated nodes: every node's rights at once, for
+                scale tests only
+
+Nobody may delete or purge a stream. Every identity's replies come to a private
+inbox, `_INBOX.<its public key>`, so no one else can read them.
+
+Reading a bucket with a KV watch creates a JetStream consumer. nats-py names
+the filter only in the request body, where permissions cannot see it; here
+every consumer is given a name, so nats-py uses the subject form
+`$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>` and the server checks that
+the body's filter is the subject's. A node's permission to create consumers
+on the shards stream names its own filter, `$KV.<prefix>-shards.<node>.*`.
+
+nats-server answers a refused publish with an asynchronous `-ERR` and nothing
+else: a refused request would wait out its timeout and be retried as if the
+server were slow. `GuardedClient` fails every request in flight to the refused
+subject at once with `PermissionDenied` (permissions are per subject, so all of
+them are refused), logs the refusal once per subject with the identity, and
+counts it for `/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import uuid
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, JetStreamManager, api
+
+from .errors import BusError, ConfigError
+from .metrics import Sample
+from .subjects import Names
+
+if TYPE_CHECKING:
+    from .bus import Bus
+
+log = logging.getLogger("llmgw.access")
+
+ROLES = ("placement", "ctl", "observer", "gateway", "fleet")
+NODE_ROLE_PREFIX = "node-"
+
+# nats-py lowercases the server's -ERR text; the subject is recovered from what was sent.
+_REFUSAL = re.compile(r"permissions violation for (publish|subscription) to \"([^\"]+)\"")
+_CONSUMER_NAME = re.compile(r"^(\$js\.api\.consumer\.create\.[^.]+)\.[^.]+(\..+)?$", re.IGNORECASE)
+
+
+# --- permissions (pure) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """What one identity may publish and subscribe to; everything else is refused."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+
+
+def inbox_prefix(public_key: str) -> str:
+    """The identity's private inbox: replies to its requests and its consumers' deliveries."""
+    return f"_INBOX.{public_key}"
+
+
+def _kv_stream(bucket: str) -> str:
+    return f"KV_{bucket}"
+
+
+def _read_all(stream: str) -> list[str]:
+    """Read every message of a stream: gets, watches, pull consumers and their acks."""
+    api_ = "$JS.API"
+    return [
+        f"{api_}.STREAM.INFO.{stream}",
+        f"{api_}.STREAM.MSG.GET.{stream}",
+        f"{api_}.DIRECT.GET.{stream}",
+        f"{api_}.DIRECT.GET.{stream}.>",
+        f"{api_}.CONSUMER.CREATE.{stream}",
+        f"{api_}.CONSUMER.CREATE.{stream}.>",
+        f"{api_}.CONSUMER.DURABLE.CREATE.{stream}.>",
+        f"{api_}.CONSUMER.INFO.{stream}.*",
+        f"{api_}.CONSUMER.MSG.NEXT.{stream}.*",
+        f"$JS.ACK.{stream}.>",
+        f"$JS.FC.{stream}.>",
+    ]
+
+
+def _read_filtered(stream: str, subject_filter: str) -> list[str]:
+    """Read only the messages under one filter: watches and direct gets that name it.
+
+    No `STREAM.MSG.GET` (its subject is in the body) and no durable or unnamed
+    consumer creation (their filter is in the body too).
+    """
+    return [
+        f"$JS.API.STREAM.INFO.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.{subject_filter}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.*.{subject_filter}",
+        f"$JS.API.CONSUMER.INFO.{stream}.*",
+        f"$JS.FC.{stream}.>",
+    ]
+
+
+def all_streams(names: Names) -> list[str]:
+    return [names.events_stream, names.dlq_stream, *(_kv_stream(b) for b in names.buckets())]
+
+
+def _node_publish(names: Names, node: str) -> list[str]:
+    """A node's writes; `node` is a node id, or `*` for the simulated fleet."""
+    p = names.prefix
+    return [
+        f"$KV.{names.nodes_bucket}.{node}",
+        f"$KV.{names.shard_status_bucket}.{node}.*",
+        f"{p}.heartbeat.{node}.*",
+        f"{p}.events.node.{node}.>",
+        f"{p}.events.shard.{node}.>",
+        f"$JS.API.STREAM.INFO.{names.events_stream}",
+        f"$JS.API.STREAM.INFO.{names.dlq_stream}",
+        f"$JS.API.STREAM.INFO.{_kv_stream(names.nodes_bucket)}",
+        f"$JS.API.STREAM.INFO.{_kv_stream(names.shard_status_bucket)}",
+        *_read_all(_kv_stream(names.config_bucket)),
+    ]
+
+
+def permissions(role: str, names: Names, public_key: str) -> Permissions:
+    """nats-server permissions of one identity; `role` is one of ROLES or `node-<id>`."""
+    p = names.prefix
+    inbox = f"{inbox_prefix(public_key)}.>"
+    heartbeats = names.heartbeat_all
+    if role.startswith(NODE_ROLE_PREFIX):
+        node = role.removeprefix(NODE_ROLE_PREFIX)
+        shards = _kv_stream(names.shards_bucket)
+        publish = [
+            *_node_publish(names, node),
+            f"{p}.dlq.installer-{node}",
+            f"{p}.dlq.launcher-{node}",
+            *_read_filtered(shards, f"$KV.{names.shards_bucket}.{node}.*"),
+        ]
+        return Permissions(tuple(publish), (inbox,))
+    if role == "fleet":
+        publish = [
+            *_node_publish(names, "*"),
+            f"{p}.dlq.llmgw-fleet",
+            *_read_all(_kv_stream(names.shards_bucket)),
+        ]
+        return Permissions(tuple(publish), (inbox,))
+    if role == "placement":
+        writes = [
+            names.config_bucket,
+            names.catalog_bucket,
+            names.deployments_bucket,
+            names.shards_bucket,
+            names.replicas_bucket,
+            names.leases_bucket,
+        ]
+        publish = [
+            *(f"$KV.{b}.>" for b in writes),
+            f"{p}.events.replica.>",
+            f"{p}.events.placement.>",
+            f"{p}.dlq.placement",
+            *(f"$JS.API.STREAM.{op}.{s}" for s in all_streams(names) for op in ("CREATE", "UPDATE")),
+            *(rule for b in names.buckets() for rule in _read_all(_kv_stream(b))),
+        ]
+        return Permissions(tuple(publish), (inbox, heartbeats))
+    if role == "ctl":
+        publish = [
+            f"$KV.{names.deployments_bucket}.>",
+            f"$KV.{names.catalog_bucket}.>",
+            f"{p}.dlq.llmgw-ctl",
+            f"{p}.dlq.llmgw-up",
+            *(rule for s in all_streams(names) for rule in _read_all(s)),
+        ]
+        return Permissions(tuple(publish), (inbox, heartbeats, names.events_all))
+    if role == "observer":
+        readable = [
+            names.events_stream,
+            _kv_stream(names.nodes_bucket),
+            _kv_stream(names.shard_status_bucket),
+            _kv_stream(names.replicas_bucket),
+        ]
+        publish = [rule for s in readable for rule in _read_all(s)]
+        return Permissions(tuple(publish), (inbox, heartbeats, names.events_all))
+    if role == "gateway":
+        return Permissions(tuple(_read_all(_kv_stream(names.replicas_bucket))), (inbox,))
+    raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)} or node-<node id>")
+
+
+# --- identities ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a connection is, in words for logs and errors."""
+
+    name: str  # placement, node-gpu-01 (a seed file's name), user llmgw, no credentials
+    public_key: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.public_key[:12]}…)" if self.public_key else self.name
+
+
+def public_key_of(seed_file: str) -> str:
+    """The public key of an nkey seed file, or ConfigError saying what is wrong with the file."""
+    import nkeys  # type: ignore[import-untyped]
+
+    try:
+        seed = bytearray(Path(seed_file).read_bytes().strip())
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read the nkey seed file {seed_file}: {exc.strerror or exc}; "
+            "`llmgw auth init` writes one per identity"
+        ) from exc
+    try:
+        pair = nkeys.from_seed(seed)
+    except Exception as exc:  # nkeys raises its own errors, and binascii's
+        raise ConfigError(f"{seed_file} is not an nkey seed (`llmgw auth init` writes them): {exc}") from exc
+    try:
+        return str(pair.public_key.decode())
+    finally:
+        pair.wipe()
+
+
+# --- the client's side of a refusal -----------------------------------------------
+
+
+class PermissionDenied(nats.errors.Error):
+    """nats-server refused this identity a publish or a subscription. Retrying cannot help."""
+
+    def __init__(self, identity: str, verb: str, subject: str, server_error: str) -> None:
+        super().__init__(
+            f"nats-server refused {identity} permission to {verb} {subject!r} ({server_error}); "
+            "see the identity's permissions in the server's auth.conf"
+        )
+        self.identity = identity
+        self.verb = verb
+        self.subject = subject
+        self.server_error = server_error
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class Refusal:
+    verb: str  # "publish to" or "subscribe to"
+    subject: str
+    server_error: str
+
+
+def _refusal_key(verb: str, subject: str) -> str:
+    """One key per rule: consumer names are random, so they are left out."""
+    m = _CONSUMER_NAME.match(subject)
+    if m:
+        subject = f"{m.group(1)}.<name>{m.group(2) or ''}"
+    return f"{verb} {subject}"
+
+
+class _NamedConsumers:
+    """Every consumer gets a name, so nats-py puts its filter into the request subject."""
+
+    async def add_consumer(
+        self,
+        stream: str,
+        config: api.ConsumerConfig | None = None,
+        timeout: float | None = None,
+        **params: Any,
+    ) -> api.ConsumerInfo:
+        config = (config or api.ConsumerConfig()).evolve(**params)
+        if not config.name and not config.durable_name:
+            config = config.evolve(name=uuid.uuid4().hex)
+        info: api.ConsumerInfo = await super().add_consumer(stream, config=config, timeout=timeout)  # type: ignore[misc]
+        return info
+
+
+class _Manager(_NamedConsumers, JetStreamManager):
+    pass
+
+
+class _JetStream(_NamedConsumers, JetStreamContext):
+    @property
+    def _jsm(self) -> JetStreamManager:
+        return _Manager(conn=self._nc, prefix=self._prefix, timeout=self._timeout)
+
+
+class GuardedClient(Client):
+    """nats-py's client with nats-server's permission refusals made visible (see the module doc)."""
+
+    RECENT_SUBJECTS = 4096
+
+    def __init__(self, service: str, identity: str) -> None:
+        super().__init__()
+        self.service = service
+        self.identity = identity
+        self.denied: Counter[str] = Counter()
+        self.refusals: deque[Refusal] = deque(maxlen=64)
+        self._waiting: dict[str, set[asyncio.Future[None]]] = {}
+        self._sent: dict[str, str] = {}
+
+    def jetstream(self, **opts: Any) -> JetStreamContext:
+        return _JetStream(self, **opts)
+
+    @property
+    def denied_total(self) -> int:
+        return sum(self.denied.values())
+
+    def _remember(self, subject: str) -> None:
+        if len(self._sent) >= self.RECENT_SUBJECTS:
+            self._sent.clear()
+        self._sent[subject.lower()] = subject
+
+    async def publish(
+        self, subject: str, payload: bytes = b"", reply: str = "", headers: dict[str, str] | None = None
+    ) -> None:
+        self._remember(subject)
+        await super().publish(subject, payload, reply, headers)
+
+    async def subscribe(self, subject: str, *args: Any, **kw: Any) -> Any:
+        self._remember(subject)
+        return await super().subscribe(subject, *args, **kw)
+
+    async def request(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        timeout: float = 0.5,
+        old_style: bool = False,
+        headers: dict[str, str] | None = None,
+    ) -> Msg:
+        key = subject.lower()
+        refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting = self._waiting.setdefault(key, set())
+        waiting.add(refused)
+        request = asyncio.ensure_future(super().request(subject, payload, timeout, old_style, headers))
+        try:
+            await asyncio.wait((request, refused), return_when=asyncio.FIRST_COMPLETED)
+            if request.done():
+                reply: Msg = request.result()
+                return reply
+            refused.result()  # raises PermissionDenied
+            raise AssertionError("unreachable")
+        finally:
+            waiting.discard(refused)
+            if not waiting and self._waiting.get(key) is waiting:
+                del self._waiting[key]
+            if not request.done():
+                request.cancel()
+                with contextlib.suppress(asyncio.CancelledError, nats.errors.Error):
+                    await request
+            if not refused.done():
+                refused.cancel()
+            elif not refused.cancelled():
+                refused.exception()  # seen, so asyncio does not report it as never retrieved
+
+    def refused(self, exc: Exception) -> bool:
+        """Handle a permission refusal from the server; False for any other error."""
+        m = _REFUSAL.search(str(exc))
+        if m is None:
+            return False
+        verb = "publish to" if m.group(1) == "publish" else "subscribe to"
+        subject = self._sent.get(m.group(2), m.group(2))
+        server_error = str(exc).removeprefix("nats: ")
+        key = _refusal_key(verb, subject)
+        first = key not in self.denied
+        self.denied[key] += 1
+        self.refusals.append(Refusal(verb, subject, server_error))
+        if first:
+            # Once per rule: a refusal is a configuration error, and repeating it adds nothing.
+            log.error(
+                "%s: nats-server refused identity %s permission to %s %s; not retried. "
+                "Its permissions are in the server's auth.conf (llmgw auth init writes them)",
+                self.service,
+                self.identity,
+                verb,
+                subject,
+            )
+        if verb == "publish to":
+            denied = PermissionDenied(self.identity, verb, subject, server_error)
+            for waiter in self._waiting.pop(subject.lower(), set()):
+                if not waiter.done():
+                    waiter.set_exception(denied)
+        return True
+
+
+def permission_refusals(bus: Bus) -> Sample:
+    """A service's `/metrics` line: how often nats-server refused it a publish or a subscription."""
+    return Sample(
+        "llmgw_bus_permission_denied_total",
+        "counter",
+        "Publishes and subscriptions nats-server refused.",
+        getattr(bus.nc, "denied_total", 0),
+    )
+
+
+# --- streams and buckets exist before node services use them -------------------------
+
+
+async def require_streams(bus: Bus, streams: list[str], *, timeout: float = 30.0) -> None:
+    """Wait until every stream exists; fail with what is missing, or which permission is.
+
+    Placement creates llmgw's streams and buckets (only it may); node services
+    started at the same time wait for them, up to `timeout` seconds.
+    """
+    waiting: list[str] = []
+    said = False
+    with anyio.move_on_after(timeout):
+        while True:
+            waiting = []
+            for stream in streams:
+                try:
+                    await bus.js.stream_info(stream)
+                except nats.js.errors.NotFoundError:
+                    waiting.append(stream)
+                except PermissionDenied as exc:
+                    raise BusError(f"{bus.service}: cannot check that {stream} exists: {exc}") from exc
+                except nats.errors.Error as exc:
+                    log.warning("%s: cannot check that %s exists yet: %s", bus.service, stream, exc)
+                    waiting.append(stream)
+            if not waiting:
+                return
+            if not said:
+                said = True
+                log.info("%s: waiting for placement to create %s", bus.service, ", ".join(waiting))
+            await anyio.sleep(0.5)
+    raise BusError(
+        f"{bus.service}: {', '.join(waiting)} still missing after {timeout:g}s at "
+        f"{bus.options.resolved_url()} (prefix {bus.names.prefix!r}); placement creates llmgw's streams and "
+        "buckets when it starts: start it first, with the same nats prefix"
+    )
+
+
+def node_streams(names: Names) -> list[str]:
+    """What a node's installer and launcher use."""
+    return [
+        names.events_stream,
+        names.dlq_stream,
+        *(
+            _kv_stream(b)
+            for b in (names.config_bucket, names.nodes_bucket, names.shards_bucket, names.shard_status_bucket)
+        ),
+    ]
+
+
+async def prepare_node(bus: Bus) -> None:
+    """A node service's start: create the streams on an unauthenticated bus (as before
+    identities existed), otherwise wait for placement to have created them."""
+    if bus.options.authenticated():
+        await require_streams(bus, node_streams(bus.names))
+    else:
+        await bus.ensure()
