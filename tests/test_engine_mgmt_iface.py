@@ -130,7 +130,7 @@ async def test_a_two_node_replica_bootstraps_over_each_nodes_management_interfac
                     raise AssertionError(f"{status.shard}: pid {status.pids[-1]} is gone") from exc
                 assert (env["NCCL_SOCKET_IFNAME"], env["GLOO_SOCKET_IFNAME"]) == (iface, iface)
                 assert env["CUDA_VISIBLE_DEVICES"] == "0"
+                assert env["NCCL_IB_DISABLE"] == "1"
             return True
 
         await eventually(started_with, timeout=60, interval=0.5)
-            assert env["NCCL_IB_DISABLE"] == "1"
