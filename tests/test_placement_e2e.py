@@ -243,6 +243,35 @@ async def test_api_ctl_and_a_refusal_in_the_nodes_own_words(
         assert header.split() == ["NODE", "STATE", "GPUS", "ENGINES", "INSTALL", "WARNINGS"]
         assert row.startswith("node-1  alive  2x NVIDIA H100 80GB HBM3  sim 0.1.0 (configured)")
 
+        # The operator deletes a deployment, then applies a server.yaml: as the ctl identity.
+        deleted = subprocess.run(
+            [*ctl, "delete", "deployment", "more"], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert deleted.stdout == "deployment more deleted: its replicas stop\n", deleted.stderr
+        await eventually(lambda: _none_of(bus, "more"), timeout=60)
+        missing = subprocess.run(
+            [*ctl, "delete", "deployment", "more"], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert (missing.returncode, missing.stderr) == (3, "llmgw: no deployment more\n")
+        applied_file = tmp_path / "apply.yaml"
+        applied_file.write_text(
+            "engines: []\n"
+            "catalog:\n  - {name: tiny, engine: sim, model_path: sim://tiny, gpu_class: H100-80G}\n"
+            "deployments:\n  - {name: chat, profile: tiny, replicas: 2}\n"
+        )
+        applied = subprocess.run(
+            [*ctl, "apply", "-f", str(applied_file)], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert applied.stdout == f"applied {applied_file}: 0 engines, 1 profiles, 1 deployments\n", (
+            applied.stderr
+        )
+        await eventually(lambda: ready_replicas(bus, "chat", 2), timeout=60)
+
+
+async def _none_of(bus: Bus, deployment: str) -> bool:
+    assert await replicas(bus, deployment) == []
+    return True
+
 
 async def test_a_paused_leader_is_fenced_and_never_places_twice(
     bus: Bus, nats_url: str, prefix: str, tmp_path: Path

@@ -81,7 +81,8 @@ def render_users(prefix: str, identities: dict[str, str]) -> list[str]:
             "      permissions: {\n"
             f"        publish: {{ allow: [\n{publish}\n        ] }}\n"
             f"        subscribe: {{ allow: [\n{subscribe}\n        ] }}\n"
-            "      }\n"
+            + ("        allow_responses: true\n" if perms.allow_responses else "")
+            + "      }\n"
             "    }"
         )
     return entries

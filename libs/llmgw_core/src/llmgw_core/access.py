@@ -80,6 +80,8 @@ class Permissions:
 
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
+    # May answer the requests it receives (placement answers liveness requests).
+    allow_responses: bool = False
 
 
 def inbox_prefix(public_key: str) -> str:
@@ -184,11 +186,14 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             *(f"$JS.API.STREAM.{op}.{s}" for s in all_streams(names) for op in ("CREATE", "UPDATE")),
             *(rule for b in names.buckets() for rule in _read_all(_kv_stream(b))),
         ]
-        return Permissions(tuple(publish), (inbox, heartbeats))
+        return Permissions(tuple(publish), (inbox, heartbeats, names.liveness_request), allow_responses=True)
     if role == "ctl":
         publish = [
             f"$KV.{names.deployments_bucket}.>",
             f"$KV.{names.catalog_bucket}.>",
+            # The desired engines are the operator's too (`llmgw ctl apply -f server.yaml`).
+            f"$KV.{names.config_bucket}.engines",
+            names.liveness_request,
             f"{p}.dlq.llmgw-ctl",
             f"{p}.dlq.llmgw-up",
             *(rule for s in all_streams(names) for rule in _read_all(s)),
@@ -201,7 +206,7 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             _kv_stream(names.shard_status_bucket),
             _kv_stream(names.replicas_bucket),
         ]
-        publish = [rule for s in readable for rule in _read_all(s)]
+        publish = [names.liveness_request, *(rule for s in readable for rule in _read_all(s))]
         return Permissions(tuple(publish), (inbox, heartbeats, names.events_all))
     if role == "gateway":
         return Permissions(tuple(_read_all(_kv_stream(names.replicas_bucket))), (inbox,))
