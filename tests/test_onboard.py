@@ -15,6 +15,7 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 from llmgw.cli import main
@@ -30,6 +31,7 @@ from llmgw.onboard import (
     unit_files,
     wheel_fits,
 )
+from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.config import AgentConfig, load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -259,6 +261,13 @@ def stop_agents(install_dir: Path) -> None:
 def test_onboard_installs_over_ssh_writes_units_starts_the_agents_and_prints_the_first_probe(
     tmp_path: Path, nats_url: str, prefix: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # The cluster's streams and buckets, made as its placement would: a node's agents only
+    # check that they exist.
+    async def ensure() -> None:
+        async with await Bus.connect(BusOptions(url=nats_url, prefix=prefix), service="test") as bus:
+            await bus.ensure()
+
+    anyio.run(ensure)
     install_dir = tmp_path / "opt-llmgw"
     unit_dir = tmp_path / "systemd"
     with sshd(tmp_path / "ssh") as (port, key, known_hosts):

@@ -163,17 +163,49 @@ def parse_pins(requirements: str) -> dict[str, str]:
     return pins
 
 
+def sdist_only(lock: Mapping[str, Any], pins: Mapping[str, str]) -> list[str]:
+    """Pinned packages published as a source archive alone (nkeys): their wheel is built here,
+    from the archive the lock's hash names, and must come out pure Python."""
+    out = []
+    for package in lock.get("package", []):
+        name = _normalise(str(package.get("name", "")))
+        if (
+            pins.get(name) == str(package.get("version", ""))
+            and package.get("sdist")
+            and not package.get("wheels")
+        ):
+            out.append(name)
+    return sorted(out)
+
+
 def missing_wheels(lock: Mapping[str, Any], pins: Mapping[str, str], host: Host) -> list[str]:
-    """`name version` of every pinned package with no wheel in `uv.lock` that fits `host`."""
+    """`name version` of every pinned package with no wheel in `uv.lock` that fits `host`
+    (packages built here from their source archive are not missing)."""
     wheels: dict[tuple[str, str], list[str]] = {}
     for package in lock.get("package", []):
         key = (_normalise(str(package.get("name", ""))), str(package.get("version", "")))
         wheels[key] = [str(w.get("url", "")).rsplit("/", 1)[-1] for w in package.get("wheels", [])]
+    built_here = set(sdist_only(lock, pins))
     return [
         f"{name} {version}"
         for name, version in sorted(pins.items())
+        if name not in built_here
         if not any(wheel_fits(w, host) for w in wheels.get((name, version), []))
     ]
+
+
+def split_requirements(requirements: str, names: set[str]) -> tuple[str, str]:
+    """`uv export` output split in two: the entries not in `names`, and those in it. An entry
+    is its `name==version` line and the indented `--hash` lines that continue it."""
+    kept: list[str] = []
+    taken: list[str] = []
+    into = kept
+    for line in requirements.splitlines(keepends=True):
+        if line[:1] not in (" ", "\t", "#", "\n", ""):
+            match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", line)
+            into = taken if match and _normalise(match.group(1)) in names else kept
+        into.append(line)
+    return "".join(kept), "".join(taken)
 
 
 def check_host(host: Host, lock: Mapping[str, Any], pins: Mapping[str, str]) -> None:
@@ -381,6 +413,38 @@ async def build_wheelhouse(
             root,
             env,
         )
+    lock = tomllib.loads((root / "uv.lock").read_text())
+    built_here = set(sdist_only(lock, parse_pins(requirements)))
+    requirements, sources = split_requirements(requirements, built_here)
+    if sources:
+        # Built from the source archive whose hash the lock names; a wheel that is not pure
+        # Python would not fit another machine, so it is refused rather than copied.
+        (dest.parent / "sources.txt").write_text(sources)
+        built = dest.parent / "built"
+        await _local(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "--require-hashes",
+                "--wheel-dir",
+                str(built),
+                "-r",
+                str(dest.parent / "sources.txt"),
+            ],
+            f"building {', '.join(sorted(built_here))} from source",
+            root,
+            env,
+        )
+        for wheel in sorted(built.glob("*.whl")):
+            if not wheel.name.endswith("-none-any.whl"):
+                raise OnboardError(
+                    f"{wheel.name}: built from source, but not pure Python; it cannot be copied"
+                )
+            wheel.rename(dest / wheel.name)
     deps = dest.parent / "dependencies.txt"
     deps.write_text(requirements)
     argv = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps"]
@@ -393,7 +457,8 @@ async def build_wheelhouse(
     argv += ["-r", str(deps)]
     await _local(argv, f"downloading the dependencies' wheels for {host.arch}", root, env)
     own = []
-    for wheel in sorted(dest.glob("llmgw_*.whl")):
+    made_here = [w for w in dest.glob("*.whl") if _normalise(w.name.split("-")[0]) in built_here]
+    for wheel in sorted([*dest.glob("llmgw_*.whl"), *made_here]):
         name, version = wheel.name.split("-")[:2]
         digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
         own.append(f"{_normalise(name)}=={version} --hash=sha256:{digest}\n")

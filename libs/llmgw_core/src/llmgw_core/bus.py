@@ -382,6 +382,8 @@ class Bus:
                     kv = await self.js.key_value(bucket)
                 except nats.js.errors.BucketNotFoundError:
                     kv = await self._ensure_bucket(bucket)
+            except PermissionDenied:
+                raise  # a refusal of this identity, said as such (see `watch`)
             except (nats.errors.Error, OSError) as exc:
                 raise BusError(f"cannot open bucket {bucket}: {exc or type(exc).__name__}") from exc
             self._kvs[bucket] = kv
