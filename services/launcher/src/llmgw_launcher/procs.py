@@ -3,6 +3,11 @@
 Output goes to a file rather than a pipe so the engine outlives the launcher:
 a pipe's reader dying would kill the engine with SIGPIPE on its next log line,
 and a restarted launcher could not read it anyway.
+
+Everything here is blocking (fork and exec, /proc reads, log files): the
+launcher calls it from a worker thread, never on its event loop. Exits are
+noticed through a pidfd (Linux 5.3+), which the event loop waits on like a
+socket: no polling, and nothing to do while the engine runs.
 """
 
 from __future__ import annotations
@@ -33,6 +38,38 @@ def start(cmd: Command, log_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
             start_new_session=True,
             close_fds=True,
         )
+
+
+def spawn(cmd: Command, log_path: Path, cwd: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """`start` and the new process's start time (0 if it is already gone)."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    popen = start(cmd, log_path, cwd)
+    return popen, start_time(popen.pid) or 0
+
+
+class NoPidfd(Exception):
+    """This kernel (or platform) has no pidfd_open: exits must be polled for."""
+
+
+def pidfd(pid: int, started: int) -> int | None:
+    """A pidfd of the process `pid` started at `started`, None if that process is gone.
+
+    The start time is checked after the pidfd is open, so the fd cannot name
+    a stranger that got a recycled pid.
+    """
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        raise NoPidfd("os.pidfd_open is missing")
+    try:
+        fd = int(opener(pid))
+    except ProcessLookupError:
+        return None
+    except OSError as exc:
+        raise NoPidfd(str(exc)) from exc
+    if started and start_time(pid) != started:
+        os.close(fd)
+        return None
+    return fd
 
 
 def start_time(pid: int) -> int | None:
