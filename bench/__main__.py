@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import durability, fleet, placement
+from bench import durability, fleet, launcher, placement
 
 ROOT = Path(__file__).parent.parent
 
@@ -42,6 +42,7 @@ def main() -> int:
         durability.run(quick=args.quick),
         placement.run(quick=args.quick),
         fleet.run(quick=args.quick),
+        launcher.run(quick=args.quick),
     ]
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT

@@ -54,8 +54,9 @@ class NoPidfd(Exception):
 def pidfd(pid: int, started: int) -> int | None:
     """A pidfd of the process `pid` started at `started`, None if that process is gone.
 
-    The start time is checked after the pidfd is open, so the fd cannot name
-    a stranger that got a recycled pid.
+    The start time (0: do not check) is checked after the pidfd is open, so
+    the fd cannot name a stranger that got a recycled pid. A child of this
+    process needs no check: its pid is not reused before it is reaped.
     """
     opener = getattr(os, "pidfd_open", None)
     if opener is None:
@@ -99,7 +100,19 @@ def signal_group(pid: int, sig: signal.Signals) -> bool:
     return True
 
 
-def group_alive(pgid: int) -> bool:
+def group_alive(pgid: int, leader_started: int = 0) -> bool:
+    """Whether the process group led by `pgid` still has a live member that is ours.
+
+    Once the leader is gone its pid can be reused, and a new session leader
+    that got it leads a group of the same id: a stranger's (another shard's
+    engine, say). With `leader_started`, a group whose leader is alive but
+    started at another time is that stranger's, and counts as gone, so that
+    stopping a shard never signals someone else's processes.
+    """
+    if leader_started:
+        leader = start_time(pgid)
+        if leader is not None and leader != leader_started:
+            return False
     try:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):

@@ -384,10 +384,13 @@ class ShardRunner:
         timeout = self.spec.profile.health_timeout_s
         deadline = time.monotonic() + timeout
         while True:
-            if await self.ctx.prober.healthy(url):
+            problem = await self.ctx.prober.check(url)
+            if problem is None:
                 return None
             if time.monotonic() > deadline:
-                return Failure(f"{url} did not answer 200 within the {timeout:g}s health timeout")
+                return Failure(
+                    f"{url} did not answer 200 within the {timeout:g}s health timeout (last: {problem})"
+                )
             await anyio.sleep(LOADING_PROBE_S)
 
     async def _supervise(self, engine: Engine) -> Failure:
@@ -407,12 +410,13 @@ class ShardRunner:
             await self._rotate_logs()
             if not url:
                 continue
-            if await self.ctx.prober.healthy(url):
+            problem = await self.ctx.prober.check(url)
+            if problem is None:
                 failures = 0
                 continue
             failures += 1
             if failures >= HEALTH_FAILURES_TO_FAIL:
-                return Failure(f"{url} failed {failures} health checks in a row")
+                return Failure(f"{url} failed {failures} health checks in a row (last: {problem})")
 
     async def _rotate_logs(self) -> None:
         for p in self.procs:
@@ -468,7 +472,7 @@ class ShardRunner:
 async def _wait_exit(p: Proc) -> str:
     """Wait for `p` to end (a pidfd turning readable, or polling where there is none); how it ended."""
     try:
-        fd = procs.pidfd(p.pid, p.start_time)
+        fd = procs.pidfd(p.pid, 0 if p.popen is not None else p.start_time)
     except procs.NoPidfd:
         while (reason := p.exit_reason()) is None:
             await anyio.sleep(EXIT_POLL_S)
@@ -486,7 +490,7 @@ async def _wait_exit(p: Proc) -> str:
 
 
 def _live(ps: list[Proc]) -> list[Proc]:
-    return [p for p in ps if p.exit_reason() is None or procs.group_alive(p.pid)]
+    return [p for p in ps if p.exit_reason() is None or procs.group_alive(p.pid, p.start_time)]
 
 
 def _lingering(ps: list[Proc]) -> list[Proc]:
@@ -500,7 +504,7 @@ def _any_lingers(ps: list[Proc]) -> bool:
 def _lingers(p: Proc) -> bool:
     if p.popen is not None:
         p.popen.poll()  # reap, so the group's leader is not a zombie forever
-    return procs.group_alive(p.pid)
+    return procs.group_alive(p.pid, p.start_time)
 
 
 async def _accepts(addr: Address) -> bool:
