@@ -188,7 +188,7 @@ async def test_the_launcher_survives_its_own_sigkill_and_adopts_the_shard(
             assert adopted.pids == ready.pids
             assert adopted.profile_fp == spec.profile_fp
             assert events.states("s1") == ["ready"]
-            assert processes_with(f"--model {spec.profile.name}") == list(ready.pids)
+            assert processes_with(f"--model {spec.profile.name}", under=tmp_path) == list(ready.pids)
 
             # SIGTERM stops the launcher, not the engine.
             second.terminate()
@@ -199,7 +199,7 @@ async def test_the_launcher_survives_its_own_sigkill_and_adopts_the_shard(
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        for pid in processes_with(f"--model {spec.profile.name}"):
+        for pid in processes_with(f"--model {spec.profile.name}", under=tmp_path):
             os.killpg(pid, signal.SIGKILL)
 
 

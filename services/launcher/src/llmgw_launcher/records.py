@@ -4,7 +4,9 @@
 them: in a worker thread (an fsync on the event loop stalls every other
 shard, heartbeat and status write behind one disk flush), in batches, and
 coalesced per shard (of several writes of one shard that wait together, only
-the newest reaches the disk).
+the newest reaches the disk). A batch's files are written and fsynced by a
+few threads side by side, so that the filesystem can commit their fsyncs
+together instead of one disk flush after another.
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ class RecordWriter:
     the others in the batch are unaffected.
     """
 
+    # Threads that write one batch's files side by side.
+    PARALLEL = 8
+
     def __init__(self, records: Records) -> None:
         self.records = records
         self._open = _Batch()
@@ -130,7 +135,7 @@ class RecordWriter:
                     while self._open.ops:
                         current, self._open = self._open, _Batch()
                         try:
-                            current.errors = await anyio.to_thread.run_sync(self._write, current.ops)
+                            current.errors = await self._write_batch(current.ops)
                         except Exception as exc:  # a bug here costs these writes, not the launcher
                             current.errors = {
                                 k: f"cannot write the shard record of {k}: {exc}" for k in current.ops
@@ -146,10 +151,28 @@ class RecordWriter:
         if error is not None:
             raise RecordError(error)
 
-    def _write(self, ops: dict[str, ShardRecord | None]) -> dict[str, str]:
-        """In a worker thread: every write of the batch, then one directory sync."""
+    async def _write_batch(self, ops: dict[str, ShardRecord | None]) -> dict[str, str]:
+        """Every write of the batch, in up to PARALLEL worker threads, then one directory sync."""
         errors: dict[str, str] = {}
-        for key, record in ops.items():
+        items = list(ops.items())
+        chunks = [items[i :: self.PARALLEL] for i in range(min(self.PARALLEL, len(items)))]
+        async with anyio.create_task_group() as tg:
+            for chunk in chunks:
+                tg.start_soon(self._write_chunk, chunk, errors)
+        try:
+            await anyio.to_thread.run_sync(self.records.sync_dir)
+        except OSError as exc:
+            for key in ops:
+                errors.setdefault(key, f"cannot sync {self.records.dir}: {exc}")
+        return errors
+
+    async def _write_chunk(self, chunk: list[tuple[str, ShardRecord | None]], errors: dict[str, str]) -> None:
+        errors.update(await anyio.to_thread.run_sync(self._write, chunk))
+
+    def _write(self, chunk: list[tuple[str, ShardRecord | None]]) -> dict[str, str]:
+        """In a worker thread: these writes, one after another."""
+        errors: dict[str, str] = {}
+        for key, record in chunk:
             try:
                 if record is None:
                     self.records.remove(key)
@@ -157,9 +180,4 @@ class RecordWriter:
                     self.records.save(record)
             except OSError as exc:
                 errors[key] = f"cannot write the shard record {self.records.path(key)}: {exc}"
-        try:
-            self.records.sync_dir()
-        except OSError as exc:
-            for key in ops:
-                errors.setdefault(key, f"cannot sync {self.records.dir}: {exc}")
         return errors

@@ -278,21 +278,29 @@ class ShardRunner:
         self._leader_url = self._url() if serves else ""
         commands = engine.commands(spec, self.ctx.environ)
         self._set("starting")
-        for cmd in commands:
+        for i, cmd in enumerate(commands):
             if cmd.wait_for:
                 self._set("waiting", f"waiting for {', '.join(map(str, cmd.wait_for))}")
                 failure = await self._until_exit(self._wait_for, cmd)
                 if failure is not None:
                     return failure
             failure = await self._start(cmd)
+            if failure is None and i < len(commands) - 1:
+                # A sidecar runs while the next command may wait: on disk first, so
+                # that a launcher that dies meanwhile leaves it adoptable.
+                failure = await self._save()
             if failure is not None:
                 return failure
         if serves:
             self._set("loading")
-            failure = await self._await_health(engine)
+            url = self._leader_url + engine.health_path
+            failure = await self._until_exit(self._recorded_and_healthy, url)
             if failure is not None:
                 return failure
         else:
+            failure = await self._save()
+            if failure is not None:
+                return failure
             dead = self._first_exit()
             if dead:
                 return await self._exit_failure(dead)
@@ -310,7 +318,7 @@ class ShardRunner:
         except OSError as exc:
             return Failure(f"cannot start {cmd.name} ({cmd.path}): {exc.strerror or exc}")
         self.procs.append(Proc(cmd.name, popen.pid, started, log_path, popen))
-        return await self._save()
+        return None
 
     def _first_exit(self) -> str | None:
         for p in self.procs:
@@ -379,6 +387,22 @@ class ShardRunner:
 
     async def _await_health(self, engine: Engine) -> Failure | None:
         return await self._until_exit(self._poll_until_healthy, self._leader_url + engine.health_path)
+
+    async def _recorded_and_healthy(self, url: str) -> Failure | None:
+        """The record written while the engine loads, side by side: an fsync is no reason to wait
+        before the first probe, but a shard is not ready before it is on disk."""
+        failures: list[Failure | None] = []
+        async with anyio.create_task_group() as tg:
+
+            async def record() -> None:
+                failure = await self._save()
+                if failure is not None:
+                    failures.append(failure)
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(record)
+            failures.append(await self._poll_until_healthy(url))
+        return next((f for f in failures if f is not None), None)
 
     async def _poll_until_healthy(self, url: str) -> Failure | None:
         timeout = self.spec.profile.health_timeout_s
