@@ -22,6 +22,7 @@ import itertools
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -118,9 +119,23 @@ def sim_argv(port: int, model: str) -> list[str]:
     ]
 
 
-async def floor(n: int, base_port: int, logs: Path, windows: list[tuple[float, float]]) -> list[float]:
+def free_ports(n: int) -> list[int]:
+    """Ports nothing listens on now (the machine is shared: a fixed range may be taken)."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [int(s.getsockname()[1]) for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+async def floor(n: int, logs: Path, windows: list[tuple[float, float]]) -> list[float]:
     """Seconds from the burst's start to each bare engine's first 200; its time window is appended."""
     prober = HealthProber(timeout_s=2.0)
+    ports = free_ports(n)
     procs: list[subprocess.Popen[bytes]] = []
     ready: list[float] = []
     try:
@@ -129,7 +144,7 @@ async def floor(n: int, base_port: int, logs: Path, windows: list[tuple[float, f
             for i in range(n):
                 procs.append(
                     subprocess.Popen(
-                        sim_argv(base_port + i, "sim1"),
+                        sim_argv(ports[i], "sim1"),
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,
@@ -149,7 +164,7 @@ async def floor(n: int, base_port: int, logs: Path, windows: list[tuple[float, f
         with anyio.fail_after(120):
             async with anyio.create_task_group() as tg:
                 for i, proc in enumerate(procs):
-                    tg.start_soon(wait_ready, proc, base_port + i)
+                    tg.start_soon(wait_ready, proc, ports[i])
         windows.append((start, time.perf_counter()))
     finally:
         await prober.aclose()
@@ -170,9 +185,13 @@ class Cluster:
     prefix: str
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         with (self.root / f"{name}.log").open("ab") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            )
         self.procs[name] = proc
         return proc
 
@@ -216,7 +235,13 @@ class Cluster:
         server_path.write_bytes(msgspec.yaml.encode(server))
         py = sys.executable
         self._spawn("installer", [py, "-m", "llmgw_installer", "--config", str(agent_path)])
-        self._spawn("launcher", [py, "-m", "llmgw_launcher", "--config", str(agent_path)])
+        # LLMGW_BENCH_LAUNCHER_SRC runs another launcher's source (an older commit's
+        # services/launcher/src) against the same cluster, to compare within one run.
+        env = dict(os.environ)
+        other = os.environ.get("LLMGW_BENCH_LAUNCHER_SRC")
+        if other:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (other, env.get("PYTHONPATH", "")) if p)
+        self._spawn("launcher", [py, "-m", "llmgw_launcher", "--config", str(agent_path)], env)
         self._spawn("placement", [py, "-m", "llmgw_placement", "--config", str(server_path)])
 
     def stop(self, name: str) -> None:
@@ -428,7 +453,7 @@ async def _run(url: str, root: Path, n: int, idle_n: int, idle_s: float, kills: 
     bystander_out = root / "bystander.txt"
     bystander = start_bystander(bystander_out)
     floors: list[tuple[float, float]] = []
-    f["floor"] = await floor(n, 40000, root, floors)
+    f["floor"] = await floor(n, root, floors)
     f["load"].append(load())
     prefix = "lbench"
     cluster = Cluster(root, url, prefix)
@@ -466,6 +491,10 @@ async def _run(url: str, root: Path, n: int, idle_n: int, idle_s: float, kills: 
                 tg.start_soon(deploy, name)
         await until(lambda: all(d in watch.replica_ready for d in names), 300, "every deployment ready")
         t1 = time.perf_counter()
+        # A launcher may write the bucket (which placement reads) before it publishes the event.
+        await until(
+            lambda: all("ready" in watch.shard[watch.shard_of.get(d, "")] for d in names), 30, "ready events"
+        )
         f["cpu_burst"] = cpu_seconds(launcher_pid) - cpu0
         stop_profile(spy)
         f["load"].append(load())
@@ -490,7 +519,7 @@ async def _run(url: str, root: Path, n: int, idle_n: int, idle_s: float, kills: 
         )
         cluster.stop("placement")
         cluster.stop("installer")
-        f["floor"] += await floor(n, 40500, root, floors)
+        f["floor"] += await floor(n, root, floors)
         f["load"].append(load())
 
         # Idle: many ready shards.
@@ -606,9 +635,12 @@ def render(f: dict[str, Any], n: int, idle_n: int, quick: bool) -> str:
         lines += [
             "",
             f"Profile of the launcher during the burst (py-spy, 100 Hz, `--nonblocking`, main thread = the "
-            f"event loop): busy in {prof.samples} of {prof.expected} samples "
-            f"({100 * prof.samples / max(1, prof.expected):.0f}%). Top functions by samples they were on "
-            "the stack for (inclusive), then by samples spent in the function itself:",
+            f"event loop): not idle in {prof.samples} of {prof.expected} samples "
+            f"({100 * prof.samples / max(1, prof.expected):.0f}%). py-spy samples wall-clock time: a thread "
+            "that is runnable but waiting for a CPU (or for the GIL after a system call) counts as busy, so "
+            "on a saturated machine this share is mostly waiting; the CPU figure above is the work. Top "
+            "functions by samples they were on the stack for (inclusive, the loop's own plumbing left out), "
+            "then by samples in the function itself:",
             "",
             "```",
         ]
@@ -632,7 +664,8 @@ def render(f: dict[str, Any], n: int, idle_n: int, quick: bool) -> str:
         f"| launcher CPU, {idle_n} ready shards probed every {HEALTH_S:g} s | "
         f"**{100 * f['cpu_idle']:.1f}% of a core** (target: under 5%) |",
         f"| CPU per probe: one pooled `httpx.AsyncClient` | {httpx_us:,.0f} µs |",
-        f"| CPU per probe: the launcher's `HealthProber` (h11, kept-alive) | {prober_us:,.0f} µs "
+        "| CPU per probe: the launcher's `HealthProber` (kept-alive, minimal HTTP/1.1) | "
+        f"{prober_us:,.0f} µs "
         f"({httpx_us / max(prober_us, 1e-9):.1f}x less) |",
         f"| SIGKILL of an engine -> its `failed` event, p50 / p99 / max over {len(notice)} kills | "
         f"{ms(pct(notice, 50))} / **{ms(pct(notice, 99))}** / {ms(max(notice))} ms "
@@ -653,6 +686,7 @@ def _plumbing(fn: str) -> bool:
             "(asyncio/runners.py)",
             "(asyncio/events.py)",
             "(anyio/_core/_eventloop.py)",
+            "(anyio/_core/_tasks.py)",
             "(anyio/_backends/_asyncio.py)",
             "<module> (",
             "main (llmgw_launcher/__main__.py)",
@@ -687,7 +721,7 @@ def heartbeat_lines(recv: list[float], sent: list[float], when: str, seconds: fl
 
 
 def run(quick: bool = False) -> str:
-    n, idle_n, idle_s, kills = (20, 30, 3.0, 5) if quick else (50, 100, 10.0, 20)
+    n, idle_n, idle_s, kills = (16, 24, 2.0, 5) if quick else (50, 100, 10.0, 20)
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-launcher-") as d:
         root = Path(d)
         server = NatsServer(store_dir=root / "nats", sync_always=True)
@@ -701,7 +735,7 @@ def run(quick: bool = False) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.launcher")
-    parser.add_argument("--quick", action="store_true", help="20 deployments, 30 idle shards: under a minute")
+    parser.add_argument("--quick", action="store_true", help="16 deployments, 24 idle shards: under a minute")
     args = parser.parse_args()
     print(run(quick=args.quick))
     return 0
