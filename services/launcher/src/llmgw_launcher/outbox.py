@@ -12,6 +12,9 @@ no older state.
 
 A write that fails is logged and dropped: the bucket is level-triggered, the
 next status of that shard writes it again.
+
+Each status keeps the trace context it was queued in, so its event carries
+the shard's trace (`traceparent`) as if the runner had published it itself.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections import defaultdict
 
 import anyio
 import anyio.abc
+from opentelemetry import context as otel_context
 
 from llmgw_core.bus import Bus
 from llmgw_core.events import ShardStatus
@@ -36,7 +40,7 @@ class StatusOutbox:
     def __init__(self, bus: Bus, node: str) -> None:
         self.bus = bus
         self.node = node
-        self._pending: list[ShardStatus] = []
+        self._pending: list[tuple[ShardStatus, otel_context.Context]] = []
         self._wake = anyio.Event()
         self._lock = anyio.Lock()
         self.batches = 0
@@ -44,7 +48,7 @@ class StatusOutbox:
 
     def push(self, status: ShardStatus) -> None:
         """Queue a status; never blocks."""
-        self._pending.append(status)
+        self._pending.append((status, otel_context.get_current()))
         self._wake.set()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -77,13 +81,13 @@ class StatusOutbox:
                 self.batches += 1
                 self.sent += len(batch)
 
-    async def _send(self, batch: list[ShardStatus]) -> None:
-        by_shard: dict[str, list[ShardStatus]] = defaultdict(list)
-        for status in batch:
-            by_shard[status.shard].append(status)
+    async def _send(self, batch: list[tuple[ShardStatus, otel_context.Context]]) -> None:
+        by_shard: dict[str, list[tuple[ShardStatus, otel_context.Context]]] = defaultdict(list)
+        for status, ctx in batch:
+            by_shard[status.shard].append((status, ctx))
         async with anyio.create_task_group() as tg:
             for shard, statuses in by_shard.items():
-                tg.start_soon(self._write_bucket, shard, statuses[-1])
+                tg.start_soon(self._write_bucket, shard, statuses[-1][0])
         async with anyio.create_task_group() as tg:
             for shard, statuses in by_shard.items():
                 tg.start_soon(self._publish_events, shard, statuses)
@@ -99,10 +103,15 @@ class StatusOutbox:
         except Exception as exc:  # a bus fault costs this write, never the launcher
             log.warning("shard %s: could not write %s to the status bucket: %s", key, status.state, exc)
 
-    async def _publish_events(self, shard: str, statuses: list[ShardStatus]) -> None:
+    async def _publish_events(
+        self, shard: str, statuses: list[tuple[ShardStatus, otel_context.Context]]
+    ) -> None:
         subject = self.bus.names.shard_event(self.node, shard)
-        for status in statuses:
+        for status, ctx in statuses:
+            token = otel_context.attach(ctx)
             try:
                 await self.bus.publish(subject, status)
             except Exception as exc:  # a bus fault costs this event, never the launcher
                 log.warning("shard %s: could not publish %s: %s", subject, status.state, exc)
+            finally:
+                otel_context.detach(token)

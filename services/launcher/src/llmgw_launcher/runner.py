@@ -76,8 +76,12 @@ class Context:
     backoff_cap_s: float = 60.0
     health_interval_s: float = 1.0
     environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
-    # Points an adapter at the build the installer installed, if any (blocking: reads files).
-    refresh_engine: Callable[[str], None] = lambda _name: None
+    # Points an adapter at the build the installer installed, if any.
+    refresh_engine: Callable[[str], Awaitable[None]] = field(default=lambda _name: _nothing())
+
+
+async def _nothing() -> None:
+    return None
 
 
 @dataclass
@@ -233,7 +237,7 @@ class ShardRunner:
         return await self._supervise(engine)
 
     async def _engine(self) -> tuple[Engine | None, Failure | None]:
-        await anyio.to_thread.run_sync(self.ctx.refresh_engine, self.spec.profile.engine)
+        await self.ctx.refresh_engine(self.spec.profile.engine)
         try:
             return self.ctx.registry.get(self.spec.profile.engine), None
         except UnknownEngineError as exc:

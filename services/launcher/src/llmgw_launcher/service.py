@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ log = logging.getLogger("llmgw.launcher")
 
 # A health probe that gets no answer in this long counts as failed.
 PROBE_TIMEOUT_S = 2.0
+ENGINE_REFRESH_S = 5.0
 
 
 @dataclass
@@ -96,6 +98,7 @@ class Launcher:
         self._tg: anyio.abc.TaskGroup | None = None
         self.metrics_port = 0
         self._lock = anyio.Lock()
+        self._refreshed: dict[str, float] = {}
         self.ctx = Context(
             node=self.node,
             state_dir=state_dir,
@@ -115,11 +118,21 @@ class Launcher:
             refresh_engine=self._refresh_engine,
         )
 
-    def _refresh_engine(self, name: str) -> None:
-        """An engine the operator did not configure runs from the installer's build, once there is one."""
+    async def _refresh_engine(self, name: str) -> None:
+        """An engine the operator did not configure runs from the installer's build, once there is one.
+
+        The installer's markers are files, read in a worker thread, at most once
+        per ENGINE_REFRESH_S for each engine: fifty shards placed at once need
+        one look, not fifty, and a build installed a moment ago is picked up by
+        the next attempt at the latest.
+        """
         if name in self.config.engines:
             return
-        build = installed(self.config.state_dir).get(name)
+        now = time.monotonic()
+        if now - self._refreshed.get(name, -ENGINE_REFRESH_S) < ENGINE_REFRESH_S:
+            return
+        self._refreshed[name] = now
+        build = (await anyio.to_thread.run_sync(installed, self.config.state_dir)).get(name)
         if build is not None:
             self.ctx.registry.use_installed(name, build.bin_dir)
 
