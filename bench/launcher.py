@@ -448,7 +448,9 @@ async def probe_cost(urls: list[str], rounds: int) -> tuple[float, float]:
     return httpx_us, prober_us
 
 
-async def _run(url: str, root: Path, n: int, idle_n: int, idle_s: float, kills: int) -> dict[str, Any]:
+async def _run(
+    url: str, nats_pid: int, root: Path, n: int, idle_n: int, idle_s: float, kills: int
+) -> dict[str, Any]:
     f: dict[str, Any] = {"load": [load()]}
     bystander_out = root / "bystander.txt"
     bystander = start_bystander(bystander_out)
@@ -479,7 +481,10 @@ async def _run(url: str, root: Path, n: int, idle_n: int, idle_s: float, kills: 
         await anyio.sleep(1.0 if spy else 0)  # py-spy attaches
         names = [f"d{i:03d}" for i in range(n)]
         put_at: dict[str, float] = {}
+        others = {"placement": cluster.procs["placement"].pid, "installer": cluster.procs["installer"].pid}
+        others["nats-server"] = nats_pid
         cpu0 = cpu_seconds(launcher_pid)
+        others0 = {k: cpu_seconds(pid) for k, pid in others.items()}
         t0 = time.perf_counter()
 
         async def deploy(name: str) -> None:
@@ -496,6 +501,7 @@ async def _run(url: str, root: Path, n: int, idle_n: int, idle_s: float, kills: 
             lambda: all("ready" in watch.shard[watch.shard_of.get(d, "")] for d in names), 30, "ready events"
         )
         f["cpu_burst"] = cpu_seconds(launcher_pid) - cpu0
+        f["cpu_others"] = {k: cpu_seconds(pid) - others0[k] for k, pid in others.items()}
         stop_profile(spy)
         f["load"].append(load())
         f["deploy_ready"] = [watch.replica_ready[d] - put_at[d] for d in names]
@@ -617,7 +623,9 @@ def render(f: dict[str, Any], n: int, idle_n: int, quick: bool) -> str:
     ]
     lines += [
         f"The launcher used {f['cpu_burst']:.2f} s of CPU over the {f['burst_s']:.1f} s burst "
-        f"({1000 * f['cpu_burst'] / n:.0f} ms per shard).",
+        f"({1000 * f['cpu_burst'] / n:.0f} ms per shard); the other processes of the control plane used "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in f["cpu_others"].items())
+        + "; the engines had the rest of the machine.",
         "",
     ]
     lines += [
@@ -727,7 +735,8 @@ def run(quick: bool = False) -> str:
         server = NatsServer(store_dir=root / "nats", sync_always=True)
         server.start()
         try:
-            figures = anyio.run(_run, server.url, root, n, idle_n, idle_s, kills)
+            assert server.proc is not None
+            figures = anyio.run(_run, server.url, server.proc.pid, root, n, idle_n, idle_s, kills)
         finally:
             server.stop()
     return render(figures, n, idle_n, quick)
