@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import auth, durability, fleet, placement
+from bench import auth, bus, durability, fleet, heartbeats, launcher, placement, scale
 
 ROOT = Path(__file__).parent.parent
 
@@ -41,8 +41,12 @@ def main() -> int:
     sections = [
         durability.run(quick=args.quick),
         auth.run(quick=args.quick),
+        bus.run(quick=args.quick),
         placement.run(quick=args.quick),
         fleet.run(quick=args.quick),
+        heartbeats.run(quick=args.quick),
+        scale.run(quick=args.quick),
+        launcher.run(quick=args.quick),
     ]
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT

@@ -143,14 +143,21 @@ def pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
-def processes_with(marker: str) -> list[int]:
-    """Pids of live processes whose command line contains `marker`."""
+def processes_with(marker: str, under: Path | None = None) -> list[int]:
+    """Pids of live processes whose command line contains `marker`.
+
+    With `under`, only processes whose working directory is inside it: the
+    engines of this test (a launcher runs each in `<state_dir>/run/<shard>`),
+    not those of a test running beside it on a shared machine.
+    """
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if under is not None and not (entry / "cwd").resolve().is_relative_to(under.resolve()):
+                continue
         except OSError:
             continue
         if marker in cmdline and pid_alive(int(entry.name)):

@@ -14,15 +14,16 @@ import anyio
 
 from llmgw_core import telemetry
 from llmgw_core.access import prepare_node
-from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig, load
 from llmgw_core.errors import LlmgwError
+from llmgw_core.lifecycle import connect_service
 
 from .service import Launcher
 
 
 async def _main(config: AgentConfig, stop_engines: bool) -> None:
-    bus = await Bus.connect(config.nats, service=f"launcher-{config.node}")
+    # A launcher may start before NATS (a rebooted node): it waits, saying so once.
+    bus = await connect_service(config.nats, f"launcher-{config.node}", ensure=False)
     async with bus:
         await prepare_node(bus)
         launcher = Launcher(config, bus)

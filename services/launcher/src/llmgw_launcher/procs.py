@@ -3,6 +3,11 @@
 Output goes to a file rather than a pipe so the engine outlives the launcher:
 a pipe's reader dying would kill the engine with SIGPIPE on its next log line,
 and a restarted launcher could not read it anyway.
+
+Everything here is blocking (fork and exec, /proc reads, log files): the
+launcher calls it from a worker thread, never on its event loop. Exits are
+noticed through a pidfd (Linux 5.3+), which the event loop waits on like a
+socket: no polling, and nothing to do while the engine runs.
 """
 
 from __future__ import annotations
@@ -35,6 +40,39 @@ def start(cmd: Command, log_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
         )
 
 
+def spawn(cmd: Command, log_path: Path, cwd: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """`start` and the new process's start time (0 if it is already gone)."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    popen = start(cmd, log_path, cwd)
+    return popen, start_time(popen.pid) or 0
+
+
+class NoPidfd(Exception):
+    """This kernel (or platform) has no pidfd_open: exits must be polled for."""
+
+
+def pidfd(pid: int, started: int) -> int | None:
+    """A pidfd of the process `pid` started at `started`, None if that process is gone.
+
+    The start time (0: do not check) is checked after the pidfd is open, so
+    the fd cannot name a stranger that got a recycled pid. A child of this
+    process needs no check: its pid is not reused before it is reaped.
+    """
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        raise NoPidfd("os.pidfd_open is missing")
+    try:
+        fd = int(opener(pid))
+    except ProcessLookupError:
+        return None
+    except OSError as exc:
+        raise NoPidfd(str(exc)) from exc
+    if started and start_time(pid) != started:
+        os.close(fd)
+        return None
+    return fd
+
+
 def start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot, None if it is gone or a zombie.
 
@@ -62,7 +100,19 @@ def signal_group(pid: int, sig: signal.Signals) -> bool:
     return True
 
 
-def group_alive(pgid: int) -> bool:
+def group_alive(pgid: int, leader_started: int = 0) -> bool:
+    """Whether the process group led by `pgid` still has a live member that is ours.
+
+    Once the leader is gone its pid can be reused, and a new session leader
+    that got it leads a group of the same id: a stranger's (another shard's
+    engine, say). With `leader_started`, a group whose leader is alive but
+    started at another time is that stranger's, and counts as gone, so that
+    stopping a shard never signals someone else's processes.
+    """
+    if leader_started:
+        leader = start_time(pgid)
+        if leader is not None and leader != leader_started:
+            return False
     try:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):

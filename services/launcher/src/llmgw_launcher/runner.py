@@ -1,8 +1,14 @@
 """One shard's life: validate, start its commands, health-check, restart with backoff, stop.
 
-The runner publishes every state change through `Context.publish`. Cancelling
-`run()` leaves the processes alone (the agent is stopping, the engine is not);
-`terminate()` is what stops the engine.
+The runner hands every state change to `Context.publish` (it queues, never
+waits on the bus). Cancelling `run()` leaves the processes alone (the agent
+is stopping, the engine is not); `terminate()` is what stops the engine.
+
+All the shards of a node share one event loop, so nothing here blocks it:
+processes are spawned, /proc is scanned and logs are read in worker threads,
+records are written by the node's `RecordWriter`, a process's exit is a
+pidfd becoming readable, and health probes go through the node's one
+`HealthProber`.
 """
 
 from __future__ import annotations
@@ -16,9 +22,9 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
-import httpx
 import msgspec
 from opentelemetry import trace
 
@@ -36,7 +42,8 @@ from llmgw_core.redact import scrub, secret_values
 from llmgw_core.telemetry import context_from
 
 from . import procs
-from .records import ProcRecord, Records, ShardRecord
+from .health import HealthProber
+from .records import ProcRecord, RecordError, RecordWriter, ShardRecord
 
 log = logging.getLogger("llmgw.launcher")
 tracer = trace.get_tracer("llmgw.launcher")
@@ -44,6 +51,10 @@ tracer = trace.get_tracer("llmgw.launcher")
 # Consecutive failed health checks, after a shard was ready, that fail it.
 HEALTH_FAILURES_TO_FAIL = 3
 LOG_LINES_IN_REASON = 10
+# While an engine loads, its health is probed this often: the delay it adds to "ready".
+LOADING_PROBE_S = 0.1
+# Where pidfds are missing, process exits are polled this often.
+EXIT_POLL_S = 0.5
 
 
 @dataclass
@@ -54,8 +65,9 @@ class Context:
     state_dir: Path
     registry: Registry
     gpus: list[GPUInfo]
-    records: Records
-    publish: Callable[[ShardStatus], Awaitable[None]]
+    records: RecordWriter
+    publish: Callable[[ShardStatus], None]
+    prober: HealthProber
     allocate_port: Callable[[], int]
     release_port: Callable[[int], None]
     mgmt_addr: str = "127.0.0.1"
@@ -66,7 +78,11 @@ class Context:
     health_interval_s: float = 1.0
     environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     # Points an adapter at the build the installer installed, if any.
-    refresh_engine: Callable[[str], None] = lambda _name: None
+    refresh_engine: Callable[[str], Awaitable[None]] = field(default=lambda _name: _nothing())
+
+
+async def _nothing() -> None:
+    return None
 
 
 @dataclass
@@ -122,7 +138,7 @@ class ShardRunner:
 
     # --- publishing ----------------------------------------------------------
 
-    async def _set(self, state: ShardState, reason: str = "", retryable: bool = True) -> None:
+    def _set(self, state: ShardState, reason: str = "", retryable: bool = True) -> None:
         self.state = state
         # A reason may quote the engine's log, and an engine may print its environment.
         reason = scrub(reason, secret_values(self.spec.profile.env, self.ctx.environ))
@@ -145,69 +161,86 @@ class ShardRunner:
             at=now(),
         )
         log.info("shard %s: %s%s", self.key, state, f" ({reason})" if reason else "")
-        await self.ctx.publish(status)
+        self.ctx.publish(status)
 
-    def _save(self, ready: bool = False) -> None:
-        self.ctx.records.save(
-            ShardRecord(
-                key=self.key,
-                spec=self.spec,
-                port=self.port,
-                procs=tuple(p.record() for p in self.procs),
-                restarts=self.restarts,
-                ready=ready,
-            )
+    async def _save(self, ready: bool = False) -> Failure | None:
+        """Write the shard's record; a failed write fails the attempt (a successor could not adopt it)."""
+        record = ShardRecord(
+            key=self.key,
+            spec=self.spec,
+            port=self.port,
+            procs=tuple(p.record() for p in self.procs),
+            restarts=self.restarts,
+            ready=ready,
         )
+        try:
+            await self.ctx.records.save(record)
+        except RecordError as exc:
+            return Failure(f"{exc}; a restarted launcher could not adopt this shard, so it is stopped")
+        return None
 
     # --- the life ---------------------------------------------------------------
 
     async def run(self) -> None:
         """Keep the shard running until cancelled; cancellation leaves processes running."""
-        failure: Failure | None
         if self.adopt is not None:
-            failure = await self._adopt(self.adopt)
+            failure = await self._guarded(self._adopt, self.adopt)
             self.adopt = None
         else:
-            failure = await self._attempt()
+            failure = await self._guarded(self._attempt)
         while True:
-            assert failure is not None
             await self._kill_all()
-            await self._set("failed", failure.reason, failure.retryable)
+            self._set("failed", failure.reason, failure.retryable)
             if not failure.retryable:
                 # Not worth retrying until the spec changes; a changed spec
                 # replaces this runner.
                 await anyio.sleep_forever()
             if self._owns_port:
                 # The port may be why it failed (another process took it): pick again.
-                self.ctx.release_port(self.port)
-                self.port = 0
-                self._owns_port = False
+                self._release_port()
             delay = min(self.ctx.backoff_cap_s, self.ctx.backoff_s * 2 ** min(self.restarts, 16))
             await anyio.sleep(delay)
             self.restarts += 1
-            failure = await self._attempt()
+            failure = await self._guarded(self._attempt)
+
+    async def _guarded(self, step: Callable[..., Awaitable[Failure]], *args: object) -> Failure:
+        """An attempt whose unexpected error is that attempt's failure, never the launcher's."""
+        try:
+            return await step(*args)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            log.exception("shard %s: the attempt failed unexpectedly", self.key)
+            return Failure(f"launcher error while running the shard: {type(exc).__name__}: {exc}")
+
+    def _release_port(self) -> None:
+        self.ctx.release_port(self.port)
+        self.port = 0
+        self._owns_port = False
 
     async def _adopt(self, record: ShardRecord) -> Failure:
         self.port = record.port
-        engine, failure = self._engine()
+        engine, failure = await self._engine()
         if failure is not None or engine is None:
             return failure or Failure("no engine")
         self._leader_url = self._url() if engine.serves_http(self.spec) else ""
         dead = [r for p in self.procs if (r := p.exit_reason())]
         if dead or not self.procs:
-            return self._exit_failure(dead[0] if dead else "no processes were recorded")
+            return await self._exit_failure(dead[0] if dead else "no processes were recorded")
         log.info("shard %s: adopted pids %s", self.key, [p.pid for p in self.procs])
         if engine.serves_http(self._spec_with_port()):
             # Recorded as ready is not ready: it must answer again before we say so.
             failure = await self._await_health(engine)
             if failure is not None:
                 return failure
-        await self._set("ready")
-        self._save(ready=True)
+        self._set("ready")
+        failure = await self._save(ready=True)
+        if failure is not None:
+            return failure
         return await self._supervise(engine)
 
-    def _engine(self) -> tuple[Engine | None, Failure | None]:
-        self.ctx.refresh_engine(self.spec.profile.engine)
+    async def _engine(self) -> tuple[Engine | None, Failure | None]:
+        await self.ctx.refresh_engine(self.spec.profile.engine)
         try:
             return self.ctx.registry.get(self.spec.profile.engine), None
         except UnknownEngineError as exc:
@@ -237,8 +270,8 @@ class ShardRunner:
     async def _start_all(self) -> Failure | Engine:
         """pending -> starting -> (waiting) -> (loading) -> ready; the engine, or why not."""
         self.procs = []
-        await self._set("pending")
-        engine, failure = self._engine()
+        self._set("pending")
+        engine, failure = await self._engine()
         if failure is not None or engine is None:
             return failure or Failure("no engine")
         problems = engine.validate(self.spec.profile, self.ctx.gpus, self.spec)
@@ -251,40 +284,47 @@ class ShardRunner:
         spec = self._spec_with_port()
         self._leader_url = self._url() if serves else ""
         commands = engine.commands(spec, self.ctx.environ)
-        await self._set("starting")
-        for cmd in commands:
+        self._set("starting")
+        for i, cmd in enumerate(commands):
             if cmd.wait_for:
-                await self._set("waiting", f"waiting for {', '.join(map(str, cmd.wait_for))}")
-                failure = await self._wait_for(cmd)
+                self._set("waiting", f"waiting for {', '.join(map(str, cmd.wait_for))}")
+                failure = await self._until_exit(self._wait_for, cmd)
                 if failure is not None:
                     return failure
-            failure = self._start(cmd)
+            failure = await self._start(cmd)
+            if failure is None and i < len(commands) - 1:
+                # A sidecar runs while the next command may wait: on disk first, so
+                # that a launcher that dies meanwhile leaves it adoptable.
+                failure = await self._save()
             if failure is not None:
                 return failure
         if serves:
-            await self._set("loading")
-            failure = await self._await_health(engine)
+            self._set("loading")
+            url = self._leader_url + engine.health_path
+            failure = await self._until_exit(self._recorded_and_healthy, url)
             if failure is not None:
                 return failure
         else:
+            failure = await self._save()
+            if failure is not None:
+                return failure
             dead = self._first_exit()
             if dead:
-                return self._exit_failure(dead)
-        await self._set("ready")
-        self._save(ready=True)
+                return await self._exit_failure(dead)
+        self._set("ready")
+        failure = await self._save(ready=True)
+        if failure is not None:
+            return failure
         return engine
 
-    def _start(self, cmd: Command) -> Failure | None:
+    async def _start(self, cmd: Command) -> Failure | None:
         log_path = self.ctx.state_dir / "logs" / self.key / f"{len(self.procs)}-{cmd.name}.log"
         workdir = self.ctx.state_dir / "run" / self.key
-        workdir.mkdir(parents=True, exist_ok=True)
         try:
-            popen = procs.start(cmd, log_path, workdir)
+            popen, started = await anyio.to_thread.run_sync(procs.spawn, cmd, log_path, workdir)
         except OSError as exc:
             return Failure(f"cannot start {cmd.name} ({cmd.path}): {exc.strerror or exc}")
-        started = procs.start_time(popen.pid) or 0
         self.procs.append(Proc(cmd.name, popen.pid, started, log_path, popen))
-        self._save()
         return None
 
     def _first_exit(self) -> str | None:
@@ -294,21 +334,53 @@ class ShardRunner:
                 return reason
         return None
 
-    def _exit_failure(self, reason: str) -> Failure:
+    async def _exit_failure(self, reason: str) -> Failure:
         for p in self.procs:
             if p.exit_reason() == reason:
-                lines = procs.tail(p.log, LOG_LINES_IN_REASON)
+                lines = await anyio.to_thread.run_sync(procs.tail, p.log, LOG_LINES_IN_REASON)
                 if lines:
                     return Failure(f"{reason}; last log lines:\n" + "\n".join(lines))
         return Failure(reason)
+
+    # --- waiting on processes ---------------------------------------------------
+
+    async def _until_exit(self, work: Callable[[Any], Awaitable[Failure | None]], arg: Any) -> Failure | None:
+        """`work(arg)`'s outcome, unless one of the shard's processes exits first: then that exit's."""
+        outcome: list[Failure | None] = []
+        async with anyio.create_task_group() as tg:
+
+            async def run_work() -> None:
+                outcome.append(await work(arg))
+                tg.cancel_scope.cancel()
+
+            async def watch_exits() -> None:
+                reason = await self._any_exit()
+                outcome.append(await self._exit_failure(reason))
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch_exits)
+            tg.start_soon(run_work)
+        return outcome[0]
+
+    async def _any_exit(self) -> str:
+        """Wait until one of the shard's processes has exited; how it ended."""
+        reasons: list[str] = []
+        async with anyio.create_task_group() as tg:
+            for p in self.procs:
+
+                async def wait_one(p: Proc = p) -> None:
+                    reasons.append(await _wait_exit(p))
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(wait_one)
+        if not reasons:  # no processes: nothing can exit
+            await anyio.sleep_forever()
+        return reasons[0]
 
     async def _wait_for(self, cmd: Command) -> Failure | None:
         deadline = time.monotonic() + self.ctx.wait_timeout_s
         pending = list(cmd.wait_for)
         while pending:
-            dead = self._first_exit()
-            if dead:
-                return self._exit_failure(dead)
             pending = [a for a in pending if not await _accepts(a)]
             if not pending:
                 return None
@@ -321,80 +393,149 @@ class ShardRunner:
         return None
 
     async def _await_health(self, engine: Engine) -> Failure | None:
+        return await self._until_exit(self._poll_until_healthy, self._leader_url + engine.health_path)
+
+    async def _recorded_and_healthy(self, url: str) -> Failure | None:
+        """The record written while the engine loads, side by side: an fsync is no reason to wait
+        before the first probe, but a shard is not ready before it is on disk."""
+        failures: list[Failure | None] = []
+        async with anyio.create_task_group() as tg:
+
+            async def record() -> None:
+                failure = await self._save()
+                if failure is not None:
+                    failures.append(failure)
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(record)
+            failures.append(await self._poll_until_healthy(url))
+        return next((f for f in failures if f is not None), None)
+
+    async def _poll_until_healthy(self, url: str) -> Failure | None:
         timeout = self.spec.profile.health_timeout_s
         deadline = time.monotonic() + timeout
-        url = self._leader_url + engine.health_path
-        async with httpx.AsyncClient(timeout=httpx.Timeout(2.0)) as client:
-            while True:
-                dead = self._first_exit()
-                if dead:
-                    return self._exit_failure(dead)
-                if await _healthy(client, url):
-                    return None
-                if time.monotonic() > deadline:
-                    return Failure(f"{url} did not answer 200 within the {timeout:g}s health timeout")
-                await anyio.sleep(0.1)
+        while True:
+            problem = await self.ctx.prober.check(url)
+            if problem is None:
+                return None
+            if time.monotonic() > deadline:
+                return Failure(
+                    f"{url} did not answer 200 within the {timeout:g}s health timeout (last: {problem})"
+                )
+            await anyio.sleep(LOADING_PROBE_S)
 
     async def _supervise(self, engine: Engine) -> Failure:
-        serves = engine.serves_http(self._spec_with_port())
-        url = self._leader_url + engine.health_path
+        url = self._leader_url + engine.health_path if engine.serves_http(self._spec_with_port()) else ""
+        failure = await self._until_exit(self._check_health, url)
+        assert failure is not None
+        return failure
+
+    async def _check_health(self, url: str) -> Failure:
+        """Every health interval: keep the logs bounded and (with a URL) probe; fails on repeated failures."""
         failures = 0
-        next_check = time.monotonic() + self.ctx.health_interval_s
-        async with httpx.AsyncClient(timeout=httpx.Timeout(2.0)) as client:
-            while True:
-                dead = self._first_exit()
-                if dead:
-                    return self._exit_failure(dead)
-                for p in self.procs:
-                    procs.rotate_if_large(p.log)
-                if serves and time.monotonic() >= next_check:
-                    next_check = time.monotonic() + self.ctx.health_interval_s
-                    if await _healthy(client, url):
-                        failures = 0
-                    else:
-                        failures += 1
-                        if failures >= HEALTH_FAILURES_TO_FAIL:
-                            return Failure(f"{url} failed {failures} health checks in a row")
-                await anyio.sleep(0.1)
+        interval = self.ctx.health_interval_s
+        next_check = time.monotonic() + interval
+        while True:
+            await anyio.sleep(max(0.0, next_check - time.monotonic()))
+            next_check = max(next_check + interval, time.monotonic())
+            await self._rotate_logs()
+            if not url:
+                continue
+            problem = await self.ctx.prober.check(url)
+            if problem is None:
+                failures = 0
+                continue
+            failures += 1
+            if failures >= HEALTH_FAILURES_TO_FAIL:
+                return Failure(f"{url} failed {failures} health checks in a row (last: {problem})")
+
+    async def _rotate_logs(self) -> None:
+        for p in self.procs:
+            try:
+                size = p.log.stat().st_size  # a stat, not a read: cheap enough for the loop
+            except OSError:
+                continue
+            if size > procs.LOG_LIMIT:
+                await anyio.to_thread.run_sync(procs.rotate_if_large, p.log)
+
+    # --- stopping ------------------------------------------------------------------
 
     async def _kill_all(self) -> None:
         """SIGTERM every process group, SIGKILL what is left after the grace period, reap."""
         with anyio.CancelScope(shield=True):
-            live = [p for p in self.procs if p.exit_reason() is None or procs.group_alive(p.pid)]
+            live = await anyio.to_thread.run_sync(_live, self.procs)
             for p in live:
                 procs.signal_group(p.pid, signal.SIGTERM)
             deadline = time.monotonic() + self.ctx.stop_grace_s
-            while time.monotonic() < deadline and any(_lingers(p) for p in live):
+            while time.monotonic() < deadline and await anyio.to_thread.run_sync(_any_lingers, live):
                 await anyio.sleep(0.05)
-            for p in live:
-                if _lingers(p):
-                    log.warning(
-                        "shard %s: %s ignored SIGTERM for %gs; SIGKILL",
-                        self.key,
-                        p.name,
-                        self.ctx.stop_grace_s,
-                    )
-                    procs.signal_group(p.pid, signal.SIGKILL)
-            while any(_lingers(p) for p in live):
+            for p in await anyio.to_thread.run_sync(_lingering, live):
+                log.warning(
+                    "shard %s: %s ignored SIGTERM for %gs; SIGKILL",
+                    self.key,
+                    p.name,
+                    self.ctx.stop_grace_s,
+                )
+                procs.signal_group(p.pid, signal.SIGKILL)
+            while await anyio.to_thread.run_sync(_any_lingers, live):
                 await anyio.sleep(0.05)
+            if self._leader_url:
+                await self.ctx.prober.forget(self._leader_url)
 
     async def terminate(self, publish: bool = True) -> None:
         """Stop the engine for good (the shard is no longer desired here)."""
         with anyio.CancelScope(shield=True):
             if publish:
-                await self._set("stopping")
+                self._set("stopping")
             await self._kill_all()
-            self.ctx.records.remove(self.key)
+            try:
+                await self.ctx.records.remove(self.key)
+            except RecordError as exc:
+                # The engine is stopped; a stale record only makes a successor
+                # find a dead process and drop it.
+                log.warning("shard %s: %s", self.key, exc)
             if self._owns_port:
                 self.ctx.release_port(self.port)
             if publish:
-                await self._set("stopped")
+                self._set("stopped")
+
+
+async def _wait_exit(p: Proc) -> str:
+    """Wait for `p` to end (a pidfd turning readable, or polling where there is none); how it ended."""
+    try:
+        fd = procs.pidfd(p.pid, 0 if p.popen is not None else p.start_time)
+    except procs.NoPidfd:
+        while (reason := p.exit_reason()) is None:
+            await anyio.sleep(EXIT_POLL_S)
+        return reason
+    if fd is not None:
+        try:
+            await anyio.wait_readable(fd)
+        finally:
+            os.close(fd)
+    # It has exited; a child is reaped here. The loop only guards against a
+    # kernel that signals the pidfd a moment before waitpid can see the exit.
+    while (reason := p.exit_reason()) is None:
+        await anyio.sleep(0.01)
+    return reason
+
+
+def _live(ps: list[Proc]) -> list[Proc]:
+    return [p for p in ps if p.exit_reason() is None or procs.group_alive(p.pid, p.start_time)]
+
+
+def _lingering(ps: list[Proc]) -> list[Proc]:
+    return [p for p in ps if _lingers(p)]
+
+
+def _any_lingers(ps: list[Proc]) -> bool:
+    return any(_lingers(p) for p in ps)
 
 
 def _lingers(p: Proc) -> bool:
     if p.popen is not None:
         p.popen.poll()  # reap, so the group's leader is not a zombie forever
-    return procs.group_alive(p.pid)
+    return procs.group_alive(p.pid, p.start_time)
 
 
 async def _accepts(addr: Address) -> bool:
@@ -405,16 +546,6 @@ async def _accepts(addr: Address) -> bool:
         return False
     await stream.aclose()
     return True
-
-
-async def _healthy(client: httpx.AsyncClient, url: str) -> bool:
-    # vLLM binds its port before the model is loaded: a connection that
-    # gets no answer is still loading, not ready.
-    try:
-        response = await client.get(url)
-    except httpx.HTTPError:
-        return False
-    return response.status_code == 200
 
 
 def free_port(host: str = "127.0.0.1") -> int:

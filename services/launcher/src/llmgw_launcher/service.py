@@ -1,10 +1,18 @@
-"""The launcher service: watch this node's shards in the bucket and keep them running."""
+"""The launcher service: watch this node's shards in the bucket and keep them running.
+
+One event loop serves every shard of the node, its heartbeat and its status
+writes, so the node shares three things instead of each shard building its
+own: one `HealthProber` (kept-alive connections), one `RecordWriter` (record
+files written off the loop, coalesced) and one `StatusOutbox` (each shard's
+statuses pipelined to the bus, coalesced in the bucket).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,17 +24,21 @@ from llmgw_core.access import permission_refusals
 from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig
 from llmgw_core.engines import GPUInfo, Registry, ShardSpec, default_registry
-from llmgw_core.errors import BusError
-from llmgw_core.events import ShardStatus
 from llmgw_core.installed import installed
 from llmgw_core.metrics import Sample, serve_metrics
 from llmgw_core.probe import Probe
 
+from .health import HealthProber
+from .outbox import StatusOutbox
 from .reconcile import diff
-from .records import Records
+from .records import Records, RecordWriter
 from .runner import Context, ShardRunner
 
 log = logging.getLogger("llmgw.launcher")
+
+# A health probe that gets no answer in this long counts as failed.
+PROBE_TIMEOUT_S = 2.0
+ENGINE_REFRESH_S = 5.0
 
 
 @dataclass
@@ -78,19 +90,24 @@ class Launcher:
         state_dir = Path(config.state_dir).resolve()
         state_dir.mkdir(parents=True, exist_ok=True)
         self.records = Records(state_dir)
+        self.writer = RecordWriter(self.records)
+        self.outbox = StatusOutbox(bus, self.node)
+        self.prober = HealthProber(timeout_s=PROBE_TIMEOUT_S)
         self.handles: dict[str, Handle] = {}
         self.desired: dict[str, ShardSpec] = {}
         self._ports_in_use: set[int] = set()
         self._tg: anyio.abc.TaskGroup | None = None
         self.metrics_port = 0
         self._lock = anyio.Lock()
+        self._refreshed: dict[str, float] = {}
         self.ctx = Context(
             node=self.node,
             state_dir=state_dir,
             registry=registry or registry_for(config),
             gpus=gpus if gpus is not None else node_gpus(config),
-            records=self.records,
-            publish=self._publish,
+            records=self.writer,
+            publish=self.outbox.push,
+            prober=self.prober,
             allocate_port=self._allocate_port,
             release_port=self._ports_in_use.discard,
             mgmt_addr=config.mgmt_addr,
@@ -102,28 +119,25 @@ class Launcher:
             refresh_engine=self._refresh_engine,
         )
 
-    def _refresh_engine(self, name: str) -> None:
-        """An engine the operator did not configure runs from the installer's build, once there is one."""
+    async def _refresh_engine(self, name: str) -> None:
+        """An engine the operator did not configure runs from the installer's build, once there is one.
+
+        The installer's markers are files, read in a worker thread, at most once
+        per ENGINE_REFRESH_S for each engine: fifty shards placed at once need
+        one look, not fifty, and a build installed a moment ago is picked up by
+        the next attempt at the latest.
+        """
         if name in self.config.engines:
             return
-        build = installed(self.config.state_dir).get(name)
+        now = time.monotonic()
+        if now - self._refreshed.get(name, -ENGINE_REFRESH_S) < ENGINE_REFRESH_S:
+            return
+        self._refreshed[name] = now
+        build = (await anyio.to_thread.run_sync(installed, self.config.state_dir)).get(name)
         if build is not None:
             self.ctx.registry.use_installed(name, build.bin_dir)
 
-    # --- bus ---------------------------------------------------------------------
-
-    async def _publish(self, status: ShardStatus) -> None:
-        names = self.bus.names
-        key = names.shard_key(self.node, status.shard)
-        try:
-            if status.state == "stopped":
-                await self.bus.delete(names.shard_status_bucket, key)
-            else:
-                await self.bus.put(names.shard_status_bucket, key, status)
-            await self.bus.publish(names.shard_event(self.node, status.shard), status)
-        except BusError as exc:
-            # The bucket is level-triggered: the next state change rewrites it.
-            log.warning("shard %s: could not publish %s: %s", key, status.state, exc)
+    # --- ports ---------------------------------------------------------------------
 
     def _allocate_port(self) -> int:
         low, high = self.config.port_range
@@ -142,7 +156,14 @@ class Launcher:
     # --- reconcile ------------------------------------------------------------
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        records, problems = self.records.load_all()
+        try:
+            await self._run(task_status)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.prober.aclose()
+
+    async def _run(self, task_status: anyio.abc.TaskStatus[None]) -> None:
+        records, problems = await anyio.to_thread.run_sync(self.records.load_all)
         for problem in problems:
             log.warning("%s", problem)
         for key, record in records.items():
@@ -153,6 +174,7 @@ class Launcher:
         self.desired = {k: c.value for k, c in snapshot.items() if c.value is not None}
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            await tg.start(self.outbox.run)
             await self.reconcile()
             tg.start_soon(self.bus.heartbeat, self.config.node, "launcher", self.config.heartbeat_interval_s)
             if self.config.launcher_metrics_port:
@@ -204,6 +226,10 @@ class Launcher:
             try:
                 with handle.scope:
                     await handle.runner.run()
+            except Exception:
+                # The runner contains its own faults; this is a last line, so
+                # that one shard's bug can never take the node's others with it.
+                log.exception("shard %s: its runner stopped with an error", handle.key)
             finally:
                 handle.done.set()
 
@@ -218,9 +244,10 @@ class Launcher:
 
     async def stop_all(self) -> None:
         """Stop every engine on this node (not what stopping the agent does)."""
-        async with self._lock:
+        async with self._lock, anyio.create_task_group() as tg:
             for key in sorted(self.handles):
-                await self._stop(key)
+                tg.start_soon(self._stop, key)
+        await self.outbox.flush()
 
     def metrics(self) -> list[Sample]:
         states: Counter[str] = Counter(h.runner.state for h in self.handles.values())
@@ -236,6 +263,44 @@ class Launcher:
                 sum(h.runner.restarts for h in self.handles.values()),
             )
         )
+        samples += [
+            Sample(
+                "llmgw_launcher_health_probes_total",
+                "counter",
+                "Health probes sent to engines.",
+                self.prober.probes,
+            ),
+            Sample(
+                "llmgw_launcher_health_probe_failures_total",
+                "counter",
+                "Health probes that got no 200 in time.",
+                self.prober.failures,
+            ),
+            Sample(
+                "llmgw_launcher_health_connections_opened_total",
+                "counter",
+                "Connections the health prober opened (kept alive between probes).",
+                self.prober.connections_opened,
+            ),
+            Sample(
+                "llmgw_launcher_record_writes_total",
+                "counter",
+                "Shard record writes that reached the disk (after coalescing).",
+                self.writer.writes,
+            ),
+            Sample(
+                "llmgw_launcher_status_batches_total",
+                "counter",
+                "Batches of shard statuses sent to the bus.",
+                self.outbox.batches,
+            ),
+            Sample(
+                "llmgw_launcher_statuses_total",
+                "counter",
+                "Shard statuses sent to the bus.",
+                self.outbox.sent,
+            ),
+        ]
         samples.append(
             Sample(
                 "llmgw_bus_decode_errors_total",

@@ -1,0 +1,291 @@
+"""The launcher with many shards: one prober, records written off the loop, statuses in batches."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import httpx
+import msgspec
+import pytest
+from nats.aio.msg import Msg
+
+from llmgw_core.bus import Bus
+from llmgw_core.events import ShardStatus, decoder
+from llmgw_launcher.health import HealthProber, parse_head
+from llmgw_launcher.records import Records, RecordWriter, ShardRecord
+from tests.launcher_support import (
+    agent_config,
+    pid_alive,
+    running_launcher,
+    shard,
+    shard_events,
+    sim_profile,
+)
+from tests.test_sim_engine import free_port
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+ORDER = ["pending", "starting", "waiting", "loading", "ready", "failed", "stopping", "stopped"]
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics:\n{text}")
+
+
+# --- the prober on its own, against real servers on loopback ----------------------------
+
+
+def test_a_health_answer_is_read_by_its_length_and_kept_only_when_it_can_be() -> None:
+    assert parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: 16\r\nConnection: keep-alive") == (200, 16, True)
+    assert parse_head(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 2") == (503, 2, True)
+    # No length to read by: the status counts, the connection is not reused.
+    assert parse_head(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked") == (200, None, False)
+    assert parse_head(b"HTTP/1.1 200 OK") == (200, None, True)
+    assert parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close") == (200, 2, False)
+    assert parse_head(b"HTTP/1.0 200 OK\r\nContent-Length: 2") == (200, 2, False)
+    assert parse_head(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\nConnection: Keep-Alive") == (200, 2, True)
+    assert parse_head(b"SSH-2.0-OpenSSH_9.6") == (None, None, False)
+    assert parse_head(b"HTTP/1.1 OK") == (None, None, False)
+
+
+@pytest.fixture
+def sim_engine() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmgw_core.sim", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    yield proc, port
+    proc.kill()
+    proc.wait()
+
+
+async def test_the_prober_keeps_one_connection_for_many_probes(
+    sim_engine: tuple[subprocess.Popen[bytes], int],
+) -> None:
+    _, port = sim_engine
+    prober = HealthProber(timeout_s=2.0)
+    url = f"http://127.0.0.1:{port}/health"
+    try:
+        await eventually(lambda: prober.healthy(url), timeout=20)
+        opened = prober.connections_opened
+        for _ in range(20):
+            assert await prober.healthy(url)
+        assert prober.connections_opened == opened, "every probe reused the kept connection"
+        # A 404 is an answer, and not healthy; the connection is still kept.
+        assert not await prober.healthy(f"http://127.0.0.1:{port}/nowhere")
+        assert prober.connections_opened == opened
+    finally:
+        await prober.aclose()
+
+
+async def test_a_restarted_engine_on_the_same_port_is_probed_afresh_not_failed(tmp_path: Path) -> None:
+    port = free_port()
+    argv = [sys.executable, "-m", "llmgw_core.sim", "--port", str(port)]
+    prober = HealthProber(timeout_s=2.0)
+    url = f"http://127.0.0.1:{port}/health"
+    first = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        await eventually(lambda: prober.healthy(url), timeout=20)
+        first.kill()
+        first.wait()
+        # The kept connection now leads nowhere.
+        assert not await prober.healthy(url)
+        second = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        await eventually(lambda: prober.healthy(url), timeout=20)
+        failures = prober.failures
+        assert await prober.healthy(url)
+        assert prober.failures == failures
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+        await prober.aclose()
+
+
+async def test_a_listener_that_never_answers_fails_the_probe_at_its_timeout() -> None:
+    # vLLM binds its port before the model is loaded: accepted, never answered.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        prober = HealthProber(timeout_s=0.3)
+        try:
+            with anyio.fail_after(5):
+                assert not await prober.healthy(f"http://127.0.0.1:{port}/health")
+        finally:
+            await prober.aclose()
+    assert not await HealthProber(timeout_s=0.3).healthy(f"http://127.0.0.1:{port}/health"), "refused"
+
+
+# --- record writes ------------------------------------------------------------------
+
+
+def record(key: str, restarts: int) -> ShardRecord:
+    return ShardRecord(key=key, spec=shard("node-a", key, sim_profile()), port=20000, restarts=restarts)
+
+
+async def test_record_writes_of_one_shard_are_coalesced_and_the_newest_wins(tmp_path: Path) -> None:
+    records = Records(tmp_path)
+    writer = RecordWriter(records)
+    async with anyio.create_task_group() as tg:
+        for i in range(30):
+            tg.start_soon(writer.save, record("s1", i))
+            tg.start_soon(writer.save, record("s2", i))
+    loaded, problems = records.load_all()
+    assert problems == []
+    assert loaded["s1"].restarts == 29
+    assert loaded["s2"].restarts == 29
+    assert writer.writes < 60, "saves that waited together were written once"
+    assert writer.batches < 30
+
+
+async def test_a_failed_record_write_fails_its_own_shard_only(tmp_path: Path) -> None:
+    records = Records(tmp_path)
+    writer = RecordWriter(records)
+    # Where the temporary file goes there is a directory: the write fails.
+    (records.dir / "bad.tmp").mkdir()
+    errors: dict[str, str] = {}
+
+    async def save(key: str) -> None:
+        try:
+            await writer.save(record(key, 1))
+        except Exception as exc:
+            errors[key] = str(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(save, "bad")
+        tg.start_soon(save, "good")
+    assert set(errors) == {"bad"}
+    assert errors["bad"].startswith(f"cannot write the shard record {records.dir / 'bad.json'}: [Errno 21]")
+    assert set(records.load_all()[0]) == {"good"}
+
+
+# --- the launcher -----------------------------------------------------------------------
+
+
+async def test_one_prober_serves_many_shards_and_keeps_its_connections(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    n = 8
+    port = free_port()
+    config = agent_config(nats_url, prefix, tmp_path / "agent", launcher_metrics_port=port)
+    async with shard_events(bus) as events, running_launcher(config) as launcher:
+        for i in range(n):
+            await bus.put(bus.names.shards_bucket, f"node-a.s{i}", shard("node-a", f"s{i}", sim_profile()))
+        await eventually(lambda: all(events.states(f"s{i}")[-1:] == ["ready"] for i in range(n)), timeout=60)
+        assert all(r.runner.ctx.prober is launcher.prober for r in launcher.handles.values())
+
+        def restarts() -> int:
+            return sum(h.runner.restarts for h in launcher.handles.values())
+
+        async def scrape() -> str:
+            async with httpx.AsyncClient() as client:
+                return (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+
+        # On a shared machine an engine may die of other causes: each restart may
+        # bring a new connection (two, at most, while it loads), nothing else may.
+        text = await scrape()
+        opened = metric(text, "llmgw_launcher_health_connections_opened_total")
+        probes = metric(text, "llmgw_launcher_health_probes_total")
+        assert opened <= 2 * (n + restarts()), f"{opened} connections for {n} engines"
+        before = restarts()
+        # Five more health intervals: every shard probed again, on the connections already open.
+        await eventually(lambda: launcher.prober.probes >= probes + 5 * n, timeout=30)
+        text = await scrape()
+        new_connections = metric(text, "llmgw_launcher_health_connections_opened_total") - opened
+        assert new_connections <= 2 * (restarts() - before), f"{new_connections} new connections"
+
+        # An engine killed and restarted: it gets a new connection, the others keep theirs.
+        victim = events.last("s0")
+        assert victim is not None
+        os.kill(victim.pids[0], signal.SIGKILL)
+        await eventually(
+            lambda: (s := events.last("s0")) is not None and s.state == "ready" and s.restarts >= 1,
+            timeout=30,
+        )
+
+        before = (launcher.prober.probes, launcher.prober.connections_opened, restarts())
+        await eventually(lambda: launcher.prober.probes >= before[0] + 3 * n, timeout=30)
+        new_connections = launcher.prober.connections_opened - before[1]
+        assert new_connections <= 2 * (restarts() - before[2]), f"{new_connections} new connections"
+        await eventually(lambda: all(events.states(f"s{i}")[-1:] == ["ready"] for i in range(n)), timeout=30)
+
+
+async def test_a_burst_reports_every_transition_in_order_with_the_bucket_written_first(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    n = 10
+    config = agent_config(nats_url, prefix, tmp_path / "agent")
+    seen: list[tuple[str, str, str]] = []  # (shard, event state, bucket state when the event arrived)
+
+    async def on_event(msg: Msg) -> None:
+        status = decoder(ShardStatus).decode(msg.data)
+        stored = await bus.get(bus.names.shard_status_bucket, f"node-a.{status.shard}", ShardStatus)
+        seen.append((status.shard, status.state, stored[0].state if stored else "stopped"))
+
+    sub = await bus.nc.subscribe(f"{bus.names.prefix}.events.shard.>", cb=on_event)
+    try:
+        async with running_launcher(config) as launcher:
+            specs = [shard("node-a", f"b{i}", sim_profile()) for i in range(n)]
+            async with anyio.create_task_group() as tg:
+                for spec in specs:
+                    tg.start_soon(bus.put, bus.names.shards_bucket, f"node-a.{spec.shard}", spec)
+
+            def states(name: str) -> list[str]:
+                return [state for s, state, _ in seen if s == name]
+
+            await eventually(lambda: all(states(f"b{i}")[-1:] == ["ready"] for i in range(n)), timeout=60)
+            for i in range(n):
+                assert states(f"b{i}") == ["pending", "starting", "loading", "ready"]
+            for name, state, stored in seen:
+                assert ORDER.index(stored) >= ORDER.index(state), f"{name}: event {state}, bucket {stored}"
+            # Shards that changed together went out together.
+            assert launcher.outbox.batches < launcher.outbox.sent
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_a_record_write_that_fails_costs_one_attempt_not_the_launcher(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    state = tmp_path / "agent"
+    config = agent_config(nats_url, prefix, state)
+    blocker = state / "shards" / "node-a.bad.tmp"
+    blocker.mkdir(parents=True)
+    async with shard_events(bus) as events, running_launcher(config):
+        await bus.put(bus.names.shards_bucket, "node-a.bad", shard("node-a", "bad", sim_profile()))
+        await bus.put(bus.names.shards_bucket, "node-a.good", shard("node-a", "good", sim_profile()))
+        failed = await eventually(lambda: [s for s in events.of("bad") if s.state == "failed"], timeout=30)
+        assert failed[0].reason.startswith(
+            f"cannot write the shard record {(state / 'shards' / 'node-a.bad.json').resolve()}: [Errno 21]"
+        )
+        assert failed[0].reason.endswith("a restarted launcher could not adopt this shard, so it is stopped")
+        assert failed[0].retryable
+        # The engine it could not record was stopped, not left behind.
+        assert failed[0].pids
+        assert not pid_alive(failed[0].pids[0])
+        await eventually(lambda: events.states("good")[-1:] == ["ready"], timeout=30)
+
+        blocker.rmdir()
+        await eventually(
+            lambda: (s := events.last("bad")) is not None and s.state == "ready" and s.restarts >= 1,
+            timeout=30,
+        )
+        await eventually(lambda: events.states("good")[-1:] == ["ready"], timeout=30)
+        stored = msgspec.json.decode((state / "shards" / "node-a.bad.json").read_bytes())
+        assert stored["ready"] is True
