@@ -105,19 +105,8 @@ async def _ready(bus: Bus) -> dict[str, ReplicaRecord]:
 
 
 async def _placed_events(bus: Bus) -> Counter[str]:
-    sub = await bus.js.subscribe(bus.names.placement_event("*"), ordered_consumer=True)
-    out: Counter[str] = Counter()
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=2.0)
-            except TimeoutError:
-                return out
-            d = decoder(PlacementDecision).decode(msg.data)
-            if d.outcome == "placed":
-                out[f"{d.deployment}.{d.replica}"] += 1
-    finally:
-        await sub.unsubscribe()
+    decisions = await bus.history(bus.names.placement_event("*"), PlacementDecision, idle_s=2.0)
+    return Counter(f"{d.deployment}.{d.replica}" for d in decisions if d.outcome == "placed")
 
 
 async def throughput(root: Path, url: str, nodes: int, replicas: int, parts: int) -> dict[str, float]:

@@ -29,7 +29,7 @@ import msgspec
 from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.engines import Profile, ShardSpec
 from llmgw_core.errors import BusError
-from llmgw_core.events import Deployment, PlacementDecision, ReplicaRecord, decoder
+from llmgw_core.events import Deployment, PlacementDecision, ReplicaRecord
 from llmgw_core.natsd import NatsServer
 from llmgw_launcher.records import Records
 from tests.cluster_support import Cluster, sim_catalog
@@ -228,19 +228,8 @@ def _alive(pid: int) -> bool:
 
 async def _placed(bus: Bus) -> list[str]:
     """`deployment.replica` of every placement decision that placed, from the events stream."""
-    sub = await bus.js.subscribe(bus.names.placement_event("*"), ordered_consumer=True)
-    out = []
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=1.0)
-            except TimeoutError:
-                return out
-            d = decoder(PlacementDecision).decode(msg.data)
-            if d.outcome == "placed":
-                out.append(f"{d.deployment}.{d.replica}")
-    finally:
-        await sub.unsubscribe()
+    decisions = await bus.history(bus.names.placement_event("*"), PlacementDecision)
+    return [f"{d.deployment}.{d.replica}" for d in decisions if d.outcome == "placed"]
 
 
 def main(argv: list[str] | None = None) -> int:

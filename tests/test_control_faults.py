@@ -215,19 +215,8 @@ async def test_replica_ids_never_repeat_across_failovers_and_restarts(
 
 
 async def _placed(bus: Bus, deployment: str) -> list[str]:
-    sub = await bus.js.subscribe(bus.names.placement_event(deployment), ordered_consumer=True)
-    out = []
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=0.5)
-            except TimeoutError:
-                return out
-            decision = decoder(PlacementDecision).decode(msg.data)
-            if decision.outcome == "placed":
-                out.append(decision.replica)
-    finally:
-        await sub.unsubscribe()
+    decisions = await bus.history(bus.names.placement_event(deployment), PlacementDecision)
+    return [d.replica for d in decisions if d.outcome == "placed"]
 
 
 async def test_runtime_changes_survive_a_leader_change(bus: Bus, nats_url: str, prefix: str) -> None:

@@ -503,6 +503,27 @@ class Bus:
             raise BusError(f"reading {bucket} took over 30 s; is NATS reachable?") from exc
         return out
 
+    async def history(self, subject: str, kind: type[T], *, idle_s: float = 1.0) -> list[T]:
+        """Every event on `subject` (wildcards allowed) still in the events stream, oldest first:
+        read until none has come for `idle_s`. Values that do not decode are skipped."""
+        dec = decoder(kind)
+        out: list[T] = []
+        try:
+            sub = await self.js.subscribe(subject, stream=self.names.events_stream, ordered_consumer=True)
+        except (nats.errors.Error, OSError) as exc:
+            raise BusError(f"cannot read {subject}: {exc or type(exc).__name__}") from exc
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=idle_s)
+                except nats.errors.TimeoutError:
+                    return out
+                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                    out.append(dec.decode(msg.data))
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(nats.errors.Error, OSError):
+                await sub.unsubscribe()
+
     # --- bad messages ---------------------------------------------------------
 
     async def dead_letter(self, subject: str, data: bytes, error: str) -> None:

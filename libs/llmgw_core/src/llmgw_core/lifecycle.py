@@ -23,33 +23,35 @@ async def connect_service(options: BusOptions, service: str, *, ensure: bool = T
     """
     delay = 0.5
     told = False
+
+    async def wait(exc: BusError) -> None:
+        nonlocal delay, told
+        if not told:
+            log.warning("%s: %s; waiting for NATS", service, exc)
+            told = True
+        await anyio.sleep(delay)
+        delay = min(5.0, delay * 2)
+
     while True:
         try:
             bus = await Bus.connect(options, service=service)
         except BusError as exc:
             if not exc.retryable:
                 raise
-            if not told:
-                log.warning("%s: %s; waiting for NATS", service, exc)
-                told = True
-            await anyio.sleep(delay)
-            delay = min(5.0, delay * 2)
+            await wait(exc)
             continue
         if not ensure:
-            return bus
+            break
         try:
             await bus.ensure()
         except BusError as exc:
             await bus.close()
-            if not told:
-                log.warning("%s: %s; waiting for NATS", service, exc)
-                told = True
-            await anyio.sleep(delay)
-            delay = min(5.0, delay * 2)
+            await wait(exc)
             continue
-        if told:
-            log.warning("%s: NATS is up", service)
-        return bus
+        break
+    if told:
+        log.warning("%s: NATS is up", service)
+    return bus
 
 
 async def cancel_on_signal(scope: anyio.CancelScope) -> None:
