@@ -618,7 +618,9 @@ def render(f: dict[str, Any], n: int, idle_n: int, quick: bool) -> str:
     lines += [
         "",
         f"Deploy -> ready against the floor: p50 **{pct(dr, 50) / fl50:.2f}x**, "
-        f"p99 **{pct(dr, 99) / fl99:.2f}x** (target: within 1.10x).",
+        f"p99 **{pct(dr, 99) / fl99:.2f}x** (target: within 1.10x). Deploy -> shard `ready` event (the "
+        f"launcher's own verdict) against the floor: p50 {pct(f['shard_ready'], 50) / fl50:.2f}x, "
+        f"p99 {pct(f['shard_ready'], 99) / fl99:.2f}x.",
         "",
     ]
     lines += [

@@ -23,10 +23,12 @@ from llmgw_launcher.records import Records, RecordWriter, ShardRecord
 from tests.launcher_support import (
     agent_config,
     pid_alive,
+    processes_with,
     running_launcher,
     shard,
     shard_events,
     sim_profile,
+    start_launcher_process,
 )
 from tests.test_sim_engine import free_port
 from tests.waiting import eventually
@@ -289,3 +291,48 @@ async def test_a_record_write_that_fails_costs_one_attempt_not_the_launcher(
         await eventually(lambda: events.states("good")[-1:] == ["ready"], timeout=30)
         stored = msgspec.json.decode((state / "shards" / "node-a.bad.json").read_bytes())
         assert stored["ready"] is True
+
+
+async def test_an_adopted_engine_that_dies_is_noticed_at_once_and_restarted(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    # Not the launcher's child: its exit comes through a pidfd, not waitpid.
+    config = agent_config(nats_url, prefix, tmp_path / "agent", health_interval_s=5.0)
+    config_path = tmp_path / "agent.yaml"
+    config_path.write_bytes(msgspec.yaml.encode(config))
+    procs = [start_launcher_process(config_path, tmp_path / "launcher.log")]
+    try:
+        async with shard_events(bus) as events:
+            await bus.put(bus.names.shards_bucket, "node-a.s1", shard("node-a", "s1", sim_profile()))
+            ready = await eventually(
+                lambda: (s := events.last("s1")) and s.state == "ready" and s, timeout=30
+            )
+            procs[0].kill()
+            procs[0].wait()
+            events.items.clear()
+            procs.append(start_launcher_process(config_path, tmp_path / "launcher.log"))
+            adopted = await eventually(
+                lambda: (s := events.last("s1")) and s.state == "ready" and s, timeout=30
+            )
+            assert adopted.pids == ready.pids
+            os.kill(ready.pids[0], signal.SIGKILL)
+            killed = anyio.current_time()
+            failed = await eventually(lambda: [s for s in events.of("s1") if s.state == "failed"], timeout=10)
+            # Well inside one health interval: the exit, not a failed probe, told it.
+            assert anyio.current_time() - killed < config.health_interval_s
+            assert failed[0].reason.startswith(
+                f"sim (pid {ready.pids[0]}) exited; an earlier launcher started it, so its exit status is "
+                "unknown; last log lines:\n"
+            )
+            again = await eventually(
+                lambda: (s := events.last("s1")) and s.state == "ready" and s.restarts == 1 and s, timeout=30
+            )
+            assert again.pids != ready.pids
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=15)
+        # The launcher leaves its engines running when it stops: these are this test's.
+        for pid in processes_with("llmgw_core.sim", under=tmp_path):
+            os.killpg(pid, signal.SIGKILL)

@@ -334,12 +334,13 @@ class ShardRunner:
                 return reason
         return None
 
-    async def _exit_failure(self, reason: str) -> Failure:
-        for p in self.procs:
-            if p.exit_reason() == reason:
-                lines = await anyio.to_thread.run_sync(procs.tail, p.log, LOG_LINES_IN_REASON)
-                if lines:
-                    return Failure(f"{reason}; last log lines:\n" + "\n".join(lines))
+    async def _exit_failure(self, reason: str, proc: Proc | None = None) -> Failure:
+        """How a process ended, with the last lines of its log; `proc` is found by its reason if not given."""
+        found = proc or next((p for p in self.procs if p.exit_reason() == reason), None)
+        if found is not None:
+            lines = await anyio.to_thread.run_sync(procs.tail, found.log, LOG_LINES_IN_REASON)
+            if lines:
+                return Failure(f"{reason}; last log lines:\n" + "\n".join(lines))
         return Failure(reason)
 
     # --- waiting on processes ---------------------------------------------------
@@ -354,28 +355,28 @@ class ShardRunner:
                 tg.cancel_scope.cancel()
 
             async def watch_exits() -> None:
-                reason = await self._any_exit()
-                outcome.append(await self._exit_failure(reason))
+                proc, reason = await self._any_exit()
+                outcome.append(await self._exit_failure(reason, proc))
                 tg.cancel_scope.cancel()
 
             tg.start_soon(watch_exits)
             tg.start_soon(run_work)
         return outcome[0]
 
-    async def _any_exit(self) -> str:
-        """Wait until one of the shard's processes has exited; how it ended."""
-        reasons: list[str] = []
+    async def _any_exit(self) -> tuple[Proc, str]:
+        """Wait until one of the shard's processes has exited: which, and how it ended."""
+        exits: list[tuple[Proc, str]] = []
         async with anyio.create_task_group() as tg:
             for p in self.procs:
 
                 async def wait_one(p: Proc = p) -> None:
-                    reasons.append(await _wait_exit(p))
+                    exits.append((p, await _wait_exit(p)))
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(wait_one)
-        if not reasons:  # no processes: nothing can exit
+        if not exits:  # no processes: nothing can exit
             await anyio.sleep_forever()
-        return reasons[0]
+        return exits[0]
 
     async def _wait_for(self, cmd: Command) -> Failure | None:
         deadline = time.monotonic() + self.ctx.wait_timeout_s
@@ -513,8 +514,11 @@ async def _wait_exit(p: Proc) -> str:
             await anyio.wait_readable(fd)
         finally:
             os.close(fd)
-    # It has exited; a child is reaped here. The loop only guards against a
-    # kernel that signals the pidfd a moment before waitpid can see the exit.
+    if p.popen is None:
+        # Adopted: not our child, so its exit status went to whoever reaped it.
+        return f"{p.name} (pid {p.pid}) exited; an earlier launcher started it, so its exit status is unknown"
+    # It has exited and is reaped here. The loop only guards against a kernel
+    # that signals the pidfd a moment before waitpid can see the exit.
     while (reason := p.exit_reason()) is None:
         await anyio.sleep(0.01)
     return reason
