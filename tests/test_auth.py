@@ -339,7 +339,14 @@ async def test_the_operator_writes_deployments_and_the_catalog_only(
     await ctl.put(n.deployments_bucket, "chat", Deployment(name="chat", profile="tiny"))
     await ctl.put(n.catalog_bucket, "tiny", sim_profile())
     await bus.put(n.shards_bucket, "gpu-1.s1", shard("gpu-1", "s1", sim_profile()))
-    assert set(await ctl.entries(n.shards_bucket, ShardSpec)) == {"gpu-1.s1"}
+    # The operator reads every shard spec. (Polled: a watch opened on another connection right
+    # after the put has once come back empty in CI, the key not yet counted as pending.)
+
+    async def ctl_reads_the_spec() -> bool:
+        assert set(await ctl.entries(n.shards_bucket, ShardSpec)) == {"gpu-1.s1"}
+        return True
+
+    await eventually(ctl_reads_the_spec, timeout=10, interval=0.2)
     for subject in [
         f"$KV.{prefix}-shards.gpu-1.s2",
         f"$KV.{prefix}-leases.placement",
