@@ -182,6 +182,7 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             *(f"$KV.{b}.>" for b in writes),
             f"{p}.events.replica.>",
             f"{p}.events.placement.>",
+            f"{p}.events.deployment.>",
             f"{p}.dlq.placement",
             *(f"$JS.API.STREAM.{op}.{s}" for s in all_streams(names) for op in ("CREATE", "UPDATE")),
             *(rule for b in names.buckets() for rule in _read_all(_kv_stream(b))),

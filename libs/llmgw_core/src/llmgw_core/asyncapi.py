@@ -82,6 +82,15 @@ CHANNELS: list[tuple[str, str, type[msgspec.Struct], str, list[str], str]] = [
         "receive",
     ),
     (
+        "deploymentEvent",
+        _N.deployment_event("{deployment}"),
+        ev.DeploymentStatus,
+        "A deployment's desired, ready, pending and unplaceable counts, with the refusal; "
+        "published when any of them changes (the stream keeps the last per subject).",
+        ["deployment"],
+        "receive",
+    ),
+    (
         "heartbeat",
         _N.heartbeat("{node}", "{service}"),
         ev.Heartbeat,

@@ -20,6 +20,7 @@ from .engines import GPUInfo, Member, Profile, ShardSpec, Token
 
 __all__ = [
     "Deployment",
+    "DeploymentStatus",
     "DesiredEngines",
     "EngineInventory",
     "EngineSpec",
@@ -202,6 +203,11 @@ class ShardStatus(Message, frozen=True):
     rank: int = 0
     at: float = 0.0
     deployment: str = ""
+    # The last failure of this shard ("exited with code 42; last log lines: …", "killed by
+    # SIGKILL", "no health answer within 120 s"), with the failing attempt's own log lines;
+    # kept across restarts until the shard is ready again.
+    last_failure: str = ""
+    last_failure_at: float = 0.0
 
 
 # --- deployments and replicas -------------------------------------------------
@@ -238,6 +244,12 @@ class ReplicaRecord(Message, frozen=True):
     pool: str = ""
     created_at: float = 0.0
     updated_at: float = 0.0
+    # When it entered `state`.
+    since: float = 0.0
+    # Engine restarts over its shards, and the last failure of any of them (kept until the
+    # replica is ready again), as its shards' launchers reported them.
+    restarts: int = 0
+    last_failure: str = ""
 
 
 class ReplicaStatus(Message, frozen=True):
@@ -254,6 +266,24 @@ class ReplicaStatus(Message, frozen=True):
 class NodeReason(Struct, frozen=True, kw_only=True):
     node: str
     reason: str
+
+
+class DeploymentStatus(Message, frozen=True):
+    """A deployment as placement sees it: published on `<prefix>.events.deployment.<name>`
+    whenever any count or the refusal changes (the stream keeps the last per subject)."""
+
+    deployment: Token
+    desired: int
+    ready: int = 0
+    # Placed but not ready: placing, starting, degraded, unknown or failed and being retried.
+    pending: int = 0
+    # Replicas placement could not place now.
+    unplaceable: int = 0
+    # One line: "chat: 3 of 10 ready; 7 cannot be placed: node-a 0 of 2 GPUs free, …".
+    summary: str = ""
+    # Every node's reason for the refusal, when some replicas cannot be placed.
+    reasons: tuple[NodeReason, ...] = ()
+    at: float = 0.0
 
 
 class PlacementDecision(Message, frozen=True):

@@ -94,6 +94,10 @@ class Names:
     def placement_event(self, deployment: str) -> str:
         return f"{self.prefix}.events.placement.{deployment}"
 
+    def deployment_event(self, deployment: str) -> str:
+        """`DeploymentStatus`: desired, ready, pending and unplaceable, with the refusal."""
+        return f"{self.prefix}.events.deployment.{deployment}"
+
     def heartbeat(self, node: str, service: str) -> str:
         """Each node service beats on its own subject: a silent launcher is told apart
         from a silent installer (`service` is `installer`, `launcher`, or `agent` for a
