@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from llmgw.ctl import deploy
 from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.events import Deployment
+from llmgw_core.telemetry import resource_attributes
 from llmgw_placement import PlacementService, ServerConfig
 from tests.cluster_support import sim_catalog
 from tests.launcher_support import agent_config, running_launcher, shard_events
@@ -83,5 +84,27 @@ async def test_one_trace_from_ctl_deploy_to_the_shard(
     assert place_span.parent.span_id == deploy_span.context.span_id
     assert start_span.parent is not None
     assert start_span.parent.span_id == place_span.context.span_id
+    # The replica's `ready` continues the same trace rather than starting one of its own.
+    ready_span = by_name["replica chat/r0 ready"]
+    assert ready_span.context.trace_id == trace_id
+    assert dict(ready_span.attributes or {})["llmgw.replica"] == "r0"
+    # Messages carry OpenTelemetry's messaging attributes, so Jaeger can search by subject.
+    published = [
+        s for s in spans.get_finished_spans() if s.name == f"publish {prefix}.events.shard.node-a.chat-r0-0"
+    ]
+    assert published, "no span for the shard events"
+    attrs = dict(published[0].attributes or {})
+    assert attrs["messaging.system"] == "nats"
+    assert attrs["messaging.destination.name"] == f"{prefix}.events.shard.node-a.chat-r0-0"
+    assert attrs["messaging.operation.type"] == "publish"
+    assert int(attrs["messaging.message.body.size"]) > 0
     # Other systems see it too: the shard events carry the same trace.
     assert any(h.split("-")[1] == format(trace_id, "032x") for h in headers if h)
+
+
+def test_every_node_is_an_instance_of_one_service() -> None:
+    """Regression: `service.name` carried the node id, so Jaeger listed one service per node."""
+    attrs = resource_attributes("llmgw-launcher", "gpu-07")
+    assert attrs["service.name"] == "llmgw-launcher"
+    assert attrs["service.instance.id"] == "gpu-07"
+    assert resource_attributes("llmgw-placement")["service.name"] == "llmgw-placement"

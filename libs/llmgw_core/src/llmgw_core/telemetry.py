@@ -26,12 +26,17 @@ class _TraceIdFilter(logging.Filter):
         return True
 
 
-def setup(service: str, *, level: str | None = None) -> None:
-    """Configure logging and, when an OTLP endpoint is set, trace export for `service`."""
+def setup(service: str, *, node: str = "", level: str | None = None) -> None:
+    """Configure logging and, when an OTLP endpoint is set, trace export for `service`.
+
+    `service` names the kind of process (`llmgw-launcher`), the same on every node, so a
+    trace viewer shows one service per kind; `node` tells the instances apart
+    (`service.instance.id`, and `llmgw.node` to search by)."""
     handler = logging.StreamHandler()
     handler.addFilter(_TraceIdFilter())
+    who = f"{service}/{node}" if node else service
     handler.setFormatter(
-        logging.Formatter(f"%(asctime)s %(levelname)s {service} %(name)s trace=%(trace_id)s %(message)s")
+        logging.Formatter(f"%(asctime)s %(levelname)s {who} %(name)s trace=%(trace_id)s %(message)s")
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -41,9 +46,16 @@ def setup(service: str, *, level: str | None = None) -> None:
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        provider = TracerProvider(resource=Resource.create(resource_attributes(service, node)))
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         trace.set_tracer_provider(provider)
+
+
+def resource_attributes(service: str, node: str = "") -> dict[str, str]:
+    attributes = {"service.name": service, "service.namespace": "llmgw"}
+    if node:
+        attributes |= {"service.instance.id": node, "llmgw.node": node}
+    return attributes
 
 
 _propagator = TraceContextTextMapPropagator()

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:
         print(f"llmgw-installer: {exc}", file=sys.stderr)
         sys.exit(CONFIG_ERROR)
-    telemetry.setup(f"llmgw-installer/{config.node}")
+    telemetry.setup("llmgw-installer", node=config.node)
     try:
         code = anyio.run(_main, config, args.once)
     except ConfigError as exc:

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config = load(args.config, AgentConfig)
-        telemetry.setup(f"llmgw-launcher/{config.node}")
+        telemetry.setup("llmgw-launcher", node=config.node)
         anyio.run(_main, config, args.stop_engines_on_exit)
     except LlmgwError as exc:
         print(f"llmgw-launcher: {exc}", file=sys.stderr)

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config = load(args.config, ServerConfig)
-        telemetry.setup("llmgw-placement")
+        telemetry.setup("llmgw-placement", node=config.identity)
         anyio.run(_main, config)
     except LlmgwError as exc:
         print(f"llmgw-placement: {exc}", file=sys.stderr)

@@ -484,18 +484,28 @@ class Controller:
             record.restarts,
             record.last_failure,
         ):
-            await self._save_replica(
-                msgspec.structs.replace(
-                    record,
-                    state=state,
-                    reason=reason,
-                    url=url,
-                    restarts=restarts,
-                    last_failure=last_failure,
-                    since=record.since if state == record.state and record.since else now(),
-                    updated_at=now(),
-                )
+            changed = msgspec.structs.replace(
+                record,
+                state=state,
+                reason=reason,
+                url=url,
+                restarts=restarts,
+                last_failure=last_failure,
+                since=record.since if state == record.state and record.since else now(),
+                updated_at=now(),
             )
+            if state == record.state:
+                await self._save_replica(changed)
+                return
+            # A change of state continues the replica's trace (from `ctl deploy` through its
+            # placement and its shards' starts), so its `ready` is not a trace of its own.
+            spec = self.shards.get(record.shards[0]) if record.shards else None
+            with tracer.start_as_current_span(
+                f"replica {record.deployment}/{record.replica} {state}",
+                context=context_from(spec.traceparent if spec is not None else ""),
+                attributes={"llmgw.deployment": record.deployment, "llmgw.replica": record.replica},
+            ):
+                await self._save_replica(changed)
 
     # --- writes -------------------------------------------------------------------
 
