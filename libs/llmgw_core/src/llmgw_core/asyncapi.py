@@ -7,7 +7,7 @@ when the committed document and the types disagree.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 import yaml
@@ -164,6 +164,60 @@ PARAMETERS = {
     "deployment": "Deployment name, matching [A-Za-z0-9_-]+.",
     "replica": "Replica id, matching [A-Za-z0-9_-]+.",
     "profile": "Profile name, matching [A-Za-z0-9_-]+.",
+    "service": "The service that refused the message.",
+}
+
+
+# Enumerations named for code generators (an inline enum becomes `AnonymousSchemaN`):
+# the value set of each Literal alias in events.py, else `<Struct><Field>`.
+_NAMED_ENUMS = {
+    frozenset(get_args(ev.EngineStateName)): "EngineStateName",
+    frozenset(get_args(ev.ShardState)): "ShardState",
+    frozenset(get_args(ev.ReplicaState)): "ReplicaState",
+}
+
+
+def _name_enums(components: dict[str, Any]) -> dict[str, Any]:
+    """Lift every inline `enum` of a struct's properties into a named schema and refer to it."""
+    lifted: dict[str, Any] = {}
+    for struct, schema in components.items():
+        for field, prop in schema.get("properties", {}).items():
+            values = prop.get("enum")
+            if values is None:
+                continue
+            if field == "kind" and len(values) == 1:
+                # The type tag: one value, the struct's own name.
+                schema["properties"][field] = {"const": values[0]}
+                continue
+            name = _NAMED_ENUMS.get(frozenset(values)) or f"{struct}{field[0].upper()}{field[1:]}"
+            if name in components:  # never shadow a struct of the same name
+                name = f"{name}Enum"
+            enum = {k: v for k, v in prop.items() if k not in ("default", "description")}
+            lifted[name] = {"title": name, **enum}
+            keep = {k: v for k, v in prop.items() if k in ("default", "description")}
+            schema["properties"][field] = {"$ref": f"#/components/schemas/{name}", **keep}
+    return {**components, **lifted}
+
+
+def _stream_of(address: str) -> dict[str, str]:
+    """Where a channel's messages are kept: the JetStream stream (and KV bucket), by name."""
+    if address.startswith("$KV."):
+        bucket = address.split(".")[1]
+        return {"stream": f"KV_{bucket}", "bucket": bucket}
+    if address.startswith("{prefix}.events."):
+        return {"stream": _N.events_stream}
+    if address.startswith("{prefix}.dlq."):
+        return {"stream": _N.dlq_stream}
+    return {}
+
+
+DLQ_HEADERS = {
+    "type": "object",
+    "properties": {
+        "Llmgw-Subject": {"type": "string", "description": "The subject the bad message came on."},
+        "Llmgw-Error": {"type": "string", "description": "Why it was refused (at most 1,024 bytes)."},
+    },
+    "required": ["Llmgw-Subject", "Llmgw-Error"],
 }
 
 
@@ -174,10 +228,38 @@ def document() -> dict[str, Any]:
     operations: dict[str, Any] = {}
     for cid, address, message, description, params, action in CHANNELS:
         channels[cid] = _channel(address, message, description, ["prefix", *params])
+        if kept := _stream_of(address):
+            channels[cid]["x-llmgw-jetstream"] = kept
         operations[f"{action}{cid[0].upper()}{cid[1:]}"] = {
             "action": action,
             "channel": {"$ref": f"#/channels/{cid}"},
         }
+    channels["deadLetters"] = {
+        "address": _N.dlq("{service}"),
+        "description": (
+            "A message a service could not take (undecodable, a key that names another object, "
+            "a rule broken), copied as it came with why; the service goes on. `service` is "
+            "placement, installer-<node>, launcher-<node>, llmgw-ctl, …"
+        ),
+        "messages": {"DeadLetter": {"$ref": "#/components/messages/DeadLetter"}},
+        "parameters": {p: {"$ref": f"#/components/parameters/{p}"} for p in ("prefix", "service")},
+        "x-llmgw-jetstream": _stream_of(_N.dlq("{service}")),
+    }
+    operations["receiveDeadLetters"] = {"action": "receive", "channel": {"$ref": "#/channels/deadLetters"}}
+    messages: dict[str, Any] = {
+        t.__name__: {
+            "name": t.__name__,
+            "payload": {"$ref": f"#/components/schemas/{t.__name__}"},
+        }
+        for t in types
+    }
+    messages["DeadLetter"] = {
+        "name": "DeadLetter",
+        "contentType": "application/octet-stream",
+        "description": "The refused message's bytes, unchanged.",
+        "headers": DLQ_HEADERS,
+        "payload": {"description": "The original payload, as it was published."},
+    }
     return {
         "asyncapi": "3.0.0",
         "info": {
@@ -186,22 +268,29 @@ def document() -> dict[str, Any]:
             "description": (
                 "Messages llmgw exchanges over NATS JetStream. Every payload is JSON; "
                 "every JetStream publish carries Nats-Msg-Id and W3C traceparent headers. "
-                "Readers must ignore unknown fields: new fields are added with defaults."
+                "Readers must ignore unknown fields: new fields are added with defaults. "
+                "`x-llmgw-jetstream` names the stream (and KV bucket) that keeps a channel's messages."
             ),
+        },
+        "servers": {
+            "nats": {
+                "host": "localhost:4222",
+                "protocol": "nats",
+                "description": (
+                    "The cluster's NATS server with JetStream (`llmgw up` starts one on :4222; "
+                    "compose names it nats:4222). With `llmgw auth`, each identity connects with "
+                    "its own nkey and may use only the subjects auth.conf grants it."
+                ),
+                "bindings": {"nats": {"bindingVersion": "0.1.0"}},
+            }
         },
         "defaultContentType": "application/json",
         "channels": channels,
         "operations": operations,
         "components": {
             "parameters": {name: {"description": text} for name, text in PARAMETERS.items()},
-            "messages": {
-                t.__name__: {
-                    "name": t.__name__,
-                    "payload": {"$ref": f"#/components/schemas/{t.__name__}"},
-                }
-                for t in types
-            },
-            "schemas": dict(sorted(components.items())),
+            "messages": messages,
+            "schemas": dict(sorted(_name_enums(components).items())),
         },
     }
 
