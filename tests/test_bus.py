@@ -4,7 +4,8 @@ import anyio
 import pytest
 from nats.aio.msg import Msg
 
-from llmgw_core.bus import Bus, BusOptions, KVChange
+from llmgw_core.bus import ATOMIC_MAX, Bus, BusOptions, KVChange, Writes, _Write
+from llmgw_core.errors import BusError
 from llmgw_core.events import InstallProgress, encode
 from llmgw_core.natsd import NatsServer
 from tests.waiting import eventually
@@ -162,3 +163,50 @@ async def test_a_bad_kv_value_is_skipped_and_dead_lettered(bus: Bus) -> None:
     snapshot = await bus.entries(bucket, InstallProgress)
     assert list(snapshot) == ["good"]
     assert bus.decode_errors[f"$KV.{bucket}.bad"] == 1
+
+
+async def test_commit_writes_puts_deletes_and_events_as_atomic_batches(bus: Bus) -> None:
+    """Many writes of one step: one atomic batch per stream, puts and deletes as a KV sees them."""
+    names = bus.names
+    bucket = names.replicas_bucket
+    await bus.put(bucket, "gone", progress("old"))
+    writes = Writes()
+    for i in range(ATOMIC_MAX + 3):  # more than one batch
+        writes.put(bucket, f"k{i}", progress(f"s{i}"))
+    writes.delete(bucket, "gone")
+    writes.publish(
+        names.node_install("gpu-01"), progress("event"), traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01"
+    )
+    assert await bus._atomic_allowed(f"KV_{bucket}")
+    assert await bus._atomic_allowed(names.events_stream)
+    await bus.commit(writes)
+    found = await bus.entries(bucket, InstallProgress)
+    assert found["k0"].value == progress("s0")
+    assert found[f"k{ATOMIC_MAX + 2}"].value == progress(f"s{ATOMIC_MAX + 2}")
+    assert "gone" not in found
+    [event] = await bus.history(names.node_install("gpu-01"), InstallProgress, idle_s=0.3)
+    assert event.step == "event"
+
+
+async def test_commit_writes_one_by_one_where_a_stream_takes_no_batches(bus: Bus) -> None:
+    stream = f"KV_{bus.names.nodes_bucket}"
+    config = (await bus.js.stream_info(stream)).config
+    config.allow_atomic = False
+    await bus.js.update_stream(config)
+    bus._atomic.pop(stream, None)
+    writes = Writes()
+    for i in range(5):
+        writes.put(bus.names.nodes_bucket, f"n{i}", progress(f"s{i}"))
+    await bus.commit(writes)
+    assert bus._atomic[stream] is False
+    assert sorted(await bus.entries(bus.names.nodes_bucket, InstallProgress)) == [f"n{i}" for i in range(5)]
+
+
+async def test_a_refused_batch_writes_nothing_and_says_why(bus: Bus) -> None:
+    """A batch the server refuses (here: one message over its payload limit) lands not at all."""
+    writes = Writes()
+    writes.put(bus.names.catalog_bucket, "a", progress("a"))
+    writes.items.append(_Write(f"$KV.{bus.names.catalog_bucket}.b", b"x" * (bus.nc.max_payload + 1), {}))
+    with pytest.raises(BusError):
+        await bus.commit(writes)
+    assert await bus.get(bus.names.catalog_bucket, "a", InstallProgress) is None

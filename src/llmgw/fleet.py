@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import anyio
 import anyio.abc
 
-from llmgw_core.bus import Bus, BusOptions
+from llmgw_core.bus import Bus, BusOptions, Writes
 from llmgw_core.engines import GPUInfo, ShardSpec
 from llmgw_core.errors import BusError, ConfigError
 from llmgw_core.events import EngineState, Heartbeat, NodeFacts, NodeStatus, ShardStatus, now
@@ -36,6 +36,7 @@ class Fleet:
     ready_at: dict[str, float] = field(default_factory=dict)
     # Answers not yet written (NATS was away): spec, or None for a removed shard.
     _unwritten: dict[str, ShardSpec | None] = field(default_factory=dict)
+    _wake: anyio.Event = field(default_factory=anyio.Event)
 
     def status(self, node: str, index: int) -> NodeStatus:
         gpus = tuple(
@@ -91,41 +92,54 @@ class Fleet:
     async def answer_shards(self) -> None:
         """Every shard placed on a fleet node is reported ready at once; a removed one, stopped.
 
-        A write that fails while NATS is away is retried until it lands, so the
-        fleet converges after an outage like a real launcher does."""
+        The shards placed in one control step are answered in one commit (an atomic batch),
+        as the many launchers of a real fleet write at the same time. A write that fails
+        while NATS is away is retried until it lands, so the fleet converges after an
+        outage like a real launcher does."""
         mine = set(self.nodes)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._retry_unwritten)
+            tg.start_soon(self._write_answers)
             async for change in self.bus.watch(self.bus.names.shards_bucket, ShardSpec):
                 node, _, _ = change.key.partition(".")
-                if node not in mine:
-                    continue
-                self._unwritten[change.key] = change.value
-                try:
-                    await self._answer(change.key, change.value)
-                except BusError:
-                    continue
-                if self._unwritten.get(change.key, _GONE) is change.value:
-                    del self._unwritten[change.key]
+                if node in mine:
+                    self._unwritten[change.key] = change.value
+                    self._wake.set()
 
-    async def _retry_unwritten(self) -> None:
+    async def _write_answers(self) -> None:
+        names = self.bus.names
         while True:
-            await anyio.sleep(0.5)
-            for key, spec in list(self._unwritten.items()):
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            while self._unwritten:
+                pending = dict(self._unwritten)
+                writes = Writes()
+                answers: dict[str, ShardStatus | None] = {}
+                for key, spec in pending.items():
+                    if spec is None:
+                        writes.delete(names.shard_status_bucket, key)
+                        answers[key] = None
+                    else:
+                        status = answers[key] = self._ready(key, spec)
+                        writes.put(names.shard_status_bucket, key, status)
                 try:
-                    await self._answer(key, spec)
+                    await self.bus.commit(writes)
                 except BusError:
-                    break
-                if self._unwritten.get(key, _GONE) is spec:
-                    del self._unwritten[key]
+                    await anyio.sleep(0.5)  # NATS is away: try again
+                    continue
+                at = time.monotonic()
+                for key, answer in answers.items():
+                    if answer is None:
+                        self.ready.pop(key, None)
+                    else:
+                        self.ready[key] = answer
+                        self.ready_at[key] = at
+                    if self._unwritten.get(key, _GONE) is pending[key]:
+                        del self._unwritten[key]
 
-    async def _answer(self, key: str, spec: ShardSpec | None) -> None:
+    @staticmethod
+    def _ready(key: str, spec: ShardSpec) -> ShardStatus:
         node, _, shard = key.partition(".")
-        if spec is None:
-            await self.bus.delete(self.bus.names.shard_status_bucket, key)
-            self.ready.pop(key, None)
-            return
-        status = ShardStatus(
+        return ShardStatus(
             node=node,
             shard=shard,
             replica=spec.replica,
@@ -139,9 +153,6 @@ class Fleet:
             rank=spec.rank,
             at=now(),
         )
-        await self.bus.put(self.bus.names.shard_status_bucket, key, status)
-        self.ready[key] = status
-        self.ready_at[key] = time.monotonic()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await self.register()

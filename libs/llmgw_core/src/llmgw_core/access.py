@@ -184,7 +184,7 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             f"{p}.events.placement.>",
             f"{p}.events.deployment.>",
             f"{p}.dlq.placement",
-            *(f"$JS.API.STREAM.{op}.{s}" for s in all_streams(names) for op in ("CREATE", "UPDATE")),
+            *(f"$JS.API.STREAM.{op}.{s}" for s in all_streams(names) for op in ("CREATE", "UPDATE", "INFO")),
             *(rule for b in names.buckets() for rule in _read_all(_kv_stream(b))),
         ]
         return Permissions(tuple(publish), (inbox, heartbeats, names.liveness_request), allow_responses=True)

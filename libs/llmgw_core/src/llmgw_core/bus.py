@@ -20,7 +20,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
@@ -71,6 +71,42 @@ def transient(exc: BaseException) -> bool:
             TimeoutError,
         ),
     )
+
+
+# Messages in one atomic batch (nats-server takes up to 1,000).
+ATOMIC_MAX = 500
+
+
+@dataclass(frozen=True)
+class _Write:
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+
+
+@dataclass
+class Writes:
+    """KV puts, KV deletes and events queued for one `Bus.commit`."""
+
+    items: list[_Write] = field(default_factory=list)
+
+    def put(self, bucket: str, key: str, value: msgspec.Struct) -> None:
+        self.items.append(_Write(f"$KV.{bucket}.{key}", encode(value), {}))
+
+    def delete(self, bucket: str, key: str) -> None:
+        self.items.append(_Write(f"$KV.{bucket}.{key}", b"", {"KV-Operation": "DEL"}))
+
+    def publish(self, subject: str, msg: msgspec.Struct, *, traceparent: str = "") -> None:
+        """An event; it carries `traceparent` (else the current span's context)."""
+        headers: dict[str, str] = {}
+        if traceparent:
+            headers["traceparent"] = traceparent
+        else:
+            propagate.inject(headers)
+        self.items.append(_Write(subject, encode(msg), headers))
+
+    def __len__(self) -> int:
+        return len(self.items)
 
 
 class BusOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -190,6 +226,8 @@ class Bus:
         self.decode_errors: Counter[str] = Counter()
         self.reconnects = 0
         self._kvs: dict[str, KeyValue] = {}
+        # Per stream, whether it takes atomic batches (see `commit`).
+        self._atomic: dict[str, bool] = {}
         self._reconnected = anyio.Event()
         self.closing = False
         # Whether this client can hear the bus now, and since when (time.monotonic()):
@@ -338,6 +376,8 @@ class Bus:
                 max_bytes=o.events_max_bytes,
                 num_replicas=o.replicas,
                 duplicate_window=120,
+                # Many events of one control step are written as one atomic batch (see `commit`).
+                allow_atomic=True,
             ),
             api.StreamConfig(
                 name=self.names.dlq_stream,
@@ -351,13 +391,28 @@ class Bus:
         try:
             for cfg in streams:
                 try:
-                    await self.js.add_stream(cfg)
+                    info = await self.js.add_stream(cfg)
                 except nats.js.errors.BadRequestError:
-                    await self.js.update_stream(cfg)
+                    info = await self.js.update_stream(cfg)
+                self._atomic[cfg.name or ""] = bool(info.config.allow_atomic)
             for bucket in self.names.buckets():
                 await self._ensure_bucket(bucket)
+                await self._allow_atomic(f"KV_{bucket}")
         except nats.errors.Error as exc:
             raise BusError(f"cannot create llmgw's streams and buckets: {exc}") from exc
+
+    async def _allow_atomic(self, stream: str) -> None:
+        """Let a bucket's stream take atomic batches, where the server knows them (2.12+);
+        an older server leaves the flag unset and `commit` writes one by one."""
+        config = (await self.js.stream_info(stream)).config
+        if not config.allow_atomic:
+            config.allow_atomic = True
+            try:
+                config = (await self.js.update_stream(config)).config
+            except nats.js.errors.BadRequestError as exc:
+                log.info("%s takes no atomic batches (%s): writes go one by one", stream, exc)
+                config.allow_atomic = False
+        self._atomic[stream] = bool(config.allow_atomic)
 
     async def _ensure_bucket(self, bucket: str) -> KeyValue:
         try:
@@ -492,6 +547,99 @@ class Bus:
             await self._kv_call(f"delete {bucket}/{key}", bucket, lambda kv: kv.delete(key))
         except nats.js.errors.NotFoundError:
             return
+
+    # --- many writes at once -------------------------------------------------
+
+    def _stream_of(self, subject: str) -> str:
+        if subject.startswith("$KV."):
+            return f"KV_{subject.split('.', 2)[1]}"
+        return self.names.events_stream
+
+    async def _atomic_allowed(self, stream: str) -> bool:
+        """Whether `stream` takes atomic batches (nats-server 2.12 and later, with the stream's
+        allow_atomic set by `ensure`); asked once per stream."""
+        found = self._atomic.get(stream)
+        if found is None:
+            try:
+                info = await self.js.stream_info(stream)
+                found = bool(info.config.allow_atomic)
+            except (nats.errors.Error, OSError):
+                found = False
+            self._atomic[stream] = found
+        return found
+
+    async def commit(self, writes: Writes) -> None:
+        """Write every queued put, delete and event: one atomic batch per stream and up to
+        ATOMIC_MAX messages where the server allows it (one commit, not one per message),
+        else pipelined one by one. Streams are written in the order they were first queued.
+        Raises BusError when a write did not land; what an atomic batch held is then not
+        written at all, and a retry writes it whole."""
+        by_stream: dict[str, list[_Write]] = {}
+        for w in writes.items:
+            by_stream.setdefault(self._stream_of(w.subject), []).append(w)
+        for stream, items in by_stream.items():
+            if await self._atomic_allowed(stream):
+                for start in range(0, len(items), ATOMIC_MAX):
+                    await self._atomic_batch(stream, items[start : start + ATOMIC_MAX])
+            else:
+                await self._pipelined(items)
+
+    async def _atomic_batch(self, stream: str, items: list[_Write]) -> None:
+        attempts = 3
+        for attempt in range(1, attempts + 1):
+            batch = uuid.uuid4().hex[:20]
+            try:
+                for i, w in enumerate(items[:-1], start=1):
+                    headers = {**w.headers, "Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(i)}
+                    await self.nc.publish(w.subject, w.data, headers=headers)
+                last = items[-1]
+                headers = {
+                    **last.headers,
+                    "Nats-Batch-Id": batch,
+                    "Nats-Batch-Sequence": str(len(items)),
+                    "Nats-Batch-Commit": "1",
+                }
+                reply = await self.nc.request(last.subject, last.data, headers=headers, timeout=10)
+            except (nats.errors.Error, OSError) as exc:
+                if attempt == attempts or not transient(exc):
+                    raise BusError(
+                        f"a batch of {len(items)} writes to {stream} failed: {exc or type(exc).__name__}"
+                    ) from exc
+            else:
+                error = msgspec.json.decode(reply.data).get("error") if reply.data else None
+                if not error:
+                    return
+                if attempt == attempts or error.get("code") not in (503, 504):
+                    raise BusError(
+                        f"a batch of {len(items)} writes to {stream} was refused: "
+                        f"{error.get('description', error)} (error {error.get('err_code', '?')})"
+                    )
+            await anyio.sleep(0.2 * attempt)
+
+    async def _pipelined(self, items: list[_Write]) -> None:
+        """One write at a time on the wire, many in flight: for servers without atomic batches."""
+        failures: list[BaseException] = []
+        limiter = anyio.CapacityLimiter(64)
+
+        async def one(w: _Write) -> None:
+            async with limiter:
+                for attempt in range(1, 4):
+                    try:
+                        await self.js.publish(w.subject, w.data, headers=w.headers or None)
+                        return
+                    except (nats.errors.Error, OSError) as exc:
+                        if attempt == 3 or not transient(exc):
+                            failures.append(exc)
+                            return
+                    await anyio.sleep(0.2 * attempt)
+
+        async with anyio.create_task_group() as tg:
+            for w in items:
+                tg.start_soon(one, w)
+        if failures:
+            raise BusError(
+                f"{len(failures)} of {len(items)} writes failed: {failures[0] or type(failures[0]).__name__}"
+            )
 
     async def entries(self, bucket: str, kind: type[T], keys: str = ">") -> dict[str, KVChange[T]]:
         """A snapshot of every key's current value (bad values are skipped, and counted)."""

@@ -25,11 +25,10 @@ from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
-import anyio
 import msgspec
 from opentelemetry import trace
 
-from llmgw_core.bus import Bus
+from llmgw_core.bus import Bus, Writes
 from llmgw_core.engines import Member, Profile, ShardSpec
 from llmgw_core.errors import BusError
 from llmgw_core.events import (
@@ -127,7 +126,6 @@ class ReplicaIds(msgspec.Struct, frozen=True, kw_only=True):
 ID_BLOCK = 64
 # Placements written together after one proof of the lease, and how many are in flight at once.
 BATCH_MAX = 512
-FLUSH_CONCURRENCY = 64
 
 
 class Controller:
@@ -166,6 +164,8 @@ class Controller:
         # Placements taken in memory and not yet written (see `flush`).
         self._batch: list[tuple[ReplicaRecord, list[ShardSpec], PlacementDecision, str]] = []
         self._removals: list[tuple[ReplicaRecord, dict[str, ShardSpec], str, ReplicaState]] = []
+        # Changes of a replica's record, taken in memory: (before, after, trace context).
+        self._saves: list[tuple[ReplicaRecord | None, ReplicaRecord, str]] = []
         self._fenced_at: float | None = None
         # Deployments whose unknown profile was dead-lettered already (by value).
         self._told_unknown: dict[str, Deployment] = {}
@@ -321,9 +321,8 @@ class Controller:
             # memory, and the next step removes them and places them again; the
             # removals are remembered again and retried.
             self._batch = []
-            for record, specs, _, _ in self._removals:
-                self._unremove(record, specs)
-            self._removals = []
+            self._undo(self._removals, self._saves)
+            self._removals, self._saves = [], []
             raise
         await self.flush()
 
@@ -646,86 +645,131 @@ class Controller:
         self._batch.append((record, specs, decision, traceparent))
 
     async def flush(self) -> None:
-        """Write every queued removal, then every queued placement, many in flight at once,
-        after one proof of the lease.
+        """Write every queued removal, then every queued placement, then every replica's
+        change of state, after one proof of the lease: each as one commit per stream (an
+        atomic batch where the server takes them), its events after it.
 
-        Removals go first: a placement may reuse GPUs a removal freed. A
-        replica whose writes fail stays `placing` in memory, and the next step
-        removes it and places it again; a removal that fails is remembered
-        again and retried.
+        Removals go first: a placement may reuse GPUs a removal freed. Placements whose
+        writes fail stay `placing` in memory, and the next step removes them and places
+        them again; removals that fail are remembered again and retried; changes of state
+        that fail are taken back, and the next step observes them again.
         Any failure costs this step (BusError).
         """
         removals, self._removals = self._removals, []
         batch, self._batch = self._batch, []
-        if not removals and not batch:
+        saves, self._saves = self._saves, []
+        if not removals and not batch and not saves:
             return
         try:
             await self._fenced()
         except BaseException:
-            for record, specs, _, _ in removals:
-                self._unremove(record, specs)
+            self._undo(removals, saves)
             raise
-        failures: list[BaseException] = []
-        limiter = anyio.CapacityLimiter(FLUSH_CONCURRENCY)
-
-        async def remove(
-            record: ReplicaRecord, specs: dict[str, ShardSpec], why: str, state: ReplicaState
-        ) -> None:
-            async with limiter:
-                try:
-                    await self._write_removal(record, specs, why, state)
-                except BusError as exc:
-                    failures.append(exc)
-                    self._unremove(record, specs)
-
-        async def write(
-            record: ReplicaRecord, specs: list[ShardSpec], decision: PlacementDecision, traceparent: str
-        ) -> None:
-            async with limiter:
-                try:
-                    with tracer.start_as_current_span(
-                        f"commit {record.deployment}/{record.replica}", context=context_from(traceparent)
-                    ):
-                        await self._write_placement(record, specs, decision)
-                except BusError as exc:
-                    failures.append(exc)
-
-        async with anyio.create_task_group() as tg:
-            for removal in removals:
-                tg.start_soon(remove, *removal)
-        if failures:
-            raise BusError(f"{len(failures)} of {len(removals)} removals were not written: {failures[0]}")
-        async with anyio.create_task_group() as tg:
-            for item in batch:
-                tg.start_soon(write, *item)
-        if failures:
-            raise BusError(f"{len(failures)} of {len(batch)} placements were not written: {failures[0]}")
-
-    async def _write_placement(
-        self, record: ReplicaRecord, specs: list[ShardSpec], decision: PlacementDecision
-    ) -> None:
-        """The record (`starting`), its shard specs and its events, all in flight at once: one
-        round trip, not one per write. A placement that dies part-way leaves either shards
-        that no record owns (removed when a placement takes over) or a record whose shards
-        are missing (removed and placed again), never a replica that looks whole."""
         names = self.bus.names
-        key = _key(record)
-        starting = msgspec.structs.replace(record, state="starting", updated_at=now(), since=now())
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self.bus.put, names.replicas_bucket, key, starting)
-            for spec in specs:
-                tg.start_soon(self.bus.put, names.shards_bucket, names.shard_key(spec.node, spec.shard), spec)
-            tg.start_soon(
-                self._event,
-                names.replica_event(record.deployment, record.replica),
-                ReplicaStatus(
-                    deployment=record.deployment, replica=record.replica, state="starting", at=now()
-                ),
-            )
-            tg.start_soon(self._event, names.placement_event(record.deployment), decision)
-        self.writes += 1 + len(specs)
-        if self.replicas.get(key) is record:
-            self.replicas[key] = starting
+        if removals:
+            kv, events = Writes(), Writes()
+            for record, _, why, state in removals:
+                for key in record.shards:
+                    kv.delete(names.shards_bucket, key)
+                kv.delete(names.replicas_bucket, _key(record))
+                events.publish(
+                    names.replica_event(record.deployment, record.replica),
+                    ReplicaStatus(
+                        deployment=record.deployment,
+                        replica=record.replica,
+                        state=state,
+                        reason=why,
+                        at=now(),
+                    ),
+                )
+            try:
+                await self.bus.commit(kv)
+            except BaseException:
+                self._undo(removals, saves)
+                raise
+            self.writes += len(kv)
+            await self._publish(events)
+        if batch:
+            kv, events = Writes(), Writes()
+            started: list[tuple[ReplicaRecord, ReplicaRecord]] = []
+            # Shards before records: a record never names shards that were not written.
+            for _, specs, _, _ in batch:
+                for spec in specs:
+                    kv.put(names.shards_bucket, names.shard_key(spec.node, spec.shard), spec)
+            for record, _, decision, traceparent in batch:
+                starting = msgspec.structs.replace(record, state="starting", updated_at=now(), since=now())
+                started.append((record, starting))
+                kv.put(names.replicas_bucket, _key(record), starting)
+                events.publish(
+                    names.replica_event(record.deployment, record.replica),
+                    ReplicaStatus(
+                        deployment=record.deployment, replica=record.replica, state="starting", at=now()
+                    ),
+                    traceparent=traceparent,
+                )
+                events.publish(names.placement_event(record.deployment), decision, traceparent=traceparent)
+            with tracer.start_as_current_span(f"commit {len(batch)} placements"):
+                try:
+                    await self.bus.commit(kv)
+                except BaseException:
+                    self._undo([], saves)
+                    raise
+            self.writes += len(kv)
+            for record, starting in started:
+                if self.replicas.get(_key(record)) is record:
+                    self.replicas[_key(record)] = starting
+            await self._publish(events)
+        # Changes of state of replicas still held (one removed since is not written back).
+        saves = [(old, new, tp) for old, new, tp in saves if self.replicas.get(_key(new)) is new]
+        if saves:
+            kv, events = Writes(), Writes()
+            for old, new, traceparent in saves:
+                kv.put(names.replicas_bucket, _key(new), new)
+                if old is None or old.state != new.state:
+                    events.publish(
+                        names.replica_event(new.deployment, new.replica),
+                        ReplicaStatus(
+                            deployment=new.deployment,
+                            replica=new.replica,
+                            state=new.state,
+                            reason=new.reason,
+                            url=new.url,
+                            at=now(),
+                        ),
+                        traceparent=traceparent,
+                    )
+            try:
+                await self.bus.commit(kv)
+            except BaseException:
+                self._undo([], saves)
+                raise
+            self.writes += len(kv)
+            await self._publish(events)
+
+    def _undo(
+        self,
+        removals: list[tuple[ReplicaRecord, dict[str, ShardSpec], str, ReplicaState]],
+        saves: list[tuple[ReplicaRecord | None, ReplicaRecord, str]],
+    ) -> None:
+        """Writes that did not land: removals are remembered again, changes of state taken back."""
+        for record, specs, _, _ in removals:
+            self._unremove(record, specs)
+        for old, new, _ in reversed(saves):
+            key = _key(new)
+            if self.replicas.get(key) is new:
+                if old is None:
+                    del self.replicas[key]
+                else:
+                    self.replicas[key] = old
+
+    async def _publish(self, events: Writes) -> None:
+        """Events tell what was written; one that fails is logged, never undoes the write."""
+        if not events:
+            return
+        try:
+            await self.bus.commit(events)
+        except BusError as exc:
+            log.warning("could not publish %d events: %s", len(events), exc)
 
     async def _refuse(self, dep: Deployment, replica: str, refusal: Refusal) -> None:
         reasons = refusal.reasons
@@ -771,22 +815,6 @@ class Controller:
         if len(self._removals) >= BATCH_MAX:
             await self.flush()
 
-    async def _write_removal(
-        self, record: ReplicaRecord, specs: dict[str, ShardSpec], why: str, state: ReplicaState
-    ) -> None:
-        names = self.bus.names
-        await self._event(
-            names.replica_event(record.deployment, record.replica),
-            ReplicaStatus(
-                deployment=record.deployment, replica=record.replica, state=state, reason=why, at=now()
-            ),
-        )
-        async with anyio.create_task_group() as tg:
-            for key in record.shards:
-                tg.start_soon(self.bus.delete, names.shards_bucket, key)
-        await self.bus.delete(names.replicas_bucket, _key(record))
-        self.writes += 1 + len(record.shards)
-
     def _unremove(self, record: ReplicaRecord, specs: dict[str, ShardSpec]) -> None:
         """A removal whose deletes failed: remembered again, so the next step removes it again."""
         self.replicas.setdefault(_key(record), record)
@@ -805,23 +833,12 @@ class Controller:
         self.writes += 1
 
     async def _save_replica(self, record: ReplicaRecord) -> None:
+        """Take a replica's new record in memory now, and queue its write for `flush`."""
         key = _key(record)
-        previous = self.replicas.get(key)
-        await self.bus.put(self.bus.names.replicas_bucket, key, record)
+        self._saves.append((self.replicas.get(key), record, current_traceparent()))
         self.replicas[key] = record
-        self.writes += 1
-        if previous is None or previous.state != record.state:
-            await self._event(
-                self.bus.names.replica_event(record.deployment, record.replica),
-                ReplicaStatus(
-                    deployment=record.deployment,
-                    replica=record.replica,
-                    state=record.state,
-                    reason=record.reason,
-                    url=record.url,
-                    at=now(),
-                ),
-            )
+        if len(self._saves) >= BATCH_MAX:
+            await self.flush()
 
     async def _event(self, subject: str, msg: msgspec.Struct) -> None:
         try:

@@ -1,0 +1,269 @@
+"""The cluster page at `/`: nodes, deployments, replicas and recent events, live.
+
+Server-rendered HTML. The page opens `/page/stream` (server-sent events) and
+swaps in the freshly rendered view whenever it changes, so nothing needs a
+reload. Every text comes from the same records as `/api/*` and `llmgw ctl`:
+the page computes nothing of its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import html
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+from nats.aio.msg import Msg
+
+from llmgw_core.events import ReplicaRecord, ShardStatus
+
+if TYPE_CHECKING:
+    from .service import PlacementService
+
+# How often the stream looks for a change, and how often it says it is still there.
+REFRESH_S = 0.5
+KEEPALIVE_S = 15.0
+EVENTS_KEPT = 40
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _ago(seconds: float) -> str:
+    s = max(0, int(seconds))
+    if s < 120:
+        return f"{s} s"
+    if s < 7200:
+        return f"{s // 60} min"
+    return f"{s // 3600} h"
+
+
+def event_line(subject: str, data: bytes) -> str | None:
+    """One line for an event, in the words its writer gave; None for the ones the page skips."""
+    try:
+        body = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    kind = body.get("kind")
+    if kind == "ReplicaStatus":
+        reason = f": {body['reason']}" if body.get("reason") else ""
+        return f"replica {body.get('deployment')}/{body.get('replica')} {body.get('state')}{reason}"
+    if kind == "ShardStatus":
+        reason = f": {body['reason']}" if body.get("reason") else ""
+        return f"shard {body.get('node')}/{body.get('shard')} {body.get('state')}{reason}"
+    if kind == "PlacementDecision":
+        if body.get("outcome") == "placed":
+            return (
+                f"placed {body.get('deployment')}/{body.get('replica')} on {', '.join(body.get('nodes', []))}"
+            )
+        reasons = "; ".join(f"{r.get('node')}: {r.get('reason')}" for r in body.get("reasons", []))
+        return f"cannot place {body.get('deployment')}: {reasons}"
+    if kind == "DeploymentStatus":
+        return str(body.get("summary", ""))
+    if kind == "InstallProgress":
+        return f"{body.get('node')}: {body.get('message')}"
+    return None
+
+
+class Page:
+    """Renders the page from placement's state; keeps the last events it heard."""
+
+    def __init__(self, service: PlacementService, nodes: Callable[[], list[Any]]) -> None:
+        self.service = service
+        self.nodes = nodes
+        self.events: collections.deque[tuple[float, str]] = collections.deque(maxlen=EVENTS_KEPT)
+
+    async def listen(self) -> None:
+        """Keep the recent events (core NATS: the page shows what happens from now on)."""
+        bus = self.service.bus
+
+        async def on_msg(msg: Msg) -> None:
+            line = event_line(msg.subject, msg.data)
+            if line:
+                self.events.append((time.time(), line))
+
+        sub = await bus.nc.subscribe(bus.names.events_all, cb=on_msg)
+        try:
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    # --- the view ----------------------------------------------------------------
+
+    def view(self) -> str:
+        """The page's body: every section, rendered now."""
+        service = self.service
+        controller = service.controller
+        head = (
+            f"<p class=who>placement <b>{_e(service.identity)}</b> · "
+            + ("leader" if service.is_leader else "standby: replicas and decisions are the leader's")
+            + "</p>"
+        )
+        replicas = dict(controller.replicas) if controller else {}
+        shards = dict(controller.shards) if controller else {}
+        statuses = dict(controller.statuses) if controller else {}
+        holders: dict[tuple[str, int], str] = {}
+        for spec in shards.values():
+            for gpu in spec.gpus:
+                holders[(spec.node, gpu)] = f"{spec.deployment}/{spec.replica}"
+        shard_status = dict(service.state.shard_status)
+        return "\n".join(
+            [
+                head,
+                self._nodes(holders),
+                self._deployments(statuses),
+                self._replicas(replicas, shard_status),
+                self._events(),
+            ]
+        )
+
+    def _nodes(self, holders: dict[tuple[str, int], str]) -> str:
+        rows = []
+        for row in self.nodes():
+            status = self.service.state.nodes.get(row.node)
+            facts = status.facts if status else None
+            if row.alive:
+                state = "<span class=ok>alive</span>"
+            elif row.seen_s_ago < 0:
+                state = "<span class=bad>lost</span> (not heard since placement started)"
+            else:
+                state = f"<span class=bad>lost {_ago(row.seen_s_ago)} ago</span>"
+            system = f"{facts.os_id} {facts.os_version} {facts.arch}".strip() if facts else ""
+            gpus = "".join(
+                f"<span class='gpu {'held' if (row.node, g.index) in holders else 'free'}' "
+                f"title='{_e(g.name)} cc {_e(g.compute_capability)}'>"
+                f"{g.index}<small>{_e(holders.get((row.node, g.index), 'free'))}</small></span>"
+                for g in row.gpus
+            )
+            engines = "<br>".join(
+                f"{_e(e.name)} <b>{_e(e.state)}</b> {_e(e.version)}"
+                + (f" — {_e(e.detail)}" if e.detail else "")
+                for e in row.engines
+            )
+            if row.install:
+                last = "" if row.alive else " (last known)"
+                engines += f"<div class=install>{_e(row.install)}{last}</div>"
+            warnings = "".join(f"<div class=warn>{_e(w)}</div>" for w in row.warnings)
+            rows.append(
+                f"<tr data-node='{_e(row.node)}'><td>{_e(row.node)}</td><td>{state}</td>"
+                f"<td>{_e(system)}{warnings}</td><td class=gpus>{gpus or '—'}</td>"
+                f"<td>{engines or '—'}</td></tr>"
+            )
+        return (
+            f"<section id=nodes><h2>Nodes ({len(rows)})</h2><table>"
+            "<tr><th>node</th><th>state</th><th>system</th><th>GPUs</th><th>engines</th></tr>"
+            + "".join(rows)
+            + "</table></section>"
+        )
+
+    def _deployments(self, statuses: dict[str, Any]) -> str:
+        rows = []
+        for name, dep in sorted(self.service.state.deployments.items()):
+            status = statuses.get(name)
+            ready = f"{status.ready} / {dep.replicas}" if status else f"? / {dep.replicas}"
+            summary = _e(status.summary) if status else "not yet judged by a leader"
+            reasons = ""
+            if status and status.reasons:
+                reasons = (
+                    "<ul class=reasons>"
+                    + "".join(f"<li><b>{_e(r.node)}</b>: {_e(r.reason)}</li>" for r in status.reasons)
+                    + "</ul>"
+                )
+            rows.append(
+                f"<tr data-deployment='{_e(name)}'><td>{_e(name)}</td><td>{_e(dep.profile)}</td>"
+                f"<td class=ready>{ready}</td><td>{summary}{reasons}</td></tr>"
+            )
+        return (
+            f"<section id=deployments><h2>Deployments ({len(rows)})</h2><table>"
+            "<tr><th>deployment</th><th>profile</th><th>ready</th><th>status</th></tr>"
+            + "".join(rows)
+            + "</table></section>"
+        )
+
+    def _replicas(self, replicas: dict[str, ReplicaRecord], shard_status: dict[str, ShardStatus]) -> str:
+        rows = []
+        now = time.time()
+        for key in sorted(replicas):
+            r = replicas[key]
+            nodes = ", ".join(sorted({k.split(".", 1)[0] for k in r.shards}))
+            since = f"{_ago(now - r.since)}" if r.since else ""
+            failure = f"<pre>{_e(r.last_failure)}</pre>" if r.last_failure else ""
+            rows.append(
+                f"<tr data-replica='{_e(key)}'><td>{_e(r.deployment)}/{_e(r.replica)}</td>"
+                f"<td class='state {_e(r.state)}'>{_e(r.state)}</td><td>{_e(nodes)}</td><td>{since}</td>"
+                f"<td>{r.restarts}</td><td>{_e(r.reason)}{failure}</td></tr>"
+            )
+        return (
+            f"<section id=replicas><h2>Replicas ({len(rows)})</h2><table>"
+            "<tr><th>replica</th><th>state</th><th>nodes</th><th>since</th><th>restarts</th><th>reason</th></tr>"
+            + "".join(rows)
+            + "</table></section>"
+        )
+
+    def _events(self) -> str:
+        items = "".join(
+            f"<li><time>{time.strftime('%H:%M:%S', time.localtime(at))}</time> {_e(line)}</li>"
+            for at, line in reversed(self.events)
+        )
+        return f"<section id=events><h2>Recent events</h2><ul>{items or '<li>none yet</li>'}</ul></section>"
+
+    # --- HTTP --------------------------------------------------------------------
+
+    def document(self) -> str:
+        return PAGE.replace("{view}", self.view())
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """Server-sent events: the view whenever it changes (and a comment now and then, so
+        a proxy keeps the connection open)."""
+        last = ""
+        quiet = 0.0
+        while True:
+            view = self.view()
+            if view != last:
+                last = view
+                quiet = 0.0
+                data = "".join(f"data: {line}\n" for line in view.split("\n"))
+                yield f"event: view\n{data}\n".encode()
+            elif quiet >= KEEPALIVE_S:
+                quiet = 0.0
+                yield b": still here\n\n"
+            await anyio.sleep(REFRESH_S)
+            quiet += REFRESH_S
+
+
+PAGE = """<!doctype html>
+<html lang=en><head><meta charset=utf-8><meta name=viewport content="width=device-width">
+<title>llmgw cluster</title>
+<style>
+body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}
+h1{font-size:1.3em;margin:0 0 .3em}h2{font-size:1.1em;margin:1.2em 0 .4em}
+table{border-collapse:collapse;width:100%}td,th{border-bottom:1px solid #ddd;padding:.3em .5em;
+text-align:left;vertical-align:top}th{background:#f4f4f4}
+.ok{color:#176117;font-weight:600}.bad{color:#a11;font-weight:600}.warn{color:#8a5a00}
+.gpu{display:inline-block;min-width:4.5em;margin:1px;padding:1px 4px;border-radius:3px;font-size:12px}
+.gpu small{display:block;font-size:10px}.gpu.free{background:#e8f3e8}.gpu.held{background:#dde6f7}
+.state.ready{color:#176117;font-weight:600}.state.failed,.state.degraded,.state.unknown{color:#a11}
+pre{white-space:pre-wrap;font-size:12px;margin:.3em 0;background:#f8f8f8;padding:.3em}
+.install{color:#555;font-style:italic}#live{float:right;color:#777}
+ul.reasons{margin:.2em 0;padding-left:1.2em}time{color:#777}
+</style></head>
+<body><h1>llmgw cluster <span id=live>connecting…</span></h1>
+<main id=view>{view}</main>
+<script>
+const live = document.getElementById("live");
+const source = new EventSource("page/stream");
+source.addEventListener("view", (e) => {
+  document.getElementById("view").innerHTML = e.data;
+  live.textContent = "live " + new Date().toLocaleTimeString();
+});
+source.onerror = () => { live.textContent = "reconnecting…"; };
+</script></body></html>
+"""
