@@ -7,7 +7,7 @@ import pytest
 
 from llmgw_core.engines import GPUInfo, Profile
 from llmgw_core.events import Deployment, EngineState
-from llmgw_placement.decide import NodeView, Placement, Refusal, decide
+from llmgw_placement.decide import NodeView, Placement, Refusal, choose_gpus, decide
 from llmgw_placement.gpuclass import gpu_class
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -192,3 +192,10 @@ def test_the_decision_is_deterministic(strategy: str) -> None:
     nodes = [node(f"gpu-{i:02d}", used_gpus=frozenset(range(i % 4))) for i in range(1, 30)]
     first = decide(dep, profile(), nodes)
     assert all(decide(dep, profile(), list(reversed(nodes))) == first for _ in range(5))
+
+
+def test_choose_gpus_of_none_is_empty() -> None:
+    """Regression: a multi-node profile without gpus_per_node asked for 0 GPUs per node and
+    choose_gpus raised IndexError, failing every control step."""
+    gpus = [GPUInfo(index=i, name="NVIDIA H100 80GB HBM3", memory_mb=81559) for i in range(2)]
+    assert choose_gpus(gpus, 0) == []

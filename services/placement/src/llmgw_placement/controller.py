@@ -34,6 +34,7 @@ from llmgw_core.engines import Member, Profile, ShardSpec
 from llmgw_core.errors import BusError
 from llmgw_core.events import (
     Deployment,
+    DeploymentStatus,
     NodeReason,
     NodeStatus,
     PlacementDecision,
@@ -168,6 +169,8 @@ class Controller:
         self._fenced_at: float | None = None
         # Deployments whose unknown profile was dead-lettered already (by value).
         self._told_unknown: dict[str, Deployment] = {}
+        # Per deployment, the status last published (published again only when it changes).
+        self.statuses: dict[str, DeploymentStatus] = {}
 
     # --- loading -----------------------------------------------------------------
 
@@ -303,6 +306,13 @@ class Controller:
             elif record.state == "placing":
                 # Its shards were not all written (a fault mid-commit): start it again.
                 await self._remove_replica(record, "placement was interrupted; placing it again")
+        for name in sorted(set(self.statuses) - set(snap.deployments)):
+            del self.statuses[name]
+            self.decisions.pop(name, None)
+            await self._event(
+                self.bus.names.deployment_event(name),
+                DeploymentStatus(deployment=name, desired=0, summary=f"{name}: deleted", at=now()),
+            )
         try:
             for name in sorted(snap.deployments):
                 await self._converge(snap.deployments[name], alive, snap, at)
@@ -331,6 +341,7 @@ class Controller:
         mine = [self.replicas[_key(r)] for r in mine]
         if profile is None:
             await self._unknown_profile(dep)
+            await self._report(dep, mine, refused=True)
             return
         self._told_unknown.pop(dep.name, None)
         fp = profile.fingerprint()
@@ -340,24 +351,71 @@ class Controller:
         if stale:
             # Roll one replica at a time: a new one ready before an old one goes,
             # where capacity allows; else one old one goes first.
+            refused = False
             if in_flight:
-                return
-            if len(current) + len(stale) > dep.replicas:
+                pass
+            elif len(current) + len(stale) > dep.replicas:
                 await self._remove_replica(_pick_to_remove(stale), "replaced by a replica of the new profile")
             elif not await self._place(dep, profile, fp):
+                refused = True
                 # No room for a new one first. Only if the new profile fits once
                 # an old replica is gone does that replica go; a profile that fits
                 # nowhere must not take the serving replicas down with it.
                 victim = _pick_to_remove(stale)
                 if self._fits_without(victim, dep, profile):
                     await self._remove_replica(victim, "replaced in place: no room for a new replica first")
+            await self._report(dep, mine, refused=refused)
             return
         missing = dep.replicas - len(current)
+        refused = False
         for _ in range(missing):
             if not await self._place(dep, profile, fp):
+                refused = True
                 break
         for record in sorted(current, key=_replica_order, reverse=True)[: max(0, -missing)]:
             await self._remove_replica(record, f"scaled down to {dep.replicas}")
+        if not refused:
+            # Nothing is missing: an earlier refusal no longer says anything about it.
+            last = self.decisions.get(dep.name)
+            if last is not None and last.outcome == "refused":
+                del self.decisions[dep.name]
+        await self._report(dep, mine, refused=refused)
+
+    async def _report(self, dep: Deployment, observed: list[ReplicaRecord], *, refused: bool) -> None:
+        """Publish the deployment's desired, ready, pending and unplaceable counts, with the
+        refusal that keeps some from being placed, when any of them changed."""
+        keys = {_key(r) for r in observed}
+        records = [self.replicas[k] for k in keys if k in self.replicas]
+        # Placed in this step (not observed yet): placing.
+        placed_now = sum(1 for r, _, _, _ in self._batch if r.deployment == dep.name and _key(r) not in keys)
+        ready = sum(1 for r in records if r.state == "ready")
+        pending = len(records) + placed_now - ready
+        unplaceable = max(0, dep.replicas - len(records) - placed_now) if refused else 0
+        last = self.decisions.get(dep.name)
+        reasons = last.reasons if refused and last is not None and last.outcome == "refused" else ()
+        parts = [f"{dep.name}: {ready} of {dep.replicas} ready"]
+        if pending:
+            states = Counter(r.state for r in records if r.state != "ready")
+            if placed_now:
+                states["placing"] += placed_now
+            parts.append(", ".join(f"{n} {state}" for state, n in sorted(states.items())))
+        if unplaceable:
+            parts.append(f"{unplaceable} cannot be placed: {_reasons_text(reasons)}")
+        status = DeploymentStatus(
+            deployment=dep.name,
+            desired=dep.replicas,
+            ready=ready,
+            pending=pending,
+            unplaceable=unplaceable,
+            summary="; ".join(parts),
+            reasons=reasons,
+            at=now(),
+        )
+        previous = self.statuses.get(dep.name)
+        if previous is not None and msgspec.structs.replace(previous, at=status.at) == status:
+            return
+        self.statuses[dep.name] = status
+        await self._event(self.bus.names.deployment_event(dep.name), status)
 
     async def _unknown_profile(self, dep: Deployment) -> None:
         """A deployment naming no profile of the catalog: refused (once), and its value copied to
@@ -410,9 +468,33 @@ class Controller:
             state = "ready" if url else "starting"
         else:
             state = "starting"
-        if (state, reason, url) != (record.state, record.reason, record.url):
+        # Restarts and the last failure, as the launchers keep them: the failure stays
+        # until the replica is ready again, so a retry never hides why it is retrying.
+        known = [s for s in statuses if s is not None]
+        restarts = sum(s.restarts for s in known)
+        last = max(known, key=lambda s: s.last_failure_at, default=None)
+        last_failure = last.last_failure if last is not None and state != "ready" else ""
+        if state == "starting" and last_failure:
+            headline = last_failure.split("\n", 1)[0].split("; last log lines", 1)[0]
+            reason = f"attempt {restarts + 1}; last: {headline}"
+        if (state, reason, url, restarts, last_failure) != (
+            record.state,
+            record.reason,
+            record.url,
+            record.restarts,
+            record.last_failure,
+        ):
             await self._save_replica(
-                msgspec.structs.replace(record, state=state, reason=reason, url=url, updated_at=now())
+                msgspec.structs.replace(
+                    record,
+                    state=state,
+                    reason=reason,
+                    url=url,
+                    restarts=restarts,
+                    last_failure=last_failure,
+                    since=record.since if state == record.state and record.since else now(),
+                    updated_at=now(),
+                )
             )
 
     # --- writes -------------------------------------------------------------------
@@ -532,6 +614,7 @@ class Controller:
             pool=dep.pool,
             created_at=now(),
             updated_at=now(),
+            since=now(),
         )
         number, end = self._ids[dep.name]
         self._ids[dep.name] = (number + 1, end)
@@ -617,7 +700,7 @@ class Controller:
         are missing (removed and placed again), never a replica that looks whole."""
         names = self.bus.names
         key = _key(record)
-        starting = msgspec.structs.replace(record, state="starting", updated_at=now())
+        starting = msgspec.structs.replace(record, state="starting", updated_at=now(), since=now())
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.bus.put, names.replicas_bucket, key, starting)
             for spec in specs:
@@ -735,6 +818,11 @@ class Controller:
             await self.bus.publish(subject, msg)
         except BusError as exc:
             log.warning("could not publish to %s: %s", subject, exc)
+
+
+def _reasons_text(reasons: tuple[NodeReason, ...], limit: int = 5) -> str:
+    """`node-a 0 of 2 GPUs free, node-b lost: …` for a few nodes, counted past `limit`."""
+    return Refusal(tuple((r.node, r.reason) for r in reasons)).summary(limit) if reasons else "no nodes known"
 
 
 def _key(record: ReplicaRecord) -> str:

@@ -236,10 +236,15 @@ def unfit(
     if engine is None:
         return node.install or f"engine {profile.engine} not installed"
     if not engine.runs:
+        # The node's own words: the install's progress while it installs, else the detail
+        # the installer gave (why it failed, the library a broken build misses).
+        words = engine.detail or (
+            node.install.removeprefix("installing: ") if engine.state == "installing" else ""
+        )
         return (
-            f"engine {profile.engine} {engine.state}: {engine.detail}"
-            if engine.detail
-            else (f"engine {profile.engine} {engine.state}")
+            f"engine {profile.engine} {engine.state}: {words}"
+            if words
+            else f"engine {profile.engine} {engine.state}"
         )
     need = gpus_needed(profile)
     if profile.gpu_class:
@@ -272,6 +277,8 @@ def choose_gpus(free: Sequence[GPUInfo], n: int) -> list[GPUInfo]:
     Contiguous GPUs usually share a PCIe switch or NVLink domain; scattering a
     tensor-parallel group over the machine costs bandwidth.
     """
+    if n <= 0:
+        return []
     ordered = sorted(free, key=lambda g: g.index)
     for start in range(len(ordered) - n + 1):
         window = ordered[start : start + n]

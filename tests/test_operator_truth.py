@@ -1,0 +1,218 @@
+"""What an operator reads about a deployment names the real cause, and changes only when it does.
+
+Placement runs in-process on its own NATS connection over simulated fleets (or a
+real installer and launcher for the install case); the texts asserted are those
+published on the bus, which `ctl`, the API and the page all read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import anyio
+import pytest
+
+from llmgw_core.bus import Bus
+from llmgw_core.events import Deployment, DeploymentStatus, EngineSpec, PlacementDecision
+from tests.control_support import TP1, control_plane, replicas
+from tests.installer_support import ASSET, agent, build_server, installer, pack, release_server, want
+from tests.launcher_support import running_launcher
+from tests.waiting import eventually
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
+
+
+async def last_status(bus: Bus, deployment: str) -> DeploymentStatus | None:
+    found = await bus.history(bus.names.deployment_event(deployment), DeploymentStatus, idle_s=0.3)
+    return found[-1] if found else None
+
+
+def status_where(
+    bus: Bus, deployment: str, test: Callable[[DeploymentStatus], bool]
+) -> Callable[[], Awaitable[DeploymentStatus | None]]:
+    """For `eventually`: the deployment's last published status once `test` holds for it."""
+
+    async def probe() -> DeploymentStatus | None:
+        found = await last_status(bus, deployment)
+        return found if found is not None and test(found) else None
+
+    return probe
+
+
+def _catalog(*extra: dict[str, object]) -> list[dict[str, object]]:
+    return [TP1, *extra]
+
+
+async def test_a_deployment_says_how_many_are_ready_and_why_the_rest_cannot_be_placed(
+    bus: Bus, nats_url: str, prefix: str
+) -> None:
+    """Ten wanted, room for three: `3 of 10 ready; 7 cannot be placed: <each node's reason>`;
+    scaled down to what fits, the refusal is gone from every view."""
+    async with control_plane(nats_url, prefix) as cp:
+        await cp.start_fleet(["n0", "n1", "n2"], gpus=1)
+        await cp.start_placement("a")
+        await eventually(lambda: len(cp.leaders()) == 1, timeout=20)
+        await bus.put(
+            bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1", replicas=10)
+        )
+
+        status = await eventually(status_where(bus, "chat", lambda s: s.ready == 3), timeout=30, interval=0.3)
+        assert (status.desired, status.ready, status.pending, status.unplaceable) == (10, 3, 0, 7)
+        assert status.summary.startswith("chat: 3 of 10 ready; 7 cannot be placed: "), status.summary
+        for node in ("n0", "n1", "n2"):
+            assert f"{node}: 0 of 1 GPUs free, profile needs 1" in status.summary
+        assert {r.node for r in status.reasons} == {"n0", "n1", "n2"}
+
+        await bus.put(
+            bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1", replicas=3)
+        )
+
+        status = await eventually(
+            status_where(bus, "chat", lambda s: s.desired == 3), timeout=20, interval=0.3
+        )
+        assert status.summary == "chat: 3 of 3 ready"
+        assert (status.unplaceable, status.reasons) == (0, ())
+        leader = cp.leaders()[0].service.controller
+        assert leader is not None
+        assert "chat" not in leader.decisions, "a refusal that no longer holds is still kept for explain"
+
+        await (await bus.kv(bus.names.deployments_bucket)).delete("chat")
+        gone = await eventually(status_where(bus, "chat", lambda s: s.desired == 0), timeout=20, interval=0.3)
+        assert gone.summary == "chat: deleted"
+
+
+@pytest.mark.parametrize(
+    ("profile", "words"),
+    [
+        (
+            {"name": "a100", "engine": "sim", "model_path": "sim://x", "gpu_class": "A100-80G", "tp": 1},
+            "GPU class H100-80G, profile needs A100-80G",
+        ),
+        (
+            {"name": "tp16", "engine": "sim", "model_path": "sim://x", "gpu_class": "H100-80G", "tp": 16},
+            "8 of 8 GPUs free, profile needs 16",
+        ),
+        (
+            {
+                "name": "two-nodes",
+                "engine": "sim",
+                "model_path": "sim://x",
+                "gpu_class": "H100-80G",
+                "tp": 8,
+                "nodes": 2,
+                "gpus_per_node": 4,
+            },
+            "on no fabric; profile needs 2 nodes on one fabric",
+        ),
+        (
+            {"name": "vl", "engine": "vllm", "model_path": "/m", "gpu_class": "H100-80G", "tp": 1},
+            "engine vllm not installed",
+        ),
+    ],
+    ids=["gpu-class", "over-capacity", "fabric", "engine-missing"],
+)
+async def test_a_refusal_names_each_nodes_cause(
+    bus: Bus, nats_url: str, prefix: str, profile: dict[str, object], words: str
+) -> None:
+    async with control_plane(nats_url, prefix) as cp:
+        await cp.start_fleet(["n0", "n1"], gpus=8)
+        await cp.start_placement("a", catalog=_catalog(profile))
+        await eventually(lambda: len(cp.leaders()) == 1, timeout=20)
+        name = str(profile["name"])
+        await bus.put(bus.names.deployments_bucket, "d", Deployment(name="d", profile=name, replicas=1))
+        status = await eventually(
+            status_where(bus, "d", lambda s: s.unplaceable == 1), timeout=20, interval=0.3
+        )
+        assert status.summary == f"d: 0 of 1 ready; 1 cannot be placed: n0: {words}; n1: {words}"
+        [decision] = await bus.history(bus.names.placement_event("d"), PlacementDecision, idle_s=0.3)
+        assert decision.outcome == "refused"
+        assert {(r.node, r.reason) for r in decision.reasons} == {("n0", words), ("n1", words)}
+
+
+async def test_an_unknown_profile_is_named_with_the_deployment(bus: Bus, nats_url: str, prefix: str) -> None:
+    async with control_plane(nats_url, prefix) as cp:
+        await cp.start_fleet(["n0"], gpus=8)
+        await cp.start_placement("a")
+        await eventually(lambda: len(cp.leaders()) == 1, timeout=20)
+        await bus.put(bus.names.deployments_bucket, "d", Deployment(name="d", profile="nope", replicas=2))
+        status = await eventually(
+            status_where(bus, "d", lambda s: s.unplaceable == 2), timeout=20, interval=0.3
+        )
+        assert status.summary == "d: 0 of 2 ready; 2 cannot be placed: -: profile nope is not in the catalog"
+
+
+async def test_a_lost_node_refuses_each_deployment_once_not_every_step(
+    bus: Bus, nats_url: str, prefix: str
+) -> None:
+    """Regression: a refusal quoting "lost N s ago" changed every second, so every refused
+    deployment republished it every step (293 events in 78 s for 4 deployments)."""
+    async with control_plane(nats_url, prefix) as cp:
+        fleet = await cp.start_fleet(["n0"], gpus=1)
+        await cp.start_placement("a")
+        await eventually(lambda: len(cp.leaders()) == 1, timeout=20)
+        for i in range(4):
+            await bus.put(bus.names.deployments_bucket, f"d{i}", Deployment(name=f"d{i}", profile="tp1"))
+
+        # One of them holds the only GPU; the other three are refused.
+        async def one_ready() -> bool:
+            return sum(1 for r in (await replicas(bus)).values() if r.state == "ready") == 1
+
+        await eventually(one_ready, timeout=30, interval=0.3)
+        fleet.cancel()
+        names = [f"d{i}" for i in range(4)]
+
+        async def all_lost() -> bool:
+            for name in names:
+                s = await last_status(bus, name)
+                if s is None or "lost: no heartbeat since" not in s.summary:
+                    return False
+            return True
+
+        await eventually(all_lost, timeout=30, interval=0.5)
+        before = {
+            n: len(await bus.history(bus.names.placement_event(n), PlacementDecision, idle_s=0.2))
+            for n in names
+        }
+        statuses = {
+            n: len(await bus.history(bus.names.deployment_event(n), DeploymentStatus, idle_s=0.2))
+            for n in names
+        }
+        await anyio.sleep(60)
+        for n in names:
+            after = await bus.history(bus.names.placement_event(n), PlacementDecision, idle_s=0.2)
+            assert len(after) == before[n], f"{n}: {len(after) - before[n]} refusals republished while lost"
+            again = await bus.history(bus.names.deployment_event(n), DeploymentStatus, idle_s=0.2)
+            assert len(again) == statuses[n], [s.summary for s in again[statuses[n] :]]
+            assert sum(1 for d in after if d.outcome == "refused" and "lost" in d.reasons[0].reason) <= 1
+
+
+async def test_a_refusal_quotes_the_installers_own_progress(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """Regression: while a node downloaded its llama.cpp build, `ctl nodes` showed the
+    download's progress but the refusal said only `engine llamacpp installing`."""
+    padding = tmp_path / "padding.bin"
+    padding.write_bytes(os.urandom(2_000_000))  # incompressible: the download takes a while
+    archive = pack(tmp_path / ASSET, {"llama-server": build_server(tmp_path / "b"), "padding.bin": padding})
+    llama = {"name": "cpu", "engine": "llamacpp", "model_path": str(tmp_path / "m.gguf")}
+    async with release_server() as rel, control_plane(nats_url, prefix) as cp:
+        rel.add_file(archive, "slow")
+        config = agent(tmp_path, nats_url, prefix, rel.api, heartbeat_interval_s=0.3)
+        await cp.start_placement("a", catalog=_catalog(llama))
+        await eventually(lambda: len(cp.leaders()) == 1, timeout=20)
+        await want(bus, EngineSpec(name="llamacpp", version="b9999"))
+        async with running_launcher(config), anyio.create_task_group() as tg:
+            inst = installer(config, bus)
+            await inst.load_desired()
+            tg.start_soon(inst.converge_once)
+            await bus.put(bus.names.deployments_bucket, "cpu", Deployment(name="cpu", profile="cpu"))
+
+            status = await eventually(
+                status_where(bus, "cpu", lambda s: "%, " in s.summary), timeout=60, interval=0.3
+            )
+            assert "node-a: engine llamacpp installing: downloading" in status.summary, status.summary
+            tg.cancel_scope.cancel()
+        events = await bus.history(bus.names.placement_event("cpu"), PlacementDecision, idle_s=0.3)
+        assert any("engine llamacpp installing: downloading" in r.reason for d in events for r in d.reasons)
