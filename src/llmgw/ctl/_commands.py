@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import sys
 import time
@@ -532,6 +533,9 @@ async def _dispatch(bus: Bus, args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The bus client logs each failed connection attempt and reconnect; ctl says what failed
+    # once, on one line, and scripts read stderr.
+    logging.getLogger("llmgw.bus").setLevel(logging.ERROR)
     follows = getattr(args, "watch", False) or getattr(args, "follow", False)
 
     async def main() -> str | None:
