@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from nats.aio.msg import Msg
 
 from llmgw.auth import AuthDir
 from llmgw_core.access import PermissionDenied, prepare_node, require_streams
@@ -363,6 +364,28 @@ async def test_the_operator_writes_deployments_and_the_catalog_only(
         await gateway.entries(n.nodes_bucket, NodeStatus)
 
 
+async def test_only_the_operator_asks_a_launcher_for_logs_and_only_its_node_answers(
+    bus: Bus, auth: AuthDir, connect_as: Connect, prefix: str
+) -> None:
+    n = bus.names
+    node = await connect_as("node-gpu-1")
+
+    async def answer(msg: Msg) -> None:
+        await msg.respond(b"its lines")
+
+    await node.nc.subscribe(n.launcher_logs("gpu-1"), cb=answer)
+    await node.nc.flush()
+    ctl = await connect_as("ctl")
+    reply = await ctl.nc.request(n.launcher_logs("gpu-1"), b"{}", timeout=5)
+    assert reply.data == b"its lines"
+    assert node.nc.denied_total == 0
+    # Logs can quote secrets: observers may not ask, and no node may answer for another.
+    observer = await connect_as("observer")
+    await core_refused(observer, n.launcher_logs("gpu-1"))
+    other = await connect_as("node-gpu-2")
+    await subscribe_refused(other, n.launcher_logs("gpu-1"))
+
+
 # --- connecting ----------------------------------------------------------------------
 
 
@@ -497,9 +520,12 @@ async def test_ctl_takes_its_identity_from_a_flag(auth: AuthDir, server: Session
     denied = await anyio.run_process(
         [*ctl, "--nkey", str(auth.seed("observer")), *deploy], env=env, check=False
     )
-    assert denied.returncode == 2
-    last = denied.stderr.decode().splitlines()[-1]
-    assert last.startswith(f"llmgw: write {prefix}-deployments/chat failed: nats-server refused observer (")
+    # Refused (exit code 4, docs/ctl.md; nats-server's own refusal is logged above it): the
+    # observer may not even read the catalog that `deploy` checks the profile against.
+    assert denied.returncode == 4, denied.stderr.decode()
+    line = denied.stderr.decode().splitlines()[-1]
+    assert line.startswith("llmgw: ")
+    assert "nats-server refused observer (" in line
 
 
 async def test_the_fleet_command_joins_as_the_fleet_identity(

@@ -95,27 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         help="I/N: run the I-th of N equal parts of the fleet (several processes share a big fleet)",
     )
     _identity_flags(p_fleet)
-    p_ctl = sub.add_parser("ctl", help="inspect a running cluster (LLMGW_NATS_URL, LLMGW_NATS_NKEY)")
-    p_ctl.add_argument("--prefix", default="llmgw", help="subject prefix of the cluster")
-    _identity_flags(p_ctl)
-    ctl_sub = p_ctl.add_subparsers(dest="ctl", required=True)
-    ctl_sub.add_parser("nodes", help="every node: alive, GPUs, engines, install progress")
-    p_explain = ctl_sub.add_parser("explain", help="why a deployment is placed where it is, or not at all")
-    p_explain.add_argument("deployment")
-    p_deploy = ctl_sub.add_parser("deploy", help="create or change a deployment")
-    p_deploy.add_argument("name")
-    p_deploy.add_argument("--profile", required=True)
-    p_deploy.add_argument("--replicas", type=int, default=1)
-    p_deploy.add_argument("--pool", default="")
-    p_deploy.add_argument("--strategy", choices=["binpack", "spread"], default="binpack")
-    p_apply = ctl_sub.add_parser(
-        "apply",
-        help="write the engines, catalog and deployments of a server.yaml, replacing what the cluster has",
-    )
-    p_apply.add_argument("-f", "--file", required=True, help="server.yaml")
-    p_delete = ctl_sub.add_parser("delete", help="delete a deployment: its replicas stop")
-    p_delete.add_argument("kind", choices=["deployment"])
-    p_delete.add_argument("name")
+    from .ctl._args import add_parser as add_ctl_parser
+
+    add_ctl_parser(sub)
     _onboard_parser(sub)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:

@@ -7,13 +7,15 @@ whose rights nats-server itself enforces, subject by subject:
     placement   writes shard specs, replicas, the lease and the desired engines;
                 seeds the catalog and deployments (server.yaml, its token-checked
                 API); creates and updates llmgw's streams and buckets
-    ctl         the operator: writes deployments and the catalog; reads everything
+    ctl         the operator: writes deployments and the catalog; reads everything,
+                and asks launchers for their shards' logs
     observer    reads events, node status, shard status, replicas and heartbeats;
                 writes nothing (and never sees shard specs: they carry environments)
     gateway     reads the replicas bucket
     node-<id>   one per node, shared by its installer and launcher: writes only its
                 own status, shard statuses, heartbeats and events; reads the desired
-                engines and only its own shard specs
+                engines and only its own shard specs; answers requests for its own
+                shards' logs (only `ctl` may ask: logs can quote secrets)
     fleet       `llmgw fleet`'s simulated nodes: every node's rights at once, for
                 scale tests only
 
@@ -161,7 +163,8 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             f"{p}.dlq.launcher-{node}",
             *_read_filtered(shards, f"$KV.{names.shards_bucket}.{node}.*"),
         ]
-        return Permissions(tuple(publish), (inbox,))
+        # Its launcher answers requests for its shards' logs (and only for its own).
+        return Permissions(tuple(publish), (inbox, names.launcher_logs(node)), allow_responses=True)
     if role == "fleet":
         publish = [
             *_node_publish(names, "*"),
@@ -195,6 +198,8 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             # The desired engines are the operator's too (`llmgw ctl apply -f server.yaml`).
             f"$KV.{names.config_bucket}.engines",
             names.liveness_request,
+            # `llmgw ctl logs`: any node's launcher, for its shards' log lines.
+            names.launcher_logs("*"),
             f"{p}.dlq.llmgw-ctl",
             f"{p}.dlq.llmgw-up",
             *(rule for s in all_streams(names) for rule in _read_all(s)),

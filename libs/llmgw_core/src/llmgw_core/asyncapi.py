@@ -100,6 +100,15 @@ CHANNELS: list[tuple[str, str, type[msgspec.Struct], str, list[str], str]] = [
         "receive",
     ),
     (
+        "launcherLogs",
+        _N.launcher_logs("{node}"),
+        ev.ShardLogsRequest,
+        "Request/reply (plain NATS): the node's launcher answers with a ShardLogs, the shard's "
+        "own log lines, at most about 1 MB (`llmgw ctl logs`); an unknown shard gets `error`.",
+        ["node"],
+        "send",
+    ),
+    (
         "configBucket",
         "$KV.{prefix}-config.engines",
         ev.DesiredEngines,
@@ -156,6 +165,12 @@ CHANNELS: list[tuple[str, str, type[msgspec.Struct], str, list[str], str]] = [
         "receive",
     ),
 ]
+
+# Request/reply channels: the reply's message and what it says; it comes on the requester's
+# own inbox (AsyncAPI: a reply channel with a null address).
+REPLIES: dict[str, tuple[type[msgspec.Struct], str]] = {
+    "launcherLogs": (ev.ShardLogs, "The launcher's reply: the shard's log lines, or why none."),
+}
 
 PARAMETERS = {
     "prefix": "Subject prefix, `llmgw` by default.",
@@ -222,7 +237,7 @@ DLQ_HEADERS = {
 
 
 def document() -> dict[str, Any]:
-    types = sorted({c[2] for c in CHANNELS}, key=lambda t: t.__name__)
+    types = sorted({c[2] for c in CHANNELS} | {r[0] for r in REPLIES.values()}, key=lambda t: t.__name__)
     (_, components) = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     channels: dict[str, Any] = {}
     operations: dict[str, Any] = {}
@@ -230,10 +245,18 @@ def document() -> dict[str, Any]:
         channels[cid] = _channel(address, message, description, ["prefix", *params])
         if kept := _stream_of(address):
             channels[cid]["x-llmgw-jetstream"] = kept
-        operations[f"{action}{cid[0].upper()}{cid[1:]}"] = {
-            "action": action,
-            "channel": {"$ref": f"#/channels/{cid}"},
-        }
+        operation: dict[str, Any] = {"action": action, "channel": {"$ref": f"#/channels/{cid}"}}
+        if cid in REPLIES:
+            reply_message, reply_description = REPLIES[cid]
+            channels[f"{cid}Reply"] = {
+                "address": None,
+                "description": reply_description,
+                "messages": {
+                    reply_message.__name__: {"$ref": f"#/components/messages/{reply_message.__name__}"}
+                },
+            }
+            operation["reply"] = {"channel": {"$ref": f"#/channels/{cid}Reply"}}
+        operations[f"{action}{cid[0].upper()}{cid[1:]}"] = operation
     channels["deadLetters"] = {
         "address": _N.dlq("{service}"),
         "description": (

@@ -38,6 +38,8 @@ __all__ = [
     "Profile",
     "ReplicaRecord",
     "ReplicaStatus",
+    "ShardLogs",
+    "ShardLogsRequest",
     "ShardSpec",
     "ShardState",
     "ShardStatus",
@@ -293,6 +295,34 @@ class PlacementDecision(Message, frozen=True):
     nodes: tuple[str, ...] = ()
     reasons: tuple[NodeReason, ...] = ()
     at: float = 0.0
+
+
+# --- logs on request -------------------------------------------------------------
+
+
+class ShardLogsRequest(Message, frozen=True):
+    """A request on `<prefix>.launcher.<node>.logs` for a shard's log lines."""
+
+    shard: Token
+    # The last N lines (0: as many as fit the reply, about 1 MB).
+    tail: Annotated[int, Meta(ge=0)] = 100
+    # One of the shard's processes by name (`ShardLogs.processes`); default its last, the engine.
+    process: str = ""
+    # To follow a log: the `offset` of the previous reply; the lines written since come back.
+    offset: Annotated[int, Meta(ge=-1)] = -1
+
+
+class ShardLogs(Message, frozen=True):
+    """The launcher's reply: the lines, or `error` saying why none (an unknown shard, say)."""
+
+    node: str
+    shard: str
+    process: str = ""
+    processes: tuple[str, ...] = ()
+    lines: tuple[str, ...] = ()
+    # Where the next follow request starts (a byte offset in the process's log).
+    offset: int = 0
+    error: str = ""
 
 
 # --- encoding ---------------------------------------------------------------

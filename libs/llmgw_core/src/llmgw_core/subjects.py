@@ -114,6 +114,11 @@ class Names:
         `Liveness` of every node, as it judges them; `llmgw ctl` asks it."""
         return f"{self.prefix}.placement.liveness"
 
+    def launcher_logs(self, node: str) -> str:
+        """Request/reply: the node's launcher answers a `ShardLogsRequest` with `ShardLogs`,
+        a shard's own log lines (`llmgw ctl logs`)."""
+        return f"{self.prefix}.launcher.{node}.logs"
+
     def dlq(self, service: str) -> str:
         return f"{self.prefix}.dlq.{service}"
 

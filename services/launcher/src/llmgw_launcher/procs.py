@@ -16,18 +16,32 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from collections import deque
 from pathlib import Path
 
 from llmgw_core.engines import Command
 
 LOG_LIMIT = 4 << 20  # bytes per process log before it is rotated
+# Every attempt of a shard appends to the same log; this line starts each one, so that a
+# failure quotes only the failing attempt's own lines (an earlier attempt's last words
+# would otherwise be read as the cause of this one's exit).
+ATTEMPT_MARK = "--- llmgw: attempt "
 
 
-def start(cmd: Command, log_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
-    """Start `cmd` in a new session (its own process group), output appended to `log_path`."""
+def attempt_mark(attempt: int, at: float) -> str:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+    return f"{ATTEMPT_MARK}{attempt} started {stamp} ---"
+
+
+def start(cmd: Command, log_path: Path, cwd: Path, attempt: int = 0) -> subprocess.Popen[bytes]:
+    """Start `cmd` in a new session (its own process group), output appended to `log_path`
+    after a line that marks the start of `attempt` (none when 0)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
+        if attempt:
+            log.write(f"{attempt_mark(attempt, time.time())}\n".encode())
+            log.flush()
         return subprocess.Popen(
             cmd.argv,
             env=cmd.env_dict(),
@@ -40,10 +54,10 @@ def start(cmd: Command, log_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
         )
 
 
-def spawn(cmd: Command, log_path: Path, cwd: Path) -> tuple[subprocess.Popen[bytes], int]:
+def spawn(cmd: Command, log_path: Path, cwd: Path, attempt: int = 0) -> tuple[subprocess.Popen[bytes], int]:
     """`start` and the new process's start time (0 if it is already gone)."""
     cwd.mkdir(parents=True, exist_ok=True)
-    popen = start(cmd, log_path, cwd)
+    popen = start(cmd, log_path, cwd, attempt)
     return popen, start_time(popen.pid) or 0
 
 
@@ -135,8 +149,9 @@ def _stat(proc_dir: Path) -> list[str] | None:
         return None
 
 
-def tail(log_path: Path, lines: int = 20) -> list[str]:
-    """The last `lines` lines of a process log."""
+def tail(log_path: Path, lines: int = 20, *, this_attempt: bool = False) -> list[str]:
+    """The last `lines` lines of a process log; with `this_attempt`, only those after the
+    last attempt's mark (the mark itself left out)."""
     try:
         with log_path.open("rb") as f:
             f.seek(0, os.SEEK_END)
@@ -145,8 +160,33 @@ def tail(log_path: Path, lines: int = 20) -> list[str]:
             data = f.read()
     except OSError:
         return []
-    text = data.decode("utf-8", "replace")
-    return list(deque(text.splitlines(), maxlen=lines))
+    text = data.decode("utf-8", "replace").splitlines()
+    if this_attempt:
+        marks = [i for i, line in enumerate(text) if line.startswith(ATTEMPT_MARK)]
+        if marks:
+            text = text[marks[-1] + 1 :]
+    return list(deque(text, maxlen=lines))
+
+
+def read_from(log_path: Path, offset: int, limit: int) -> tuple[list[str], int]:
+    """Whole lines written at or after byte `offset` (from the start if the log is now shorter:
+    it was rotated), at most `limit` bytes of them counted from the end; and the offset after them."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            if offset > size:
+                offset = 0
+            start = max(offset, size - limit)
+            f.seek(start)
+            data = f.read(size - start)
+    except OSError:
+        return [], offset
+    end = data.rfind(b"\n") + 1  # a line still being written waits for its newline
+    text = data[:end].decode("utf-8", "replace").splitlines()
+    if start > offset and text:
+        text = text[1:]  # cut by the limit: its first line is partial
+    return text, start + end
 
 
 def rotate_if_large(log_path: Path, limit: int = LOG_LIMIT) -> None:

@@ -90,6 +90,11 @@ class Failure:
     reason: str
     retryable: bool = True
 
+    @property
+    def summary(self) -> str:
+        """The reason's first line, without the log lines it quotes."""
+        return self.reason.split("\n", 1)[0].removesuffix("; last log lines:")
+
 
 @dataclass
 class Proc:
@@ -133,6 +138,9 @@ class ShardRunner:
         self.restarts = adopt.restarts if adopt else 0
         self.port = adopt.port if adopt else 0
         self.state: ShardState = "pending"
+        # The last failure, kept across restarts until the shard is ready again.
+        self.last_failure: Failure | None = None
+        self.last_failure_at = 0.0
         self._owns_port = False
         self._leader_url = ""
 
@@ -140,8 +148,16 @@ class ShardRunner:
 
     def _set(self, state: ShardState, reason: str = "", retryable: bool = True) -> None:
         self.state = state
+        if state == "ready":
+            self.last_failure = None
+            self.last_failure_at = 0.0
+        elif state in ("pending", "starting") and not reason and self.last_failure is not None:
+            # While retrying, say which attempt this is and why the last one ended.
+            reason = f"attempt {self.restarts + 1}; last: {self.last_failure.summary}"
         # A reason may quote the engine's log, and an engine may print its environment.
-        reason = scrub(reason, secret_values(self.spec.profile.env, self.ctx.environ))
+        secrets = secret_values(self.spec.profile.env, self.ctx.environ)
+        reason = scrub(reason, secrets)
+        last_failure = scrub(self.last_failure.reason, secrets) if self.last_failure else ""
         status = ShardStatus(
             node=self.ctx.node,
             shard=self.spec.shard,
@@ -159,6 +175,8 @@ class ShardRunner:
             restarts=self.restarts,
             rank=self.spec.rank,
             at=now(),
+            last_failure=last_failure,
+            last_failure_at=self.last_failure_at,
         )
         log.info("shard %s: %s%s", self.key, state, f" ({reason})" if reason else "")
         self.ctx.publish(status)
@@ -190,6 +208,8 @@ class ShardRunner:
             failure = await self._guarded(self._attempt)
         while True:
             await self._kill_all()
+            self.last_failure = failure
+            self.last_failure_at = now()
             self._set("failed", failure.reason, failure.retryable)
             if not failure.retryable:
                 # Not worth retrying until the spec changes; a changed spec
@@ -321,7 +341,9 @@ class ShardRunner:
         log_path = self.ctx.state_dir / "logs" / self.key / f"{len(self.procs)}-{cmd.name}.log"
         workdir = self.ctx.state_dir / "run" / self.key
         try:
-            popen, started = await anyio.to_thread.run_sync(procs.spawn, cmd, log_path, workdir)
+            popen, started = await anyio.to_thread.run_sync(
+                procs.spawn, cmd, log_path, workdir, self.restarts + 1
+            )
         except OSError as exc:
             return Failure(f"cannot start {cmd.name} ({cmd.path}): {exc.strerror or exc}")
         self.procs.append(Proc(cmd.name, popen.pid, started, log_path, popen))
@@ -338,10 +360,15 @@ class ShardRunner:
         """How a process ended, with the last lines of its log; `proc` is found by its reason if not given."""
         found = proc or next((p for p in self.procs if p.exit_reason() == reason), None)
         if found is not None:
-            lines = await anyio.to_thread.run_sync(procs.tail, found.log, LOG_LINES_IN_REASON)
+            lines = await anyio.to_thread.run_sync(self._attempt_tail, found.log)
             if lines:
                 return Failure(f"{reason}; last log lines:\n" + "\n".join(lines))
         return Failure(reason)
+
+    @staticmethod
+    def _attempt_tail(log: Path) -> list[str]:
+        # Only the failing attempt's own lines: its exit is not explained by an earlier one's.
+        return procs.tail(log, LOG_LINES_IN_REASON, this_attempt=True)
 
     # --- waiting on processes ---------------------------------------------------
 
@@ -420,9 +447,7 @@ class ShardRunner:
             if problem is None:
                 return None
             if time.monotonic() > deadline:
-                return Failure(
-                    f"{url} did not answer 200 within the {timeout:g}s health timeout (last: {problem})"
-                )
+                return Failure(f"no health answer within {timeout:g} s from {url} (last: {problem})")
             await anyio.sleep(LOADING_PROBE_S)
 
     async def _supervise(self, engine: Engine) -> Failure:

@@ -9,6 +9,7 @@ statuses pipelined to the bus, coalesced in the bucket).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -19,15 +20,21 @@ from pathlib import Path
 
 import anyio
 import anyio.abc
+import msgspec
+import nats.errors
+from nats.aio.msg import Msg
 
 from llmgw_core.access import permission_refusals
 from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig
 from llmgw_core.engines import GPUInfo, Registry, ShardSpec, default_registry
+from llmgw_core.events import ShardLogs, ShardLogsRequest, decoder, encode
 from llmgw_core.installed import installed
 from llmgw_core.metrics import Sample, serve_metrics
 from llmgw_core.probe import Probe
+from llmgw_core.redact import scrub, secret_values
 
+from . import procs
 from .health import HealthProber
 from .outbox import StatusOutbox
 from .reconcile import diff
@@ -39,6 +46,8 @@ log = logging.getLogger("llmgw.launcher")
 # A health probe that gets no answer in this long counts as failed.
 PROBE_TIMEOUT_S = 2.0
 ENGINE_REFRESH_S = 5.0
+# A logs reply stays under NATS's default max_payload (1 MiB), JSON escaping included.
+LOGS_REPLY_BYTES = 900 * 1024
 
 
 @dataclass
@@ -73,6 +82,17 @@ def registry_for(config: AgentConfig) -> Registry:
             adapter.use_installed(engine.path)
             registry.add(adapter)
     return registry
+
+
+def _process_logs(directory: Path) -> dict[str, Path]:
+    """A shard's process logs by process name, in start order (`<index>-<name>.log`)."""
+    found: list[tuple[int, str, Path]] = []
+    with contextlib.suppress(OSError):
+        for path in directory.glob("*.log"):
+            index, _, name = path.stem.partition("-")
+            if index.isdigit() and name:
+                found.append((int(index), name, path))
+    return {name: path for _, name, path in sorted(found)}
 
 
 class Launcher:
@@ -181,6 +201,7 @@ class Launcher:
                 self.metrics_port = await tg.start(
                     serve_metrics, self.metrics, self.config.mgmt_addr, self.config.launcher_metrics_port
                 )
+            await tg.start(self._serve_logs)
             task_status.started()
             async for change in self.bus.watch(self.bus.names.shards_bucket, ShardSpec, pattern):
                 if change.value is None:
@@ -248,6 +269,95 @@ class Launcher:
             for key in sorted(self.handles):
                 tg.start_soon(self._stop, key)
         await self.outbox.flush()
+
+    # --- logs on request ------------------------------------------------------------
+
+    async def _serve_logs(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Answer `<prefix>.launcher.<node>.logs` requests until cancelled; a fault costs one reply."""
+        subject = self.bus.names.launcher_logs(self.node)
+
+        async def on_request(msg: Msg) -> None:
+            try:
+                reply = await self.shard_logs(msg.data)
+            except Exception as exc:  # one bad request must not end the subscription
+                log.exception("%s: cannot answer a logs request", subject)
+                reply = ShardLogs(
+                    node=self.node, shard="", error=f"launcher error: {type(exc).__name__}: {exc}"
+                )
+            try:
+                await msg.respond(self._fit(reply))
+            except (nats.errors.Error, OSError) as exc:
+                log.warning("%s: cannot reply: %s", subject, exc)
+
+        try:
+            sub = await self.bus.nc.subscribe(subject, cb=on_request)
+        except (nats.errors.Error, OSError) as exc:
+            log.error("%s: cannot answer logs requests: %s", subject, exc)
+            task_status.started()
+            return
+        task_status.started()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(nats.errors.Error, OSError):
+                await sub.unsubscribe()
+
+    def _fit(self, reply: ShardLogs) -> bytes:
+        """The reply encoded, its oldest lines dropped until it fits one NATS message."""
+        limit = min(LOGS_REPLY_BYTES, int(self.bus.nc.max_payload or LOGS_REPLY_BYTES) - 4096)
+        data = encode(reply)
+        while len(data) > limit and reply.lines:
+            reply = msgspec.structs.replace(reply, lines=reply.lines[max(1, len(reply.lines) // 10) :])
+            data = encode(reply)
+        return data
+
+    async def shard_logs(self, data: bytes) -> ShardLogs:
+        """The reply to one logs request: the lines of one of a shard's processes on this node."""
+        try:
+            request = decoder(ShardLogsRequest).decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return ShardLogs(node=self.node, shard="", error=f"not a logs request: {exc}")
+        key = self.bus.names.shard_key(self.node, request.shard)
+        handle = self.handles.get(key)
+        if handle is None:
+            here = sorted(h.spec.shard for h in self.handles.values())
+            return ShardLogs(
+                node=self.node,
+                shard=request.shard,
+                error=f"no shard {request.shard} on node {self.node} "
+                f"(its shards: {', '.join(here) or 'none'})",
+            )
+        logs = await anyio.to_thread.run_sync(_process_logs, self.ctx.state_dir / "logs" / key)
+        names = tuple(logs)
+        if not names:
+            return ShardLogs(
+                node=self.node, shard=request.shard, error=f"shard {request.shard} has no logs yet"
+            )
+        process = request.process or names[-1]
+        path = logs.get(process)
+        if path is None:
+            return ShardLogs(
+                node=self.node,
+                shard=request.shard,
+                processes=names,
+                error=f"shard {request.shard} has no process {process!r} (its processes: {', '.join(names)})",
+            )
+        start = request.offset if request.offset >= 0 else 0
+        lines, offset = await anyio.to_thread.run_sync(procs.read_from, path, start, LOGS_REPLY_BYTES)
+        if request.offset < 0 and request.tail:
+            lines = lines[-request.tail :]
+        # An engine may print its environment: the secrets in it are not for the reader.
+        secrets = secret_values(handle.spec.profile.env, self.ctx.environ)
+        return ShardLogs(
+            node=self.node,
+            shard=request.shard,
+            process=process,
+            processes=names,
+            lines=tuple(scrub(line, secrets) for line in lines),
+            offset=offset,
+        )
 
     def metrics(self) -> list[Sample]:
         states: Counter[str] = Counter(h.runner.state for h in self.handles.values())

@@ -1,0 +1,130 @@
+"""`llmgw ctl`'s command line (argparse only: building it imports nothing heavy)."""
+
+from __future__ import annotations
+
+import argparse
+from importlib import metadata
+
+EXAMPLES = """\
+examples:
+  llmgw ctl get nodes                       every node: alive, GPUs, engines, install progress
+  llmgw ctl get replicas -o json            replica records, for scripts
+  llmgw ctl get shards --watch              the table, then each changed row as it changes
+  llmgw ctl describe deployment chat        desired vs ready, replicas, last failure, refusal, events
+  llmgw ctl deploy chat --profile tiny --replicas 2
+  llmgw ctl scale chat --replicas 5
+  llmgw ctl logs chat-r0-0 --tail 50 --follow
+  llmgw ctl events --deployment chat --follow
+  llmgw ctl apply -f server.yaml
+  llmgw ctl delete deployment chat
+
+exit codes: 0 done, 2 usage, 3 not found, 4 refused, 5 cannot reach NATS (3 s) or the launcher asked.
+The connection: --nats-url or LLMGW_NATS_URL, --nkey or LLMGW_NATS_NKEY. Output fields: docs/ctl.md.
+"""
+
+KINDS = ["nodes", "node", "deployments", "deployment", "replicas", "replica", "shards", "shard"]
+
+
+def _version() -> str:
+    try:
+        return metadata.version("llmgw")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _connection(p: argparse.ArgumentParser, *, suppress: bool) -> None:
+    """The connection flags; on each subcommand too (defaults suppressed there), so that
+    `llmgw ctl get nodes --prefix x` works as well as `llmgw ctl --prefix x get nodes`."""
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if suppress else value
+
+    p.add_argument(
+        "--nats-url",
+        default=default(""),
+        metavar="URL",
+        help="the cluster's NATS (default: LLMGW_NATS_URL, else nats://127.0.0.1:4222)",
+    )
+    p.add_argument("--prefix", default=default("llmgw"), help="subject prefix of the cluster")
+    p.add_argument(
+        "--nkey",
+        default=default(""),
+        metavar="SEED_FILE",
+        help="the ctl identity's nkey seed (LLMGW_NATS_NKEY)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        default=default(False),
+        help="connect without credentials (LLMGW_NATS_INSECURE=1 does the same)",
+    )
+    p.add_argument("--tls-ca", default=default(""), help="CA of the NATS server's certificate")
+    p.add_argument(
+        "--tls-cert", default=default(""), help="client certificate, where the server asks for one"
+    )
+    p.add_argument("--tls-key", default=default(""), help="the client certificate's key")
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    p_ctl = sub.add_parser(
+        "ctl",
+        help="inspect and change a running cluster (LLMGW_NATS_URL, LLMGW_NATS_NKEY)",
+        description="Read the cluster's state from where it is kept and change what the operator owns.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p_ctl.add_argument("--version", action="version", version=f"llmgw {_version()}")
+    _connection(p_ctl, suppress=False)
+    common = argparse.ArgumentParser(add_help=False)
+    _connection(common, suppress=True)
+    ctl_sub = p_ctl.add_subparsers(dest="ctl", required=True, metavar="COMMAND")
+
+    def add(name: str, help_text: str, **kw: object) -> argparse.ArgumentParser:
+        return ctl_sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            parents=[common],
+            epilog=EXAMPLES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    p_get = add("get", "list nodes, deployments, replicas or shards (one, with NAME)")
+    p_get.add_argument("kind", choices=KINDS)
+    p_get.add_argument("name", nargs="?", default="", help="one of them (a replica: DEPLOYMENT.REPLICA)")
+    p_get.add_argument("-o", "--output", choices=["wide", "json", "yaml"], default="", help="output format")
+    p_get.add_argument("-w", "--watch", action="store_true", help="then print each row as it changes")
+    p_describe = add("describe", "the full story of a deployment or a node")
+    p_describe.add_argument("kind", choices=["deployment", "node"])
+    p_describe.add_argument("name")
+    add("nodes", "every node: alive, GPUs, engines, install progress (= get nodes)")
+    p_explain = add("explain", "why a deployment's last replica is placed where it is, or not at all")
+    p_explain.add_argument("deployment")
+    p_deploy = add("deploy", "create or change a deployment")
+    p_deploy.add_argument("name")
+    p_deploy.add_argument("--profile", required=True, help="a profile of the catalog")
+    p_deploy.add_argument("--replicas", type=int, default=1)
+    p_deploy.add_argument("--pool", default="")
+    p_deploy.add_argument("--strategy", choices=["binpack", "spread"], default="binpack")
+    p_scale = add("scale", "change a deployment's replica count")
+    p_scale.add_argument("name", help="the deployment")
+    p_scale.add_argument("--replicas", type=int, required=True)
+    p_apply = add(
+        "apply", "write the engines, catalog and deployments of a server.yaml, replacing what the cluster has"
+    )
+    p_apply.add_argument("-f", "--file", required=True, help="server.yaml")
+    p_delete = add("delete", "delete a deployment: its replicas stop")
+    p_delete.add_argument("kind", choices=["deployment"])
+    p_delete.add_argument("name")
+    p_logs = add("logs", "a shard's log lines, from its node's launcher")
+    p_logs.add_argument("shard", help="a shard id (`get shards`), or NODE.SHARD")
+    p_logs.add_argument("--tail", type=int, default=100, help="the last N lines (0: all that fit 1 MB)")
+    p_logs.add_argument("-f", "--follow", action="store_true", help="then print new lines as they come")
+    p_logs.add_argument("--process", default="", help="one of the shard's processes (default: the engine)")
+    p_events = add("events", "the cluster's events, oldest first")
+    p_events.add_argument("--deployment", default="", help="only this deployment's")
+    p_events.add_argument("--node", default="", help="only this node's")
+    p_events.add_argument("-f", "--follow", action="store_true", help="then print new events as they come")
+    p_events.add_argument("-o", "--output", choices=["json"], default="", help="one JSON object a line")
+    return p_ctl

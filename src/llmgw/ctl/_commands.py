@@ -1,0 +1,579 @@
+"""`llmgw ctl`'s commands: read or write through the bus, print, and exit with a code a script can test."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import msgspec
+import nats.errors
+from opentelemetry import trace
+
+from llmgw_core.access import PermissionDenied
+from llmgw_core.bus import Bus
+from llmgw_core.engines import TOKEN_PATTERN, Profile, ShardSpec
+from llmgw_core.errors import BusError, ConfigError
+from llmgw_core.events import (
+    Deployment,
+    DeploymentStatus,
+    NodeStatus,
+    PlacementDecision,
+    ReplicaRecord,
+    ShardLogsRequest,
+    ShardStatus,
+)
+from llmgw_core.telemetry import current_traceparent
+
+from . import _read as read
+from . import _views as views
+from ._errors import CtlError, NotFound, Refused, Unreachable, UsageError
+
+tracer = trace.get_tracer("llmgw.ctl")
+
+CONNECT_TIMEOUT_S = 3.0
+# A one-shot command that has connected but gets no answers within this long gives up (exit 5).
+COMMAND_TIMEOUT_S = 30.0
+# How long `deploy` waits for placement's word on the new replica count before judging capacity itself.
+DEPLOY_STATUS_WAIT_S = 3.0
+
+
+def out(text: str) -> None:
+    print(text, flush=True)
+
+
+def warn(text: str) -> None:
+    print(f"llmgw: {text}", file=sys.stderr, flush=True)
+
+
+def check_name(what: str, name: str) -> None:
+    if not re.match(TOKEN_PATTERN, name):
+        raise UsageError(
+            f"{what} {name!r} is not a valid name: use letters, digits, '-' and '_' "
+            "(a dot splits a subject), e.g. chat-7b"
+        )
+
+
+# --- kept from the first ctl (tests and scripts call these) -------------------------------
+
+
+async def nodes(bus: Bus) -> str:
+    c = await read.cluster(bus, what=frozenset({"nodes"}))
+    return views.table(views.NODE_HEADERS, [views.node_row(v) for v in views.node_views(c)])
+
+
+async def explain(bus: Bus, deployment: str) -> str:
+    subject = bus.names.placement_event(deployment)
+    try:
+        decision = await read.last_on(bus, subject, PlacementDecision)
+    except BusError as exc:
+        return f"cannot read placement decisions: {exc}"
+    if decision is None:
+        return f"no placement decision for {deployment} yet"
+    if decision.outcome == "placed":
+        return f"{deployment} replica {decision.replica}: placed on {', '.join(decision.nodes)}"
+    rows = [[r.node, r.reason] for r in decision.reasons]
+    return f"{deployment} replica {decision.replica}: refused\n" + views.table(["NODE", "REASON"], rows)
+
+
+async def deploy(bus: Bus, deployment: Deployment) -> Deployment:
+    """Write a deployment; the trace started here follows it through placement and the launchers."""
+    with tracer.start_as_current_span(f"ctl deploy {deployment.name}"):
+        deployment = msgspec.structs.replace(deployment, traceparent=current_traceparent())
+        await bus.put(bus.names.deployments_bucket, deployment.name, deployment)
+    return deployment
+
+
+async def apply(bus: Bus, path: str) -> str:
+    """Write what server.yaml says: its engines, every profile and every deployment it names.
+
+    Keys the file does not name are left as they are (delete a deployment with
+    `llmgw ctl delete deployment NAME`).
+    """
+    from llmgw_core.config import load
+    from llmgw_core.events import DesiredEngines
+    from llmgw_placement.checks import check_deployment
+    from llmgw_placement.config import ServerConfig
+
+    config = load(path, ServerConfig)
+    names = bus.names
+    for dep in config.deployments:
+        problem = check_deployment(dep.name, dep.wire(), max_replicas=config.max_replicas)
+        if problem:
+            raise ConfigError(f"{path}: {problem}")
+    await bus.put(names.config_bucket, "engines", DesiredEngines(engines=config.engines))
+    for profile in config.catalog:
+        await bus.put(names.catalog_bucket, profile.name, profile.wire())
+    for dep in config.deployments:
+        await deploy(bus, dep.wire())
+    return (
+        f"applied {path}: {len(config.engines)} engines, {len(config.catalog)} profiles, "
+        f"{len(config.deployments)} deployments"
+    )
+
+
+async def delete_deployment(bus: Bus, name: str) -> str:
+    check_name("deployment", name)
+    if await bus.get(bus.names.deployments_bucket, name, Deployment) is None:
+        raise NotFound(f"no deployment {name}")
+    await bus.delete(bus.names.deployments_bucket, name)
+    return f"deployment {name} deleted: its replicas stop"
+
+
+# --- deploy and scale --------------------------------------------------------------------
+
+
+async def request_replicas(bus: Bus, dep: Deployment, verb: str) -> str:
+    """Check a deployment against the catalog, write it, and warn when the cluster is short of it."""
+    check_name("deployment", dep.name)
+    if dep.replicas < 0:
+        raise UsageError(f"--replicas {dep.replicas}: a replica count is 0 or more")
+    catalog = await read.values(bus, bus.names.catalog_bucket, Profile)
+    if dep.profile not in catalog:
+        known = ", ".join(sorted(catalog)) or "none (write one with `llmgw ctl apply -f server.yaml`)"
+        raise Refused(f"unknown profile {dep.profile!r} for deployment {dep.name}: the catalog has {known}")
+    from llmgw_placement.checks import check_deployment
+
+    problem = check_deployment(dep.name, dep)
+    if problem:
+        raise Refused(problem)
+    seen: list[DeploymentStatus] = []
+    got = anyio.Event()
+
+    async def on_status(status: DeploymentStatus, _subject: str) -> None:
+        if status.desired == dep.replicas:
+            seen.append(status)
+            got.set()
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(bus.subscribe_core, bus.names.deployment_event(dep.name), DeploymentStatus, on_status)
+        await deploy(bus, dep)
+        with anyio.move_on_after(DEPLOY_STATUS_WAIT_S):
+            await got.wait()
+        tg.cancel_scope.cancel()
+    if seen:
+        status = seen[-1]
+        if status.unplaceable:
+            warn(
+                f"warning: {status.unplaceable} of {dep.replicas} replicas of {dep.name} cannot be "
+                f"placed now: {status.summary or 'see `llmgw ctl describe deployment ' + dep.name + '`'}"
+            )
+    else:
+        shortfall = await _capacity_shortfall(bus, dep, catalog[dep.profile])
+        if shortfall:
+            warn(
+                f"warning: {shortfall} (placement has not said yet; "
+                f"`llmgw ctl describe deployment {dep.name}`)"
+            )
+    return f"deployment {dep.name}: {dep.replicas} x {dep.profile} {verb}"
+
+
+async def _capacity_shortfall(bus: Bus, dep: Deployment, profile: Profile) -> str:
+    """From the nodes' own view: GPUs on alive nodes not held by any shard, against what the new
+    replicas need. Coarse (GPU classes and pools are placement's to judge), so only a warning."""
+    c = await read.cluster(bus, what=frozenset({"nodes", "replicas"}))
+    if c.judged is None:
+        return ""
+    alive = {n.node for n in c.judged.nodes if n.alive}
+    specs = await read.values(bus, bus.names.shards_bucket, ShardSpec)
+    held = sum(len(s.gpus) for s in specs.values() if s.node in alive)
+    total = sum(len(st.facts.gpus) for name, st in c.nodes.items() if name in alive)
+    existing = sum(1 for r in c.replicas.values() if r.deployment == dep.name)
+    per_replica = profile.per_node_gpus * max(1, profile.nodes)
+    needed = max(0, dep.replicas - existing) * per_replica
+    free = total - held
+    if needed > free:
+        return (
+            f"{dep.replicas - existing} more replicas of {dep.name} need {needed} GPUs; "
+            f"alive nodes have {free} free, short by {needed - free}"
+        )
+    return ""
+
+
+# --- get --------------------------------------------------------------------------------------
+
+KINDS = {
+    "nodes": "node",
+    "node": "node",
+    "deployments": "deployment",
+    "deployment": "deployment",
+    "replicas": "replica",
+    "replica": "replica",
+    "shards": "shard",
+    "shard": "shard",
+}
+
+
+def _pick(items: dict[str, Any], name: str, what: str, match: Callable[[Any], bool]) -> list[Any]:
+    if name in items:
+        return [items[name]]
+    found = [v for v in items.values() if match(v)]
+    if not found:
+        raise NotFound(f"no {what} {name} (`llmgw ctl get {what}s` lists them)")
+    return found
+
+
+async def get(bus: Bus, kind: str, name: str, output: str) -> str:
+    wide = output == "wide"
+    now = time.time()
+    if kind == "node":
+        c = await read.cluster(bus, what=frozenset({"nodes"}))
+        items: list[Any] = views.node_views(c)
+        if name:
+            items = _pick({v.node: v for v in items}, name, "node", lambda _: False)
+        headers = views.NODE_HEADERS + (views.NODE_WIDE if wide else [])
+        rows = [views.node_row(v, wide=wide, now=now) for v in items]
+    elif kind == "deployment":
+        c = await read.cluster(bus, what=frozenset({"deployments"}))
+        items = views.deployment_views(c)
+        if name:
+            items = _pick({v.name: v for v in items}, name, "deployment", lambda _: False)
+        headers = views.DEPLOYMENT_HEADERS + (views.DEPLOYMENT_WIDE if wide else [])
+        rows = [views.deployment_row(v, wide=wide) for v in items]
+    elif kind == "replica":
+        c = await read.cluster(bus, what=frozenset({"replicas", "shards"}))
+        records = {k: views.replica_view(r, c.shards) for k, r in c.replicas.items()}
+        items = list(records.values())
+        if name:
+            items = _pick(records, name, "replica", lambda r: r.deployment == name)
+        headers = views.REPLICA_HEADERS + (views.REPLICA_WIDE if wide else [])
+        rows = [views.replica_row(r, wide=wide, now=now) for r in items]
+    else:
+        c = await read.cluster(bus, what=frozenset({"shards"}))
+        items = list(c.shards.values())
+        if name:
+            items = _pick(
+                c.shards,
+                name,
+                "shard",
+                lambda s: name in (s.shard, s.deployment, f"{s.deployment}.{s.replica}"),
+            )
+        headers = views.SHARD_HEADERS + (views.SHARD_WIDE if wide else [])
+        rows = [views.shard_row(s, wide=wide, now=now) for s in items]
+    if output in ("json", "yaml"):
+        single = name and len(items) == 1 and _exact(kind, name, items[0])
+        return views.render_data(items[0] if single else items, output)
+    return views.table(headers, rows)
+
+
+def _exact(kind: str, name: str, item: Any) -> bool:
+    """Whether NAME named this one item (its key), not a group it belongs to."""
+    if kind == "node":
+        return bool(item.node == name)
+    if kind == "deployment":
+        return bool(item.name == name)
+    if kind == "replica":
+        return bool(f"{item.deployment}.{item.replica}" == name)
+    return bool(name in (item.shard, f"{item.node}.{item.shard}"))
+
+
+async def watch(bus: Bus, kind: str, name: str, output: str) -> None:
+    """The table (or JSON lines) now, then each changed row as its key changes, until interrupted."""
+    if output in ("json", "yaml"):
+        # One JSON object a line: a stream a script reads line by line.
+        first = "\n".join(msgspec.json.encode(x).decode() for x in await _items(bus, kind, name))
+    else:
+        first = await get(bus, kind, name, output)
+    if first:
+        out(first)
+    header_line = "" if output in ("json", "yaml") else first.splitlines()[0]
+    widths = _widths(header_line)
+    wide = output == "wide"
+    n = bus.names
+    bucket: str
+    value_type: type[Any]
+    bucket, value_type = {
+        "node": (n.nodes_bucket, NodeStatus),
+        "deployment": (n.deployments_bucket, Deployment),
+        "replica": (n.replicas_bucket, ReplicaRecord),
+        "shard": (n.shard_status_bucket, ShardStatus),
+    }[kind]
+    revisions = {k: ch.revision for k, ch in (await bus.entries(bucket, value_type)).items()}
+    statuses: dict[str, DeploymentStatus] = {}
+
+    def emit(key: str, item: Any, deleted: bool) -> None:
+        if name and not _matches(kind, name, key, item):
+            return
+        if output in ("json", "yaml"):
+            data = {"key": key, "deleted": True} if deleted else views.to_builtins(item)
+            out(msgspec.json.encode(data).decode())
+            return
+        if deleted:
+            row = [key, "deleted"]
+        elif kind == "node":
+            row = views.node_row(item, wide=wide)
+        elif kind == "deployment":
+            row = views.deployment_row(item, wide=wide)
+        elif kind == "replica":
+            row = views.replica_row(item, wide=wide)
+        else:
+            row = views.shard_row(item, wide=wide)
+        out("  ".join(c.ljust(w) for c, w in zip(row, widths + [0] * len(row), strict=False)).rstrip())
+
+    async def on_change(key: str, value: Any) -> None:
+        if kind == "node" and value is not None:
+            judged = await read.liveness(bus)
+            live = {x.node: x for x in judged.nodes} if judged else {}
+            j = live.get(key)
+            value = views.NodeView(
+                node=key,
+                state=views.node_state(j, judged is not None),
+                silent_s=j.silent_s if j else -1.0,
+                status=value,
+            )
+        elif kind == "deployment" and value is not None:
+            value = views.DeploymentView(name=key, deployment=value, status=statuses.get(key))
+        emit(key, value, value is None)
+
+    async with anyio.create_task_group() as tg:
+        if kind == "deployment":
+            deployments: dict[str, Deployment] = {}
+
+            async def on_status(status: DeploymentStatus, _subject: str) -> None:
+                statuses[status.deployment] = status
+                dep = deployments.get(status.deployment)
+                if dep is not None:
+                    await on_change(status.deployment, dep)
+
+            await tg.start(bus.subscribe_core, f"{n.prefix}.events.deployment.*", DeploymentStatus, on_status)
+            statuses.update(await read.deployment_statuses(bus, list(revisions)))
+        async for change in bus.watch(bucket, value_type):
+            if change.revision <= revisions.get(change.key, 0):
+                if kind == "deployment" and change.value is not None:
+                    deployments[change.key] = change.value
+                continue
+            revisions[change.key] = change.revision
+            if kind == "deployment":
+                if change.value is None:
+                    deployments.pop(change.key, None)
+                else:
+                    deployments[change.key] = change.value
+            await on_change(change.key, change.value)
+
+
+async def _items(bus: Bus, kind: str, name: str) -> list[Any]:
+    data = msgspec.json.decode(await get(bus, kind, name, "json"))
+    return data if isinstance(data, list) else [data]
+
+
+def _widths(header: str) -> list[int]:
+    """Column widths of a printed table, from its header line."""
+    return [len(m.group(0)) for m in re.finditer(r"\S+(?: \S+)*\s*", header)] if header else []
+
+
+def _matches(kind: str, name: str, key: str, item: Any) -> bool:
+    if key == name:
+        return True
+    if kind == "replica":
+        return key.split(".", 1)[0] == name
+    if kind == "shard":
+        return key.split(".", 1)[-1] == name or bool(item is not None and item.deployment == name)
+    return False
+
+
+# --- describe -----------------------------------------------------------------------------------
+
+
+async def describe(bus: Bus, kind: str, name: str) -> str:
+    n = bus.names
+    if kind == "deployment":
+        check_name("deployment", name)
+        c = await read.cluster(bus, what=frozenset({"deployments", "replicas", "shards", "catalog", "nodes"}))
+        if name not in c.deployments:
+            raise NotFound(f"no deployment {name} (`llmgw ctl get deployments` lists them)")
+        shard_keys = {k for r in c.replicas.values() if r.deployment == name for k in r.shards}
+        subjects = [
+            f"{n.prefix}.events.replica.{name}.>",
+            n.placement_event(name),
+            n.deployment_event(name),
+            *(n.shard_event(*k.split(".", 1)) for k in sorted(shard_keys)),
+        ]
+        history = await _history(bus, subjects)
+        return views.describe_deployment(name, c, history)
+    check_name("node", name)
+    c = await read.cluster(bus, what=frozenset({"nodes", "shards"}))
+    found = [v for v in views.node_views(c) if v.node == name]
+    if not found:
+        raise NotFound(f"no node {name} (`llmgw ctl get nodes` lists them)")
+    history = await _history(bus, [f"{n.prefix}.events.node.{name}.>", f"{n.prefix}.events.shard.{name}.>"])
+    return views.describe_node(found[0], c, history)
+
+
+async def _history(bus: Bus, subjects: list[str]) -> list[read.Stamped]:
+    found: list[read.Stamped] = []
+    await read.merged_events(bus, subjects, found.append, follow=False)
+    return found
+
+
+# --- events and logs -----------------------------------------------------------------------------
+
+
+async def events(bus: Bus, *, deployment: str, node: str, follow: bool, output: str) -> None:
+    n = bus.names
+    p = n.prefix
+    if deployment:
+        check_name("deployment", deployment)
+    if node:
+        check_name("node", node)
+    if deployment and node:
+        subjects = [f"{p}.events.shard.{node}.>"]
+    elif deployment:
+        subjects = [
+            f"{p}.events.replica.{deployment}.>",
+            n.placement_event(deployment),
+            n.deployment_event(deployment),
+            f"{p}.events.shard.>",
+        ]
+    elif node:
+        subjects = [f"{p}.events.node.{node}.>", f"{p}.events.shard.{node}.>"]
+    else:
+        subjects = [n.events_all]
+
+    def emit(e: read.Stamped) -> None:
+        if deployment and isinstance(e.event, ShardStatus) and e.event.deployment != deployment:
+            return
+        out(views.event_json(e) if output == "json" else views.event_line(e))
+
+    await read.merged_events(bus, subjects, emit, follow=follow)
+
+
+async def logs(bus: Bus, shard: str, *, tail: int, follow: bool, process: str) -> None:
+    if tail < 0:
+        raise UsageError(f"--tail {tail}: a line count is 0 (all that fit) or more")
+    statuses = await read.values(bus, bus.names.shard_status_bucket, ShardStatus)
+    found = [s for k, s in statuses.items() if shard in (k, s.shard)]
+    if not found:
+        raise NotFound(f"no shard {shard} (`llmgw ctl get shards` lists them)")
+    status = found[0]
+    reply = await read.shard_logs(
+        bus, status.node, ShardLogsRequest(shard=status.shard, tail=tail, process=process)
+    )
+    for line in reply.lines:
+        out(line)
+    while follow:
+        await anyio.sleep(0.5)
+        reply = await read.shard_logs(
+            bus, status.node, ShardLogsRequest(shard=status.shard, process=reply.process, offset=reply.offset)
+        )
+        for line in reply.lines:
+            out(line)
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+
+async def connect(args: argparse.Namespace) -> Bus:
+    from ..cli import bus_options
+
+    options = msgspec.structs.replace(
+        bus_options(args), url=getattr(args, "nats_url", "") or "", connect_timeout_s=CONNECT_TIMEOUT_S
+    )
+    try:
+        return await Bus.connect(options, service="llmgw-ctl")
+    except BusError as exc:
+        if not options.authenticated() and not options.resolved_insecure():
+            raise UsageError(str(exc)) from exc
+        if not exc.retryable:
+            raise Refused(str(exc)) from exc
+        raise Unreachable(str(exc)) from exc
+
+
+async def _dispatch(bus: Bus, args: argparse.Namespace) -> str | None:
+    cmd = args.ctl
+    if cmd == "nodes":
+        return await nodes(bus)
+    if cmd == "explain":
+        check_name("deployment", args.deployment)
+        return await explain(bus, args.deployment)
+    if cmd == "get":
+        return await get(bus, KINDS[args.kind], args.name or "", args.output or "")
+    if cmd == "describe":
+        return await describe(bus, KINDS[args.kind], args.name)
+    if cmd == "deploy":
+        check_name("deployment", args.name)
+        if args.replicas < 0:
+            raise UsageError(f"--replicas {args.replicas}: a replica count is 0 or more")
+        dep = Deployment(
+            name=args.name,
+            profile=args.profile,
+            replicas=args.replicas,
+            pool=args.pool,
+            strategy=args.strategy,
+        )
+        return await request_replicas(bus, dep, "requested")
+    if cmd == "scale":
+        check_name("deployment", args.name)
+        if args.replicas < 0:
+            raise UsageError(f"--replicas {args.replicas}: a replica count is 0 or more")
+        found = await bus.get(bus.names.deployments_bucket, args.name, Deployment)
+        if found is None:
+            raise NotFound(f"no deployment {args.name} (`llmgw ctl get deployments` lists them)")
+        return await request_replicas(
+            bus, msgspec.structs.replace(found[0], replicas=args.replicas), "requested"
+        )
+    if cmd == "apply":
+        try:
+            return await apply(bus, args.file)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from exc
+    if cmd == "delete":
+        return await delete_deployment(bus, args.name)
+    if cmd == "logs":
+        await logs(bus, args.shard, tail=args.tail, follow=args.follow, process=args.process)
+        return None
+    if cmd == "events":
+        await events(bus, deployment=args.deployment, node=args.node, follow=args.follow, output=args.output)
+        return None
+    raise UsageError(f"unknown command {cmd}")
+
+
+def run(args: argparse.Namespace) -> int:
+    # The bus client logs each failed connection attempt and reconnect; ctl says what failed
+    # once, on one line, and scripts read stderr.
+    logging.getLogger("llmgw.bus").setLevel(logging.ERROR)
+    follows = getattr(args, "watch", False) or getattr(args, "follow", False)
+
+    async def main() -> str | None:
+        bus = await connect(args)
+        try:
+            if args.ctl == "get" and args.watch:
+                await watch(bus, KINDS[args.kind], args.name or "", args.output or "")
+                return None
+            if follows:
+                return await _dispatch(bus, args)
+            try:
+                with anyio.fail_after(COMMAND_TIMEOUT_S):
+                    return await _dispatch(bus, args)
+            except TimeoutError as exc:
+                raise Unreachable(
+                    f"NATS at {bus.options.resolved_url()} did not answer within {COMMAND_TIMEOUT_S:g} s"
+                ) from exc
+        finally:
+            with anyio.move_on_after(2, shield=True):
+                await bus.close()
+
+    try:
+        text = anyio.run(main)
+    except CtlError as exc:
+        warn(str(exc))
+        return exc.exit_code
+    except PermissionDenied as exc:
+        warn(str(exc))
+        return Refused.exit_code
+    except BusError as exc:
+        cause = exc.__cause__
+        warn(str(exc))
+        return Refused.exit_code if isinstance(cause, PermissionDenied) else Unreachable.exit_code
+    except (nats.errors.Error, OSError) as exc:
+        warn(f"NATS: {exc or type(exc).__name__}")
+        return Unreachable.exit_code
+    except KeyboardInterrupt:
+        return 130
+    if text is not None:
+        out(text)
+    return 0

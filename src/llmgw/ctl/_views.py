@@ -1,0 +1,386 @@
+"""Pure: what `llmgw ctl` prints, from what it read. Tables, JSON-ready views, event lines."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import yaml
+
+from llmgw_core.engines import Profile
+from llmgw_core.events import (
+    Deployment,
+    DeploymentStatus,
+    EngineInventory,
+    InstallProgress,
+    NodeFacts,
+    NodeLiveness,
+    NodeStatus,
+    PlacementDecision,
+    ReplicaRecord,
+    ReplicaStatus,
+    ShardStatus,
+)
+
+from ._read import Cluster, Stamped
+
+
+class NodeView(msgspec.Struct, frozen=True, kw_only=True):
+    """`get nodes -o json`: a node's status (its installer's) with placement's judgement."""
+
+    node: str
+    # alive, lost, or unknown (no placement answered, or it has not heard the node since it started)
+    state: str
+    # Seconds since placement last heard its launcher; -1 when not since placement started or unknown.
+    silent_s: float
+    status: NodeStatus
+
+
+class DeploymentView(msgspec.Struct, frozen=True, kw_only=True):
+    """`get deployments -o json`: what the operator asked for, and placement's last word on it."""
+
+    name: str
+    deployment: Deployment
+    # None until placement has published one.
+    status: DeploymentStatus | None = None
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def ago(seconds: float) -> str:
+    s = int(seconds)
+    if s < 120:
+        return f"{s} s"
+    if s < 7200:
+        return f"{s // 60} min"
+    return f"{s // 3600} h"
+
+
+def age(at: float, now: float) -> str:
+    return ago(max(0.0, now - at)) if at else "-"
+
+
+def headline(text: str) -> str:
+    """A reason's first line, without the log lines it quotes."""
+    return text.split("\n", 1)[0].removesuffix("; last log lines:") if text else ""
+
+
+def to_builtins(value: Any) -> Any:
+    return msgspec.to_builtins(value)
+
+
+def render_data(value: Any, output: str) -> str:
+    data = to_builtins(value)
+    if output == "yaml":
+        return yaml.safe_dump(data, sort_keys=False, width=100).rstrip("\n")
+    return msgspec.json.format(msgspec.json.encode(data), indent=2).decode()
+
+
+# --- nodes ----------------------------------------------------------------------------
+
+
+def node_state(live: NodeLiveness | None, judged: bool) -> str:
+    if not judged:
+        return "unknown (no placement answered)"
+    if live is None:
+        return "unknown (not heard since placement started)"
+    if live.alive:
+        return "alive"
+    if live.silent_s < 0:
+        return "lost (not heard since placement started)"
+    return f"lost {ago(live.silent_s)} ago"
+
+
+def node_views(c: Cluster) -> list[NodeView]:
+    live = {n.node: n for n in c.judged.nodes} if c.judged else {}
+    views = []
+    for node, status in sorted(c.nodes.items()):
+        judged = live.get(status.node)
+        views.append(
+            NodeView(
+                node=node,
+                state=node_state(judged, c.judged is not None),
+                silent_s=judged.silent_s if judged is not None else -1.0,
+                status=status,
+            )
+        )
+    return views
+
+
+NODE_HEADERS = ["NODE", "STATE", "GPUS", "ENGINES", "INSTALL", "WARNINGS"]
+NODE_WIDE = ["ARCH", "CORES", "MEMORY", "PROBED"]
+
+
+def node_row(v: NodeView, *, wide: bool = False, now: float | None = None) -> list[str]:
+    status = v.status
+    gpus = status.facts.gpus
+    gpu_text = f"{len(gpus)}x {gpus[0].name}" if gpus else "-"
+    engines = ", ".join(f"{e.name} {e.version or ''} ({e.state})".replace("  ", " ") for e in status.engines)
+    install = status.install or "-"
+    if v.state.startswith("lost") and status.install:
+        # What a lost node said last is not news: say so.
+        install = f"{status.install} (last known)"
+    row = [v.node, v.state, gpu_text, engines or "none", install, "; ".join(status.warnings) or "-"]
+    if wide:
+        facts = status.facts
+        row += [
+            facts.arch or "-",
+            str(facts.cores or "-"),
+            f"{facts.memory_mb // 1024} GiB" if facts.memory_mb else "-",
+            f"{age(status.probed_at, now or time.time())} ago" if status.probed_at else "never",
+        ]
+    return row
+
+
+# --- deployments --------------------------------------------------------------------------
+
+DEPLOYMENT_HEADERS = ["NAME", "PROFILE", "DESIRED", "READY", "PENDING", "UNPLACEABLE", "POOL"]
+DEPLOYMENT_WIDE = ["STRATEGY", "SUMMARY"]
+
+
+def deployment_views(c: Cluster) -> list[DeploymentView]:
+    return [
+        DeploymentView(name=n, deployment=d, status=c.statuses.get(n))
+        for n, d in sorted(c.deployments.items())
+    ]
+
+
+def deployment_row(v: DeploymentView, *, wide: bool = False) -> list[str]:
+    d, s = v.deployment, v.status
+    counts = [str(s.ready), str(s.pending), str(s.unplaceable)] if s else ["-", "-", "-"]
+    row = [v.name, d.profile, str(d.replicas), *counts, d.pool or "-"]
+    if wide:
+        row += [d.strategy, (s.summary if s else "") or "no word from placement yet"]
+    return row
+
+
+# --- replicas ------------------------------------------------------------------------------
+
+REPLICA_HEADERS = ["REPLICA", "STATE", "NODES", "SINCE", "RESTARTS", "REASON"]
+REPLICA_WIDE = ["URL", "PROFILE", "FABRIC", "LAST FAILURE"]
+
+
+def replica_view(r: ReplicaRecord, shards: dict[str, ShardStatus]) -> ReplicaRecord:
+    """The record as placement wrote it; `since`, `restarts` and `last_failure` taken from its
+    shards' statuses where placement left them empty (a placement that predates them)."""
+    mine = [shards[k] for k in r.shards if k in shards]
+    changes: dict[str, Any] = {}
+    if not r.restarts and mine:
+        changes["restarts"] = sum(s.restarts for s in mine)
+    if not r.last_failure and r.state != "ready":
+        failed = max(mine, key=lambda s: s.last_failure_at, default=None)
+        if failed is not None and failed.last_failure:
+            changes["last_failure"] = failed.last_failure
+    if not r.since:
+        changes["since"] = r.updated_at
+    return msgspec.structs.replace(r, **changes) if changes else r
+
+
+def replica_nodes(r: ReplicaRecord) -> str:
+    return ",".join(m.node for m in r.members) or "-"
+
+
+def replica_row(r: ReplicaRecord, *, wide: bool = False, now: float | None = None) -> list[str]:
+    now = now or time.time()
+    row = [
+        f"{r.deployment}.{r.replica}",
+        r.state,
+        replica_nodes(r),
+        age(r.since, now),
+        str(r.restarts),
+        headline(r.reason) or "-",
+    ]
+    if wide:
+        row += [r.url or "-", r.profile, r.fabric or "-", headline(r.last_failure) or "-"]
+    return row
+
+
+# --- shards ----------------------------------------------------------------------------------
+
+SHARD_HEADERS = ["SHARD", "NODE", "STATE", "REPLICA", "RESTARTS", "SINCE", "REASON"]
+SHARD_WIDE = ["PIDS", "URL", "LAST FAILURE"]
+
+
+def shard_row(s: ShardStatus, *, wide: bool = False, now: float | None = None) -> list[str]:
+    row = [
+        s.shard,
+        s.node,
+        s.state,
+        f"{s.deployment}.{s.replica}" if s.deployment else s.replica,
+        str(s.restarts),
+        age(s.at, now or time.time()),
+        headline(s.reason) or "-",
+    ]
+    if wide:
+        row += [",".join(map(str, s.pids)) or "-", s.url or "-", headline(s.last_failure) or "-"]
+    return row
+
+
+# --- describe -----------------------------------------------------------------------------------
+
+
+def _profile_line(p: Profile | None, name: str) -> str:
+    if p is None:
+        return f"{name} (not in the catalog)"
+    gpus = f"{p.gpu_class or 'any GPU'}, tp {p.tp}" + (f", pp {p.pp}" if p.pp > 1 else "")
+    nodes = f", {p.nodes} nodes" if p.nodes > 1 else ""
+    return f"{name} (engine {p.engine}, model {p.model or p.model_path}, {gpus}{nodes})"
+
+
+def _indent(text: str, by: str = "  ") -> str:
+    return "\n".join(by + line if line else line for line in text.splitlines())
+
+
+def describe_deployment(name: str, c: Cluster, history: list[Stamped], *, now: float | None = None) -> str:
+    now = now or time.time()
+    dep = c.deployments[name]
+    status = c.statuses.get(name)
+    replicas = [replica_view(r, c.shards) for r in c.replicas.values() if r.deployment == name]
+    lines = [
+        f"Name:         {name}",
+        f"Profile:      {_profile_line(c.catalog.get(dep.profile), dep.profile)}",
+        f"Pool:         {dep.pool or '(any)'}",
+        f"Strategy:     {dep.strategy}",
+    ]
+    if status is not None:
+        lines.append(
+            f"Replicas:     {dep.replicas} desired, {status.ready} ready, {status.pending} pending, "
+            f"{status.unplaceable} unplaceable (placement, {age(status.at, now)} ago)"
+        )
+        if status.summary:
+            lines.append(f"Summary:      {status.summary}")
+    else:
+        lines.append(f"Replicas:     {dep.replicas} desired; placement has not published a status yet")
+    if status is not None and status.reasons:
+        lines += ["", "Refusal (every node's reason):"]
+        lines.append(_indent(table(["NODE", "REASON"], [[r.node, r.reason] for r in status.reasons])))
+    lines += ["", "Replicas:"]
+    if replicas:
+        rows = []
+        for r in sorted(replicas, key=lambda r: r.replica):
+            gpus = _replica_gpus(r, c)
+            rows.append(
+                [
+                    r.replica,
+                    r.state,
+                    replica_nodes(r),
+                    gpus,
+                    age(r.since, now),
+                    str(r.restarts),
+                    headline(r.reason) or "-",
+                ]
+            )
+        lines.append(
+            _indent(table(["REPLICA", "STATE", "NODES", "GPUS", "SINCE", "RESTARTS", "REASON"], rows))
+        )
+        for r in sorted(replicas, key=lambda r: r.replica):
+            if r.last_failure:
+                lines += ["", f"Last failure of {r.replica}:", _indent(r.last_failure)]
+    else:
+        lines.append("  (none)")
+    lines += ["", "Events:"]
+    lines.append(
+        _indent("\n".join(event_line(e) for e in history[-20:])) if history else "  (none in the stream)"
+    )
+    return "\n".join(lines)
+
+
+def _replica_gpus(r: ReplicaRecord, c: Cluster) -> str:
+    """The GPU names of the replica's nodes, as their installers reported them."""
+    names = []
+    for m in r.members:
+        node = c.nodes.get(m.node)
+        if node is not None and node.facts.gpus:
+            names.append(node.facts.gpus[0].name)
+    return ", ".join(sorted(set(names))) or "-"
+
+
+def describe_node(v: NodeView, c: Cluster, history: list[Stamped], *, now: float | None = None) -> str:
+    now = now or time.time()
+    s = v.status
+    f = s.facts
+    lines = [
+        f"Node:         {v.node}",
+        f"State:        {v.state}",
+        f"Address:      {f.mgmt_addr or '-'}" + (f" ({f.mgmt_iface})" if f.mgmt_iface else ""),
+        f"System:       {f.os_id} {f.os_version}, kernel {f.kernel or '-'}, {f.arch or '-'}",
+        f"CPU:          {f.cpu_model or '-'}, {f.cores} cores, {f.memory_mb // 1024} GiB"
+        + ("" if f.has_avx2 else " (no AVX2)"),
+        f"Driver:       {f.nvidia_driver or 'none'}" + (f" (CUDA {f.cuda_driver})" if f.cuda_driver else ""),
+        f"Probed:       {age(s.probed_at, now) + ' ago' if s.probed_at else 'never'}",
+        f"Install:      {s.install or '-'}",
+        f"Warnings:     {'; '.join(s.warnings) or '-'}",
+        "",
+        "GPUs:",
+    ]
+    gpu_rows = [[str(g.index), g.name, g.compute_capability or "-", f"{g.memory_mb} MiB"] for g in f.gpus]
+    lines.append(_indent(table(["INDEX", "NAME", "CC", "MEMORY"], gpu_rows)) if gpu_rows else "  (none)")
+    lines += ["", "Engines:"]
+    eng_rows = [[e.name, e.version or "-", e.state, e.detail or "-"] for e in s.engines]
+    lines.append(
+        _indent(table(["ENGINE", "VERSION", "STATE", "DETAIL"], eng_rows)) if eng_rows else "  (none)"
+    )
+    shards = [st for st in c.shards.values() if st.node == v.node]
+    lines += ["", "Shards:"]
+    if shards:
+        rows = [shard_row(st, now=now) for st in sorted(shards, key=lambda st: st.shard)]
+        lines.append(_indent(table(SHARD_HEADERS, rows)))
+    else:
+        lines.append("  (none)")
+    lines += ["", "Events:"]
+    lines.append(
+        _indent("\n".join(event_line(e) for e in history[-20:])) if history else "  (none in the stream)"
+    )
+    return "\n".join(lines)
+
+
+# --- events -------------------------------------------------------------------------------------
+
+
+def event_text(e: object) -> tuple[str, str, str]:
+    """What happened, in one line: (kind, object, message)."""
+    if isinstance(e, ShardStatus):
+        text = e.state + (f": {headline(e.reason)}" if e.reason else "")
+        return "shard", f"{e.node}.{e.shard}", text
+    if isinstance(e, ReplicaStatus):
+        return (
+            "replica",
+            f"{e.deployment}.{e.replica}",
+            e.state + (f": {headline(e.reason)}" if e.reason else ""),
+        )
+    if isinstance(e, PlacementDecision):
+        if e.outcome == "placed":
+            return "placement", f"{e.deployment}.{e.replica}", f"placed on {', '.join(e.nodes)}"
+        reasons = "; ".join(f"{r.node}: {r.reason}" for r in e.reasons)
+        return "placement", f"{e.deployment}.{e.replica}", f"refused: {reasons or 'no nodes'}"
+    if isinstance(e, DeploymentStatus):
+        text = e.summary or f"{e.ready} of {e.desired} ready"
+        return "deployment", e.deployment, text
+    if isinstance(e, InstallProgress):
+        return (
+            "install",
+            e.node,
+            f"{e.engine}: {e.message}" + ("" if e.outcome == "running" else f" ({e.outcome})"),
+        )
+    if isinstance(e, EngineInventory):
+        engines = ", ".join(f"{x.name} ({x.state})" for x in e.engines) or "none"
+        return "engines", e.node, engines
+    if isinstance(e, NodeFacts):
+        return "facts", e.node, f"{len(e.gpus)} GPUs, {e.cores} cores, {e.os_id} {e.os_version}".strip()
+    return "event", "-", type(e).__name__
+
+
+def event_line(s: Stamped) -> str:
+    kind, obj, text = event_text(s.event)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.time))
+    return f"{stamp}  {kind:<10}  {obj}  {text}"
+
+
+def event_json(s: Stamped) -> str:
+    return msgspec.json.encode({"time": s.time, "subject": s.subject, "event": to_builtins(s.event)}).decode()
