@@ -8,14 +8,28 @@ published on the bus, which `ctl`, the API and the page all read.
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
+import httpx
 import pytest
+from nats.aio.msg import Msg
 
 from llmgw_core.bus import Bus
-from llmgw_core.events import Deployment, DeploymentStatus, EngineSpec, PlacementDecision
+from llmgw_core.events import (
+    Deployment,
+    DeploymentStatus,
+    EngineSpec,
+    PlacementDecision,
+    ReplicaStatus,
+    decoder,
+)
+from tests.cluster_support import cluster, sim_catalog
 from tests.control_support import TP1, control_plane, replicas
 from tests.installer_support import ASSET, agent, build_server, installer, pack, release_server, want
 from tests.launcher_support import running_launcher
@@ -216,3 +230,65 @@ async def test_a_refusal_quotes_the_installers_own_progress(
             tg.cancel_scope.cancel()
         events = await bus.history(bus.names.placement_event("cpu"), PlacementDecision, idle_s=0.3)
         assert any("engine llamacpp installing: downloading" in r.reason for d in events for r in d.reasons)
+
+
+CTL = [sys.executable, "-c", "import sys; from llmgw.cli import main; sys.exit(main())", "ctl"]
+CRASHES = sim_catalog("--load-time", "30", "--exit-after", "0.3", "--exit-code", "42", name="crashes")
+NEVER_HEALTHY = {**sim_catalog("--load-time", "600", name="silent"), "health_timeout_s": 1.5}
+
+
+async def test_a_crashing_or_silent_engine_is_named_everywhere_and_never_ready(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """Regression: a replica whose engine exited with code 42 again and again, or never answered
+    health, read `placed on node-a` in ctl and had an empty reason between retries."""
+    replica_events: list[ReplicaStatus] = []
+
+    async def on_replica(msg: Msg) -> None:
+        replica_events.append(decoder(ReplicaStatus).decode(msg.data))
+
+    await bus.nc.subscribe(f"{prefix}.events.replica.>", cb=on_replica)
+    with cluster(tmp_path, nats_url, prefix) as c:
+        c.start_node("node-1", gpus=2)
+        c.start_placement(
+            "p1",
+            [CRASHES, NEVER_HEALTHY],
+            [{"name": "crashes", "profile": "crashes"}, {"name": "silent", "profile": "silent"}],
+        )
+        api = await eventually(lambda: re.search(r"API on (http://\S+)", c.log("placement-p1")), timeout=30)
+        async with httpx.AsyncClient(base_url=api.group(1), timeout=10, headers=c.api_headers) as client:
+
+            async def failed_twice() -> dict[str, Any] | None:
+                found = (await client.get("/api/replicas")).json()
+                both = [found.get("crashes.r0"), found.get("silent.r0")]
+                if any(r is None or r["restarts"] < 2 or not r["last_failure"] for r in both):
+                    return None
+                return dict(found)
+
+            found = await eventually(failed_twice, timeout=90, interval=0.5)
+        crashes, silent = found["crashes.r0"], found["silent.r0"]
+        assert "exited with code 42" in crashes["last_failure"], crashes
+        assert "llmgw-sim: exiting with code 42" in crashes["last_failure"], crashes
+        assert "no health answer within 1.5 s" in silent["last_failure"], silent
+        for record in (crashes, silent):
+            assert record["state"] != "ready"
+            assert record["since"] > 0
+            if record["state"] == "starting":
+                assert record["reason"].startswith(f"attempt {record['restarts'] + 1}; last: "), record
+        # The same words in ctl, and in the events other systems read.
+        for name, words in (("crashes", "exited with code 42"), ("silent", "no health answer within 1.5 s")):
+            described = subprocess.run(
+                [*CTL, "--prefix", prefix, "describe", "deployment", name],
+                env=c.ctl_env(),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert described.returncode == 0, described.stderr
+            assert words in described.stdout, described.stdout
+            assert any(words in e.reason for e in replica_events if e.deployment == name), [
+                e.reason for e in replica_events if e.deployment == name
+            ]
+        assert not any(e.state == "ready" for e in replica_events), (
+            "a replica was ready without a health answer"
+        )

@@ -559,21 +559,34 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         text = anyio.run(main)
-    except CtlError as exc:
-        warn(str(exc))
-        return exc.exit_code
-    except PermissionDenied as exc:
-        warn(str(exc))
-        return Refused.exit_code
-    except BusError as exc:
-        cause = exc.__cause__
-        warn(str(exc))
-        return Refused.exit_code if isinstance(cause, PermissionDenied) else Unreachable.exit_code
-    except (nats.errors.Error, OSError) as exc:
-        warn(f"NATS: {exc or type(exc).__name__}")
-        return Unreachable.exit_code
     except KeyboardInterrupt:
         return 130
+    except BaseException as raised:
+        # A fault inside a task group comes wrapped in an exception group: say the fault.
+        exc: BaseException = raised
+        while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+            exc = exc.exceptions[0]
+        code = _exit_code(exc)
+        if code is None:
+            raise
+        return code
     if text is not None:
         out(text)
     return 0
+
+
+def _exit_code(exc: BaseException) -> int | None:
+    """The exit code for a fault, said in one line on stderr; None for a fault ctl does not know."""
+    if isinstance(exc, CtlError):
+        warn(str(exc))
+        return exc.exit_code
+    if isinstance(exc, PermissionDenied):
+        warn(str(exc))
+        return Refused.exit_code
+    if isinstance(exc, BusError):
+        warn(str(exc))
+        return Refused.exit_code if isinstance(exc.__cause__, PermissionDenied) else Unreachable.exit_code
+    if isinstance(exc, nats.errors.Error | OSError):
+        warn(f"NATS: {exc or type(exc).__name__}")
+        return Unreachable.exit_code
+    return None
