@@ -88,16 +88,22 @@ async def test_one_trace_from_ctl_deploy_to_the_shard(
     ready_span = by_name["replica chat/r0 ready"]
     assert ready_span.context.trace_id == trace_id
     assert dict(ready_span.attributes or {})["llmgw.replica"] == "r0"
-    # Messages carry OpenTelemetry's messaging attributes, so Jaeger can search by subject.
-    published = [
-        s for s in spans.get_finished_spans() if s.name == f"publish {prefix}.events.shard.node-a.chat-r0-0"
-    ]
-    assert published, "no span for the shard events"
-    attrs = dict(published[0].attributes or {})
+    # Messages carry OpenTelemetry's messaging attributes, so Jaeger can search by subject:
+    # one event on its own, and the shard's statuses sent as one commit.
+    finished = spans.get_finished_spans()
+    single = [s for s in finished if s.name == f"publish {prefix}.events.deployment.chat"]
+    assert single, "no span for the deployment's status"
+    attrs = dict(single[0].attributes or {})
     assert attrs["messaging.system"] == "nats"
-    assert attrs["messaging.destination.name"] == f"{prefix}.events.shard.node-a.chat-r0-0"
+    assert attrs["messaging.destination.name"] == f"{prefix}.events.deployment.chat"
     assert attrs["messaging.operation.type"] == "publish"
     assert int(attrs["messaging.message.body.size"]) > 0
+    shard_subject = f"{prefix}.events.shard.node-a.chat-r0-0"
+    batched = [
+        s for s in finished if dict(s.attributes or {}).get("messaging.destination.name") == shard_subject
+    ]
+    assert batched, "no span for the shard's events"
+    assert int(dict(batched[0].attributes or {})["messaging.batch.message_count"]) >= 1
     # Other systems see it too: the shard events carry the same trace.
     assert any(h.split("-")[1] == format(trace_id, "032x") for h in headers if h)
 

@@ -578,11 +578,22 @@ class Bus:
         for w in writes.items:
             by_stream.setdefault(self._stream_of(w.subject), []).append(w)
         for stream, items in by_stream.items():
-            if await self._atomic_allowed(stream):
-                for start in range(0, len(items), ATOMIC_MAX):
-                    await self._atomic_batch(stream, items[start : start + ATOMIC_MAX])
-            else:
-                await self._pipelined(items)
+            subjects = {w.subject for w in items}
+            attributes: dict[str, str | int] = {
+                "messaging.system": "nats",
+                "messaging.destination.name": subjects.pop() if len(subjects) == 1 else stream,
+                "messaging.operation.type": "send",
+                "messaging.operation.name": "commit",
+                "messaging.batch.message_count": len(items),
+            }
+            with tracer.start_as_current_span(
+                f"commit {len(items)} to {stream}", kind=trace.SpanKind.PRODUCER, attributes=attributes
+            ):
+                if await self._atomic_allowed(stream):
+                    for start in range(0, len(items), ATOMIC_MAX):
+                        await self._atomic_batch(stream, items[start : start + ATOMIC_MAX])
+                else:
+                    await self._pipelined(items)
 
     async def _atomic_batch(self, stream: str, items: list[_Write]) -> None:
         attempts = 3

@@ -1,17 +1,16 @@
-"""Shard statuses on their way to the bus: every shard its own pipeline, none waits on another.
+"""Shard statuses on their way to the bus: whatever gathered goes in one commit.
 
-A runner hands its status over and carries on; it never waits on NATS. Each
-shard with statuses to send has one sender: it writes the shard's newest
-status into the status bucket, then publishes each of the shard's
-transitions as an event, in order, and starts again with whatever gathered
-meanwhile. So a shard that went `starting → loading → ready` while its
-previous write was in flight costs one bucket write, not three round trips;
-the shards' writes are in flight together on the one connection (a burst is
-pipelined, not sent one round trip at a time); and an event is published only
-after the bucket holds its state or a newer one, so whoever reads the bucket
-on seeing the event sees no older state.
+A runner hands its status over and carries on; it never waits on NATS. One
+sender takes everything queued since its last send: each shard's newest
+status goes into the status bucket, and then each shard's transitions are
+published as events, in order, all as one commit per stream (an atomic batch,
+`Bus.commit`). So a shard that went `starting → loading → ready` while a send
+was in flight costs one bucket write, not three, and fifty shards that change
+at once cost two commits, not a hundred round trips. An event is published
+only after the bucket holds its state or a newer one, so whoever reads the
+bucket on seeing the event sees no older state.
 
-A write that fails is logged and dropped: the bucket is level-triggered, the
+A send that fails is logged and dropped: the bucket is level-triggered, the
 next status of that shard writes it again.
 
 Each status keeps the trace context it was queued in, so its event carries
@@ -25,8 +24,9 @@ import logging
 import anyio
 import anyio.abc
 from opentelemetry import context as otel_context
+from opentelemetry import propagate
 
-from llmgw_core.bus import Bus
+from llmgw_core.bus import Bus, Writes
 from llmgw_core.events import ShardStatus
 
 log = logging.getLogger("llmgw.launcher")
@@ -43,7 +43,7 @@ class StatusOutbox:
         self.bus = bus
         self.node = node
         self._pending: dict[str, list[Queued]] = {}
-        self._sending: set[str] = set()
+        self._sending = False
         self._idle = anyio.Event()
         self._idle.set()
         self._tg: anyio.abc.TaskGroup | None = None
@@ -54,23 +54,23 @@ class StatusOutbox:
         """Queue a status; never blocks."""
         self._pending.setdefault(status.shard, []).append((status, otel_context.get_current()))
         if self._tg is not None:
-            self._start(self._tg, status.shard)
+            self._start(self._tg)
 
-    def _start(self, tg: anyio.abc.TaskGroup, shard: str) -> None:
-        if shard in self._sending:
-            return  # its sender takes this status with its next batch
-        self._sending.add(shard)
+    def _start(self, tg: anyio.abc.TaskGroup) -> None:
+        if self._sending:
+            return  # the sender takes this status with its next batch
+        self._sending = True
         if self._idle.is_set():
             self._idle = anyio.Event()
-        tg.start_soon(self._drain, shard, name=f"status of {shard}")
+        tg.start_soon(self._drain, name="shard statuses")
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Send statuses as they come until cancelled; what is queued then is still sent."""
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
-                for shard in list(self._pending):
-                    self._start(tg, shard)
+                if self._pending:
+                    self._start(tg)
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
@@ -81,44 +81,46 @@ class StatusOutbox:
     async def flush(self) -> None:
         """Return once everything queued so far has been sent (or given up)."""
         async with anyio.create_task_group() as tg:
-            for shard in list(self._pending):
-                self._start(tg, shard)
+            if self._pending:
+                self._start(tg)
             await self._idle.wait()
 
-    async def _drain(self, shard: str) -> None:
+    async def _drain(self) -> None:
         try:
-            while batch := self._pending.pop(shard, None):
+            while self._pending:
+                batch, self._pending = self._pending, {}
                 # Shielded: a batch taken off the queue is sent, or given up at the timeout.
                 with anyio.CancelScope(shield=True), anyio.move_on_after(SEND_TIMEOUT_S) as scope:
-                    await self._send(shard, batch)
+                    await self._send(batch)
+                count = sum(len(b) for b in batch.values())
                 if scope.cancelled_caught:
-                    log.warning(
-                        "shard %s: gave up sending %d statuses after %gs", shard, len(batch), SEND_TIMEOUT_S
-                    )
+                    log.warning("gave up sending %d shard statuses after %gs", count, SEND_TIMEOUT_S)
                 self.batches += 1
-                self.sent += len(batch)
+                self.sent += count
         finally:
-            self._sending.discard(shard)
-            if not self._sending:
-                self._idle.set()
+            self._sending = False
+            self._idle.set()
 
-    async def _send(self, shard: str, batch: list[Queued]) -> None:
+    async def _send(self, batch: dict[str, list[Queued]]) -> None:
         names = self.bus.names
-        newest = batch[-1][0]
-        key = names.shard_key(self.node, shard)
-        try:
+        bucket, events = Writes(), Writes()
+        for shard, queued in batch.items():
+            newest = queued[-1][0]
+            key = names.shard_key(self.node, shard)
             if newest.state == "stopped":
-                await self.bus.delete(names.shard_status_bucket, key)
+                bucket.delete(names.shard_status_bucket, key)
             else:
-                await self.bus.put(names.shard_status_bucket, key, newest)
+                bucket.put(names.shard_status_bucket, key, newest)
+            subject = names.shard_event(self.node, shard)
+            for status, ctx in queued:
+                carrier: dict[str, str] = {}
+                propagate.inject(carrier, context=ctx)
+                events.publish(subject, status, traceparent=carrier.get("traceparent", ""))
+        try:
+            await self.bus.commit(bucket)
         except Exception as exc:  # a bus fault costs this write, never the launcher
-            log.warning("shard %s: could not write %s to the status bucket: %s", key, newest.state, exc)
-        subject = names.shard_event(self.node, shard)
-        for status, ctx in batch:
-            token = otel_context.attach(ctx)
-            try:
-                await self.bus.publish(subject, status)
-            except Exception as exc:  # a bus fault costs this event, never the launcher
-                log.warning("shard %s: could not publish %s: %s", key, status.state, exc)
-            finally:
-                otel_context.detach(token)
+            log.warning("could not write %d shard statuses to the status bucket: %s", len(bucket), exc)
+        try:
+            await self.bus.commit(events)
+        except Exception as exc:  # a bus fault costs these events, never the launcher
+            log.warning("could not publish %d shard events: %s", len(events), exc)

@@ -3,8 +3,8 @@
 One event loop serves every shard of the node, its heartbeat and its status
 writes, so the node shares three things instead of each shard building its
 own: one `HealthProber` (kept-alive connections), one `RecordWriter` (record
-files written off the loop, coalesced) and one `StatusOutbox` (each shard's
-statuses pipelined to the bus, coalesced in the bucket).
+files written off the loop, coalesced) and one `StatusOutbox` (the statuses of
+every shard that changed, coalesced and sent as one commit).
 """
 
 from __future__ import annotations
