@@ -682,12 +682,7 @@ class Controller:
                         at=now(),
                     ),
                 )
-            try:
-                await self.bus.commit(kv)
-            except BaseException:
-                self._undo(removals, saves)
-                raise
-            self.writes += len(kv)
+            await self._write(kv, removals, saves)
             await self._publish(events)
         if batch:
             kv, events = Writes(), Writes()
@@ -709,12 +704,7 @@ class Controller:
                 )
                 events.publish(names.placement_event(record.deployment), decision, traceparent=traceparent)
             with tracer.start_as_current_span(f"commit {len(batch)} placements"):
-                try:
-                    await self.bus.commit(kv)
-                except BaseException:
-                    self._undo([], saves)
-                    raise
-            self.writes += len(kv)
+                await self._write(kv, [], saves)
             for record, starting in started:
                 if self.replicas.get(_key(record)) is record:
                     self.replicas[_key(record)] = starting
@@ -738,13 +728,22 @@ class Controller:
                         ),
                         traceparent=traceparent,
                     )
-            try:
-                await self.bus.commit(kv)
-            except BaseException:
-                self._undo([], saves)
-                raise
-            self.writes += len(kv)
+            await self._write(kv, [], saves)
             await self._publish(events)
+
+    async def _write(
+        self,
+        kv: Writes,
+        removals: list[tuple[ReplicaRecord, dict[str, ShardSpec], str, ReplicaState]],
+        saves: list[tuple[ReplicaRecord | None, ReplicaRecord, str]],
+    ) -> None:
+        """Commit `kv`; if it does not land, undo `removals` and `saves` in memory and raise."""
+        try:
+            await self.bus.commit(kv)
+        except BaseException:
+            self._undo(removals, saves)
+            raise
+        self.writes += len(kv)
 
     def _undo(
         self,
