@@ -28,6 +28,7 @@ from tests.launcher_support import (
     start_launcher_process,
     two_rank_members,
 )
+from tests.metrics_support import families, value
 from tests.test_sim_engine import free_port
 from tests.waiting import eventually
 
@@ -349,5 +350,8 @@ async def test_the_launcher_serves_prometheus_metrics(
         await eventually(lambda: events.states("s1")[-1:] == ["ready"], timeout=20)
         async with httpx.AsyncClient() as client:
             text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
-    assert 'llmgw_launcher_shards{state="ready"} 1' in text.splitlines()
-    assert "# TYPE llmgw_launcher_restarts gauge" in text
+    assert value(text, "llmgw_launcher_shards", state="ready") == 1
+    assert value(text, "llmgw_launcher_shards", state="failed") == 0
+    assert families(text)["llmgw_launcher_restarts"] == "counter"
+    assert value(text, "llmgw_launcher_restarts_total") == 0
+    assert value(text, "llmgw_build_info", service="launcher") == 1

@@ -32,7 +32,7 @@ else: a refused request would wait out its timeout and be retried as if the
 server were slow. `GuardedClient` fails every request in flight to the refused
 subject at once with `PermissionDenied` (permissions are per subject, so all of
 them are refused), logs the refusal once per subject with the identity, and
-counts it for `/metrics`.
+counts it for `/metrics` (`metrics.bus_metrics`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, JetStreamManager, api
 
 from .errors import BusError, ConfigError
-from .metrics import Sample
 from .subjects import Names
 
 if TYPE_CHECKING:
@@ -408,16 +407,6 @@ class GuardedClient(Client):
                 if not waiter.done():
                     waiter.set_exception(denied)
         return True
-
-
-def permission_refusals(bus: Bus) -> Sample:
-    """A service's `/metrics` line: how often nats-server refused it a publish or a subscription."""
-    return Sample(
-        "llmgw_bus_permission_denied_total",
-        "counter",
-        "Publishes and subscriptions nats-server refused.",
-        getattr(bus.nc, "denied_total", 0),
-    )
 
 
 # --- streams and buckets exist before node services use them -------------------------
