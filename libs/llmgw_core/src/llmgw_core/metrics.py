@@ -21,7 +21,7 @@ import anyio
 import anyio.abc
 from prometheus_client import CollectorRegistry, Info
 from prometheus_client.core import CounterMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -88,16 +88,18 @@ def add_bus(reg: CollectorRegistry, bus: Bus) -> None:
     reg.register(Collect(lambda: bus_metrics(bus)))
 
 
-def exposition(reg: Collector) -> Response:
-    """The registry in Prometheus' text format, as a response."""
-    return Response(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
+def exposition(reg: Collector, request: Request | None = None) -> Response:
+    """The registry as a response, in the format the scraper's Accept header asks for
+    (OpenMetrics for a Prometheus that asks for it, else text format 0.0.4)."""
+    encode, content_type = choose_encoder(request.headers.get("accept", "") if request else "")
+    return Response(encode(reg), headers={"Content-Type": content_type})
 
 
 def metrics_app(reg: Collector) -> Starlette:
     """`/metrics` alone: what the node agents serve."""
 
-    async def metrics(_: Request) -> Response:
-        return exposition(reg)
+    async def metrics(request: Request) -> Response:
+        return exposition(reg, request)
 
     async def not_found(request: Request, _: Exception) -> Response:
         return PlainTextResponse(f"no route {request.url.path}: see /metrics\n", 404)

@@ -26,7 +26,7 @@ from starlette.types import ASGIApp
 # Bodies are bounded so that one bad client cannot exhaust a service's memory.
 MAX_BODY = 8 * 1024 * 1024
 # After a stop, how long responses in flight (a streamed completion) may run on.
-GRACE_S = 1.0
+GRACE_S = 1
 # How long a stop waits for uvicorn beyond the grace before it gives up on it.
 STOP_BOUND_S = GRACE_S + 3.0
 

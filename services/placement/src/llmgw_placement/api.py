@@ -146,8 +146,8 @@ class Api:
     async def get_explain(self, request: Request) -> Response:
         return self.explain(request.path_params["name"])
 
-    async def get_metrics(self, _: Request) -> Response:
-        return exposition(self.service.metrics.registry)
+    async def get_metrics(self, request: Request) -> Response:
+        return exposition(self.service.metrics.registry, request)
 
     def nodes(self) -> list[NodeRow]:
         controller = self.service.controller

@@ -127,8 +127,8 @@ class SimEngine:
             return json_response({"status": "unhealthy"}, 503)
         return json_response({"status": "ok"})
 
-    async def metrics(self, _: Request) -> Response:
-        return exposition(self.registry)
+    async def metrics(self, request: Request) -> Response:
+        return exposition(self.registry, request)
 
     async def models(self, _: Request) -> Response:
         return json_response(
