@@ -140,8 +140,7 @@ async def test_routes_that_do_not_exist_say_so_and_a_trailing_slash_is_the_same_
         assert (await client.get("/api/deployments/")).json() == (await client.get("/api/deployments")).json()
         # A body past the bound is refused before it is read whole.
         r = await client.post("/api/deployments", content=b"x" * (8 * 1024 * 1024 + 1))
-        assert r.status_code == 413
-        assert r.json() == {"error": "invalid deployment: the request body exceeds 8388608 bytes"}
+        assert (r.status_code, r.text) == (413, "Content Too Large")
         r = await client.post("/api/deployments", content=b'{"name": "chat"}')
         assert r.status_code == 400
         assert r.json()["error"].startswith("invalid deployment: Object missing required field")

@@ -19,11 +19,11 @@ import anyio
 import anyio.abc
 import msgspec
 import uvicorn
-from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
-# Bodies are bounded so that one bad client cannot exhaust a service's memory.
+# Bodies are bounded (`Starlette(max_body_size=MAX_BODY)`, 413 past it) so that one
+# bad client cannot exhaust a service's memory.
 MAX_BODY = 8 * 1024 * 1024
 # After a stop, how long responses in flight (a streamed completion) may run on.
 GRACE_S = 1
@@ -36,26 +36,6 @@ _encode = msgspec.json.Encoder().encode
 def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     """JSON (msgspec: Structs encode as they are, and 10,000 nodes in milliseconds), newline-ended."""
     return Response(_encode(value) + b"\n", status, headers, media_type="application/json")
-
-
-class BodyTooLarge(Exception):
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"the request body exceeds {limit} bytes")
-
-
-async def read_body(request: Request, limit: int = MAX_BODY) -> bytes:
-    """The request's body, refused (BodyTooLarge) past `limit` bytes before more is read."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 class _Server(uvicorn.Server):

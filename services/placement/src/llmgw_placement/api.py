@@ -31,7 +31,7 @@ from llmgw_core.errors import BusError, ConfigError
 from llmgw_core.events import Deployment, EngineState
 from llmgw_core.metrics import exposition
 from llmgw_core.telemetry import context_from, current_traceparent
-from llmgw_core.web import BodyTooLarge, json_response, read_body
+from llmgw_core.web import MAX_BODY, json_response
 
 from .decide import Refusal, decide
 from .service import PlacementService
@@ -123,6 +123,7 @@ class Api:
         app = Starlette(
             routes=[*self.routes(), *extra],
             exception_handlers={404: _no_route, 405: _no_route},
+            max_body_size=MAX_BODY,
         )
         app.add_middleware(_TokenGuard, api=self)
         return app
@@ -202,9 +203,7 @@ class Api:
 
     async def put_deployment(self, req: Request) -> Response:
         try:
-            dep = msgspec.json.decode(await read_body(req), type=Deployment)
-        except BodyTooLarge as exc:
-            return json_response({"error": f"invalid deployment: {exc}"}, 413)
+            dep = msgspec.json.decode(await req.body(), type=Deployment)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return json_response({"error": f"invalid deployment: {exc}"}, 400)
         with tracer.start_as_current_span(

@@ -117,6 +117,7 @@ class SimEngine:
                 Route("/v1/completions", self.completions, methods=["POST"]),
             ],
             exception_handlers={404: _no_route, 405: _no_route},
+            max_body_size=web.MAX_BODY,
         )
 
     async def health(self, _: Request) -> Response:
@@ -148,9 +149,7 @@ class SimEngine:
         if self.loading():
             return json_response({"error": {"message": "model is loading"}}, 503)
         try:
-            body = json.loads(await web.read_body(req) or b"null")
-        except web.BodyTooLarge as exc:
-            return json_response({"error": {"message": str(exc)}}, 413)
+            body = json.loads(await req.body() or b"null")
         except ValueError as exc:
             return json_response({"error": {"message": f"invalid JSON body: {exc}"}}, 400)
         if not isinstance(body, dict):
