@@ -107,15 +107,14 @@ async def serve(
             finally:
                 stopped.set()
                 sock.close()
+        if not server.up.is_set():
+            raise RuntimeError(f"the HTTP server on {host}:{bound} stopped before it started")
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(run)
         try:
-            with anyio.CancelScope() as waiting:
-                tg.start_soon(_cancel_when, stopped, waiting)
-                await server.up.wait()
-            if not server.up.is_set():
-                return  # stopped before it was up: its error (if any) raises from the task group
+            # A failed start raises from `run`, which cancels this wait.
+            await server.up.wait()
             task_status.started(bound)
             await stopped.wait()
         finally:
@@ -123,8 +122,3 @@ async def serve(
             with anyio.CancelScope(shield=True), anyio.move_on_after(STOP_BOUND_S):
                 await stopped.wait()
             server.force_exit = True
-
-
-async def _cancel_when(event: anyio.Event, scope: anyio.CancelScope) -> None:
-    await event.wait()
-    scope.cancel()
