@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig
 from llmgw_core.events import DesiredEngines, EngineSpec, InstallProgress, NodeStatus, decoder
-from llmgw_core.httpserver import serve
+from llmgw_core.web import serve
 from llmgw_installer import Installer
 from tests.release_server import ReleaseServer
 
@@ -173,7 +173,7 @@ class RecordingPackages:
 async def release_server() -> AsyncIterator[ReleaseServer]:
     server = ReleaseServer(tag=TAG)
     async with anyio.create_task_group() as tg:
-        server.port = await tg.start(serve, server.handle, "127.0.0.1", 0)
+        server.port = await tg.start(serve, server.app(), "127.0.0.1", 0)
         yield server
         tg.cancel_scope.cancel()
 

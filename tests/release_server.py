@@ -9,8 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
-from llmgw_core.httpserver import Request, Response, json_response
+from llmgw_core.web import json_response
 
 
 @dataclass
@@ -63,9 +67,13 @@ class ReleaseServer:
             )
         return assets
 
+    def app(self) -> Starlette:
+        return Starlette(routes=[Route("/{path:path}", self.handle)])
+
     async def handle(self, req: Request) -> Response:
-        self.requests.append(req.path)
-        if req.path == f"/repos/{self.repo}/releases/tags/{self.tag}":
+        path = req.url.path
+        self.requests.append(path)
+        if path == f"/repos/{self.repo}/releases/tags/{self.tag}":
             mode = self.release_behaviour
             if mode == "500-once":
                 self.release_behaviour = "ok"
@@ -74,14 +82,17 @@ class ReleaseServer:
             if mode == "stall":
                 await anyio.sleep(3600)
             if mode == "garbage":
-                return Response(body=b"<html>rate limited</html>", content_type="text/html")
+                return Response(b"<html>rate limited</html>", media_type="text/html")
             if self.release_status != 200:
                 return json_response({"message": "Not Found"}, self.release_status)
-            return Response(body=json.dumps({"tag_name": self.tag, "assets": self._assets()}).encode())
+            return Response(
+                json.dumps({"tag_name": self.tag, "assets": self._assets()}).encode(),
+                media_type="application/json",
+            )
         prefix = f"/download/{self.tag}/"
-        if not req.path.startswith(prefix):
+        if not path.startswith(prefix):
             return json_response({"message": "Not Found"}, 404)
-        name = req.path.removeprefix(prefix)
+        name = path.removeprefix(prefix)
         data = self.files.get(name)
         mode = self.behaviour.get(name, "ok")
         if data is None or mode == "404":
@@ -92,12 +103,10 @@ class ReleaseServer:
             self.behaviour[name] = "ok"
             return json_response({"message": "boom"}, 500)
         if mode == "corrupt":
-            return Response(
-                body=data[:-1] + bytes([data[-1] ^ 0xFF]), content_type="application/octet-stream"
-            )
+            return Response(data[:-1] + bytes([data[-1] ^ 0xFF]), media_type="application/octet-stream")
         if mode in ("truncate", "stall", "slow"):
-            return Response(content_type="application/octet-stream", stream=self._partial(data, mode))
-        return Response(body=data, content_type="application/octet-stream")
+            return StreamingResponse(self._partial(data, mode), media_type="application/octet-stream")
+        return Response(data, media_type="application/octet-stream")
 
     async def _partial(self, data: bytes, mode: str) -> AsyncIterator[bytes]:
         half = len(data) // 2

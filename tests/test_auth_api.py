@@ -9,15 +9,19 @@ import anyio
 import httpx
 import msgspec
 import pytest
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Route
 
 from llmgw.auth import AuthDir
 from llmgw_core.bus import Bus
 from llmgw_core.errors import ConfigError
 from llmgw_core.events import Deployment
-from llmgw_core.httpserver import serve
+from llmgw_core.web import serve
 from llmgw_placement import PlacementService, ServerConfig
 from llmgw_placement.api import Api
 from tests.cluster_support import sim_catalog
+from tests.metrics_support import value
 
 pytestmark = pytest.mark.anyio
 
@@ -49,7 +53,7 @@ async def api(
     handler = Api(service)
     async with anyio.create_task_group() as tg:
         await tg.start(service.run)
-        port = await tg.start(serve, handler.handle, "127.0.0.1", 0)
+        port = await tg.start(serve, handler.app(), "127.0.0.1", 0)
         yield f"http://127.0.0.1:{port}", auth, handler
         tg.cancel_scope.cancel()
 
@@ -93,7 +97,7 @@ async def test_without_the_token_nothing_is_read_or_written(api: tuple[str, Auth
         assert r.status_code == 200
         assert set(r.json()) == {"leader", "identity"}
         metrics = (await client.get("/metrics", headers=bearer(auth.token(read_only=True)))).text
-        assert "llmgw_api_unauthorized_total 17\n" in metrics
+        assert value(metrics, "llmgw_api_unauthorized_total") == 17
 
 
 async def test_permission_refusals_are_counted_in_metrics(api: tuple[str, AuthDir, Api], bus: Bus) -> None:
@@ -102,7 +106,7 @@ async def test_permission_refusals_are_counted_in_metrics(api: tuple[str, AuthDi
     assert handler.service.bus.nc.refused(Exception('nats: permissions violation for publish to "x.y"'))
     async with httpx.AsyncClient(base_url=url, timeout=10, headers=bearer(auth.token())) as client:
         metrics = (await client.get("/metrics")).text
-    assert "llmgw_bus_permission_denied_total 1\n" in metrics
+    assert value(metrics, "llmgw_bus_permission_denied_total") == 1
 
 
 async def test_an_api_without_a_token_must_be_asked_for(
@@ -122,3 +126,48 @@ async def test_an_api_without_a_token_must_be_asked_for(
         Api(service)
     open_api = Api(PlacementService(config(nats_url, prefix, {"port": 0, "insecure": True}), bus))
     assert open_api.token == b""
+
+
+async def test_routes_that_do_not_exist_say_so_and_a_trailing_slash_is_the_same_route(
+    api: tuple[str, AuthDir, Api],
+) -> None:
+    url, auth, _ = api
+    async with httpx.AsyncClient(base_url=url, timeout=10, headers=bearer(auth.token())) as client:
+        r = await client.get("/api/nope")
+        assert (r.status_code, r.json()) == (404, {"error": "no route GET /api/nope"})
+        r = await client.post("/api/nodes", json={})
+        assert (r.status_code, r.json()) == (405, {"error": "no route POST /api/nodes"})
+        assert (await client.get("/api/deployments/")).json() == (await client.get("/api/deployments")).json()
+        # A body past the bound is refused before it is read whole.
+        r = await client.post("/api/deployments", content=b"x" * (8 * 1024 * 1024 + 1))
+        assert (r.status_code, r.text) == (413, "Content Too Large")
+        r = await client.post("/api/deployments", content=b'{"name": "chat"}')
+        assert r.status_code == 400
+        assert r.json()["error"].startswith("invalid deployment: Object missing required field")
+    # Without a token, a route that does not exist is no different from one that does.
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        assert (await client.get("/api/nope")).status_code == 401
+
+
+async def test_another_part_adds_routes_behind_the_same_token(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    auth = AuthDir(tmp_path / "auth")
+    auth.init([], prefix=prefix)
+    cfg = config(nats_url, prefix, {"port": 0, "token_file": str(auth.api_token_file)})
+    handler = Api(PlacementService(cfg, bus))
+
+    async def page(_: Request) -> Response:
+        return HTMLResponse("<h1>cluster</h1>")
+
+    handler.public.add("/status")
+    app = handler.app([Route("/page", page), Route("/status", page)])
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(serve, app, "127.0.0.1", 0)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            assert (await client.get("/page")).status_code == 401
+            r = await client.get("/page", headers=bearer(auth.token()))
+            assert (r.status_code, r.text) == (200, "<h1>cluster</h1>")
+            assert (await client.get("/status")).status_code == 200
+            assert (await client.get("/api/nodes")).status_code == 401
+        tg.cancel_scope.cancel()

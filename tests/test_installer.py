@@ -31,6 +31,7 @@ from tests.installer_support import (
     release_server,
     want,
 )
+from tests.metrics_support import samples, value
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -441,6 +442,19 @@ async def test_the_installer_serves_prometheus_metrics(
             async with httpx.AsyncClient() as client:
                 text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
             tg.cancel_scope.cancel()
-    lines = text.splitlines()
-    assert 'llmgw_installer_engine_up{engine="llamacpp",state="installed",version="b1234"} 1' in lines
-    assert "llmgw_installer_installs_failed_total 0" in lines
+    state = "llmgw_installer_engine_state"
+    assert value(text, "llmgw_installer_engine_up", engine="llamacpp") == 1
+    assert value(text, state, engine="llamacpp", llmgw_installer_engine_state="installed") == 1
+    assert value(text, state, engine="llamacpp", llmgw_installer_engine_state="failed") == 0
+    # The version is in an _info metric: a new version does not start new series of the others.
+    info = [
+        s
+        for s in samples(text)
+        if s.name == "llmgw_installer_engine_info" and s.labels["engine"] == "llamacpp"
+    ]
+    assert [(s.labels["version"], s.value) for s in info] == [("b1234", 1)]
+    assert value(text, "llmgw_installer_installs_failed_total") == 0
+    # The install was timed, once, as installed.
+    installs = "llmgw_installer_install_duration_seconds_count"
+    assert value(text, installs, engine="llamacpp", outcome="installed") == 1
+    assert value(text, "llmgw_build_info", service="installer") == 1

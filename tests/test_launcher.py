@@ -28,6 +28,7 @@ from tests.launcher_support import (
     start_launcher_process,
     two_rank_members,
 )
+from tests.metrics_support import families, value
 from tests.test_sim_engine import free_port
 from tests.waiting import eventually
 
@@ -344,10 +345,28 @@ async def test_the_launcher_serves_prometheus_metrics(
 ) -> None:
     port = free_port()
     config = agent_config(nats_url, prefix, tmp_path / "agent", launcher_metrics_port=port)
-    async with shard_events(bus) as events, running_launcher(config):
+    async with shard_events(bus) as events, running_launcher(config), httpx.AsyncClient() as client:
+
+        async def scrape() -> str:
+            return (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+
         await bus.put(bus.names.shards_bucket, "node-a.s1", shard("node-a", "s1", sim_profile()))
-        await eventually(lambda: events.states("s1")[-1:] == ["ready"], timeout=20)
-        async with httpx.AsyncClient() as client:
-            text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
-    assert 'llmgw_launcher_shards{state="ready"} 1' in text.splitlines()
-    assert "# TYPE llmgw_launcher_restarts gauge" in text
+        first = await eventually(lambda: (s := events.last("s1")) and s.state == "ready" and s, timeout=20)
+        text = await scrape()
+        assert value(text, "llmgw_launcher_shards", state="ready") == 1
+        assert value(text, "llmgw_launcher_shards", state="failed") == 0
+        assert families(text)["llmgw_launcher_restarts"] == "counter"
+        assert value(text, "llmgw_launcher_restarts_total") == 0
+        assert value(text, "llmgw_build_info", service="launcher") == 1
+        # A restart counts, and still counts once its shard is gone: a counter, not a gauge of
+        # the shards now on the node (which fell whenever a shard that had restarted went).
+        os.kill(first.pids[0], signal.SIGKILL)
+        await eventually(
+            lambda: (s := events.last("s1")) and s.state == "ready" and s.restarts == 1, timeout=20
+        )
+        assert value(await scrape(), "llmgw_launcher_restarts_total") == 1
+        await bus.delete(bus.names.shards_bucket, "node-a.s1")
+        await eventually(lambda: events.states("s1")[-1:] == ["stopped"], timeout=20)
+        text = await scrape()
+        assert value(text, "llmgw_launcher_restarts_total") == 1
+        assert value(text, "llmgw_launcher_shards", state="ready") == 0

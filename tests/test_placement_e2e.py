@@ -14,6 +14,7 @@ from llmgw_core.bus import Bus
 from llmgw_core.engines import ShardSpec
 from llmgw_core.events import Deployment, Profile, ReplicaRecord
 from tests.cluster_support import cluster, sim_catalog
+from tests.metrics_support import value
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
@@ -205,8 +206,8 @@ async def test_api_ctl_and_a_refusal_in_the_nodes_own_words(
                 "reasons": [{"node": "node-1", "reason": "GPU class H100-80G, profile needs A100-80G"}],
             }
             metrics = (await client.get("/metrics")).text
-            assert 'llmgw_replicas{deployment="chat",state="ready"} 1' in metrics
-            assert "llmgw_placement_leader 1" in metrics
+            assert value(metrics, "llmgw_placement_replicas", deployment="chat", state="ready") == 1
+            assert value(metrics, "llmgw_placement_leader") == 1
             assert (await client.get("/api/explain/nope")).status_code == 404
         expected = ("r0", "node-1: GPU class H100-80G, profile needs A100-80G")
         await eventually(lambda: [(u.replica, u.reason) for u in unplaceable][-1:] == [expected], timeout=10)

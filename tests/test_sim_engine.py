@@ -9,6 +9,7 @@ import sys
 import httpx
 import pytest
 
+from tests.metrics_support import value
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -94,8 +95,9 @@ async def test_sim_loads_serves_streams_and_exits_cleanly(
         assert plain["choices"][0]["message"]["content"] == streamed, "output is deterministic"
 
         metrics = (await client.get("/metrics")).text
-        assert "llmgw_sim_requests_total 2" in metrics
-        assert "llmgw_sim_generation_tokens_total 10" in metrics
+        assert value(metrics, "llmgw_sim_requests_total") == 2
+        assert value(metrics, "llmgw_sim_generation_tokens_total") == 10
+        assert value(metrics, "llmgw_sim_loading") == 0
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 0

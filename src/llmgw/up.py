@@ -74,7 +74,14 @@ def server_yaml(url: str, api_port: int, auth: AuthDir | None) -> dict[str, Any]
     }
 
 
-def agent_yaml(url: str, state_dir: Path, auth: AuthDir | None) -> dict[str, Any]:
+def metrics_ports(api_port: int) -> tuple[int, int]:
+    """The installer's and the launcher's /metrics: the two ports after the API's, so they stay put."""
+    return api_port + 1, api_port + 2
+
+
+def agent_yaml(
+    url: str, state_dir: Path, auth: AuthDir | None, metrics: tuple[int, int] = (0, 0)
+) -> dict[str, Any]:
     nats: dict[str, Any] = (
         {"url": url, "insecure": True}
         if auth is None
@@ -86,6 +93,8 @@ def agent_yaml(url: str, state_dir: Path, auth: AuthDir | None) -> dict[str, Any
         "nats": nats,
         "simulate": {"gpu_count": 2},
         "port_range": [28000, 28999],
+        "installer_metrics_port": metrics[0],
+        "launcher_metrics_port": metrics[1],
     }
 
 
@@ -216,7 +225,10 @@ async def _serve(data_dir: Path, port: int, api_port: int, insecure: bool) -> in
 
 async def _bring_up(url: str, data_dir: Path, api_port: int, procs: Processes, auth: AuthDir | None) -> None:
     server_cfg = _write(data_dir / "server.yaml", server_yaml(url, api_port, auth), ServerConfig)
-    agent_cfg = _write(data_dir / "agent.yaml", agent_yaml(url, data_dir / "agent", auth), AgentConfig)
+    metrics = metrics_ports(api_port)
+    agent_cfg = _write(
+        data_dir / "agent.yaml", agent_yaml(url, data_dir / "agent", auth, metrics), AgentConfig
+    )
     print(f"llmgw: NATS JetStream at {url} (data in {data_dir})", flush=True)
     py = sys.executable
     procs.start("placement", [py, "-m", "llmgw_placement", "--config", str(server_cfg)])
@@ -256,6 +268,11 @@ async def _bring_up(url: str, data_dir: Path, api_port: int, procs: Processes, a
         print(f"llmgw: its API token: {auth.token()} (read only: {auth.token(read_only=True)})", flush=True)
         header = f'-H "Authorization: Bearer $(cat {auth.api_token_file})"'
         print(f"llmgw: its API: curl -s {header} {api}/api/replicas", flush=True)
+    print(
+        f"llmgw: metrics: placement {api}/metrics{' (with the API token)' if auth else ''}, "
+        f"installer http://127.0.0.1:{metrics[0]}/metrics, launcher http://127.0.0.1:{metrics[1]}/metrics",
+        flush=True,
+    )
     print("llmgw: press Ctrl-C to stop the cluster", flush=True)
 
 

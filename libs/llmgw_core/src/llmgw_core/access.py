@@ -34,7 +34,7 @@ else: a refused request would wait out its timeout and be retried as if the
 server were slow. `GuardedClient` fails every request in flight to the refused
 subject at once with `PermissionDenied` (permissions are per subject, so all of
 them are refused), logs the refusal once per subject with the identity, and
-counts it for `/metrics`.
+counts it for `/metrics` (`metrics.bus_metrics`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, JetStreamManager, api
 
 from .errors import BusError, ConfigError
-from .metrics import Sample
 from .subjects import Names
 
 if TYPE_CHECKING:
@@ -190,7 +189,9 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             *(f"$JS.API.STREAM.{op}.{s}" for s in all_streams(names) for op in ("CREATE", "UPDATE", "INFO")),
             *(rule for b in names.buckets() for rule in _read_all(_kv_stream(b))),
         ]
-        return Permissions(tuple(publish), (inbox, heartbeats, names.liveness_request), allow_responses=True)
+        # The cluster page shows the events as they happen.
+        subscribe = (inbox, heartbeats, names.liveness_request, names.events_all)
+        return Permissions(tuple(publish), subscribe, allow_responses=True)
     if role == "ctl":
         publish = [
             f"$KV.{names.deployments_bucket}.>",
@@ -413,16 +414,6 @@ class GuardedClient(Client):
                 if not waiter.done():
                     waiter.set_exception(denied)
         return True
-
-
-def permission_refusals(bus: Bus) -> Sample:
-    """A service's `/metrics` line: how often nats-server refused it a publish or a subscription."""
-    return Sample(
-        "llmgw_bus_permission_denied_total",
-        "counter",
-        "Publishes and subscriptions nats-server refused.",
-        getattr(bus.nc, "denied_total", 0),
-    )
 
 
 # --- streams and buckets exist before node services use them -------------------------

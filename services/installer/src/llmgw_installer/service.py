@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import get_args
 
 import anyio
 import anyio.abc
 import httpx
 import msgspec
 from opentelemetry import trace
+from prometheus_client import Histogram
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric, StateSetMetricFamily
 
-from llmgw_core.access import permission_refusals
 from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig
 from llmgw_core.errors import BusError
@@ -28,13 +32,14 @@ from llmgw_core.events import (
     EngineInventory,
     EngineSpec,
     EngineState,
+    EngineStateName,
     InstallProgress,
     NodeFacts,
     NodeStatus,
     now,
 )
-from llmgw_core.installed import engines_root
-from llmgw_core.metrics import Sample, serve_metrics
+from llmgw_core.installed import engines_root, read_marker
+from llmgw_core.metrics import SLOW_BUCKETS, Collect, add_bus, counter, new_registry, serve_metrics
 from llmgw_core.probe import Probe
 from llmgw_core.telemetry import context_from
 
@@ -65,6 +70,9 @@ def node_facts(config: AgentConfig, probe: Probe | None = None) -> NodeFacts:
             nvidia_driver=facts.nvidia_driver or ("sim" if config.simulate.gpu_list() else ""),
         )
     return facts
+
+
+ENGINE_STATES: tuple[str, ...] = get_args(EngineStateName)
 
 
 def warnings_for(facts: NodeFacts) -> tuple[str, ...]:
@@ -113,6 +121,17 @@ class Installer:
         self.faults = 0
         self._wake = anyio.Event()
         self._lock = anyio.Lock()
+        self.metrics_registry = new_registry("installer")
+        self.install_seconds = Histogram(
+            "llmgw_installer_install_duration_seconds",
+            "Time an engine's install took (download, verify, unpack, check), by engine and outcome; "
+            "rechecks of an installed engine are not counted.",
+            ["engine", "outcome"],
+            buckets=SLOW_BUCKETS,
+            registry=self.metrics_registry,
+        )
+        self.metrics_registry.register(Collect(self._engine_metrics))
+        add_bus(self.metrics_registry, bus)
 
     # --- reporting ---------------------------------------------------------------
 
@@ -250,15 +269,22 @@ class Installer:
             f"install {spec.name} {spec.version}", context=context_from(self.desired_traceparent)
         ):
             installation = Installation(spec, ctx)
+            recheck = (
+                await anyio.to_thread.run_sync(read_marker, self.root / spec.name / spec.version) is not None
+            )
+            started = time.monotonic()
             try:
-                return await installation.run()
+                state = await installation.run()
             except BusError:
                 raise  # the pass cannot report; it is retried as a whole
             except Exception as exc:
                 self.faulted = True
                 self.faults += 1
                 log.error("internal error installing %s %s: %s", spec.name, spec.version, exc, exc_info=exc)
-                return await installation.fail("failed", f"internal error: {type(exc).__name__}: {exc}")
+                state = await installation.fail("failed", f"internal error: {type(exc).__name__}: {exc}")
+            if not recheck:
+                self.install_seconds.labels(spec.name, state.state).observe(time.monotonic() - started)
+            return state
 
     def _set_engine(self, state: EngineState) -> None:
         others = [e for e in self.engines if e.name != state.name]
@@ -306,7 +332,10 @@ class Installer:
             tg.start_soon(self.bus.heartbeat, self.config.node, "installer", self.config.heartbeat_interval_s)
             if self.config.installer_metrics_port:
                 self.metrics_port = await tg.start(
-                    serve_metrics, self.metrics, self.config.mgmt_addr, self.config.installer_metrics_port
+                    serve_metrics,
+                    self.metrics_registry,
+                    self.config.mgmt_addr,
+                    self.config.installer_metrics_port,
                 )
             await self.converge_once()
             tg.start_soon(self._watch_desired)
@@ -322,35 +351,30 @@ class Installer:
                 self._wake = anyio.Event()
                 await self.converge_once()
 
-    def metrics(self) -> list[Sample]:
-        samples = [
-            Sample(
-                "llmgw_installer_engine_up",
-                "gauge",
-                "1 if the engine is installed or configured and runs.",
-                int(e.runs),
-                (("engine", e.name), ("state", e.state), ("version", e.version)),
-            )
-            for e in self.engines
-        ]
-        samples.append(
-            Sample(
-                "llmgw_installer_probed_at_seconds",
-                "gauge",
-                "When this node last probed.",
-                round(self.probed_at, 3),
-            )
+    def _engine_metrics(self) -> Iterator[Metric]:
+        """The engines as last reported, read at each scrape: stable labels (the engine) only."""
+        up = GaugeMetricFamily(
+            "llmgw_installer_engine_up",
+            "1 if the engine is installed or configured and runs.",
+            labels=["engine"],
         )
-        samples.append(
-            Sample("llmgw_installer_installs_failed_total", "counter", "Installs that failed.", self.failures)
+        state = StateSetMetricFamily(
+            "llmgw_installer_engine_state", "The engine's install state.", labels=["engine"]
         )
-        samples.append(
-            Sample(
-                "llmgw_installer_faults_total",
-                "counter",
-                "Passes or installs cut short by a fault of the installer itself.",
-                self.faults,
-            )
+        info = InfoMetricFamily("llmgw_installer_engine", "The engine's version.", labels=["engine"])
+        for e in self.engines:
+            up.add_metric([e.name], int(e.runs))
+            state.add_metric([e.name], {s: s == e.state for s in ENGINE_STATES})
+            info.add_metric([e.name], {"version": e.version})
+        yield from (up, state, info)
+        yield GaugeMetricFamily(
+            "llmgw_installer_probed_at_seconds",
+            "When this node last probed (Unix time).",
+            value=self.probed_at,
         )
-        samples.append(permission_refusals(self.bus))
-        return samples
+        yield counter("llmgw_installer_installs_failed", "Installs that failed.", self.failures)
+        yield counter(
+            "llmgw_installer_faults",
+            "Passes or installs cut short by a fault of the installer itself.",
+            self.faults,
+        )

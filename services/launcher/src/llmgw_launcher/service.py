@@ -15,22 +15,24 @@ import os
 import socket
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
 
 import anyio
 import anyio.abc
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
+from prometheus_client.core import GaugeMetricFamily, Metric
 
-from llmgw_core.access import permission_refusals
 from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig
 from llmgw_core.engines import GPUInfo, Registry, ShardSpec, default_registry
-from llmgw_core.events import ShardLogs, ShardLogsRequest, decoder, encode
+from llmgw_core.events import ShardLogs, ShardLogsRequest, ShardState, decoder, encode
 from llmgw_core.installed import installed
-from llmgw_core.metrics import Sample, serve_metrics
+from llmgw_core.metrics import Collect, add_bus, counter, new_registry, serve_metrics
 from llmgw_core.probe import Probe
 from llmgw_core.redact import scrub, secret_values
 
@@ -43,6 +45,7 @@ from .runner import Context, ShardRunner
 
 log = logging.getLogger("llmgw.launcher")
 
+SHARD_STATES: tuple[str, ...] = get_args(ShardState)
 # A health probe that gets no answer in this long counts as failed.
 PROBE_TIMEOUT_S = 2.0
 ENGINE_REFRESH_S = 5.0
@@ -118,6 +121,11 @@ class Launcher:
         self._ports_in_use: set[int] = set()
         self._tg: anyio.abc.TaskGroup | None = None
         self.metrics_port = 0
+        # Restarts of shards that are no longer on this node: with those still here, a counter.
+        self._restarts_gone = 0
+        self.metrics_registry = new_registry("launcher")
+        self.metrics_registry.register(Collect(self._metrics))
+        add_bus(self.metrics_registry, bus)
         self._lock = anyio.Lock()
         self._refreshed: dict[str, float] = {}
         self.ctx = Context(
@@ -199,7 +207,10 @@ class Launcher:
             tg.start_soon(self.bus.heartbeat, self.config.node, "launcher", self.config.heartbeat_interval_s)
             if self.config.launcher_metrics_port:
                 self.metrics_port = await tg.start(
-                    serve_metrics, self.metrics, self.config.mgmt_addr, self.config.launcher_metrics_port
+                    serve_metrics,
+                    self.metrics_registry,
+                    self.config.mgmt_addr,
+                    self.config.launcher_metrics_port,
                 )
             await tg.start(self._serve_logs)
             task_status.started()
@@ -258,6 +269,7 @@ class Launcher:
 
     async def _stop(self, key: str) -> None:
         handle = self.handles.pop(key)
+        self._restarts_gone += handle.runner.restarts
         handle.scope.cancel()
         if handle.started:
             await handle.done.wait()
@@ -359,65 +371,38 @@ class Launcher:
             offset=offset,
         )
 
-    def metrics(self) -> list[Sample]:
+    def _metrics(self) -> Iterator[Metric]:
         states: Counter[str] = Counter(h.runner.state for h in self.handles.values())
-        samples = [
-            Sample("llmgw_launcher_shards", "gauge", "Shards on this node by state.", n, (("state", st),))
-            for st, n in sorted(states.items())
-        ]
-        samples.append(
-            Sample(
-                "llmgw_launcher_restarts",
-                "gauge",
-                "Restarts of the shards now on this node.",
-                sum(h.runner.restarts for h in self.handles.values()),
-            )
+        shards = GaugeMetricFamily(
+            "llmgw_launcher_shards",
+            "Shards on this node by state (every state, 0 included).",
+            labels=["state"],
         )
-        samples += [
-            Sample(
-                "llmgw_launcher_health_probes_total",
-                "counter",
-                "Health probes sent to engines.",
-                self.prober.probes,
-            ),
-            Sample(
-                "llmgw_launcher_health_probe_failures_total",
-                "counter",
-                "Health probes that got no 200 in time.",
-                self.prober.failures,
-            ),
-            Sample(
-                "llmgw_launcher_health_connections_opened_total",
-                "counter",
-                "Connections the health prober opened (kept alive between probes).",
-                self.prober.connections_opened,
-            ),
-            Sample(
-                "llmgw_launcher_record_writes_total",
-                "counter",
-                "Shard record writes that reached the disk (after coalescing).",
-                self.writer.writes,
-            ),
-            Sample(
-                "llmgw_launcher_status_batches_total",
-                "counter",
-                "Batches of shard statuses sent to the bus.",
-                self.outbox.batches,
-            ),
-            Sample(
-                "llmgw_launcher_statuses_total",
-                "counter",
-                "Shard statuses sent to the bus.",
-                self.outbox.sent,
-            ),
-        ]
-        samples.append(
-            Sample(
-                "llmgw_bus_decode_errors_total",
-                "counter",
-                "Messages that did not decode.",
-                sum(self.bus.decode_errors.values()),
-            )
+        for state in SHARD_STATES:
+            shards.add_metric([state], states[state])
+        yield shards
+        yield counter(
+            "llmgw_launcher_restarts",
+            "Restarts of shards by this launcher (an adopted shard brings the restarts it had).",
+            self._restarts_gone + sum(h.runner.restarts for h in self.handles.values()),
         )
-        samples.append(permission_refusals(self.bus))
-        return samples
+        yield counter("llmgw_launcher_health_probes", "Health probes sent to engines.", self.prober.probes)
+        yield counter(
+            "llmgw_launcher_health_probe_failures",
+            "Health probes that got no 200 in time.",
+            self.prober.failures,
+        )
+        yield counter(
+            "llmgw_launcher_health_connections_opened",
+            "Connections the health prober opened (kept alive between probes).",
+            self.prober.connections_opened,
+        )
+        yield counter(
+            "llmgw_launcher_record_writes",
+            "Shard record writes that reached the disk (after coalescing).",
+            self.writer.writes,
+        )
+        yield counter(
+            "llmgw_launcher_status_batches", "Batches of shard statuses sent to the bus.", self.outbox.batches
+        )
+        yield counter("llmgw_launcher_statuses", "Shard statuses sent to the bus.", self.outbox.sent)

@@ -10,11 +10,12 @@ import anyio
 from llmgw_core import telemetry
 from llmgw_core.config import load
 from llmgw_core.errors import LlmgwError
-from llmgw_core.httpserver import serve
 from llmgw_core.lifecycle import cancel_on_signal, connect_service
+from llmgw_core.web import serve
 
 from .api import Api
 from .config import ServerConfig
+from .page import Page
 from .service import PlacementService
 
 
@@ -23,10 +24,12 @@ async def _main(config: ServerConfig) -> None:
     async with bus:
         service = PlacementService(config, bus)
         api = Api(service)
+        page = Page(service, api.nodes)
         async with anyio.create_task_group() as tg:
             tg.start_soon(cancel_on_signal, tg.cancel_scope)
             await tg.start(service.run)
-            port = await tg.start(serve, api.handle, config.http.host, config.http.port)
+            tg.start_soon(page.listen)
+            port = await tg.start(serve, api.app(page.routes()), config.http.host, config.http.port)
             print(f"llmgw-placement: API on http://{config.http.host}:{port}", flush=True)
 
 

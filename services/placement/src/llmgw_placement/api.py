@@ -3,6 +3,10 @@
 Every placement serves it; a standby answers from the same watched state.
 Every route but `/healthz` wants `Authorization: Bearer <token>`: the API
 token reads and writes, the read token (for dashboards) only reads.
+
+`Api.app(extra)` is a Starlette app of `Api.routes()` and any routes another
+part adds (the cluster page), all behind the same token guard; a route that
+must answer without a token adds its path to `Api.public`.
 """
 
 from __future__ import annotations
@@ -10,17 +14,24 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 from opentelemetry import trace
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmgw_core.engines import GPUInfo
 from llmgw_core.errors import BusError, ConfigError
 from llmgw_core.events import Deployment, EngineState
-from llmgw_core.httpserver import Request, Response, json_response, text_response
+from llmgw_core.metrics import exposition
 from llmgw_core.telemetry import context_from, current_traceparent
+from llmgw_core.web import MAX_BODY, json_response
 
 from .decide import Refusal, decide
 from .service import PlacementService
@@ -29,13 +40,12 @@ tracer = trace.get_tracer("llmgw.placement.api")
 log = logging.getLogger("llmgw.placement.api")
 
 UNAUTHORIZED = {"WWW-Authenticate": 'Bearer realm="llmgw"'}
+# The cluster page's cookie: the token a browser opened `/?token=…` with.
+COOKIE = "llmgw_token"
 
 
 def _builtins(value: Any) -> Any:
     return msgspec.to_builtins(value)
-
-
-_encode = msgspec.json.Encoder().encode
 
 
 class NodeRow(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,7 +80,8 @@ class Api:
         self.read_token = (
             _read_token(http.read_token_file, "read_token_file") if http.read_token_file else b""
         )
-        self.refused = 0
+        # Paths that answer without a token (they must say nothing a token would protect).
+        self.public: set[str] = {"/healthz"}
         if not self.token and not http.insecure:
             raise ConfigError(
                 "http: no token_file: the API would let anyone who reaches it change deployments; "
@@ -85,11 +96,11 @@ class Api:
                 http.port,
             )
 
-    def _access(self, req: Request) -> str:
-        """`write`, `read` or `none`, from the request's bearer token."""
+    def access(self, authorization: str) -> str:
+        """`write`, `read` or `none`, from a request's Authorization header."""
         if not self.token:
             return "write"
-        scheme, _, given = req.headers.get("authorization", "").partition(" ")
+        scheme, _, given = authorization.partition(" ")
         presented = given.strip().encode() if scheme.lower() == "bearer" else b""
         # Both comparisons always run, in constant time: how long a refusal takes says
         # nothing about which token, or how much of one, was right.
@@ -97,40 +108,48 @@ class Api:
         read = bool(self.read_token) and hmac.compare_digest(presented, self.read_token)
         return "write" if write else "read" if read else "none"
 
-    async def handle(self, req: Request) -> Response:
-        path = req.path.rstrip("/")
-        if path == "/healthz":
-            return json_response({"leader": self.service.is_leader, "identity": self.service.identity})
-        access = self._access(req)
-        if access == "none":
-            self.refused += 1
-            response = json_response({"error": "this API wants Authorization: Bearer <token>"}, 401)
-            response.headers.update(UNAUTHORIZED)
-            return response
-        if req.method not in ("GET", "HEAD") and access != "write":
-            self.refused += 1
-            return json_response({"error": "the read token cannot change anything; use the API token"}, 403)
-        return await self._route(req, path)
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/healthz", self.whoami, methods=["GET"]),
+            Route("/api/nodes", self.get_nodes, methods=["GET"]),
+            Route("/api/deployments", self.get_deployments, methods=["GET"]),
+            Route("/api/deployments", self.put_deployment, methods=["POST"]),
+            Route("/api/replicas", self.get_replicas, methods=["GET"]),
+            Route("/api/explain/{name}", self.get_explain, methods=["GET"]),
+            Route("/metrics", self.get_metrics, methods=["GET"]),
+        ]
 
-    async def _route(self, req: Request, path: str) -> Response:
-        if path == "/api/nodes" and req.method == "GET":
-            # msgspec encodes 10,000 nodes with their GPUs in milliseconds; stdlib json does not.
-            return Response(body=_encode(self.nodes()) + b"\n")
-        if path == "/api/deployments":
-            if req.method == "POST":
-                return await self.put_deployment(req)
-            return json_response({k: _builtins(v) for k, v in sorted(self.service.state.deployments.items())})
-        if path == "/api/replicas":
-            controller = self.service.controller
-            replicas = controller.replicas if controller else {}
-            return json_response({k: _builtins(v) for k, v in sorted(replicas.items())})
-        if path.startswith("/api/explain/"):
-            return self.explain(path.removeprefix("/api/explain/"))
-        if path == "/metrics":
-            return text_response(self.metrics(), content_type="text/plain; version=0.0.4")
-        if path == "":
-            return json_response({"leader": self.service.is_leader, "identity": self.service.identity})
-        return json_response({"error": f"no route {req.method} {req.path}"}, 404)
+    def app(self, extra: Sequence[BaseRoute] = ()) -> Starlette:
+        """The API's routes and `extra`, behind the token guard."""
+        app = Starlette(
+            routes=[*self.routes(), *extra],
+            exception_handlers={404: _no_route, 405: _no_route},
+            max_body_size=MAX_BODY,
+        )
+        app.add_middleware(_TokenGuard, api=self)
+        return app
+
+    # --- routes ---------------------------------------------------------------------
+
+    async def whoami(self, _: Request) -> Response:
+        return json_response({"leader": self.service.is_leader, "identity": self.service.identity})
+
+    async def get_nodes(self, _: Request) -> Response:
+        return json_response(self.nodes())
+
+    async def get_deployments(self, _: Request) -> Response:
+        return json_response({k: _builtins(v) for k, v in sorted(self.service.state.deployments.items())})
+
+    async def get_replicas(self, _: Request) -> Response:
+        controller = self.service.controller
+        replicas = controller.replicas if controller else {}
+        return json_response({k: _builtins(v) for k, v in sorted(replicas.items())})
+
+    async def get_explain(self, request: Request) -> Response:
+        return self.explain(request.path_params["name"])
+
+    async def get_metrics(self, request: Request) -> Response:
+        return exposition(self.service.metrics.registry, request)
 
     def nodes(self) -> list[NodeRow]:
         controller = self.service.controller
@@ -185,7 +204,7 @@ class Api:
 
     async def put_deployment(self, req: Request) -> Response:
         try:
-            dep = msgspec.json.decode(req.body, type=Deployment)
+            dep = msgspec.json.decode(await req.body(), type=Deployment)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return json_response({"error": f"invalid deployment: {exc}"}, 400)
         with tracer.start_as_current_span(
@@ -198,42 +217,55 @@ class Api:
                 return json_response({"error": str(exc)}, 503)
         return json_response(_builtins(dep))
 
-    def metrics(self) -> str:
-        controller = self.service.controller
-        replicas = controller.replicas.values() if controller else []
-        lines = [
-            "# HELP llmgw_placement_leader 1 if this placement holds the lease.",
-            "# TYPE llmgw_placement_leader gauge",
-            f"llmgw_placement_leader {int(self.service.is_leader)}",
-            "# HELP llmgw_replicas Replicas by deployment and state.",
-            "# TYPE llmgw_replicas gauge",
-        ]
-        counts: dict[tuple[str, str], int] = {}
-        for r in replicas:
-            counts[(r.deployment, r.state)] = counts.get((r.deployment, r.state), 0) + 1
-        for (dep, state), n in sorted(counts.items()):
-            lines.append(f'llmgw_replicas{{deployment="{dep}",state="{state}"}} {n}')
-        lines += [
-            "# HELP llmgw_placement_behind 1 while placement is behind (node deadlines extended).",
-            "# TYPE llmgw_placement_behind gauge",
-            f"llmgw_placement_behind {int(self.service.behind)}",
-            "# HELP llmgw_placement_stalls_total Times placement's loop ran over 0.5 s late.",
-            "# TYPE llmgw_placement_stalls_total counter",
-            f"llmgw_placement_stalls_total {self.service.stalls}",
-            "# HELP llmgw_placement_step_failures_total Control steps that failed (retried with backoff).",
-            "# TYPE llmgw_placement_step_failures_total counter",
-            f"llmgw_placement_step_failures_total {self.service.step_failures}",
-            "# HELP llmgw_nodes Nodes known.",
-            "# TYPE llmgw_nodes gauge",
-            f"llmgw_nodes {len(self.service.state.nodes)}",
-            "# HELP llmgw_bus_decode_errors_total Messages that did not decode.",
-            "# TYPE llmgw_bus_decode_errors_total counter",
-            f"llmgw_bus_decode_errors_total {sum(self.service.bus.decode_errors.values())}",
-            "# HELP llmgw_bus_permission_denied_total Publishes and subscriptions nats-server refused.",
-            "# TYPE llmgw_bus_permission_denied_total counter",
-            f"llmgw_bus_permission_denied_total {getattr(self.service.bus.nc, 'denied_total', 0)}",
-            "# HELP llmgw_api_unauthorized_total API requests refused for their token (401 and 403).",
-            "# TYPE llmgw_api_unauthorized_total counter",
-            f"llmgw_api_unauthorized_total {self.refused}",
-        ]
-        return "\n".join(lines) + "\n"
+
+async def _no_route(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 404)
+    return json_response({"error": f"no route {request.method} {request.url.path}"}, status)
+
+
+class _TokenGuard:
+    """Every request but those to `Api.public` paths shows a token; only the API token writes.
+
+    A path's trailing slash is dropped before anything else (`/api/nodes/` is
+    `/api/nodes`), as the API always did.
+    """
+
+    def __init__(self, app: ASGIApp, api: Api) -> None:
+        self.app = app
+        self.api = api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"].rstrip("/") or "/"
+        scope = {**scope, "path": path}
+        if path not in self.api.public:
+            request = Request(scope)
+            access = self.api.access(request.headers.get("authorization", ""))
+            if access == "none" and scope["method"] in ("GET", "HEAD"):
+                # A browser on the cluster page: the token it was given as `?token=` is kept in
+                # a cookie, which reads and never writes (a page cannot be made to change things).
+                given = request.query_params.get("token") if path == "/" else None
+                if given and self.api.access(f"Bearer {given}") != "none":
+                    response = RedirectResponse("/", 303)
+                    response.set_cookie(COOKIE, given, httponly=True, samesite="strict")
+                    await response(scope, receive, send)
+                    return
+                cookie = request.cookies.get(COOKIE, "")
+                if cookie and self.api.access(f"Bearer {cookie}") != "none":
+                    access = "read"
+            refusal: Response | None = None
+            if access == "none":
+                refusal = json_response(
+                    {"error": "this API wants Authorization: Bearer <token>"}, 401, UNAUTHORIZED
+                )
+            elif scope["method"] not in ("GET", "HEAD") and access != "write":
+                refusal = json_response(
+                    {"error": "the read token cannot change anything; use the API token"}, 403
+                )
+            if refusal is not None:
+                self.api.service.metrics.api_unauthorized.inc()
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

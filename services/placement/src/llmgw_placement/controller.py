@@ -47,6 +47,7 @@ from llmgw_core.telemetry import context_from, current_traceparent
 
 from .config import ServerConfig
 from .decide import NodeIndex, NodeView, Placement, Refusal, decide
+from .metrics import PlacementMetrics
 
 log = logging.getLogger("llmgw.placement")
 tracer = trace.get_tracer("llmgw.placement")
@@ -137,8 +138,10 @@ class Controller:
         *,
         clock: Callable[[], float] = time.monotonic,
         fence: Callable[[], Awaitable[None]] | None = None,
+        metrics: PlacementMetrics | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics
         self.bus = bus
         self.state = state
         self.clock = clock
@@ -467,6 +470,8 @@ class Controller:
             state = "ready" if url else "starting"
         else:
             state = "starting"
+        if state == "ready" and record.state != "ready" and self.metrics is not None:
+            self.metrics.replica_ready(record)
         # Restarts and the last failure, as the launchers keep them: the failure stays
         # until the replica is ready again, so a retry never hides why it is retrying.
         known = [s for s in statuses if s is not None]
@@ -546,9 +551,12 @@ class Controller:
         if refused == (self._index_id, self._index.generation, fp, dep.pool, dep.strategy):
             return False
         fabric_hcas = {name: fc.hcas for name, fc in self.config.fabrics.items()}
+        started = time.perf_counter()
         decision = decide(
             dep, profile, self._index, fabric_hcas=fabric_hcas, port_range=self.config.dist_port_range
         )
+        if self.metrics is not None:
+            self.metrics.decision_seconds.observe(time.perf_counter() - started)
         # The id the replica gets if it is placed; a refusal names it too, without using it up.
         replica = await self._next_replica_id(dep.name)
         if isinstance(decision, Refusal):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import html
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -18,11 +19,16 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 from nats.aio.msg import Msg
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
 
 from llmgw_core.events import ReplicaRecord, ShardStatus
 
 if TYPE_CHECKING:
     from .service import PlacementService
+
+log = logging.getLogger("llmgw.placement.page")
 
 # How often the stream looks for a change, and how often it says it is still there.
 REFRESH_S = 0.5
@@ -89,7 +95,12 @@ class Page:
             if line:
                 self.events.append((time.time(), line))
 
-        sub = await bus.nc.subscribe(bus.names.events_all, cb=on_msg)
+        try:
+            sub = await bus.nc.subscribe(bus.names.events_all, cb=on_msg)
+        except Exception as exc:  # the page goes on without its events, placement goes on
+            log.warning("the cluster page cannot follow the events: %s", exc)
+            self.events.append((time.time(), f"(this placement cannot follow the events: {exc})"))
+            return
         try:
             await anyio.sleep_forever()
         finally:
@@ -195,10 +206,13 @@ class Page:
             r = replicas[key]
             nodes = ", ".join(sorted({k.split(".", 1)[0] for k in r.shards}))
             since = f"{_ago(now - r.since)}" if r.since else ""
-            failure = f"<pre>{_e(r.last_failure)}</pre>" if r.last_failure else ""
+            # The failure's own lines, unless the reason already quotes them whole.
+            shown = r.last_failure and r.last_failure.replace("\n", " ") not in r.reason.replace("\n", " ")
+            failure = f"<pre>{_e(r.last_failure)}</pre>" if shown else ""
             rows.append(
                 f"<tr data-replica='{_e(key)}'><td>{_e(r.deployment)}/{_e(r.replica)}</td>"
-                f"<td class='state {_e(r.state)}'>{_e(r.state)}</td><td>{_e(nodes)}</td><td>{since}</td>"
+                f"<td class='state {_e(r.state)}'>{_e(r.state)}</td><td class=nowrap>{_e(nodes)}</td>"
+                f"<td class=nowrap>{since}</td>"
                 f"<td>{r.restarts}</td><td>{_e(r.reason)}{failure}</td></tr>"
             )
         return (
@@ -216,6 +230,22 @@ class Page:
         return f"<section id=events><h2>Recent events</h2><ul>{items or '<li>none yet</li>'}</ul></section>"
 
     # --- HTTP --------------------------------------------------------------------
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/", self.index, methods=["GET"]),
+            Route("/page/stream", self.events_stream, methods=["GET"]),
+        ]
+
+    async def index(self, _: Request) -> Response:
+        return HTMLResponse(self.document())
+
+    async def events_stream(self, _: Request) -> Response:
+        return StreamingResponse(
+            self.stream(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     def document(self) -> str:
         return PAGE.replace("{view}", self.view())
@@ -253,7 +283,7 @@ text-align:left;vertical-align:top}th{background:#f4f4f4}
 .state.ready{color:#176117;font-weight:600}.state.failed,.state.degraded,.state.unknown{color:#a11}
 pre{white-space:pre-wrap;font-size:12px;margin:.3em 0;background:#f8f8f8;padding:.3em}
 .install{color:#555;font-style:italic}#live{float:right;color:#777}
-ul.reasons{margin:.2em 0;padding-left:1.2em}time{color:#777}
+ul.reasons{margin:.2em 0;padding-left:1.2em}time{color:#777}.nowrap{white-space:nowrap}
 </style></head>
 <body><h1>llmgw cluster <span id=live>connecting…</span></h1>
 <main id=view>{view}</main>

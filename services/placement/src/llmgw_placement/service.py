@@ -44,6 +44,7 @@ from .checks import check_deployment, check_profile
 from .config import ServerConfig
 from .controller import ClusterState, Controller
 from .lease import Lease, LeaseLost
+from .metrics import PlacementMetrics
 
 log = logging.getLogger("llmgw.placement")
 tracer = trace.get_tracer("llmgw.placement")
@@ -75,6 +76,8 @@ class PlacementService:
         self._last_stall = 0.0
         self.invalid_inputs = 0
         self._wake = anyio.Event()
+        self.metrics = PlacementMetrics()
+        self.metrics.watch(self)
 
     def wake(self) -> None:
         self._wake.set()
@@ -261,7 +264,9 @@ class PlacementService:
                     self.is_leader = False
 
     async def _lead(self, lease: Lease) -> None:
-        controller = Controller(self.config, self.bus, self.state, clock=time.monotonic, fence=lease.renew)
+        controller = Controller(
+            self.config, self.bus, self.state, clock=time.monotonic, fence=lease.renew, metrics=self.metrics
+        )
         async with anyio.create_task_group() as tg:
             tg.start_soon(lease.hold)
             taking_over = Attempts(self.identity, "taking over")
@@ -274,7 +279,9 @@ class PlacementService:
             steps = Attempts(self.identity, "control step")
             while True:
                 self._wake = anyio.Event()
-                if not await steps.run(controller.step):
+                with self.metrics.step_seconds.time():
+                    stepped = await steps.run(controller.step)
+                if not stepped:
                     self.step_failures += 1
                     await anyio.sleep(steps.delay)
                     continue

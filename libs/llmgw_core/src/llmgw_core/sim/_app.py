@@ -11,8 +11,15 @@ from dataclasses import dataclass
 
 import anyio
 import anyio.abc
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
-from ..httpserver import Request, Response, json_response, serve, text_response
+from .. import web
+from ..metrics import exposition
+from ..web import json_response
 
 WORDS = [
     "the",
@@ -86,8 +93,13 @@ class SimEngine:
     def __init__(self, opts: SimOptions) -> None:
         self.opts = opts
         self.started = time.monotonic()
-        self.requests = 0
-        self.tokens = 0
+        # The engine's own registry: tests run several engines in one process.
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("llmgw_sim_requests", "Completion requests served.", registry=self.registry)
+        self.tokens = Counter("llmgw_sim_generation_tokens", "Tokens generated.", registry=self.registry)
+        Gauge("llmgw_sim_loading", "1 while the model is loading.", registry=self.registry).set_function(
+            lambda: float(self.loading())
+        )
 
     def _age(self) -> float:
         return time.monotonic() - self.started
@@ -95,50 +107,54 @@ class SimEngine:
     def loading(self) -> bool:
         return self._age() < self.opts.load_time
 
-    async def handle(self, req: Request) -> Response:
-        path = req.path
-        if path == "/health":
-            if self.loading():
-                return json_response({"status": "loading"}, 503)
-            fail = self.opts.fail_health_after
-            if fail is not None and self._age() >= fail:
-                return json_response({"status": "unhealthy"}, 503)
-            return json_response({"status": "ok"})
-        if path == "/metrics":
-            return text_response(self._metrics(), content_type="text/plain; version=0.0.4")
-        if path == "/v1/models":
-            return json_response(
-                {
-                    "object": "list",
-                    "data": [{"id": self.opts.model, "object": "model", "owned_by": "llmgw-sim"}],
-                }
-            )
-        if path in ("/v1/chat/completions", "/v1/completions"):
-            if req.method != "POST":
-                return json_response({"error": {"message": "use POST"}}, 405)
-            if self.loading():
-                return json_response({"error": {"message": "model is loading"}}, 503)
-            try:
-                body = req.json()
-            except ValueError as exc:
-                return json_response({"error": {"message": f"invalid JSON body: {exc}"}}, 400)
-            if not isinstance(body, dict):
-                return json_response({"error": {"message": "body must be a JSON object"}}, 400)
-            return self._complete(body, chat=path.endswith("chat/completions"))
-        return json_response({"error": {"message": f"no route {path}"}}, 404)
-
-    def _metrics(self) -> str:
-        return (
-            "# HELP llmgw_sim_requests_total Completion requests served.\n"
-            "# TYPE llmgw_sim_requests_total counter\n"
-            f"llmgw_sim_requests_total {self.requests}\n"
-            "# HELP llmgw_sim_generation_tokens_total Tokens generated.\n"
-            "# TYPE llmgw_sim_generation_tokens_total counter\n"
-            f"llmgw_sim_generation_tokens_total {self.tokens}\n"
-            "# HELP llmgw_sim_loading 1 while the model is loading.\n"
-            "# TYPE llmgw_sim_loading gauge\n"
-            f"llmgw_sim_loading {int(self.loading())}\n"
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/health", self.health),
+                Route("/metrics", self.metrics),
+                Route("/v1/models", self.models),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+            ],
+            exception_handlers={404: _no_route, 405: _no_route},
+            max_body_size=web.MAX_BODY,
         )
+
+    async def health(self, _: Request) -> Response:
+        if self.loading():
+            return json_response({"status": "loading"}, 503)
+        fail = self.opts.fail_health_after
+        if fail is not None and self._age() >= fail:
+            return json_response({"status": "unhealthy"}, 503)
+        return json_response({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        return exposition(self.registry, request)
+
+    async def models(self, _: Request) -> Response:
+        return json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.opts.model, "object": "model", "owned_by": "llmgw-sim"}],
+            }
+        )
+
+    async def chat(self, req: Request) -> Response:
+        return await self._completion(req, chat=True)
+
+    async def completions(self, req: Request) -> Response:
+        return await self._completion(req, chat=False)
+
+    async def _completion(self, req: Request, chat: bool) -> Response:
+        if self.loading():
+            return json_response({"error": {"message": "model is loading"}}, 503)
+        try:
+            body = json.loads(await req.body() or b"null")
+        except ValueError as exc:
+            return json_response({"error": {"message": f"invalid JSON body: {exc}"}}, 400)
+        if not isinstance(body, dict):
+            return json_response({"error": {"message": "body must be a JSON object"}}, 400)
+        return self._complete(body, chat=chat)
 
     def _complete(self, body: dict[str, object], chat: bool) -> Response:
         if chat:
@@ -149,15 +165,19 @@ class SimEngine:
         raw_max = body.get("max_tokens", 16)
         n = raw_max if isinstance(raw_max, int) and raw_max > 0 else 16
         words = _tokens(prompt, min(n, 4096))
-        self.requests += 1
-        self.tokens += len(words)
+        self.requests.inc()
+        self.tokens.inc(len(words))
         created = int(time.time())
         rid = "cmpl-" + hashlib.sha256(prompt.encode()).hexdigest()[:12]
         kind = "chat.completion" if chat else "text_completion"
         usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": len(words)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         if body.get("stream"):
-            return Response(content_type="text/event-stream", stream=self._stream(rid, created, words, chat))
+            # As the engines send it: no charset parameter, no caching on the way.
+            return StreamingResponse(
+                self._stream(rid, created, words, chat),
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+            )
         text = " ".join(words)
         choice: dict[str, object] = {"index": 0, "finish_reason": "length"}
         if chat:
@@ -208,6 +228,13 @@ class SimEngine:
         }
         yield b"data: " + json.dumps(final).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
+
+
+async def _no_route(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 404)
+    if status == 405:
+        return json_response({"error": {"message": f"use POST for {request.url.path}"}}, 405)
+    return json_response({"error": {"message": f"no route {request.url.path}"}}, 404)
 
 
 async def _hold_workers(host: str, port: int, task_status: anyio.abc.TaskStatus[None]) -> None:
@@ -262,7 +289,7 @@ async def run(opts: SimOptions) -> int:
         engine = SimEngine(opts)
         if opts.world > 1:
             await tg.start(_hold_workers, opts.host, opts.dist_port)
-        port = await tg.start(serve, engine.handle, opts.host, opts.port)
+        port = await tg.start(web.serve, engine.app(), opts.host, opts.port)
         print(
             f"llmgw-sim: serving {opts.model} on http://{opts.host}:{port} (loading for {opts.load_time}s)",
             flush=True,

@@ -1,0 +1,119 @@
+"""Placement's metrics: its own registry, the timings it observes, and a collector over its state.
+
+Timed where it happens: each control step, each placement decision, and each
+replica's time from created to first ready (deploy→ready). Read at scrape
+time from the service's state: leadership, whether it is behind, nodes alive
+and lost, replicas by deployment and state, and the counts the service keeps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, get_args
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from llmgw_core.events import ReplicaRecord, ReplicaState, now
+from llmgw_core.metrics import FAST_BUCKETS, SLOW_BUCKETS, Collect, add_bus, counter, new_registry
+
+if TYPE_CHECKING:
+    from .service import PlacementService
+
+REPLICA_STATES: tuple[str, ...] = get_args(ReplicaState)
+# Replicas whose first ready was observed, kept so that a replica that goes
+# degraded and comes back is not timed again. Ids are never reused, so the
+# memory is bounded by forgetting the oldest instead.
+READY_MEMORY = 65536
+
+
+class PlacementMetrics:
+    def __init__(self) -> None:
+        self.registry: CollectorRegistry = new_registry("placement")
+        self.step_seconds = Histogram(
+            "llmgw_placement_step_duration_seconds",
+            "Time one control step took (every deployment converged once), failed steps included.",
+            buckets=FAST_BUCKETS,
+            registry=self.registry,
+        )
+        self.decision_seconds = Histogram(
+            "llmgw_placement_decision_duration_seconds",
+            "Time one placement decision took (candidates, choice or refusal).",
+            buckets=FAST_BUCKETS,
+            registry=self.registry,
+        )
+        self.deploy_ready_seconds = Histogram(
+            "llmgw_placement_deploy_ready_seconds",
+            "From a replica's creation to its first ready: placement, install, start, load, health.",
+            buckets=SLOW_BUCKETS,
+            registry=self.registry,
+        )
+        self.api_unauthorized = Counter(
+            "llmgw_api_unauthorized",
+            "API requests refused for their token (401 and 403).",
+            registry=self.registry,
+        )
+        self._ready: OrderedDict[str, None] = OrderedDict()
+
+    def watch(self, service: PlacementService) -> None:
+        """Read the service's state at every scrape."""
+        self.registry.register(Collect(lambda: _state(service)))
+        add_bus(self.registry, service.bus)
+
+    def replica_ready(self, record: ReplicaRecord) -> None:
+        """A replica is ready: time it from its creation, the first time only."""
+        key = f"{record.deployment}.{record.replica}"
+        if key in self._ready:
+            return
+        self._ready[key] = None
+        if len(self._ready) > READY_MEMORY:
+            self._ready.popitem(last=False)
+        # created_at is the wall clock of whichever placement created it (perhaps before a failover).
+        self.deploy_ready_seconds.observe(max(0.0, now() - record.created_at))
+
+
+def _state(service: PlacementService) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        "llmgw_placement_leader", "1 if this placement holds the lease.", value=int(service.is_leader)
+    )
+    yield GaugeMetricFamily(
+        "llmgw_placement_behind",
+        "1 while placement is behind (node deadlines extended).",
+        value=int(service.behind),
+    )
+    yield counter("llmgw_placement_stalls", "Times placement's loop ran over 0.5 s late.", service.stalls)
+    yield counter(
+        "llmgw_placement_step_failures",
+        "Control steps that failed (retried with backoff).",
+        service.step_failures,
+    )
+    yield counter(
+        "llmgw_placement_invalid_inputs",
+        "Bucket entries placement refused as invalid (sent to the dead-letter subject).",
+        service.invalid_inputs,
+    )
+    controller = service.controller
+    nodes = GaugeMetricFamily(
+        "llmgw_placement_nodes",
+        "Nodes known, by liveness (what this placement hears; all alive on a standby).",
+        labels=["liveness"],
+    )
+    at = time.monotonic()
+    alive = sum(1 for n in service.state.nodes if controller is None or controller.alive(n, at)[0])
+    nodes.add_metric(["alive"], alive)
+    nodes.add_metric(["lost"], len(service.state.nodes) - alive)
+    yield nodes
+    replicas = GaugeMetricFamily(
+        "llmgw_placement_replicas",
+        "Replicas by deployment and state (every state of every deployment, 0 included).",
+        labels=["deployment", "state"],
+    )
+    counts: dict[tuple[str, str], int] = {}
+    for r in controller.replicas.values() if controller else ():
+        counts[(r.deployment, r.state)] = counts.get((r.deployment, r.state), 0) + 1
+    for dep in sorted(service.state.deployments.keys() | {d for d, _ in counts}):
+        for state in REPLICA_STATES:
+            replicas.add_metric([dep, state], counts.get((dep, state), 0))
+    yield replicas

@@ -1,0 +1,102 @@
+"""The cluster page in a real browser: Debian's Chromium driven by Playwright, against a real cluster.
+
+The page is opened once, before there is anything to show; every change after
+that (a node, a deployment going ready, a refusal, a crash) must appear
+without a reload.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llmgw_core.bus import Bus
+from llmgw_core.events import Deployment
+from tests.cluster_support import cluster, sim_catalog
+from tests.waiting import eventually
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
+
+CHROMIUM = os.environ.get("LLMGW_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+# Chromium on a machine with no network of its own: nothing in the background.
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+CRASHES = sim_catalog("--load-time", "30", "--exit-after", "0.3", "--exit-code", "42", name="crashes")
+A100 = {**sim_catalog(name="a100"), "gpu_class": "A100-80G"}
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no Chromium at {CHROMIUM} (apt install chromium)")
+async def test_the_cluster_page_follows_the_cluster_live(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    from playwright.async_api import async_playwright, expect
+
+    with cluster(tmp_path, nats_url, prefix) as c:
+        c.start_placement("p1", [sim_catalog(), CRASHES, A100], [])
+        api = await eventually(lambda: re.search(r"API on (http://\S+)", c.log("placement-p1")), timeout=30)
+        base = api.group(1)
+        token = c.auth.api_read_token_file.read_text().strip() if c.auth is not None else ""
+        async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+            # Without a token the page is refused; the read token opens it and is kept in a cookie.
+            assert (await client.get("/")).status_code == 401
+            assert (await client.get("/page/stream")).status_code == 401
+        async with async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+            try:
+                page = await browser.new_page(viewport={"width": 1366, "height": 900})
+                await page.goto(f"{base}/?token={token}")
+                assert page.url == f"{base}/", "the token stays out of the address bar"
+                await expect(page.locator("#nodes h2")).to_have_text("Nodes (0)")
+                await page.evaluate("window.llmgwNotReloaded = true")
+
+                # A node appears, alive, with its GPUs and its engine.
+                c.start_node("node-1", gpus=2)
+                row = page.locator("tr[data-node='node-1']")
+                await expect(row).to_contain_text("alive", timeout=60_000)
+                await expect(row.locator(".gpu")).to_have_count(2)
+                await expect(row).to_contain_text("sim")
+
+                # A deployment goes ready, and its GPU shows who holds it.
+                await bus.put(bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tiny"))
+                chat = page.locator("tr[data-deployment='chat']")
+                await expect(chat.locator(".ready")).to_have_text("1 / 1", timeout=60_000)
+                await expect(page.locator("tr[data-replica='chat.r0'] .state")).to_have_text("ready")
+                await expect(row.locator(".gpu.held")).to_contain_text("chat/r0")
+
+                # A refusal in the node's own words.
+                await bus.put(bus.names.deployments_bucket, "big", Deployment(name="big", profile="a100"))
+                big = page.locator("tr[data-deployment='big']")
+                await expect(big).to_contain_text(
+                    "node-1: GPU class H100-80G, profile needs A100-80G", timeout=30_000
+                )
+                await expect(big).to_contain_text("1 cannot be placed")
+
+                # A crashing replica shows its exit code.
+                await bus.put(
+                    bus.names.deployments_bucket, "crashes", Deployment(name="crashes", profile="crashes")
+                )
+                crash = page.locator("tr[data-replica='crashes.r0']")
+                await expect(crash).to_contain_text("exited with code 42", timeout=60_000)
+                await expect(page.locator("#events")).to_contain_text("crashes")
+
+                assert await page.evaluate("window.llmgwNotReloaded") is True, "the page was reloaded"
+                shot = tmp_path / "cluster-page.png"
+                await page.screenshot(path=str(shot), full_page=True)
+                assert shot.stat().st_size > 10_000
+                print(f"cluster page screenshot: {shot}")
+            finally:
+                await browser.close()
