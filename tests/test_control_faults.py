@@ -17,7 +17,7 @@ import pytest
 from llmgw import ctl
 from llmgw_core.bus import Bus
 from llmgw_core.engines import Profile, ShardSpec
-from llmgw_core.events import Deployment, PlacementDecision, ReplicaStatus, decoder
+from llmgw_core.events import Deployment, PlacementDecision, ReplicaRecord, ReplicaStatus, decoder
 from tests.control_support import TP1, control_plane, dlq, ready_replicas, replicas
 from tests.waiting import eventually
 
@@ -278,4 +278,42 @@ async def test_a_placement_that_falls_behind_fails_no_node_over(bus: Bus, nats_u
         assert p.service.behind
         assert p.service.stalls >= 1
         assert await ready_replicas(bus, "chat") == before, "nothing was failed over"
+        assert cp.crashes() == []
+
+
+async def test_a_late_write_of_an_ex_leader_is_removed(bus: Bus, nats_url: str, prefix: str) -> None:
+    """Regression (chaos seed 1031254): a placement paused mid-commit sent its batch when it
+    resumed, after the new leader had loaded the buckets; the record and shard spec it wrote
+    were nobody's and stayed forever, the spec holding a GPU on its node."""
+    async with control_plane(nats_url, prefix) as cp:
+        await cp.start_fleet(["n0"], gpus=2)
+        await cp.start_placement("a", reconcile_interval_s=1.0)
+        await eventually(lambda: len(cp.leaders()) == 1, timeout=20)
+        await bus.put(bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1"))
+        await eventually(lambda: ready_replicas(bus, "chat"), timeout=30)
+        profile = msgspec.convert(TP1, Profile)
+        late = ShardSpec(
+            replica="r7", shard="gone-r7-0", node="n0", profile=profile, gpus=(1,), deployment="gone"
+        )
+        await bus.put(bus.names.shards_bucket, "n0.gone-r7-0", late)
+        await bus.put(
+            bus.names.replicas_bucket,
+            "gone.r7",
+            ReplicaRecord(
+                deployment="gone",
+                replica="r7",
+                profile="tp1",
+                profile_fp=profile.fingerprint(),
+                state="starting",
+                shards=("n0.gone-r7-0",),
+            ),
+        )
+
+        async def removed() -> bool:
+            return set(await replicas(bus)) == {"chat.r0"} and set(
+                await bus.keys(bus.names.shards_bucket)
+            ) == {"n0.chat-r0-0"}
+
+        await eventually(removed, timeout=20, interval=0.5)
+        assert await ready_replicas(bus, "chat") == ["chat.r0"], "the leader's own replica stays"
         assert cp.crashes() == []

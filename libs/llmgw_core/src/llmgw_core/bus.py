@@ -652,6 +652,13 @@ class Bus:
                 f"{len(failures)} of {len(items)} writes failed: {failures[0] or type(failures[0]).__name__}"
             )
 
+    async def keys(self, bucket: str) -> set[str]:
+        """Every key that holds a value now (the values are not read)."""
+        try:
+            return set(await self._kv_call(f"list {bucket}", bucket, lambda kv: kv.keys()))
+        except nats.js.errors.NoKeysError:
+            return set()
+
     async def entries(self, bucket: str, kind: type[T], keys: str = ">") -> dict[str, KVChange[T]]:
         """A snapshot of every key's current value (bad values are skipped, and counted)."""
         out: dict[str, KVChange[T]] = {}

@@ -66,3 +66,6 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     identity: str = ""
     # The most replicas one deployment may ask for; a larger count is refused where it enters.
     max_replicas: int = 10_000
+    # How often the leader removes records and shard specs in the buckets that are not its
+    # own (a write that landed after its writer lost the lease).
+    reconcile_interval_s: float = 15.0

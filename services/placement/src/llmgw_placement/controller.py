@@ -172,6 +172,8 @@ class Controller:
         self._fenced_at: float | None = None
         # Deployments whose unknown profile was dead-lettered already (by value).
         self._told_unknown: dict[str, Deployment] = {}
+        # When the buckets were last reconciled with memory (`load` does it first).
+        self._reconciled_at = clock()
         # Per deployment, the status last published (published again only when it changes).
         self.statuses: dict[str, DeploymentStatus] = {}
 
@@ -195,6 +197,25 @@ class Controller:
                 # decode): what it holds is unknown, so it is removed and placed again.
                 log.warning("replica %s lost its shard specs; placing it again", key)
                 self.replicas[key] = msgspec.structs.replace(record, state="placing")
+
+    async def reconcile(self) -> None:
+        """Remove what the buckets hold and this leader does not: a write that landed after
+        its writer lost the lease (a paused ex-leader's last batch, sent when it resumed) is
+        nobody's, and a shard spec of it would run an engine that holds GPUs forever."""
+        names = self.bus.names
+        kv = Writes()
+        for key in sorted(await self.bus.keys(names.replicas_bucket) - set(self.replicas)):
+            log.warning(
+                "replica record %s is not this leader's (an ex-leader's late write?); removing it", key
+            )
+            kv.delete(names.replicas_bucket, key)
+        for key in sorted(await self.bus.keys(names.shards_bucket) - set(self.shards)):
+            log.warning("shard spec %s is not this leader's (an ex-leader's late write?); removing it", key)
+            kv.delete(names.shards_bucket, key)
+        if kv:
+            await self._fenced()
+            await self.bus.commit(kv)
+            self.writes += len(kv)
 
     # --- node views ------------------------------------------------------------------
 
@@ -328,6 +349,9 @@ class Controller:
             self._removals, self._saves = [], []
             raise
         await self.flush()
+        if at - self._reconciled_at >= self.config.reconcile_interval_s:
+            await self.reconcile()
+            self._reconciled_at = at
 
     async def _converge(self, dep: Deployment, alive: set[str], snap: Snapshot, at: float) -> None:
         profile = snap.catalog.get(dep.profile)
