@@ -200,7 +200,7 @@ class Cluster:
             {
                 "node": NODE,
                 "state_dir": str(self.root / NODE),
-                "nats": {"url": self.url, "prefix": self.prefix},
+                "nats": {"url": self.url, "prefix": self.prefix, "insecure": True},
                 "simulate": {"gpu_count": GPUS},
                 "port_range": [41000, 41999],
                 "heartbeat_interval_s": HEARTBEAT_S,
@@ -213,7 +213,7 @@ class Cluster:
         agent_path.write_bytes(msgspec.yaml.encode(agent))
         server = msgspec.convert(
             {
-                "nats": {"url": self.url, "prefix": self.prefix},
+                "nats": {"url": self.url, "prefix": self.prefix, "insecure": True},
                 "engines": [],
                 "catalog": [
                     {
@@ -226,7 +226,7 @@ class Cluster:
                         "health_timeout_s": 120.0,
                     }
                 ],
-                "http": {"host": "127.0.0.1", "port": 0},
+                "http": {"host": "127.0.0.1", "port": 0, "insecure": True},
                 "node_timeout_s": 10.0,
             },
             ServerConfig,
@@ -459,7 +459,7 @@ async def _run(
     f["load"].append(load())
     prefix = "lbench"
     cluster = Cluster(root, url, prefix)
-    bus = await Bus.connect(BusOptions(url=url, prefix=prefix), service="bench")
+    bus = await Bus.connect(BusOptions(url=url, prefix=prefix, insecure=True), service="bench")
     watch = Watch()
     try:
         await bus.ensure()
