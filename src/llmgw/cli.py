@@ -1,5 +1,6 @@
 """The `llmgw` command: `llmgw up` runs a cluster on this machine; `llmgw ctl` talks to one;
-`llmgw node onboard` installs a machine into one; `llmgw auth` makes its identities."""
+`llmgw node onboard` installs a machine into one; `llmgw auth` makes its identities;
+`llmgw gateway` serves its OpenAI endpoint."""
 
 from __future__ import annotations
 
@@ -57,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run NATS and the API without authentication (anyone who reaches them controls the cluster)",
     )
+    p_gateway = sub.add_parser(
+        "gateway", help="serve one OpenAI-compatible endpoint for every deployment's ready replicas"
+    )
+    p_gateway.add_argument("--config", required=True, help="gateway.yaml")
     p_auth = sub.add_parser("auth", help="the cluster's identities (nkeys), their permissions and API tokens")
     auth_sub = p_auth.add_subparsers(dest="auth", required=True)
     p_init = auth_sub.add_parser(
@@ -127,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             from . import up
 
             return up.run(args.data_dir, args.port, args.api_port, insecure=args.insecure)
+        if args.command == "gateway":
+            from llmgw_gateway.__main__ import run as run_gateway
+
+            return run_gateway(args.config)
         if args.command == "auth":
             from . import auth
 
