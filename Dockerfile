@@ -1,5 +1,5 @@
 # llmgw's services in one image: llmgw, llmgw-placement, llmgw-installer,
-# llmgw-launcher (compose.yaml picks the command). Any Debian-like base with
+# llmgw-launcher, llmgw-gateway (compose.yaml picks the command). Any Debian-like base with
 # Python 3.11+ and its venv module does: `--build-arg BASE_IMAGE=...` (the test
 # suite builds on an image made from Debian packages, as nothing can be pulled there).
 ARG BASE_IMAGE=python:3.11-slim
@@ -29,6 +29,7 @@ COPY libs/llmgw_core/pyproject.toml libs/llmgw_core/
 COPY services/installer/pyproject.toml services/installer/
 COPY services/launcher/pyproject.toml services/launcher/
 COPY services/placement/pyproject.toml services/placement/
+COPY services/gateway/pyproject.toml services/gateway/
 RUN --mount=type=cache,target=/root/.cache/uv \
     uv sync --frozen --no-dev --no-group engines --no-install-workspace
 
