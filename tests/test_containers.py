@@ -246,6 +246,11 @@ async def test_compose_runs_a_cluster_that_answers_through_the_gateway(timings: 
     # The README's sequence: build, up -d, (ask), down -v.
     await run([*compose, "build"], env)
     timings.lap("compose build (llmgw's image)")
+    image = await run(
+        ["podman", "image", "inspect", "--format", "{{json .HealthCheck}} {{.User}}", env["LLMGW_IMAGE"]], env
+    )
+    assert "LLMGW_HEALTH_URL" in image.stdout.decode(), image.stdout  # the Dockerfile's HEALTHCHECK
+    assert image.stdout.decode().split()[-1] == "llmgw", image.stdout  # not root
     await run(
         [
             "podman",
@@ -324,7 +329,9 @@ async def check_the_cluster(
 
         async def node_alive() -> dict[str, Any]:
             nodes = (await api.get("/api/nodes")).json()
-            [node] = [n for n in nodes if n["node"] == NODE]
+            mine = [n for n in nodes if n["node"] == NODE]
+            assert mine, nodes
+            node = mine[0]
             assert node["alive"], node
             assert len(node["gpus"]) == 2, node
             return dict(node)
@@ -355,18 +362,18 @@ async def check_the_cluster(
         await eventually(chat, timeout=60, interval=1)
         timings.lap("a chat completion through the gateway")
 
-        async def launcher_traced() -> list[str]:
-            service = f"llmgw-launcher/{NODE}"
-            services = (await client.get(f"http://127.0.0.1:{ui_port}/api/services")).json()["data"]
-            assert service in services, services
-            query = {"service": service}
-            traces = (await client.get(f"http://127.0.0.1:{ui_port}/api/traces", params=query)).json()
-            names = [s["operationName"] for t in traces["data"] for s in t["spans"]]
-            assert any(n.startswith("start shard ") for n in names), names
+        async def traced() -> list[str]:
+            # The launcher's span joins the trace placement began; the gateway has one per request.
+            for service, first_words in ((f"llmgw-launcher/{NODE}", "start shard "), ("llmgw-gateway", "")):
+                services = (await client.get(f"http://127.0.0.1:{ui_port}/api/services")).json()["data"]
+                assert service in services, services
+                query = {"service": service}
+                traces = (await client.get(f"http://127.0.0.1:{ui_port}/api/traces", params=query)).json()
+                names = [s["operationName"] for t in traces["data"] for s in t["spans"]]
+                assert any(n.startswith(first_words) for n in names), (service, names)
             return list(services)
 
-        traced = await eventually(launcher_traced, timeout=60, interval=1)
-        assert "llmgw-gateway" in traced, traced
+        await eventually(traced, timeout=60, interval=1)
         timings.lap("traces at the OTLP receiver")
 
     # Each healthcheck compose declares passes in its container.
