@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -43,6 +44,13 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llmgw"
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "passwd", "wget")
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 NODE = "node-1"
+# The README's sequence (its "Containers" section), which this test follows with podman-compose.
+BUILD, UP, TOKEN, DOWN = (
+    ["build"],
+    ["up", "-d"],
+    ["exec", "-T", "placement", "cat", "/auth/api-token"],
+    ["down", "-v"],
+)
 
 pytestmark = [pytest.mark.containers, pytest.mark.anyio, pytest.mark.timeout(600)]
 
@@ -211,6 +219,17 @@ def timings(capsys: pytest.CaptureFixture[str]) -> Iterator[Timings]:
             print("\n" + t.report())
 
 
+def readme_compose_commands() -> list[list[str]]:
+    """The `docker compose …` commands in the README's Containers section, in order."""
+    section = (ROOT / "README.md").read_text().split("\n## Containers\n", 1)[1]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    return [shlex.split(c) for c in re.findall(r"docker compose ([^)#\n]+?)\s*(?:\)|#|$)", block, re.M)]
+
+
+def test_the_readme_gives_the_sequence_the_container_test_runs() -> None:
+    assert readme_compose_commands() == [BUILD, UP, TOKEN, DOWN]
+
+
 def test_the_dockerfile_copies_every_workspace_members_manifest_before_the_source() -> None:
     """The dependency layer needs each member's pyproject.toml, or `uv sync` cannot resolve it."""
     members = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["uv"]["workspace"]["members"]
@@ -244,7 +263,7 @@ async def test_compose_runs_a_cluster_that_answers_through_the_gateway(timings: 
     compose = [podman_compose(), "--project-name", project, "--file", str(ROOT / "compose.yaml")]
 
     # The README's sequence: build, up -d, (ask), down -v.
-    await run([*compose, "build"], env)
+    await run([*compose, *BUILD], env)
     timings.lap("compose build (llmgw's image)")
     image = await run(
         ["podman", "image", "inspect", "--format", "{{json .HealthCheck}} {{.User}}", env["LLMGW_IMAGE"]], env
@@ -280,7 +299,7 @@ async def test_compose_runs_a_cluster_that_answers_through_the_gateway(timings: 
 
     up = False
     try:
-        await run([*compose, "up", "-d"], env)
+        await run([*compose, *UP], env)
         up = True
         timings.lap("compose up -d")
         await check_the_cluster(compose, env, project, api_port, gateway_port, ui_port, timings)
@@ -290,8 +309,8 @@ async def test_compose_runs_a_cluster_that_answers_through_the_gateway(timings: 
             print(logs.stdout.decode(errors="replace")[-12000:])
         raise
     finally:
-        down = await run([*compose, "down", "--volumes"], env, check=False)
-        timings.lap("compose down --volumes")
+        down = await run([*compose, *DOWN], env, check=False)
+        timings.lap("compose down -v")
     assert down.returncode == 0, down.stdout.decode(errors="replace")[-3000:]
     for kind in ("container", "network", "volume"):
         assert await leftovers(kind, project, env) == [], f"{kind}s left behind by down --volumes"
@@ -317,7 +336,7 @@ async def check_the_cluster(
     timings: Timings,
 ) -> None:
     async def api_token() -> str:
-        got = await run([*compose, "exec", "-T", "placement", "cat", "/auth/api-token"], env, check=False)
+        got = await run([*compose, *TOKEN], env, check=False)
         assert got.returncode == 0, got.stdout
         return got.stdout.decode().strip()
 
