@@ -27,10 +27,11 @@ test *ARGS: system-packages sync-all lint
 sync-all:
     uv sync --frozen --all-groups
 
-# The machine's packages some tests need: podman (runc, netavark with aardvark-dns
-# for service names, iptables for its bridge) and mmdebstrap for the container
-# test, chromium for the browser test. Installed with apt when root and missing;
-# otherwise this says so and those tests skip with their reason.
+# podman (with runc, netavark and aardvark-dns for service names, iptables for
+# its bridge) and mmdebstrap for the container test, chromium for the browser
+# test: installed with apt when root and missing; otherwise this says so and
+# those tests skip with their reason.
+# As root, install the Debian packages some tests need (podman, mmdebstrap, chromium).
 system-packages:
     #!/usr/bin/env bash
     set -euo pipefail
