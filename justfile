@@ -28,14 +28,14 @@ sync-all:
     uv sync --frozen --all-groups
 
 # podman (with runc, netavark and aardvark-dns for service names, iptables for
-# its bridge) and mmdebstrap for the container test, chromium for the browser
-# test: installed with apt when root and missing; otherwise this says so and
-# those tests skip with their reason.
+# its bridge, catatonit for compose's `init: true`) and mmdebstrap for the
+# container test, chromium for the browser test: installed with apt when root
+# and missing; otherwise this says so and those tests skip with their reason.
 # As root, install the Debian packages some tests need (podman, mmdebstrap, chromium).
 system-packages:
     #!/usr/bin/env bash
     set -euo pipefail
-    wanted=(podman runc netavark aardvark-dns iptables mmdebstrap chromium)
+    wanted=(podman runc netavark aardvark-dns iptables catatonit mmdebstrap chromium)
     missing=()
     for p in "${wanted[@]}"; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q ' installed$' || missing+=("$p")
