@@ -56,6 +56,8 @@ _HOP = frozenset(
     }
 )
 UNKNOWN = "(unknown)"
+# How long a request waits for a starting gateway's first snapshot of the buckets.
+LOAD_WAIT_S = 10.0
 
 
 def error_body(message: str, kind: str, code: str) -> dict[str, Any]:
@@ -79,8 +81,9 @@ class Metrics:
         self.errors = Counter(
             "llmgw_gateway_errors",
             "Requests the gateway answered with an error, or whose replica failed, by reason class: "
-            "bad_request, unauthorized, unknown_model, no_ready_replica, connect (a replica refused, "
-            "retried elsewhere), upstream (the replica failed after it had the request), "
+            "bad_request, unauthorized, gateway_starting, unknown_model, no_ready_replica, "
+            "connect (a replica refused, retried elsewhere), "
+            "upstream (the replica failed after it had the request), "
             "upstream_status (the replica answered 5xx).",
             ["deployment", "reason"],
             registry=self.registry,
@@ -157,11 +160,22 @@ class Proxy:
             "invalid_api_key",
         )
 
+    async def _not_loaded(self) -> JSONResponse | None:
+        """None once the buckets' first snapshot is in (waiting a little for it); else a 503."""
+        with anyio.move_on_after(LOAD_WAIT_S):
+            await self.loaded.wait()
+            return None
+        return _error(
+            503,
+            "the gateway has not read the cluster's replicas yet (is NATS reachable?); try again shortly",
+            "service_unavailable",
+            "gateway_starting",
+        )
+
     async def models(self, request: Request) -> Response:
-        refused = self._unauthorized(request)
+        refused = self._unauthorized(request) or await self._not_loaded()
         if refused is not None:
             return refused
-        await self.loaded.wait()
         data = [
             {
                 "id": name,
@@ -215,7 +229,10 @@ class Proxy:
                 "invalid_request_error",
                 "missing_model",
             )
-        await self.loaded.wait()
+        starting = await self._not_loaded()
+        if starting is not None:
+            self.metrics.errors.labels(UNKNOWN, "gateway_starting").inc()
+            return starting
         deployment = self.table.resolve(model)
         if deployment is None:
             self.metrics.errors.labels(UNKNOWN, "unknown_model").inc()
