@@ -350,3 +350,17 @@ def test_the_listening_socket_says_tcp_so_answers_are_not_held_back_by_nagle() -
     sock = bind("127.0.0.1", 0)
     with sock:
         assert sock.proto == socket.IPPROTO_TCP
+
+
+def test_llmgw_gateway_says_what_is_wrong_with_its_config(tmp_path: Path) -> None:
+    config = tmp_path / "gateway.yaml"
+    config.write_text("http:\n  prot: 8000\n")
+    for argv in (
+        ["-m", "llmgw_gateway"],
+        ["-c", "import sys; from llmgw.cli import main; sys.exit(main())", "gateway"],
+    ):
+        done = subprocess.run(
+            [sys.executable, *argv, "--config", str(config)], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 2
+        assert done.stderr == f"llmgw-gateway: {config}: Object contains unknown field `prot` - at `$.http`\n"
