@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -30,7 +31,7 @@ from llmgw_core.events import ReplicaRecord, ShardStatus
 from llmgw_core.lifecycle import connect_service
 from llmgw_gateway import Gateway, GatewayConfig, Proxy, Table
 from llmgw_gateway.config import load_api_keys
-from llmgw_gateway.web import serve_app
+from llmgw_gateway.web import bind, serve_app
 from tests.cluster_support import Cluster, cluster, sim_catalog
 from tests.control_support import replicas
 from tests.test_sim_engine import free_port
@@ -341,3 +342,25 @@ async def test_client_keys_when_asked_for(tmp_path: Path) -> None:
         "gateway.yaml: http: require_api_key is true but http: api_keys_file is empty; "
         "name a file with one client key a line"
     )
+
+
+def test_the_listening_socket_says_tcp_so_answers_are_not_held_back_by_nagle() -> None:
+    """Regression: with proto 0 asyncio left TCP_NODELAY off on accepted connections, and
+    every answer waited about 40 ms for the client's delayed ACK."""
+    sock = bind("127.0.0.1", 0)
+    with sock:
+        assert sock.proto == socket.IPPROTO_TCP
+
+
+def test_llmgw_gateway_says_what_is_wrong_with_its_config(tmp_path: Path) -> None:
+    config = tmp_path / "gateway.yaml"
+    config.write_text("http:\n  prot: 8000\n")
+    for argv in (
+        ["-m", "llmgw_gateway"],
+        ["-c", "import sys; from llmgw.cli import main; sys.exit(main())", "gateway"],
+    ):
+        done = subprocess.run(
+            [sys.executable, *argv, "--config", str(config)], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 2
+        assert done.stderr == f"llmgw-gateway: {config}: Object contains unknown field `prot` - at `$.http`\n"

@@ -35,6 +35,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from llmgw_core.events import ReplicaRecord
+
 from .routing import Table
 
 log = logging.getLogger("llmgw.gateway")
@@ -56,6 +58,8 @@ _HOP = frozenset(
     }
 )
 UNKNOWN = "(unknown)"
+# How long a request waits for a starting gateway's first snapshot of the buckets.
+LOAD_WAIT_S = 10.0
 
 
 def error_body(message: str, kind: str, code: str) -> dict[str, Any]:
@@ -79,8 +83,9 @@ class Metrics:
         self.errors = Counter(
             "llmgw_gateway_errors",
             "Requests the gateway answered with an error, or whose replica failed, by reason class: "
-            "bad_request, unauthorized, unknown_model, no_ready_replica, connect (a replica refused, "
-            "retried elsewhere), upstream (the replica failed after it had the request), "
+            "bad_request, unauthorized, gateway_starting, unknown_model, no_ready_replica, "
+            "connect (a replica refused, retried elsewhere), "
+            "upstream (the replica failed after it had the request), "
             "upstream_status (the replica answered 5xx).",
             ["deployment", "reason"],
             registry=self.registry,
@@ -119,8 +124,10 @@ class Proxy:
         # Set once the first snapshot of the buckets is in: until then "unknown model"
         # would be a lie.
         self.loaded = anyio.Event()
-        # Replica URL -> the model name its engine serves (from its /v1/models).
-        self._served: dict[str, str] = {}
+        # (replica URL, profile fingerprint) -> the model name its engine serves (from its
+        # /v1/models). The fingerprint: a changed profile restarted on the same port may serve
+        # another name.
+        self._served: dict[tuple[str, str], str] = {}
         self.app = Starlette(
             routes=[
                 Route("/healthz", self.healthz, methods=["GET"]),
@@ -157,11 +164,22 @@ class Proxy:
             "invalid_api_key",
         )
 
+    async def _not_loaded(self) -> JSONResponse | None:
+        """None once the buckets' first snapshot is in (waiting a little for it); else a 503."""
+        with anyio.move_on_after(LOAD_WAIT_S):
+            await self.loaded.wait()
+            return None
+        return _error(
+            503,
+            "the gateway has not read the cluster's replicas yet (is NATS reachable?); try again shortly",
+            "service_unavailable",
+            "gateway_starting",
+        )
+
     async def models(self, request: Request) -> Response:
-        refused = self._unauthorized(request)
+        refused = self._unauthorized(request) or await self._not_loaded()
         if refused is not None:
             return refused
-        await self.loaded.wait()
         data = [
             {
                 "id": name,
@@ -215,7 +233,10 @@ class Proxy:
                 "invalid_request_error",
                 "missing_model",
             )
-        await self.loaded.wait()
+        starting = await self._not_loaded()
+        if starting is not None:
+            self.metrics.errors.labels(UNKNOWN, "gateway_starting").inc()
+            return starting
         deployment = self.table.resolve(model)
         if deployment is None:
             self.metrics.errors.labels(UNKNOWN, "unknown_model").inc()
@@ -239,10 +260,12 @@ class Proxy:
             span.end()
             raise
 
-    async def _served_name(self, url: str) -> str | None:
+    async def _served_name(self, record: ReplicaRecord) -> str | None:
         """The model name the replica's engine answers to (engines refuse any other)."""
-        if url in self._served:
-            return self._served[url]
+        url = record.url
+        key = (url, record.profile_fp)
+        if key in self._served:
+            return self._served[key]
         try:
             r = await self.client.get(f"{url}/v1/models", timeout=5.0)
             r.raise_for_status()
@@ -250,7 +273,9 @@ class Proxy:
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
             log.warning("cannot read the model name %s serves (sending the request as it is): %s", url, exc)
             return None
-        self._served[url] = name
+        if len(self._served) >= 4096:
+            self._served.clear()  # replicas come and go on new ports; forget the old ones
+        self._served[key] = name
         return name
 
     async def _forward(
@@ -290,7 +315,7 @@ class Proxy:
             self.metrics.outstanding.labels(deployment).inc()
             span.set_attributes({"llmgw.replica": record.replica, "llmgw.replica_url": record.url})
             try:
-                served = await self._served_name(record.url)
+                served = await self._served_name(record)
                 content = body
                 if served is not None and served != model:
                     content = json.dumps({**payload, "model": served}).encode()
@@ -301,7 +326,7 @@ class Proxy:
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # Nothing reached the replica: another one may take the request.
                 self._release(key, deployment)
-                self._served.pop(record.url, None)
+                self._served.pop((record.url, record.profile_fp), None)
                 self.metrics.errors.labels(deployment, "connect").inc()
                 failures.append(f"{record.replica} at {record.url}: {exc or type(exc).__name__}")
                 log.warning("%s: %s refused the connection (%s); trying another", deployment, key, exc)

@@ -29,7 +29,10 @@ class _Server(uvicorn.Server):
 
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY on accepted connections only
+    # when the listening socket's proto says TCP. Without it every response waited ~40 ms
+    # for the client's delayed ACK (Nagle's algorithm holding the body behind the headers).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -74,7 +77,10 @@ async def serve_app(
             tg.start_soon(run)
             task_status.started(sock.getsockname()[1])
             try:
-                await anyio.sleep_forever()
+                await done.wait()
+                # uvicorn stopped on its own (its startup failed): the service must not go on
+                # as if it were serving.
+                raise RuntimeError(f"the HTTP server on {host}:{port} stopped; see the log above")
             finally:
                 server.should_exit = True
                 with anyio.CancelScope(shield=True), anyio.move_on_after(grace_s + 1):
