@@ -21,11 +21,38 @@ up *ARGS:
     uv run --frozen --no-sync llmgw up {{ARGS}}
 
 # Lint, type-check and run the whole test suite (builds llama.cpp once, then cached).
-test *ARGS: sync-all lint
+test *ARGS: system-packages sync-all lint
     uv run --frozen --no-sync pytest {{ARGS}}
 
 sync-all:
     uv sync --frozen --all-groups
+
+# podman (with runc, netavark and aardvark-dns for service names, iptables for
+# its bridge, catatonit for compose's `init: true`) and mmdebstrap for the
+# container test, chromium for the browser test: installed with apt when root
+# and missing; otherwise this says so and those tests skip with their reason.
+# As root, install the Debian packages some tests need (podman, mmdebstrap, chromium).
+system-packages:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    wanted=(podman runc netavark aardvark-dns iptables catatonit mmdebstrap chromium)
+    missing=()
+    for p in "${wanted[@]}"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q ' installed$' || missing+=("$p")
+    done
+    [ "${#missing[@]}" -eq 0 ] && exit 0
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+        echo "llmgw: not installing ${missing[*]} (needs root and apt-get); the tests that need them skip" >&2
+        exit 0
+    fi
+    start=$SECONDS
+    export DEBIAN_FRONTEND=noninteractive
+    # A fresh machine's package lists may be missing or stale: refresh them only then.
+    if ! apt-get install -y -qq -o DPkg::Lock::Timeout=300 --no-install-recommends "${missing[@]}" >/dev/null 2>&1; then
+        apt-get update -qq
+        apt-get install -y -qq -o DPkg::Lock::Timeout=300 --no-install-recommends "${missing[@]}" >/dev/null
+    fi
+    echo "llmgw: installed ${missing[*]} in $((SECONDS - start)) s" >&2
 
 # ruff and mypy (strict on llmgw_core).
 lint:

@@ -62,13 +62,17 @@ def layout(tmp_path: Path) -> Path:
 @pytest.fixture
 def nats(layout: Path) -> Iterator[int]:
     """nats-server on compose's own configuration (the store and address moved for this machine)."""
-    target = next(c["target"] for c in compose()["services"]["nats"]["configs"] if c["source"] == "nats_conf")
+    [(source, target)] = [
+        (v.split(":")[0], v.split(":")[1])
+        for v in compose()["services"]["nats"]["volumes"]
+        if v.split(":")[0].endswith(".conf")
+    ]
     conf = in_container(target, layout)
-    conf.write_text(compose()["configs"]["nats_conf"]["content"].replace("/data", str(layout / "data")))
+    conf.write_text((ROOT / source).read_text().replace("/data", str(layout / "data")))
     checked = subprocess.run([find_nats_server(), "-t", "-c", str(conf)], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stderr
     proc = subprocess.Popen(
-        [find_nats_server(), "-c", str(conf), "-a", "127.0.0.1", "-p", "-1"],
+        [find_nats_server(), "-c", str(conf), "-a", "127.0.0.1", "-p", "-1", "-m", "-1"],
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,

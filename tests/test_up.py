@@ -6,12 +6,15 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
+import openai
 import pytest
 
 from llmgw.auth import AuthDir
@@ -31,6 +34,7 @@ async def operator_sees_the_cluster(text: str, data: Path) -> None:
     assert 'include "../auth/auth.conf"' in (data / "nats" / "nats-server.conf").read_text()
     assert "nkey_seed_file" in (data / "server.yaml").read_text()
     assert "nkey_seed_file" in (data / "agent.yaml").read_text()
+    assert str(auth.seed("gateway")) in (data / "gateway.yaml").read_text()
 
     ctl_line = re.search(r"LLMGW_NATS_URL=(\S+) LLMGW_NATS_NKEY=(\S+) llmgw ctl nodes", text)
     assert ctl_line, text
@@ -73,6 +77,8 @@ def dev_up(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes
         str(free_port()),
         "--api-port",
         str(free_port()),
+        "--gateway-port",
+        str(free_port()),
     ]
     with out.open("wb") as log:
         proc = subprocess.Popen(
@@ -91,15 +97,25 @@ def dev_up(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes
             proc.wait()
 
 
-async def ready(proc: subprocess.Popen[bytes], out: Path) -> str:
-    def ready_url() -> str:
+async def ready(proc: subprocess.Popen[bytes], out: Path) -> tuple[str, str]:
+    """The endpoint `llmgw up` prints (the gateway's base URL) and the engine's own URL."""
+
+    def ready_urls() -> tuple[str, str]:
         text = out.read_text(errors="replace")
         assert proc.poll() is None, text
-        m = re.search(r"is ready at (http://\S+)", text)
-        assert m, text[-2000:]
-        return m.group(1)
+        endpoint = re.search(r"the endpoint, OpenAI base_url: (http://\S+)/v1 ", text)
+        engine = re.search(r"is ready \(replica r0, engine at (http://\S+)\)", text)
+        assert endpoint, text[-2000:]
+        assert engine, text[-2000:]
+        return endpoint.group(1), engine.group(1)
 
-    return await eventually(ready_url, timeout=240, interval=0.5)
+    return await eventually(ready_urls, timeout=240, interval=0.5)
+
+
+def up_here(*args: str) -> subprocess.CompletedProcess[str]:
+    """`llmgw up` as a command, for what it refuses (it exits before starting anything)."""
+    argv = [sys.executable, "-c", "import sys; from llmgw.cli import main; sys.exit(main())", "up", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
 async def ctrl_c(proc: subprocess.Popen[bytes], out: Path, data: Path) -> None:
@@ -113,27 +129,108 @@ async def ctrl_c(proc: subprocess.Popen[bytes], out: Path, data: Path) -> None:
 
 async def test_dev_up_brings_up_a_cluster_that_answers_and_stops_cleanly(tmp_path: Path) -> None:
     with dev_up(tmp_path) as (proc, data, out):
-        url = await ready(proc, out)
+        url, engine = await ready(proc, out)
         text = out.read_text()
         assert "curl -s " + url + "/v1/chat/completions" in text
         assert "INSECURE" not in text
+        # What it waited for, in order, as it happened.
+        said = [line for line in text.splitlines() if line.startswith("llmgw: ")]
+        progress = [
+            "llmgw: NATS JetStream is up at nats://127.0.0.1:",
+            "llmgw: placement created the streams and buckets",
+            "llmgw: placement is leading (",
+            "llmgw: node local-1 probed: 2x NVIDIA H100 80GB HBM3 (simulated); engines: sim",
+            "llmgw: chat r0 on local-1: engine ",
+            "llmgw: deployment chat replica r0: ready",
+            "llmgw: deployment chat is ready (replica r0, engine at ",
+        ]
+        at = [next(i for i, line in enumerate(said) if line.startswith(p)) for p in progress]
+        assert at == sorted(at), said
+        assert re.search(r"^llmgw: chat r0 on local-1: engine (starting|loading)", text, re.MULTILINE), text
         async with httpx.AsyncClient(timeout=10) as client:
-            r = await client.post(
-                f"{url}/v1/chat/completions",
-                json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hello"}]},
-            )
-        assert r.status_code == 200
-        assert r.json()["model"] == "tiny-chat"
+            for model in ("chat", "tiny-chat"):
+                r = await client.post(
+                    f"{url}/v1/chat/completions",
+                    json={"model": model, "messages": [{"role": "user", "content": "hello"}]},
+                )
+                assert r.status_code == 200, r.text
+                assert r.json()["model"] == "tiny-chat"
         await operator_sees_the_cluster(text, data)
-        port = url.rsplit(":", 1)[1]
+        port = engine.rsplit(":", 1)[1]
         engines = processes_with(f"--port {port} --model tiny-chat")
         assert len(engines) == 1
         agents = processes_with(str(data))
-        assert len(agents) >= 4, "nats-server, placement, installer and launcher run from the data dir"
+        assert len(agents) >= 5, (
+            "nats-server, placement, installer, launcher and gateway run from the data dir"
+        )
 
         await ctrl_c(proc, out, data)
         assert [p for p in engines if pid_alive(p)] == []
         assert processes_with(str(data)) == []
+
+
+async def test_up_with_two_nodes_and_a_second_up_on_the_same_data_dir_refused(tmp_path: Path) -> None:
+    with dev_up(tmp_path, "--insecure", "--nodes", "2", "--engine-ports", "29000-29199") as (proc, data, out):
+        url, engine = await ready(proc, out)
+        text = out.read_text()
+        assert "llmgw: node local-1 probed: 2x NVIDIA H100 80GB HBM3 (simulated)" in text
+        assert "llmgw: node local-2 probed: 2x NVIDIA H100 80GB HBM3 (simulated)" in text
+        assert "for nodes local-1, local-2 (engine ports 29000-29199)" in text
+        # Each node has its own agents and its own half of the engine ports.
+        assert msgspec.yaml.decode((data / "agent-local-2.yaml").read_bytes())["port_range"] == [29100, 29199]
+        assert 29000 <= int(engine.rsplit(":", 1)[1]) <= 29199
+        assert len(processes_with(str(data / "agent-local-2.yaml"))) == 2, "its installer and launcher"
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+            done = await client.chat.completions.create(
+                model="chat",
+                messages=[{"role": "user", "content": "hello"}],  # type: ignore[arg-type]
+            )
+            assert done.choices[0].message.content
+
+        # A second `up` on the same directory refuses at once, in one line, naming the first.
+        conf = data / "nats" / "nats-server.conf"
+        before = conf.stat().st_mtime_ns
+        second = up_here("--data-dir", str(data), "--port", str(free_port()), "--api-port", str(free_port()))
+        assert second.returncode == 1
+        m = re.fullmatch(
+            rf"llmgw: {re.escape(str(data))} is in use by another `llmgw up` \(pid (\d+)\); "
+            r"stop it \(Ctrl-C\) or pass another --data-dir\n",
+            second.stderr,
+        )
+        assert m, second.stderr
+        assert pid_alive(int(m.group(1)))
+        assert conf.stat().st_mtime_ns == before
+        await ctrl_c(proc, out, data)
+
+
+def test_up_refuses_a_port_in_use_an_unusable_data_dir_and_bad_engine_ports(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        refused = up_here("--data-dir", str(tmp_path / "a"), "--port", str(port))
+    assert refused.returncode == 1
+    assert refused.stderr == (
+        f"llmgw: port {port} (NATS, --port) is in use on 127.0.0.1: Address already in use; "
+        "stop what holds it or choose another port\n"
+    )
+    assert not (tmp_path / "a" / "nats").exists()
+
+    (tmp_path / "file").write_text("")
+    refused = up_here("--data-dir", str(tmp_path / "file" / "cluster"))
+    assert refused.returncode == 1
+    assert refused.stderr == (
+        f"llmgw: cannot use {tmp_path / 'file' / 'cluster'} as the data dir: Not a directory; "
+        "pass --data-dir a directory you can write\n"
+    )
+
+    refused = up_here("--data-dir", str(tmp_path / "b"), "--engine-ports", "29000")
+    assert refused.returncode == 1
+    assert refused.stderr == (
+        "llmgw: --engine-ports '29000' is not a port range: give LOW-HIGH with "
+        "1024 <= LOW <= HIGH <= 65535, e.g. 28000-28999\n"
+    )
+    assert not (tmp_path / "b").exists()
 
 
 async def test_dev_up_without_authentication_must_be_asked_for_and_says_so(tmp_path: Path) -> None:

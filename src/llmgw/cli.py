@@ -1,5 +1,6 @@
 """The `llmgw` command: `llmgw up` runs a cluster on this machine; `llmgw ctl` talks to one;
-`llmgw node onboard` installs a machine into one; `llmgw auth` makes its identities."""
+`llmgw node onboard` installs a machine into one; `llmgw auth` makes its identities;
+`llmgw gateway` serves its OpenAI endpoint."""
 
 from __future__ import annotations
 
@@ -57,6 +58,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run NATS and the API without authentication (anyone who reaches them controls the cluster)",
     )
+    p_up.add_argument(
+        "--gateway-port", type=int, default=8000, help="the gateway's port: the cluster's OpenAI endpoint"
+    )
+    p_up.add_argument("--nodes", type=int, default=1, help="how many simulated nodes to run here")
+    p_up.add_argument(
+        "--engine-ports",
+        default="28000-28999",
+        metavar="LOW-HIGH",
+        help="ports the engines may take (shared out among the nodes)",
+    )
+    p_gateway = sub.add_parser(
+        "gateway", help="serve one OpenAI-compatible endpoint for every deployment's ready replicas"
+    )
+    p_gateway.add_argument("--config", required=True, help="gateway.yaml")
     p_auth = sub.add_parser("auth", help="the cluster's identities (nkeys), their permissions and API tokens")
     auth_sub = p_auth.add_subparsers(dest="auth", required=True)
     p_init = auth_sub.add_parser(
@@ -108,7 +123,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             from . import up
 
-            return up.run(args.data_dir, args.port, args.api_port, insecure=args.insecure)
+            return up.run(
+                args.data_dir,
+                args.port,
+                args.api_port,
+                insecure=args.insecure,
+                gateway_port=args.gateway_port,
+                nodes=args.nodes,
+                engine_ports=up.parse_ports(args.engine_ports),
+            )
+        if args.command == "gateway":
+            from llmgw_gateway.__main__ import run as run_gateway
+
+            return run_gateway(args.config)
         if args.command == "auth":
             from . import auth
 

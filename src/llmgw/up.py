@@ -1,10 +1,16 @@
 """`llmgw up`: a whole cluster on this machine, stopped cleanly by Ctrl-C.
 
-It starts the embedded nats-server (JetStream, data under `--data-dir`),
-placement, and one local node agent (installer + launcher) as separate
-processes, with a server.yaml that deploys a simulated model; waits until the
-replica answers; prints its endpoint and a curl that works; and on Ctrl-C
-stops the agents, their engines, placement and NATS, in that order.
+It takes a lock on `--data-dir` (a second `up` on the same directory refuses
+before touching anything), checks that its ports are free, then starts the
+embedded nats-server (JetStream, data under `--data-dir`), placement, one node
+agent (installer + launcher) per `--nodes`, and the gateway, as separate
+processes, with a server.yaml that deploys a simulated model. While it waits
+it says what it is waiting for (NATS, placement leading, each node probed,
+engines installing, the replica starting and loading); once the replica
+answers it prints the gateway's URL, the one endpoint that stays the same
+however often a replica restarts or moves, and a curl that works. On Ctrl-C
+it stops the gateway, the agents and their engines, placement and NATS, in
+that order.
 
 Authentication is on: the first run writes the identities and API tokens
 into `<data-dir>/auth` (`llmgw auth init`), NATS enforces each identity's
@@ -14,29 +20,70 @@ without, and says so.
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import logging
+import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import anyio
 import msgspec
+import nats.errors
+import nats.js.errors
 
 from llmgw_core import telemetry
 from llmgw_core.access import all_streams, require_streams
 from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.config import AgentConfig
 from llmgw_core.errors import BusError
-from llmgw_core.events import ReplicaRecord
+from llmgw_core.events import NodeStatus, ReplicaRecord, ShardStatus
 from llmgw_core.natsd import NatsServer
+from llmgw_gateway.config import GatewayConfig
 from llmgw_placement.config import ServerConfig
 
 from .auth import AuthDir
 
 NODE = "local-1"
 DEPLOYMENT = "chat"
+# The name the simulated engine serves; the gateway takes it as well as the deployment's.
+MODEL = "tiny-chat"
+ENGINE_PORTS = (28000, 28999)
+LOCK_FILE = "up.lock"
+
+
+def node_ids(count: int) -> list[str]:
+    return [f"local-{i}" for i in range(1, count + 1)]
+
+
+def parse_ports(text: str) -> tuple[int, int]:
+    """`--engine-ports 28000-28999`, or SystemExit saying what is wrong."""
+    m = re.fullmatch(r"(\d+)-(\d+)", text.strip())
+    if not m or not (1024 <= int(m.group(1)) <= int(m.group(2)) <= 65535):
+        raise SystemExit(
+            f"llmgw: --engine-ports {text!r} is not a port range: give LOW-HIGH with "
+            "1024 <= LOW <= HIGH <= 65535, e.g. 28000-28999"
+        )
+    return int(m.group(1)), int(m.group(2))
+
+
+def split_ports(ports: tuple[int, int], count: int) -> list[tuple[int, int]]:
+    """Each local node its own share of the engine ports (they share one machine)."""
+    low, high = ports
+    size = (high - low + 1) // count
+    if size < 1:
+        raise SystemExit(
+            f"llmgw: --engine-ports {low}-{high} has {high - low + 1} ports, too few for {count} nodes; "
+            "give a wider range"
+        )
+    return [(low + i * size, low + (i + 1) * size - 1) for i in range(count)]
 
 
 def server_yaml(url: str, api_port: int, auth: AuthDir | None) -> dict[str, Any]:
@@ -69,33 +116,50 @@ def server_yaml(url: str, api_port: int, auth: AuthDir | None) -> dict[str, Any]
                 "health_timeout_s": 60,
             }
         ],
-        "deployments": [{"name": DEPLOYMENT, "profile": "tiny-chat", "replicas": 1, "pool": "local"}],
+        "deployments": [
+            {"name": DEPLOYMENT, "profile": "tiny-chat", "replicas": 1, "pool": "local", "aliases": [MODEL]}
+        ],
         "http": http,
     }
 
 
-def metrics_ports(api_port: int) -> tuple[int, int]:
-    """The installer's and the launcher's /metrics: the two ports after the API's, so they stay put."""
-    return api_port + 1, api_port + 2
+def metrics_ports(api_port: int, index: int = 0) -> tuple[int, int]:
+    """The installer's and the launcher's /metrics of the `index`-th local node: the ports after
+    the API's, two per node, so they stay put."""
+    return api_port + 1 + 2 * index, api_port + 2 + 2 * index
 
 
 def agent_yaml(
-    url: str, state_dir: Path, auth: AuthDir | None, metrics: tuple[int, int] = (0, 0)
+    url: str,
+    state_dir: Path,
+    auth: AuthDir | None,
+    node: str = NODE,
+    port_range: tuple[int, int] = ENGINE_PORTS,
+    metrics: tuple[int, int] = (0, 0),
 ) -> dict[str, Any]:
     nats: dict[str, Any] = (
         {"url": url, "insecure": True}
         if auth is None
-        else {"url": url, "nkey_seed_file": str(auth.node_seed(NODE))}
+        else {"url": url, "nkey_seed_file": str(auth.node_seed(node))}
     )
     return {
-        "node": NODE,
+        "node": node,
         "state_dir": str(state_dir),
         "nats": nats,
         "simulate": {"gpu_count": 2},
-        "port_range": [28000, 28999],
+        "port_range": list(port_range),
         "installer_metrics_port": metrics[0],
         "launcher_metrics_port": metrics[1],
     }
+
+
+def gateway_yaml(url: str, port: int, auth: AuthDir | None) -> dict[str, Any]:
+    nats: dict[str, Any] = (
+        {"url": url, "insecure": True}
+        if auth is None
+        else {"url": url, "nkey_seed_file": str(auth.seed("gateway"))}
+    )
+    return {"nats": nats, "http": {"host": "127.0.0.1", "port": port}}
 
 
 def _write(path: Path, value: dict[str, Any], kind: type[msgspec.Struct]) -> Path:
@@ -143,8 +207,79 @@ class Processes:
                 )
 
 
-async def _wait_ready(bus: Bus, procs: Processes, timeout: float) -> ReplicaRecord:
+@dataclass
+class Progress:
+    """What `llmgw up` has told the operator so far: each line is printed once, when it changes."""
+
+    said: dict[str, str] = field(default_factory=dict)
+
+    def say(self, key: str, line: str) -> None:
+        if self.said.get(key) != line:
+            self.said[key] = line
+            print(f"llmgw: {line}", flush=True)
+
+
+def node_line(status: NodeStatus) -> str:
+    gpus = status.facts.gpus
+    names = sorted({g.name for g in gpus})
+    hw = f"{len(gpus)}x {', '.join(names)}" if gpus else "no GPU"
+    if status.facts.simulated:
+        hw += " (simulated)"
+    engines = ", ".join(f"{e.name} {e.state}" for e in status.engines) or "none yet"
+    return f"node {status.node} probed: {hw}; engines: {engines}"
+
+
+async def _leader(bus: Bus) -> str:
+    """The placement that holds the lease, or "" while none does."""
+    try:
+        kv = await bus.kv(bus.names.leases_bucket)
+        entry = await kv.get("placement")
+    except (nats.js.errors.KeyNotFoundError, nats.errors.Error, BusError):
+        return ""
+    return entry.value.decode(errors="replace") if entry.value else ""
+
+
+async def report(bus: Bus, nodes: list[str], progress: Progress) -> ReplicaRecord | None:
+    """One look at the cluster: say what changed; the ready replica of DEPLOYMENT, if there is one."""
+    leader = await _leader(bus)
+    if leader:
+        progress.say("placement", f"placement is leading ({leader})")
+    else:
+        progress.say("placement", "waiting for placement to take the lease")
+    statuses = await bus.entries(bus.names.nodes_bucket, NodeStatus)
+    for node in nodes:
+        change = statuses.get(node)
+        status = change.value if change else None
+        if status is None or not status.probed_at:
+            progress.say(f"node {node}", f"waiting for node {node}'s first probe")
+            continue
+        progress.say(f"node {node}", node_line(status))
+        if status.install:
+            progress.say(f"install {node}", f"node {node}: {status.install}")
+    for key, shard_change in sorted((await bus.entries(bus.names.shard_status_bucket, ShardStatus)).items()):
+        shard = shard_change.value
+        if shard is None:
+            continue
+        what = f"{shard.state} ({shard.reason})" if shard.reason and shard.state != "ready" else shard.state
+        progress.say(
+            f"shard {key}", f"{shard.deployment or 'shard'} {shard.replica} on {shard.node}: engine {what}"
+        )
+    found: ReplicaRecord | None = None
+    for key, replica_change in sorted((await bus.entries(bus.names.replicas_bucket, ReplicaRecord)).items()):
+        record = replica_change.value
+        if record is None:
+            continue
+        what = f"{record.state} ({record.reason})" if record.reason else record.state
+        progress.say(f"replica {key}", f"deployment {record.deployment} replica {record.replica}: {what}")
+        if record.deployment == DEPLOYMENT and record.state == "ready" and found is None:
+            found = record
+    return found
+
+
+async def _wait_ready(bus: Bus, procs: Processes, nodes: list[str], timeout: float) -> ReplicaRecord:
     deadline = time.monotonic() + timeout
+    progress = Progress()
+    progress.say("streams", "waiting for placement to create the streams and buckets")
     # Placement creates the streams and buckets; the operator only reads them.
     while True:
         procs.check()
@@ -154,38 +289,139 @@ async def _wait_ready(bus: Bus, procs: Processes, timeout: float) -> ReplicaReco
         except BusError:
             if time.monotonic() > deadline:
                 raise
+    progress.say("streams", "placement created the streams and buckets")
     while True:
         procs.check()
-        found = await bus.entries(bus.names.replicas_bucket, ReplicaRecord)
-        for change in found.values():
-            if (
-                change.value is not None
-                and change.value.deployment == DEPLOYMENT
-                and change.value.state == "ready"
-            ):
-                return change.value
+        try:
+            found = await report(bus, nodes, progress)
+        except BusError as exc:
+            progress.say("bus", f"cannot read the cluster's state yet: {exc}")
+            found = None
+        if found is not None:
+            return found
         if time.monotonic() > deadline:
             raise SystemExit(f"llmgw: no ready replica of {DEPLOYMENT} after {timeout:g}s; see {procs.logs}")
         await anyio.sleep(0.3)
 
 
-def identities(data_dir: Path) -> AuthDir:
+def _gateway_url(procs: Processes, timeout: float) -> str:
+    """The gateway prints its endpoint once bound (its port may have been 0)."""
+    deadline = time.monotonic() + timeout
+    log = procs.logs / "gateway.log"
+    while True:
+        procs.check()
+        text = log.read_text(errors="replace") if log.exists() else ""
+        m = re.search(r"OpenAI endpoint on (http://\S+)/v1", text)
+        if m:
+            return m.group(1)
+        if time.monotonic() > deadline:
+            raise SystemExit(f"llmgw: the gateway did not start listening in {timeout:g}s; see {log}")
+        time.sleep(0.1)
+
+
+# --- before anything starts -------------------------------------------------------
+
+
+def lock_data_dir(data_dir: Path) -> IO[str]:
+    """Create `data_dir` and hold its lock for the life of this process, or SystemExit in one line.
+
+    Two `up`s on one directory would run two nats-servers on one JetStream store
+    (and fight over every process's pid file); the second must refuse first.
+    """
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        lock = (data_dir / LOCK_FILE).open("a+")
+    except OSError as exc:
+        raise SystemExit(
+            f"llmgw: cannot use {data_dir} as the data dir: {exc.strerror or exc}; "
+            "pass --data-dir a directory you can write"
+        ) from exc
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise SystemExit(
+            f"llmgw: {data_dir} is in use by another `llmgw up` (pid {holder}); "
+            "stop it (Ctrl-C) or pass another --data-dir"
+        ) from exc
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
+def check_ports(ports: dict[str, int]) -> None:
+    """Each port free on 127.0.0.1, or SystemExit naming it and the flag that moves it."""
+    for what, port in ports.items():
+        if port == 0:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError as exc:
+                raise SystemExit(
+                    f"llmgw: port {port} ({what}) is in use on 127.0.0.1: {exc.strerror or exc}; "
+                    f"stop what holds it or choose another port"
+                ) from exc
+
+
+def identities(data_dir: Path, nodes: list[str] | None = None) -> AuthDir:
     """The local cluster's identities: written on the first run, kept afterwards."""
     auth = AuthDir(data_dir / "auth")
     # `fleet` too: a local cluster is where `llmgw fleet` is tried.
-    created = auth.init([NODE], fleet=True)
+    created = auth.init(nodes or [NODE], fleet=True)
     if created:
         print(f"llmgw: wrote identities ({', '.join(created)}) and API tokens to {auth.path}", flush=True)
     return auth
 
 
-async def _serve(data_dir: Path, port: int, api_port: int, insecure: bool) -> int:
+@dataclass(frozen=True)
+class Options:
+    port: int = 4222
+    api_port: int = 8080
+    gateway_port: int = 8000
+    insecure: bool = False
+    nodes: int = 1
+    engine_ports: tuple[int, int] = ENGINE_PORTS
+
+
+async def _serve(data_dir: Path, options: Options) -> int:
+    # First the lock, then the ports: a refusal touches nothing, not even the NATS store.
+    lock = lock_data_dir(data_dir)
+    try:
+        check_ports(
+            {
+                "NATS, --port": options.port,
+                "placement's API, --api-port": options.api_port,
+                "the gateway, --gateway-port": options.gateway_port,
+                **{
+                    f"node {i + 1}'s {what} metrics (after --api-port)": port
+                    for i in range(options.nodes)
+                    for what, port in zip(
+                        ("installer", "launcher"), metrics_ports(options.api_port, i), strict=True
+                    )
+                },
+            }
+        )
+        return await _serve_locked(data_dir, options)
+    finally:
+        lock.close()
+
+
+async def _serve_locked(data_dir: Path, options: Options) -> int:
     logs = data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    auth = None if insecure else identities(data_dir)
+    nodes = node_ids(options.nodes)
+    auth = None if options.insecure else identities(data_dir, nodes)
     server = NatsServer(
         store_dir=data_dir / "nats",
-        port=port,
+        port=options.port,
         log_path=logs / "nats.log",
         includes=(auth.conf,) if auth else (),
     )
@@ -211,7 +447,7 @@ async def _serve(data_dir: Path, port: int, api_port: int, insecure: bool) -> in
                         return
 
                 tg.start_soon(stop_on_signal)
-                await _bring_up(server.url, data_dir, api_port, procs, auth)
+                await _bring_up(server.url, data_dir, options, nodes, procs, auth)
                 while True:
                     procs.check()
                     await anyio.sleep(1)
@@ -223,37 +459,65 @@ async def _serve(data_dir: Path, port: int, api_port: int, insecure: bool) -> in
     return 0
 
 
-async def _bring_up(url: str, data_dir: Path, api_port: int, procs: Processes, auth: AuthDir | None) -> None:
-    server_cfg = _write(data_dir / "server.yaml", server_yaml(url, api_port, auth), ServerConfig)
-    metrics = metrics_ports(api_port)
-    agent_cfg = _write(
-        data_dir / "agent.yaml", agent_yaml(url, data_dir / "agent", auth, metrics), AgentConfig
-    )
-    print(f"llmgw: NATS JetStream at {url} (data in {data_dir})", flush=True)
+async def _bring_up(
+    url: str, data_dir: Path, options: Options, nodes: list[str], procs: Processes, auth: AuthDir | None
+) -> None:
+    server_cfg = _write(data_dir / "server.yaml", server_yaml(url, options.api_port, auth), ServerConfig)
+    print(f"llmgw: NATS JetStream is up at {url} (data in {data_dir})", flush=True)
     py = sys.executable
     procs.start("placement", [py, "-m", "llmgw_placement", "--config", str(server_cfg)])
-    procs.start("installer", [py, "-m", "llmgw_installer", "--config", str(agent_cfg)])
-    procs.start(
-        "launcher", [py, "-m", "llmgw_launcher", "--config", str(agent_cfg), "--stop-engines-on-exit"]
+    metrics: list[str] = []
+    for i, (node, ports) in enumerate(zip(nodes, split_ports(options.engine_ports, len(nodes)), strict=True)):
+        # The first node keeps the names a one-node cluster always had.
+        suffix = "" if node == NODE else f"-{node}"
+        installer_port, launcher_port = metrics_ports(options.api_port, i)
+        metrics += [
+            f"{node} installer http://127.0.0.1:{installer_port}/metrics",
+            f"{node} launcher http://127.0.0.1:{launcher_port}/metrics",
+        ]
+        agent_cfg = _write(
+            data_dir / f"agent{suffix}.yaml",
+            agent_yaml(url, data_dir / f"agent{suffix}", auth, node, ports, (installer_port, launcher_port)),
+            AgentConfig,
+        )
+        procs.start(f"installer{suffix}", [py, "-m", "llmgw_installer", "--config", str(agent_cfg)])
+        procs.start(
+            f"launcher{suffix}",
+            [py, "-m", "llmgw_launcher", "--config", str(agent_cfg), "--stop-engines-on-exit"],
+        )
+    gateway_cfg = _write(
+        data_dir / "gateway.yaml", gateway_yaml(url, options.gateway_port, auth), GatewayConfig
     )
-    api = f"http://127.0.0.1:{api_port}"
+    procs.start("gateway", [py, "-m", "llmgw_gateway", "--config", str(gateway_cfg)])
+    api = f"http://127.0.0.1:{options.api_port}"
     print(
-        f"llmgw: placement (API {api}), installer and launcher for node {NODE} started; logs in {procs.logs}",
+        f"llmgw: placement (API {api}), installer and launcher for node{'s' if len(nodes) > 1 else ''} "
+        f"{', '.join(nodes)} (engine ports {options.engine_ports[0]}-{options.engine_ports[1]}) and the "
+        f"gateway started; logs in {procs.logs}",
         flush=True,
     )
     # `llmgw up` watches for readiness as the operator does, with the ctl identity.
-    options = (
+    bus_options = (
         BusOptions(url=url, insecure=True)
         if auth is None
         else BusOptions(url=url, nkey_seed_file=str(auth.seed("ctl")))
     )
-    async with await Bus.connect(options, service="llmgw-up") as bus:
-        replica = await _wait_ready(bus, procs, timeout=120)
-    print(f"llmgw: deployment {DEPLOYMENT} replica {replica.replica} is ready at {replica.url}", flush=True)
+    async with await Bus.connect(bus_options, service="llmgw-up") as bus:
+        replica = await _wait_ready(bus, procs, nodes, timeout=180)
+    gateway = await anyio.to_thread.run_sync(_gateway_url, procs, 30.0)
+    print(
+        f"llmgw: deployment {DEPLOYMENT} is ready (replica {replica.replica}, engine at {replica.url})",
+        flush=True,
+    )
+    print(
+        f"llmgw: the endpoint, OpenAI base_url: {gateway}/v1 (model {DEPLOYMENT!r}, or {MODEL!r}); "
+        "it stays the same when replicas restart or move",
+        flush=True,
+    )
     print("llmgw: try it:", flush=True)
     print(
-        f"  curl -s {replica.url}/v1/chat/completions -H 'Content-Type: application/json' "
-        """-d '{"model": "tiny-chat", "messages": [{"role": "user", "content": "hello"}]}'""",
+        f"  curl -s {gateway}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"""-d '{{"model": "{DEPLOYMENT}", "messages": [{{"role": "user", "content": "hello"}}]}}'""",
         flush=True,
     )
     if auth is None:
@@ -268,17 +532,26 @@ async def _bring_up(url: str, data_dir: Path, api_port: int, procs: Processes, a
         print(f"llmgw: its API token: {auth.token()} (read only: {auth.token(read_only=True)})", flush=True)
         header = f'-H "Authorization: Bearer $(cat {auth.api_token_file})"'
         print(f"llmgw: its API: curl -s {header} {api}/api/replicas", flush=True)
+    page = f"{api}/" if auth is None else f"{api}/?token={auth.token(read_only=True)}"
+    print(f"llmgw: the cluster page: {page}", flush=True)
     print(
         f"llmgw: metrics: placement {api}/metrics{' (with the API token)' if auth else ''}, "
-        f"installer http://127.0.0.1:{metrics[0]}/metrics, launcher http://127.0.0.1:{metrics[1]}/metrics",
+        f"the gateway {gateway}/metrics, {', '.join(metrics)}",
         flush=True,
     )
     print("llmgw: press Ctrl-C to stop the cluster", flush=True)
 
 
-def run(data_dir: str, port: int, api_port: int = 8080, *, insecure: bool = False) -> int:
+def run(data_dir: str, port: int, api_port: int = 8080, *, insecure: bool = False, **more: Any) -> int:
+    """`llmgw up`; `more`: the other fields of Options (gateway_port, nodes, engine_ports)."""
     telemetry.setup("llmgw-up")
+    # Its progress lines say what it waits for; the bus client's own "waiting for placement" would
+    # repeat once a second.
+    logging.getLogger("llmgw.access").setLevel(logging.WARNING)
+    options = Options(port=port, api_port=api_port, insecure=insecure, **more)
+    if options.nodes < 1:
+        raise SystemExit(f"llmgw: --nodes {options.nodes}: a cluster needs at least one node")
     try:
-        return anyio.run(_serve, Path(data_dir).resolve(), port, api_port, insecure)
+        return anyio.run(_serve, Path(data_dir).resolve(), options)
     except KeyboardInterrupt:
         return 130

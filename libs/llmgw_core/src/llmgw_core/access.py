@@ -11,7 +11,7 @@ whose rights nats-server itself enforces, subject by subject:
                 and asks launchers for their shards' logs
     observer    reads events, node status, shard status, replicas and heartbeats;
                 writes nothing (and never sees shard specs: they carry environments)
-    gateway     reads the replicas bucket
+    gateway     reads the replicas and deployments buckets
     node-<id>   one per node, shared by its installer and launcher: writes only its
                 own status, shard statuses, heartbeats and events; reads the desired
                 engines and only its own shard specs; answers requests for its own
@@ -216,7 +216,9 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
         publish = [names.liveness_request, *(rule for s in readable for rule in _read_all(s))]
         return Permissions(tuple(publish), (inbox, heartbeats, names.events_all))
     if role == "gateway":
-        return Permissions(tuple(_read_all(_kv_stream(names.replicas_bucket))), (inbox,))
+        # Deployments too: their aliases, and a deployment with no replica yet is known, not unknown.
+        readable = [_kv_stream(names.replicas_bucket), _kv_stream(names.deployments_bucket)]
+        return Permissions(tuple(rule for s in readable for rule in _read_all(s)), (inbox,))
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)} or node-<node id>")
 
 

@@ -222,6 +222,9 @@ class Deployment(Message, frozen=True):
     pool: str = ""
     strategy: Literal["binpack", "spread"] = "binpack"
     traceparent: str = ""
+    # Other names clients may send as `model` to reach this deployment through the gateway
+    # (the served model's own name, a friendly name); the deployment's name always works.
+    aliases: tuple[str, ...] = ()
 
 
 # `unknown`: a launcher of the replica has gone silent, so nothing says whether it still serves.

@@ -28,6 +28,7 @@ class DeploymentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     replicas: Annotated[int, Meta(ge=0)] = 1
     pool: str = ""
     strategy: Literal["binpack", "spread"] = "binpack"
+    aliases: tuple[str, ...] = ()
 
     def wire(self) -> Deployment:
         return Deployment(**msgspec.structs.asdict(self))

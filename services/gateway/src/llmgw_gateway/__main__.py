@@ -1,0 +1,54 @@
+"""`llmgw-gateway --config gateway.yaml`: one OpenAI-compatible endpoint for the cluster.
+
+SIGTERM or Ctrl-C stops it, giving requests in flight a short grace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import anyio
+
+from llmgw_core import telemetry
+from llmgw_core.config import load
+from llmgw_core.errors import LlmgwError
+from llmgw_core.lifecycle import cancel_on_signal, connect_service
+
+from .config import GatewayConfig
+from .service import Gateway
+
+
+async def _main(config: GatewayConfig) -> None:
+    # The gateway only reads: it creates no stream or bucket (its identity may not).
+    bus = await connect_service(config.nats, "gateway", ensure=False)
+    async with bus:
+        gateway = Gateway(config, bus)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_on_signal, tg.cancel_scope)
+            port = await tg.start(gateway.run)
+            print(f"llmgw-gateway: OpenAI endpoint on http://{config.http.host}:{port}/v1", flush=True)
+
+
+def run(config_path: str) -> int:
+    try:
+        config = load(config_path, GatewayConfig)
+        telemetry.setup("llmgw-gateway")
+        anyio.run(_main, config)
+    except LlmgwError as exc:
+        print(f"llmgw-gateway: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="llmgw-gateway", description=__doc__)
+    parser.add_argument("--config", required=True, help="gateway.yaml")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    sys.exit(run(args.config))
+
+
+if __name__ == "__main__":
+    main()

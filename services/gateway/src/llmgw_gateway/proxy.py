@@ -1,0 +1,382 @@
+"""The OpenAI-compatible HTTP surface: `/v1/models`, `/v1/chat/completions`,
+`/v1/completions` (streamed or not), `/healthz` and `/metrics`.
+
+A completion is routed by its `model` (a deployment's name or alias) to the
+ready replica with the fewest requests in flight. When a replica refuses the
+connection (it died, and placement has not said so yet) the request goes to
+another: nothing was sent, so nothing can be done twice. Once a replica has
+the request, its answer (status, headers, body) is passed through byte for
+byte, server-sent events included; a failure after that is the client's to
+see, never retried behind its back.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import httpx
+from opentelemetry import propagate, trace
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from llmgw_core.events import ReplicaRecord
+
+from .routing import Table
+
+log = logging.getLogger("llmgw.gateway")
+
+# Hop-by-hop headers (RFC 9110 7.6.1) and those the proxy sets itself.
+_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "authorization",
+    }
+)
+UNKNOWN = "(unknown)"
+# How long a request waits for a starting gateway's first snapshot of the buckets.
+LOAD_WAIT_S = 10.0
+
+
+def error_body(message: str, kind: str, code: str) -> dict[str, Any]:
+    """An OpenAI-style error, as the official clients parse it."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def _error(status: int, message: str, kind: str, code: str) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, code), status_code=status)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "llmgw_gateway_requests",
+            "Completion requests per deployment.",
+            ["deployment"],
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "llmgw_gateway_errors",
+            "Requests the gateway answered with an error, or whose replica failed, by reason class: "
+            "bad_request, unauthorized, gateway_starting, unknown_model, no_ready_replica, "
+            "connect (a replica refused, retried elsewhere), "
+            "upstream (the replica failed after it had the request), "
+            "upstream_status (the replica answered 5xx).",
+            ["deployment", "reason"],
+            registry=self.registry,
+        )
+        self.ttfb = Histogram(
+            "llmgw_gateway_time_to_first_byte_seconds",
+            "From the request's arrival to the replica's first byte of answer.",
+            ["deployment"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        self.outstanding = Gauge(
+            "llmgw_gateway_outstanding_requests",
+            "Requests in flight per deployment.",
+            ["deployment"],
+            registry=self.registry,
+        )
+
+
+class Proxy:
+    def __init__(
+        self,
+        table: Table,
+        client: httpx.AsyncClient,
+        *,
+        api_keys: frozenset[str] = frozenset(),
+        max_body_bytes: int = 8 << 20,
+        tracer: trace.Tracer | None = None,
+    ) -> None:
+        self.table = table
+        self.client = client
+        self.api_keys = api_keys
+        self.max_body_bytes = max_body_bytes
+        self.tracer = tracer or trace.get_tracer("llmgw.gateway")
+        self.metrics = Metrics()
+        # Set once the first snapshot of the buckets is in: until then "unknown model"
+        # would be a lie.
+        self.loaded = anyio.Event()
+        # (replica URL, profile fingerprint) -> the model name its engine serves (from its
+        # /v1/models). The fingerprint: a changed profile restarted on the same port may serve
+        # another name.
+        self._served: dict[tuple[str, str], str] = {}
+        self.app = Starlette(
+            routes=[
+                Route("/healthz", self.healthz, methods=["GET"]),
+                Route("/metrics", self.prometheus, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/chat/completions", self.complete, methods=["POST"]),
+                Route("/v1/completions", self.complete, methods=["POST"]),
+            ]
+        )
+
+    # --- plain endpoints ------------------------------------------------------
+
+    async def healthz(self, request: Request) -> Response:
+        if not self.loaded.is_set():
+            return JSONResponse({"status": "loading", "detail": "reading the replicas bucket"}, 503)
+        return JSONResponse({"status": "ok", "deployments": self.table.known()})
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def _unauthorized(self, request: Request) -> JSONResponse | None:
+        if not self.api_keys:
+            return None
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() == "bearer" and any(hmac.compare_digest(key.strip(), k) for k in self.api_keys):
+            return None
+        self.metrics.errors.labels(UNKNOWN, "unauthorized").inc()
+        return _error(
+            401,
+            "missing or unknown API key: send `Authorization: Bearer <key>` with a key from the "
+            "gateway's api_keys_file",
+            "authentication_error",
+            "invalid_api_key",
+        )
+
+    async def _not_loaded(self) -> JSONResponse | None:
+        """None once the buckets' first snapshot is in (waiting a little for it); else a 503."""
+        with anyio.move_on_after(LOAD_WAIT_S):
+            await self.loaded.wait()
+            return None
+        return _error(
+            503,
+            "the gateway has not read the cluster's replicas yet (is NATS reachable?); try again shortly",
+            "service_unavailable",
+            "gateway_starting",
+        )
+
+    async def models(self, request: Request) -> Response:
+        refused = self._unauthorized(request) or await self._not_loaded()
+        if refused is not None:
+            return refused
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "llmgw",
+                "aliases": list(self.table.aliases(name)),
+                "ready_replicas": len(self.table.ready(name)),
+            }
+            for name in self.table.known()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    # --- completions ------------------------------------------------------------
+
+    async def _body(self, request: Request) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def complete(self, request: Request) -> Response:
+        arrived = time.monotonic()
+        refused = self._unauthorized(request)
+        if refused is not None:
+            return refused
+        body = await self._body(request)
+        if body is None:
+            self.metrics.errors.labels(UNKNOWN, "bad_request").inc()
+            return _error(
+                413,
+                f"request body over {self.max_body_bytes} bytes (the gateway's max_body_bytes)",
+                "invalid_request_error",
+                "request_too_large",
+            )
+        try:
+            payload = json.loads(body)
+        except ValueError as exc:
+            self.metrics.errors.labels(UNKNOWN, "bad_request").inc()
+            return _error(400, f"the body is not JSON: {exc}", "invalid_request_error", "invalid_json")
+        model = payload.get("model") if isinstance(payload, dict) else None
+        if not isinstance(model, str) or not model:
+            self.metrics.errors.labels(UNKNOWN, "bad_request").inc()
+            return _error(
+                400,
+                "the body must be a JSON object with a `model` (a deployment's name or alias)",
+                "invalid_request_error",
+                "missing_model",
+            )
+        starting = await self._not_loaded()
+        if starting is not None:
+            self.metrics.errors.labels(UNKNOWN, "gateway_starting").inc()
+            return starting
+        deployment = self.table.resolve(model)
+        if deployment is None:
+            self.metrics.errors.labels(UNKNOWN, "unknown_model").inc()
+            return _error(
+                404,
+                f"model {model!r} is not served here; known models: {self.table.describe_known()}",
+                "invalid_request_error",
+                "model_not_found",
+            )
+        self.metrics.requests.labels(deployment).inc()
+        span = self.tracer.start_span(
+            f"gateway {request.url.path}",
+            kind=trace.SpanKind.SERVER,
+            attributes={"llmgw.deployment": deployment, "llmgw.model": model},
+        )
+        try:
+            return await self._forward(request, payload, body, model, deployment, span, arrived)
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.set_status(trace.StatusCode.ERROR, str(exc))
+            span.end()
+            raise
+
+    async def _served_name(self, record: ReplicaRecord) -> str | None:
+        """The model name the replica's engine answers to (engines refuse any other)."""
+        url = record.url
+        key = (url, record.profile_fp)
+        if key in self._served:
+            return self._served[key]
+        try:
+            r = await self.client.get(f"{url}/v1/models", timeout=5.0)
+            r.raise_for_status()
+            name = str(r.json()["data"][0]["id"])
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            log.warning("cannot read the model name %s serves (sending the request as it is): %s", url, exc)
+            return None
+        if len(self._served) >= 4096:
+            self._served.clear()  # replicas come and go on new ports; forget the old ones
+        self._served[key] = name
+        return name
+
+    async def _forward(
+        self,
+        request: Request,
+        payload: dict[str, Any],
+        body: bytes,
+        model: str,
+        deployment: str,
+        span: trace.Span,
+        arrived: float,
+    ) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        with trace.use_span(span, end_on_exit=False):
+            propagate.inject(headers)
+        tried: set[str] = set()
+        failures: list[str] = []
+        while True:
+            chosen = self.table.pick(deployment, frozenset(tried))
+            if chosen is None:
+                if failures:
+                    plural = "" if len(tried) == 1 else "s"
+                    reason = (
+                        f"deployment {deployment} has {len(tried)} ready replica{plural} but none "
+                        f"accepted the request: {'; '.join(failures)}"
+                    )
+                else:
+                    reason = self.table.unavailable(deployment, time.time())
+                self.metrics.errors.labels(deployment, "no_ready_replica").inc()
+                span.set_status(trace.StatusCode.ERROR, reason)
+                span.end()
+                return _error(503, reason, "service_unavailable", "no_ready_replica")
+            key, record = chosen
+            tried.add(key)
+            # Counted at once, before any await: requests arriving together must see each other.
+            self.table.outstanding[key] += 1
+            self.metrics.outstanding.labels(deployment).inc()
+            span.set_attributes({"llmgw.replica": record.replica, "llmgw.replica_url": record.url})
+            try:
+                served = await self._served_name(record)
+                content = body
+                if served is not None and served != model:
+                    content = json.dumps({**payload, "model": served}).encode()
+                upstream_request = self.client.build_request(
+                    request.method, record.url + request.url.path, content=content, headers=headers
+                )
+                upstream = await self.client.send(upstream_request, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                # Nothing reached the replica: another one may take the request.
+                self._release(key, deployment)
+                self._served.pop((record.url, record.profile_fp), None)
+                self.metrics.errors.labels(deployment, "connect").inc()
+                failures.append(f"{record.replica} at {record.url}: {exc or type(exc).__name__}")
+                log.warning("%s: %s refused the connection (%s); trying another", deployment, key, exc)
+                continue
+            except BaseException as exc:
+                self._release(key, deployment)
+                if not isinstance(exc, httpx.HTTPError):
+                    raise
+                self.metrics.errors.labels(deployment, "upstream").inc()
+                message = (
+                    f"replica {record.replica} of deployment {deployment} at {record.url} failed: "
+                    f"{exc or type(exc).__name__}"
+                )
+                span.set_status(trace.StatusCode.ERROR, message)
+                span.end()
+                return _error(502, message, "upstream_error", "replica_failed")
+            break
+        span.set_attribute("http.status_code", upstream.status_code)
+        if upstream.status_code >= 500:
+            self.metrics.errors.labels(deployment, "upstream_status").inc()
+        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
+        return StreamingResponse(
+            self._relay(upstream, key, deployment, span, arrived),
+            status_code=upstream.status_code,
+            headers=out_headers,
+        )
+
+    def _release(self, key: str, deployment: str) -> None:
+        self.table.outstanding[key] -= 1
+        if self.table.outstanding[key] <= 0:
+            del self.table.outstanding[key]
+        self.metrics.outstanding.labels(deployment).dec()
+
+    async def _relay(
+        self, upstream: httpx.Response, key: str, deployment: str, span: trace.Span, arrived: float
+    ) -> AsyncIterator[bytes]:
+        first = True
+        try:
+            async for chunk in upstream.aiter_raw():
+                if first:
+                    first = False
+                    self.metrics.ttfb.labels(deployment).observe(time.monotonic() - arrived)
+                yield chunk
+        except httpx.HTTPError as exc:
+            # Mid-answer: the client sees its stream end early; it is not retried.
+            self.metrics.errors.labels(deployment, "upstream").inc()
+            span.set_status(trace.StatusCode.ERROR, f"{exc or type(exc).__name__}")
+            log.warning("%s: %s broke off its answer: %s", deployment, key, exc)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+            self._release(key, deployment)
+            span.end()

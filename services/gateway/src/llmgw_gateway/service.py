@@ -1,0 +1,112 @@
+"""The gateway service: keep the routing table from the buckets, and serve the proxy.
+
+Stateless: everything it routes by is in the replicas and deployments buckets,
+read through KV watches (every key's value first, then each change; a watch
+survives NATS restarts). Any number of gateways can run side by side.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import anyio
+import anyio.abc
+import httpx
+from opentelemetry import trace
+
+from llmgw_core.bus import Bus
+from llmgw_core.errors import BusError
+from llmgw_core.events import Deployment, ReplicaRecord
+
+from .config import GatewayConfig, load_api_keys
+from .proxy import Proxy
+from .routing import Table
+from .web import serve_app
+
+log = logging.getLogger("llmgw.gateway")
+
+RETRY_CAP_S = 10.0
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, bus: Bus, *, tracer: trace.Tracer | None = None) -> None:
+        self.config = config
+        self.bus = bus
+        self.table = Table()
+        keys = load_api_keys(config.http.api_keys_file) if config.http.require_api_key else frozenset()
+        timeout = httpx.Timeout(
+            connect=config.connect_timeout_s, read=config.read_timeout_s or None, write=60.0, pool=60.0
+        )
+        # One pooled client for every replica: kept-alive connections, no per-request handshake.
+        self.client = httpx.AsyncClient(
+            timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        )
+        self.proxy = Proxy(
+            self.table, self.client, api_keys=keys, max_body_bytes=config.max_body_bytes, tracer=tracer
+        )
+
+    async def _load(self) -> None:
+        """The first snapshot, before the gateway answers `unknown model` to anyone."""
+        names = self.bus.names
+        for key, change in (await self.bus.entries(names.replicas_bucket, ReplicaRecord)).items():
+            self.table.set_replica(key, change.value)
+        try:
+            deployments = await self.bus.entries(names.deployments_bucket, Deployment)
+        except BusError as exc:
+            log.error(
+                "cannot read the deployments bucket (%s): aliases are unknown, and deployments are known "
+                "by their replicas only; the gateway identity may read it since this release (llmgw auth "
+                "init rewrites auth.conf)",
+                exc,
+            )
+            return
+        for key, dchange in deployments.items():
+            self.table.set_deployment(key, dchange.value)
+
+    async def _follow_replicas(self) -> None:
+        async for change in self.bus.watch(self.bus.names.replicas_bucket, ReplicaRecord):
+            self.table.set_replica(change.key, change.value)
+
+    async def _follow_deployments(self) -> None:
+        async for change in self.bus.watch(self.bus.names.deployments_bucket, Deployment):
+            self.table.set_deployment(change.key, change.value)
+
+    async def _forever(self, what: str, follow: Callable[[], Awaitable[None]]) -> None:
+        """Run a watch for as long as the service runs; a failure costs one attempt, retried."""
+        delay = 0.5
+        while True:
+            try:
+                await follow()
+                delay = 0.5
+            except BusError as exc:
+                log.error("following %s failed: %s; retrying in %.1fs", what, exc, delay)
+            except Exception:
+                log.exception("following %s failed; retrying in %.1fs", what, delay)
+            await anyio.sleep(delay)
+            delay = min(RETRY_CAP_S, delay * 2)
+
+    async def _start_watches(self) -> None:
+        delay = 0.5
+        while True:
+            try:
+                await self._load()
+                break
+            except BusError as exc:
+                log.warning("cannot read the replicas bucket yet: %s; retrying in %.1fs", exc, delay)
+                await anyio.sleep(delay)
+                delay = min(RETRY_CAP_S, delay * 2)
+        self.proxy.loaded.set()
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; `task_status.started(port)` once the socket is bound."""
+        try:
+            async with anyio.create_task_group() as tg:
+                port = await tg.start(serve_app, self.proxy.app, self.config.http.host, self.config.http.port)
+                task_status.started(port)
+                await self._start_watches()
+                tg.start_soon(self._forever, "the replicas bucket", self._follow_replicas)
+                tg.start_soon(self._forever, "the deployments bucket", self._follow_deployments)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.client.aclose()
