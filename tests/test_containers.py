@@ -383,7 +383,7 @@ async def check_the_cluster(
 
         async def traced() -> list[str]:
             # The launcher's span joins the trace placement began; the gateway has one per request.
-            for service, first_words in ((f"llmgw-launcher/{NODE}", "start shard "), ("llmgw-gateway", "")):
+            for service, first_words in (("llmgw-launcher", "start shard "), ("llmgw-gateway", "")):
                 services = (await client.get(f"http://127.0.0.1:{ui_port}/api/services")).json()["data"]
                 assert service in services, services
                 query = {"service": service}

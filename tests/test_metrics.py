@@ -87,14 +87,17 @@ async def test_every_service_of_a_cluster_serves_its_metrics_and_the_dashboard_f
         text = out.read_text(errors="replace")
         assert proc.poll() is None, text
         m = re.search(
-            r"metrics: placement (\S+) \(with the API token\), installer (\S+), launcher (\S+)$", text, re.M
+            r"metrics: placement (\S+) \(with the API token\), the gateway (\S+), "
+            r"local-1 installer (\S+), local-1 launcher (\S+)$",
+            text,
+            re.M,
         )
         assert m, text[-2000:]
-        return dict(zip(("placement", "installer", "launcher"), m.groups(), strict=True))
+        return dict(zip(("placement", "gateway", "installer", "launcher"), m.groups(), strict=True))
 
     urls = await eventually(metrics_urls, timeout=240, interval=0.5)
     # The line comes once the deployment's replica is ready.
-    assert "is ready at http://" in out.read_text()
+    assert "deployment chat is ready (replica r0" in out.read_text()
     token = AuthDir(data / "auth").token(read_only=True)
 
     async with httpx.AsyncClient(timeout=10) as client:

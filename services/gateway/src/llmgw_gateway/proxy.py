@@ -22,20 +22,14 @@ from typing import Any
 import anyio
 import httpx
 from opentelemetry import propagate, trace
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import Counter, Gauge, Histogram
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from llmgw_core.events import ReplicaRecord
+from llmgw_core.metrics import exposition, new_registry
 
 from .routing import Table
 
@@ -73,7 +67,7 @@ def _error(status: int, message: str, kind: str, code: str) -> JSONResponse:
 
 class Metrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = new_registry("gateway")
         self.requests = Counter(
             "llmgw_gateway_requests",
             "Completion requests per deployment.",
@@ -146,7 +140,7 @@ class Proxy:
         return JSONResponse({"status": "ok", "deployments": self.table.known()})
 
     async def prometheus(self, request: Request) -> Response:
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return exposition(self.metrics.registry, request)
 
     def _unauthorized(self, request: Request) -> JSONResponse | None:
         if not self.api_keys:
