@@ -201,10 +201,16 @@ async def test_api_ctl_and_a_refusal_in_the_nodes_own_words(
             replicas_api = (await client.get("/api/replicas")).json()
             assert replicas_api["chat.r0"]["state"] == "ready"
             explain = (await client.get("/api/explain/huge")).json()
-            assert explain["now"] == {
+            assert explain["next_replica"] == {
                 "outcome": "refused",
                 "reasons": [{"node": "node-1", "reason": "GPU class H100-80G, profile needs A100-80G"}],
             }
+            # What stands now: the published status, and no replica (the what-if is separate).
+            assert explain["status"]["summary"].startswith("huge: 0 of 1 ready; 1 cannot be placed: ")
+            assert explain["replicas"] == []
+            chat_explain = (await client.get("/api/explain/chat")).json()
+            assert chat_explain["replicas"] == [{"replica": "r0", "state": "ready", "nodes": ["node-1"]}]
+            assert chat_explain["status"]["summary"] == "chat: 1 of 1 ready"
             metrics = (await client.get("/metrics")).text
             assert value(metrics, "llmgw_placement_replicas", deployment="chat", state="ready") == 1
             assert value(metrics, "llmgw_placement_leader") == 1
@@ -225,10 +231,18 @@ async def test_api_ctl_and_a_refusal_in_the_nodes_own_words(
             [*ctl, "explain", "huge"], capture_output=True, text=True, env=env, timeout=60
         )
         assert explained.returncode == 0, explained.stderr
-        assert explained.stdout.splitlines()[1:] == [
+        assert explained.stdout.splitlines() == [
+            "huge: 0 of 1 ready; 1 cannot be placed: node-1: GPU class H100-80G, profile needs A100-80G",
             "NODE    REASON",
             "node-1  GPU class H100-80G, profile needs A100-80G",
         ]
+        missing = subprocess.run(
+            [*ctl, "explain", "nope"], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert (missing.returncode, missing.stderr) == (
+            3,
+            "llmgw: no deployment nope (`llmgw ctl get deployments` lists them)\n",
+        )
         deployed = subprocess.run(
             [*ctl, "deploy", "more", "--profile", "tiny", "--replicas", "1"],
             capture_output=True,

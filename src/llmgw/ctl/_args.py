@@ -99,7 +99,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     p_describe.add_argument("kind", choices=["deployment", "node"])
     p_describe.add_argument("name")
     add("nodes", "every node: alive, GPUs, engines, install progress (= get nodes)")
-    p_explain = add("explain", "why a deployment's last replica is placed where it is, or not at all")
+    p_explain = add("explain", "why a deployment stands as it does: ready of desired, every node's reason")
     p_explain.add_argument("deployment")
     p_deploy = add("deploy", "create or change a deployment")
     p_deploy.add_argument("name")

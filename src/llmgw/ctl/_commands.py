@@ -23,7 +23,6 @@ from llmgw_core.events import (
     Deployment,
     DeploymentStatus,
     NodeStatus,
-    PlacementDecision,
     ReplicaRecord,
     ShardLogsRequest,
     ShardStatus,
@@ -68,17 +67,17 @@ async def nodes(bus: Bus) -> str:
 
 
 async def explain(bus: Bus, deployment: str) -> str:
-    subject = bus.names.placement_event(deployment)
-    try:
-        decision = await read.last_on(bus, subject, PlacementDecision)
-    except BusError as exc:
-        return f"cannot read placement decisions: {exc}"
-    if decision is None:
-        return f"no placement decision for {deployment} yet"
-    if decision.outcome == "placed":
-        return f"{deployment} replica {decision.replica}: placed on {', '.join(decision.nodes)}"
-    rows = [[r.node, r.reason] for r in decision.reasons]
-    return f"{deployment} replica {decision.replica}: refused\n" + views.table(["NODE", "REASON"], rows)
+    """Why the deployment stands as it does now: placement's last published status of it (ready
+    of desired, and every node's reason for what cannot be placed), never an older decision."""
+    if await bus.get(bus.names.deployments_bucket, deployment, Deployment) is None:
+        raise NotFound(f"no deployment {deployment} (`llmgw ctl get deployments` lists them)")
+    status = await read.last_on(bus, bus.names.deployment_event(deployment), DeploymentStatus)
+    if status is None:
+        return f"{deployment}: not judged by a placement yet"
+    if not status.reasons:
+        return status.summary
+    rows = [[r.node, r.reason] for r in status.reasons]
+    return f"{status.summary}\n" + views.table(["NODE", "REASON"], rows)
 
 
 async def deploy(bus: Bus, deployment: Deployment) -> Deployment:

@@ -173,15 +173,35 @@ class Api:
         return out
 
     def explain(self, name: str) -> Response:
+        """The deployment as it stands (its published status and replicas), the last decision,
+        and where one more replica would go now (`next_replica`: a what-if, not the current
+        replicas' places)."""
         dep = self.service.state.deployments.get(name)
         if dep is None:
             return json_response({"error": f"no deployment {name!r}"}, 404)
         profile = self.service.state.catalog.get(dep.profile)
         controller = self.service.controller
         last = controller.decisions.get(name) if controller else None
-        body: dict[str, Any] = {"deployment": name, "last_decision": _builtins(last) if last else None}
+        status = controller.statuses.get(name) if controller else None
+        replicas = (
+            sorted((r for r in controller.replicas.values() if r.deployment == name), key=lambda r: r.replica)
+            if controller
+            else []
+        )
+        body: dict[str, Any] = {
+            "deployment": name,
+            "status": _builtins(status) if status else None,
+            "replicas": [
+                {"replica": r.replica, "state": r.state, "nodes": [k.split(".", 1)[0] for k in r.shards]}
+                for r in replicas
+            ],
+            "last_decision": _builtins(last) if last else None,
+        }
         if profile is None:
-            body["now"] = {"outcome": "refused", "reason": f"profile {dep.profile} is not in the catalog"}
+            body["next_replica"] = {
+                "outcome": "refused",
+                "reason": f"profile {dep.profile} is not in the catalog",
+            }
         elif controller is not None:
             decision = decide(
                 dep,
@@ -190,12 +210,12 @@ class Api:
                 port_range=self.service.config.dist_port_range,
             )
             if isinstance(decision, Refusal):
-                body["now"] = {
+                body["next_replica"] = {
                     "outcome": "refused",
                     "reasons": [{"node": n, "reason": r} for n, r in decision.reasons],
                 }
             else:
-                body["now"] = {
+                body["next_replica"] = {
                     "outcome": "placed",
                     "members": _builtins(decision.members),
                     "fabric": decision.fabric,
