@@ -120,6 +120,14 @@ async def test_ctl_reads_writes_and_fails_as_a_script_expects(
         assert story.count("llmgw-sim: exiting with code 42 after 0.4s") == 1, text
         assert "shard" in text.split("Events:", 1)[1]
 
+        # A node's whole story: its GPUs by class and compute capability, its adapters, its shards.
+        node = ok(c, "describe", "node", "node-1")
+        assert "HCAs:         none" in node, node
+        gpus = node.split("GPUs:", 1)[1].split("Engines:", 1)[0]
+        assert gpus.split("\n")[1].split() == ["INDEX", "CLASS", "NAME", "CC", "MEMORY"], gpus
+        assert "H100-80G" in gpus, gpus
+        assert "chat-r0-0" in node.split("Shards:", 1)[1], node
+
         # Events of one deployment, as JSON lines.
         lines = [json.loads(x) for x in ok(c, "events", "--deployment", "chat", "-o", "json").splitlines()]
         assert {e["event"]["kind"] for e in lines} >= {"ReplicaStatus", "ShardStatus"}

@@ -22,6 +22,7 @@ from llmgw_core.events import (
     ReplicaStatus,
     ShardStatus,
 )
+from llmgw_placement.gpuclass import gpu_class
 
 from ._read import Cluster, Stamped
 
@@ -313,14 +314,20 @@ def describe_node(v: NodeView, c: Cluster, history: list[Stamped], *, now: float
         f"CPU:          {f.cpu_model or '-'}, {f.cores} cores, {f.memory_mb // 1024} GiB"
         + ("" if f.has_avx2 else " (no AVX2)"),
         f"Driver:       {f.nvidia_driver or 'none'}" + (f" (CUDA {f.cuda_driver})" if f.cuda_driver else ""),
+        f"HCAs:         {', '.join(f.hcas) or 'none'}",
         f"Probed:       {age(s.probed_at, now) + ' ago' if s.probed_at else 'never'}",
         f"Install:      {s.install or '-'}",
         f"Warnings:     {'; '.join(s.warnings) or '-'}",
         "",
         "GPUs:",
     ]
-    gpu_rows = [[str(g.index), g.name, g.compute_capability or "-", f"{g.memory_mb} MiB"] for g in f.gpus]
-    lines.append(_indent(table(["INDEX", "NAME", "CC", "MEMORY"], gpu_rows)) if gpu_rows else "  (none)")
+    gpu_rows = [
+        [str(g.index), gpu_class(g), g.name, g.compute_capability or "-", f"{g.memory_mb} MiB"]
+        for g in f.gpus
+    ]
+    lines.append(
+        _indent(table(["INDEX", "CLASS", "NAME", "CC", "MEMORY"], gpu_rows)) if gpu_rows else "  (none)"
+    )
     lines += ["", "Engines:"]
     eng_rows = [[e.name, e.version or "-", e.state, e.detail or "-"] for e in s.engines]
     lines.append(
