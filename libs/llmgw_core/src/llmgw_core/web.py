@@ -62,7 +62,10 @@ def bind(host: str, port: int) -> socket.socket:
         )[0]
     except socket.gaierror as exc:
         raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
-    sock = socket.socket(family, kind, proto)
+    # getaddrinfo names IPPROTO_TCP: asyncio turns Nagle's algorithm off on accepted
+    # connections only when the listening socket says TCP (with proto 0, every answer
+    # waited ~40 ms for the client's delayed ACK).
+    sock = socket.socket(family, kind, proto or socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
