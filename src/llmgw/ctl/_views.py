@@ -285,11 +285,12 @@ def describe_deployment(name: str, c: Cluster, history: list[Stamped], *, now: f
                 lines += ["", f"Last failure of {r.replica}:", _indent(r.last_failure)]
     else:
         lines.append("  (none)")
-    lines += ["", "Events:"]
-    lines.append(
-        _indent("\n".join(event_line(e) for e in history[-20:])) if history else "  (none in the stream)"
-    )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", "Events:", _recent(history)])
+
+
+def _recent(history: list[Stamped]) -> str:
+    """The last 20 events, indented, or a line saying there are none."""
+    return _indent("\n".join(event_line(e) for e in history[-20:])) if history else "  (none in the stream)"
 
 
 def _replica_gpus(r: ReplicaRecord, c: Cluster) -> str:
@@ -340,11 +341,7 @@ def describe_node(v: NodeView, c: Cluster, history: list[Stamped], *, now: float
         lines.append(_indent(table(SHARD_HEADERS, rows)))
     else:
         lines.append("  (none)")
-    lines += ["", "Events:"]
-    lines.append(
-        _indent("\n".join(event_line(e) for e in history[-20:])) if history else "  (none in the stream)"
-    )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", "Events:", _recent(history)])
 
 
 # --- events -------------------------------------------------------------------------------------
