@@ -1,4 +1,5 @@
-"""What llmgw's bus client costs over raw nats-py: KV puts and JetStream publishes per second.
+"""What llmgw's bus client costs over raw nats-py: KV puts and JetStream publishes per second,
+and what a control step's writes gain as one `Bus.commit` (atomic batches).
 
 Both sides write the same bytes to the same server in the same run, one at a
 time and 64 in flight; llmgw's side adds msgspec encoding, a message id and
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import anyio
 
-from llmgw_core.bus import Bus, BusOptions
+from llmgw_core.bus import Bus, BusOptions, Writes
 from llmgw_core.events import InstallProgress, encode
 from llmgw_core.natsd import NatsServer
 
@@ -58,6 +59,18 @@ async def _measure(url: str, n: int) -> dict[tuple[str, int], tuple[float, float
                 llmgw_pub = max(llmgw_pub, await _rate(n, concurrency, lambda i: bus.publish(subject, MSG)))
             out[("KV put", concurrency)] = (raw_put, llmgw_put)
             out[("JetStream publish", concurrency)] = (raw_pub, llmgw_pub)
+        # A control step's many writes: `Bus.commit` (atomic batches of up to 500 per stream)
+        # against the same puts through raw nats-py, 64 in flight.
+        raw_many = many = 0.0
+        for _ in range(2):
+            raw_many = max(raw_many, await _rate(n, 64, lambda i: kv.put(f"k{i % 100}", data)))
+            writes = Writes()
+            for i in range(n):
+                writes.put(bus.names.nodes_bucket, f"k{i % 100}", MSG)
+            start = time.perf_counter()
+            await bus.commit(writes)
+            many = max(many, n / (time.perf_counter() - start))
+        out[("KV put, one step's writes as `Bus.commit`", n)] = (raw_many, many)
         return out
 
 
