@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import anyio
+import nats.js.errors
 import pytest
 from nats.aio.msg import Msg
 
@@ -210,3 +211,34 @@ async def test_a_refused_batch_writes_nothing_and_says_why(bus: Bus) -> None:
     with pytest.raises(BusError):
         await bus.commit(writes)
     assert await bus.get(bus.names.catalog_bucket, "a", InstallProgress) is None
+
+
+async def test_a_bucket_created_by_another_service_meanwhile_is_used(own_nats: NatsServer) -> None:
+    """Regression: an unauthenticated node and placement ensured the streams together. One
+    created a bucket and set allow_atomic on it between the other's lookup and its create;
+    the other's create failed with "stream name already in use with a different
+    configuration", and that service exited. The lookup here answers as it did then: not
+    found, just before the first service created the bucket."""
+    options = BusOptions(url=own_nats.url, prefix="race", insecure=True)
+    first = await Bus.connect(options, service="placement")
+    late = await Bus.connect(options, service="node")
+    try:
+        await first.ensure()
+        assert await first._atomic_allowed(f"KV_{first.names.replicas_bucket}")
+        lookup = late.js.key_value
+        missed: list[str] = []
+
+        async def not_yet(bucket: str) -> object:
+            if bucket not in missed:
+                missed.append(bucket)
+                raise nats.js.errors.BucketNotFoundError
+            return await lookup(bucket)
+
+        late.js.key_value = not_yet  # type: ignore[method-assign]
+        await late.ensure()
+        assert set(missed) == set(late.names.buckets())
+        await late.put(late.names.replicas_bucket, "k", progress("x"))
+        assert await first.get(first.names.replicas_bucket, "k", InstallProgress) is not None
+    finally:
+        await first.close()
+        await late.close()

@@ -418,14 +418,19 @@ class Bus:
         try:
             kv = await self.js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
-            kv = await self.js.create_key_value(
-                api.KeyValueConfig(
-                    bucket=bucket,
-                    history=5,
-                    storage=api.StorageType.FILE,
-                    replicas=self.options.replicas,
+            try:
+                kv = await self.js.create_key_value(
+                    api.KeyValueConfig(
+                        bucket=bucket,
+                        history=5,
+                        storage=api.StorageType.FILE,
+                        replicas=self.options.replicas,
+                    )
                 )
-            )
+            except nats.js.errors.BadRequestError:
+                # Another process created it in the meantime, with settings of its own
+                # (`allow_atomic`): "already in use with a different configuration". Use it.
+                kv = await self.js.key_value(bucket)
         self._kvs[bucket] = kv
         return kv
 
