@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -23,7 +24,6 @@ from llmgw_launcher.records import Records, RecordWriter, ShardRecord
 from tests.launcher_support import (
     agent_config,
     pid_alive,
-    processes_with,
     running_launcher,
     shard,
     shard_events,
@@ -333,6 +333,8 @@ async def test_an_adopted_engine_that_dies_is_noticed_at_once_and_restarted(
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=15)
-        # The launcher leaves its engines running when it stops: these are this test's.
-        for pid in processes_with("llmgw_core.sim", under=tmp_path):
-            os.killpg(pid, signal.SIGKILL)
+        # The launcher leaves its engines running when it stops: the pids it recorded for them.
+        records, _ = Records(config.state_path).load_all()
+        for pid in {p.pid for r in records.values() for p in r.procs}:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
