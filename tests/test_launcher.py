@@ -35,6 +35,15 @@ from tests.waiting import eventually
 pytestmark = pytest.mark.anyio
 
 
+def thread_nices(pid: int) -> set[int]:
+    """The nice value of each thread of `pid` (field 19 of /proc/<pid>/task/<tid>/stat)."""
+    nices = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            nices.add(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+    return nices
+
+
 def test_diff_is_sorted_and_ignores_bookkeeping() -> None:
     p = sim_profile()
     a, b, c = (shard("n", x, p) for x in ("a", "b", "c"))
@@ -62,6 +71,8 @@ async def test_a_sim_shard_goes_ready_and_answers(
         assert ready.profile_fp == spec.profile_fp
         assert ready.pool == "default"
         assert len(ready.pids) == 1
+        # The engine, every thread of it, runs 5 nice steps (the default) below the launcher.
+        assert thread_nices(ready.pids[0]) == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)}
         stored = await bus.get(bus.names.shard_status_bucket, "node-a.s1", ShardStatus)
         assert stored is not None
         assert stored[0].state == "ready"

@@ -488,12 +488,21 @@ class Bus:
         from .events import Heartbeat, now
 
         subject = self.names.heartbeat(node, service)
+        # Beats keep to a fixed schedule: the time a beat takes to send, or a late wake,
+        # shortens the next wait instead of adding to every gap after it. A schedule
+        # missed by more than a whole interval (a suspended process) restarts from now
+        # rather than sending the missed beats in a burst.
+        due = time.monotonic()
         while True:
             try:
                 await self.publish_core(subject, Heartbeat(node=node, service=service, at=now()))
             except Exception as exc:  # liveness must never take a service down
                 log.warning("%s: heartbeat failed: %s", service, exc)
-            await anyio.sleep(interval)
+            due += interval
+            wait = due - time.monotonic()
+            if wait < -interval:
+                due, wait = time.monotonic(), 0.0
+            await anyio.sleep(max(0.0, wait))
 
     async def _kv_call(self, what: str, bucket: str, call: Callable[[KeyValue], Awaitable[Any]]) -> Any:
         """One KV operation, retried while the failure is transient (a write is idempotent:

@@ -34,15 +34,18 @@ def attempt_mark(attempt: int, at: float) -> str:
     return f"{ATTEMPT_MARK}{attempt} started {stamp} ---"
 
 
-def start(cmd: Command, log_path: Path, cwd: Path, attempt: int = 0) -> subprocess.Popen[bytes]:
+def start(
+    cmd: Command, log_path: Path, cwd: Path, attempt: int = 0, nice: int = 0
+) -> subprocess.Popen[bytes]:
     """Start `cmd` in a new session (its own process group), output appended to `log_path`
-    after a line that marks the start of `attempt` (none when 0)."""
+    after a line that marks the start of `attempt` (none when 0), `nice` steps below the
+    launcher's own CPU priority."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         if attempt:
             log.write(f"{attempt_mark(attempt, time.time())}\n".encode())
             log.flush()
-        return subprocess.Popen(
+        popen = subprocess.Popen(
             cmd.argv,
             env=cmd.env_dict(),
             stdin=subprocess.DEVNULL,
@@ -52,12 +55,29 @@ def start(cmd: Command, log_path: Path, cwd: Path, attempt: int = 0) -> subproce
             start_new_session=True,
             close_fds=True,
         )
+    if nice:
+        lower_priority(popen.pid, nice)
+    return popen
 
 
-def spawn(cmd: Command, log_path: Path, cwd: Path, attempt: int = 0) -> tuple[subprocess.Popen[bytes], int]:
+def lower_priority(pid: int, steps: int) -> None:
+    """Raise the nice value of `pid` by `steps` (lowering a priority needs no privilege).
+
+    Popen returns as soon as the exec succeeded, before the engine has started any
+    thread of its own, so every thread and child process it makes inherits the value.
+    A process already gone is left alone.
+    """
+    with contextlib.suppress(ProcessLookupError):
+        current = os.getpriority(os.PRIO_PROCESS, pid)
+        os.setpriority(os.PRIO_PROCESS, pid, min(19, current + steps))
+
+
+def spawn(
+    cmd: Command, log_path: Path, cwd: Path, attempt: int = 0, nice: int = 0
+) -> tuple[subprocess.Popen[bytes], int]:
     """`start` and the new process's start time (0 if it is already gone)."""
     cwd.mkdir(parents=True, exist_ok=True)
-    popen = start(cmd, log_path, cwd, attempt)
+    popen = start(cmd, log_path, cwd, attempt, nice)
     return popen, start_time(popen.pid) or 0
 
 

@@ -76,6 +76,8 @@ class Context:
     backoff_s: float = 1.0
     backoff_cap_s: float = 60.0
     health_interval_s: float = 1.0
+    # Engines run this many nice steps below the launcher (see AgentConfig.engine_nice).
+    engine_nice: int = 0
     environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     # Points an adapter at the build the installer installed, if any.
     refresh_engine: Callable[[str], Awaitable[None]] = field(default=lambda _name: _nothing())
@@ -342,7 +344,7 @@ class ShardRunner:
         workdir = self.ctx.state_dir / "run" / self.key
         try:
             popen, started = await anyio.to_thread.run_sync(
-                procs.spawn, cmd, log_path, workdir, self.restarts + 1
+                procs.spawn, cmd, log_path, workdir, self.restarts + 1, self.ctx.engine_nice
             )
         except OSError as exc:
             return Failure(f"cannot start {cmd.name} ({cmd.path}): {exc.strerror or exc}")

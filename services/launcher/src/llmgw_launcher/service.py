@@ -144,6 +144,7 @@ class Launcher:
             backoff_s=config.restart_backoff_s,
             backoff_cap_s=config.restart_backoff_cap_s,
             health_interval_s=config.health_interval_s,
+            engine_nice=config.engine_nice,
             refresh_engine=self._refresh_engine,
         )
 
