@@ -19,9 +19,17 @@ from pathlib import Path
 import anyio
 import msgspec
 import nats.errors
+from nats.aio.msg import Msg
 
 from llmgw_core.bus import Bus, BusOptions
-from llmgw_core.events import Deployment, Liveness, PlacementDecision, ReplicaRecord, decoder
+from llmgw_core.events import (
+    Deployment,
+    DeploymentStatus,
+    Liveness,
+    PlacementDecision,
+    ReplicaRecord,
+    decoder,
+)
 from llmgw_core.natsd import NatsServer
 from llmgw_placement.config import ServerConfig
 
@@ -118,6 +126,21 @@ async def throughput(root: Path, url: str, nodes: int, replicas: int, parts: int
             placement = procs.placement(node_timeout_s=10.0)
             procs.fleet(nodes, parts)
             await _placement_hears(bus, nodes)
+            # The end is placement's own `DeploymentStatus` saying every replica is ready
+            # (published after the records are written); the bucket is then read to check it.
+            # Reading 10,000 records in a loop instead would load the machine and round the
+            # time up to the next read.
+            all_ready = anyio.Event()
+            ended = 0.0
+
+            async def on_status(msg: Msg) -> None:
+                nonlocal ended
+                status = decoder(DeploymentStatus).decode(msg.data)
+                if status.ready == replicas and not all_ready.is_set():
+                    ended = time.monotonic()
+                    all_ready.set()
+
+            sub = await bus.nc.subscribe(bus.names.deployment_event("chat"), cb=on_status)
             cpu0 = _cpu_s(placement.pid)
             t0 = time.monotonic()
             await bus.put(
@@ -126,10 +149,13 @@ async def throughput(root: Path, url: str, nodes: int, replicas: int, parts: int
                 Deployment(name="chat", profile="tp2", replicas=replicas),
             )
             with anyio.fail_after(900):
-                while len(await _ready(bus)) < replicas:
-                    await anyio.sleep(0.5)
-            elapsed = time.monotonic() - t0
-            cpu = (_cpu_s(placement.pid) - cpu0) / elapsed
+                await all_ready.wait()
+            elapsed = ended - t0
+            cpu = (_cpu_s(placement.pid) - cpu0) / (time.monotonic() - t0)
+            await sub.unsubscribe()
+            ready = await _ready(bus)
+            if len(ready) != replicas:
+                raise RuntimeError(f"bench: placement said {replicas} ready, the bucket holds {len(ready)}")
             placed = await _placed_events(bus)
             return {
                 "elapsed_s": elapsed,

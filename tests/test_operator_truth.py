@@ -292,3 +292,33 @@ async def test_a_crashing_or_silent_engine_is_named_everywhere_and_never_ready(
         assert not any(e.state == "ready" for e in replica_events), (
             "a replica was ready without a health answer"
         )
+
+
+async def test_a_deployment_status_never_counts_what_the_bucket_does_not_hold_yet(
+    bus: Bus, nats_url: str, prefix: str
+) -> None:
+    """At the moment placement publishes a status, the replicas bucket already holds at least
+    as many ready replicas as it says (statuses go out after the step's writes are committed)."""
+    async with control_plane(nats_url, prefix) as cp:
+        await cp.start_fleet([f"n{i}" for i in range(10)], gpus=4)
+        await cp.start_placement("a")
+        [leader] = await eventually(lambda: cp.leaders() or None, timeout=20)
+        controller = await eventually(lambda: leader.service.controller, timeout=20)
+        seen: list[tuple[int, int]] = []
+        publish = controller._event
+
+        async def checked(subject: str, msg: Any) -> None:
+            if isinstance(msg, DeploymentStatus):
+                held = [r for r in (await replicas(bus)).values() if r.state == "ready"]
+                seen.append((msg.ready, len(held)))
+            await publish(subject, msg)
+
+        controller._event = checked  # type: ignore[method-assign]
+        await bus.put(
+            bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1", replicas=40)
+        )
+        await eventually(status_where(bus, "chat", lambda s: s.ready == 40), timeout=60, interval=0.3)
+        assert seen
+        assert seen[-1][0] == 40
+        early = [(said, held) for said, held in seen if held < said]
+        assert not early, f"statuses said more ready than the bucket held (said, held): {early}"

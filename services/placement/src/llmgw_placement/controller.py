@@ -176,6 +176,10 @@ class Controller:
         self._reconciled_at = clock()
         # Per deployment, the status last published (published again only when it changes).
         self.statuses: dict[str, DeploymentStatus] = {}
+        # Statuses of this step, published once its writes are committed: a status never
+        # counts a replica ready (or gone) before the bucket says so.
+        self._reports: dict[str, DeploymentStatus] = {}
+        self._gone: set[str] = set()  # deployments whose last status this step says "deleted"
 
     # --- loading -----------------------------------------------------------------
 
@@ -330,12 +334,12 @@ class Controller:
             elif record.state == "placing":
                 # Its shards were not all written (a fault mid-commit): start it again.
                 await self._remove_replica(record, "placement was interrupted; placing it again")
-        for name in sorted(set(self.statuses) - set(snap.deployments)):
-            del self.statuses[name]
+        self._reports = {}
+        self._gone = set(self.statuses) - set(snap.deployments)
+        for name in sorted(self._gone):
             self.decisions.pop(name, None)
-            await self._event(
-                self.bus.names.deployment_event(name),
-                DeploymentStatus(deployment=name, desired=0, summary=f"{name}: deleted", at=now()),
+            self._reports[name] = DeploymentStatus(
+                deployment=name, desired=0, summary=f"{name}: deleted", at=now()
             )
         try:
             for name in sorted(snap.deployments):
@@ -343,12 +347,13 @@ class Controller:
         except BaseException:
             # What was queued is not written: those replicas stay `placing` in
             # memory, and the next step removes them and places them again; the
-            # removals are remembered again and retried.
+            # removals are remembered again and retried. Nothing is reported.
             self._batch = []
             self._undo(self._removals, self._saves)
             self._removals, self._saves = [], []
             raise
         await self.flush()
+        await self._publish_reports()
         if at - self._reconciled_at >= self.config.reconcile_interval_s:
             await self.reconcile()
             self._reconciled_at = at
@@ -440,8 +445,17 @@ class Controller:
         previous = self.statuses.get(dep.name)
         if previous is not None and msgspec.structs.replace(previous, at=status.at) == status:
             return
-        self.statuses[dep.name] = status
-        await self._event(self.bus.names.deployment_event(dep.name), status)
+        self._reports[dep.name] = status
+
+    async def _publish_reports(self) -> None:
+        """Publish the step's changed statuses, after its writes were committed."""
+        reports, self._reports = self._reports, {}
+        for name, status in reports.items():
+            if name in self._gone:
+                self.statuses.pop(name, None)
+            else:
+                self.statuses[name] = status
+            await self._event(self.bus.names.deployment_event(name), status)
 
     async def _unknown_profile(self, dep: Deployment) -> None:
         """A deployment naming no profile of the catalog: refused (once), and its value copied to
