@@ -117,7 +117,9 @@ async def _placed_events(bus: Bus) -> Counter[str]:
     return Counter(f"{d.deployment}.{d.replica}" for d in decisions if d.outcome == "placed")
 
 
-async def throughput(root: Path, url: str, nodes: int, replicas: int, parts: int) -> dict[str, float]:
+async def throughput(
+    root: Path, url: str, nats_pid: int, nodes: int, replicas: int, parts: int
+) -> dict[str, float]:
     prefix = f"scale{nodes}"
     procs = Processes(root, url, prefix)
     async with await Bus.connect(BusOptions(url=url, prefix=prefix, insecure=True), service="bench") as bus:
@@ -141,7 +143,9 @@ async def throughput(root: Path, url: str, nodes: int, replicas: int, parts: int
                     all_ready.set()
 
             sub = await bus.nc.subscribe(bus.names.deployment_event("chat"), cb=on_status)
+            fleet = [p.pid for name, p in procs.procs.items() if name.startswith("fleet-")]
             cpu0 = _cpu_s(placement.pid)
+            others0 = (sum(map(_cpu_s, fleet)), _cpu_s(nats_pid), _cpu_s(os.getpid()))
             t0 = time.monotonic()
             await bus.put(
                 bus.names.deployments_bucket,
@@ -151,7 +155,14 @@ async def throughput(root: Path, url: str, nodes: int, replicas: int, parts: int
             with anyio.fail_after(900):
                 await all_ready.wait()
             elapsed = ended - t0
-            cpu = (_cpu_s(placement.pid) - cpu0) / (time.monotonic() - t0)
+            spent = time.monotonic() - t0
+            cpu = (_cpu_s(placement.pid) - cpu0) / spent
+            fleet_cpu, nats_cpu, bench_cpu = (
+                (after - before) / spent
+                for after, before in zip(
+                    (sum(map(_cpu_s, fleet)), _cpu_s(nats_pid), _cpu_s(os.getpid())), others0, strict=True
+                )
+            )
             await sub.unsubscribe()
             ready = await _ready(bus)
             if len(ready) != replicas:
@@ -161,6 +172,9 @@ async def throughput(root: Path, url: str, nodes: int, replicas: int, parts: int
                 "elapsed_s": elapsed,
                 "per_s": replicas / elapsed,
                 "placement_cores": cpu,
+                "fleet_cores": fleet_cpu,
+                "nats_cores": nats_cpu,
+                "bench_cores": bench_cpu,
                 "placements": float(sum(placed.values())),
             }
         finally:
@@ -223,7 +237,10 @@ def run(quick: bool = False) -> str:
         server.start()
         try:
             sizes = ((500, 1000, 1), (1000, 2000, 2)) if quick else ((500, 1000, 1), (5000, 10_000, 4))
-            rows = [(n, r, anyio.run(throughput, root, server.url, n, r, p)) for n, r, p in sizes]
+            assert server.proc is not None
+            rows = [
+                (n, r, anyio.run(throughput, root, server.url, server.proc.pid, n, r, p)) for n, r, p in sizes
+            ]
             fo = anyio.run(failover, root, server.url, 1000, 10, 400)
         finally:
             server.stop()
@@ -238,14 +255,30 @@ def run(quick: bool = False) -> str:
         "about 3,750/s with 5 servers).",
         "",
         "| nodes | replicas | fleet processes | to all ready (s) | replicas/s | placement cores "
-        "| placements |",
-        "|---|---|---|---|---|---|---|",
+        "| fleet cores | nats-server cores | placements |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for (n, r, p), (_, _, f) in zip(sizes, rows, strict=True):
         lines.append(
             f"| {n} | {r} | {p} | {f['elapsed_s']:.1f} | {f['per_s']:.0f} | {f['placement_cores']:.2f} | "
-            f"{f['placements']:.0f} |"
+            f"{f['fleet_cores']:.2f} | {f['nats_cores']:.2f} | {f['placements']:.0f} |"
         )
+    big = rows[-1][2]
+    shares = {
+        "placement": big["placement_cores"],
+        "the simulated fleet (every node's launcher and installer, answering each shard)": big["fleet_cores"],
+        "nats-server": big["nats_cores"],
+        "this benchmark": big["bench_cores"],
+    }
+    busiest = max(shares, key=lambda k: shares[k])
+    lines += [
+        "",
+        f"At {rows[-1][0]:,} nodes: {big['per_s']:,.0f} replicas/s, {big['per_s'] / 3750:.2f}x Nomad's "
+        f"3,750/s and {big['per_s'] / 680:.2f}x Kubernetes' 680/s. Over the run the machine's "
+        f"{os.cpu_count()} cores went to "
+        + ", ".join(f"{k} {v:.2f}" for k, v in shares.items())
+        + f" (in cores); {sum(shares.values()):.2f} of {os.cpu_count()} in all, the most to {busiest}.",
+    ]
     lines += [
         "",
         "## Mass failover",
