@@ -8,18 +8,20 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
-from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import web
-from ..metrics import exposition
 from ..web import json_response
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 WORDS = [
     "the",
@@ -93,13 +95,11 @@ class SimEngine:
     def __init__(self, opts: SimOptions) -> None:
         self.opts = opts
         self.started = time.monotonic()
-        # The engine's own registry: tests run several engines in one process.
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("llmgw_sim_requests", "Completion requests served.", registry=self.registry)
-        self.tokens = Counter("llmgw_sim_generation_tokens", "Tokens generated.", registry=self.registry)
-        Gauge("llmgw_sim_loading", "1 while the model is loading.", registry=self.registry).set_function(
-            lambda: float(self.loading())
-        )
+        self.requests = 0
+        self.tokens = 0
+        # Built at the first scrape: prometheus_client is imported then, not before the engine
+        # answers /health (its import is a third of the engine's start).
+        self._registry: Any = None
 
     def _age(self) -> float:
         return time.monotonic() - self.started
@@ -129,7 +129,29 @@ class SimEngine:
         return json_response({"status": "ok"})
 
     async def metrics(self, request: Request) -> Response:
-        return exposition(self.registry, request)
+        from ..metrics import exposition
+
+        if self._registry is None:
+            self._registry = self._new_registry()
+        return exposition(self._registry, request)
+
+    def _new_registry(self) -> Any:
+        """The engine's own registry (tests run several engines in one process)."""
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+        engine = self
+
+        class Collector:
+            def collect(self) -> Iterator[Metric]:
+                requests, tokens, loading = engine.requests, engine.tokens, engine.loading()
+                yield CounterMetricFamily("llmgw_sim_requests", "Completion requests served.", requests)
+                yield CounterMetricFamily("llmgw_sim_generation_tokens", "Tokens generated.", tokens)
+                yield GaugeMetricFamily("llmgw_sim_loading", "1 while the model is loading.", loading)
+
+        registry = CollectorRegistry()
+        registry.register(Collector())
+        return registry
 
     async def models(self, _: Request) -> Response:
         return json_response(
@@ -165,8 +187,8 @@ class SimEngine:
         raw_max = body.get("max_tokens", 16)
         n = raw_max if isinstance(raw_max, int) and raw_max > 0 else 16
         words = _tokens(prompt, min(n, 4096))
-        self.requests.inc()
-        self.tokens.inc(len(words))
+        self.requests += 1
+        self.tokens += len(words)
         created = int(time.time())
         rid = "cmpl-" + hashlib.sha256(prompt.encode()).hexdigest()[:12]
         kind = "chat.completion" if chat else "text_completion"
