@@ -17,8 +17,17 @@ import pytest
 from llmgw import ctl
 from llmgw_core.bus import Bus
 from llmgw_core.engines import Profile, ShardSpec
-from llmgw_core.events import Deployment, PlacementDecision, ReplicaRecord, ReplicaStatus, decoder
-from tests.control_support import TP1, control_plane, dlq, ready_replicas, replicas
+from llmgw_core.events import (
+    Deployment,
+    NodeFacts,
+    NodeStatus,
+    PlacementDecision,
+    ReplicaRecord,
+    ReplicaStatus,
+    decoder,
+)
+from llmgw_placement.controller import ClusterState, Controller
+from tests.control_support import TP1, control_plane, dlq, ready_replicas, replicas, server_config
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
@@ -317,3 +326,22 @@ async def test_a_late_write_of_an_ex_leader_is_removed(bus: Bus, nats_url: str, 
         await eventually(removed, timeout=20, interval=0.5)
         assert await ready_replicas(bus, "chat") == ["chat.r0"], "the leader's own replica stays"
         assert cp.crashes() == []
+
+
+async def test_the_nodes_alive_in_one_pass_are_the_nodes_alive_one_by_one(bus: Bus, prefix: str) -> None:
+    """`alive_nodes` (a step's one pass over every node) says what `alive` says of each node:
+    before, during and long after the grace this placement gives after it could not hear."""
+    config = server_config(bus.options.url, prefix, node_timeout_s=5.0)
+    state = ClusterState.empty()
+    controller = Controller(config, bus, state)
+    rng = random.Random(7)
+    for i in range(2000):
+        name = f"n{i:04d}"
+        state.nodes[name] = NodeStatus(node=name, facts=NodeFacts(node=name))
+        if rng.random() < 0.9:  # some were never heard
+            state.last_seen[name] = 100.0 + rng.uniform(-10, 10)
+    for heard_from in (None, 0.0, 99.0, 104.0):
+        state.heard_from = heard_from
+        for at in (95.0, 100.0, 104.9, 105.0, 108.0, 120.0):
+            one_by_one = {n for n in state.nodes if controller.alive(n, at)[0]}
+            assert controller.alive_nodes(at) == one_by_one, (heard_from, at)

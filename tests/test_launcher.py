@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -275,12 +276,22 @@ class SidecarEngine:
         from llmgw_core.engines import Command, Sim
 
         [main] = Sim().commands(shard, environ)  # type: ignore[arg-type]
-        sidecar = Command(
-            name="sidecar",
-            path=sys.executable,
-            args=("-c", "import time, sys; time.sleep(1.5); print('sidecar giving up'); sys.exit(3)"),
-            env=main.env,
+        port = main.args[main.args.index("--port") + 1]
+        # It gives up a second after the engine first answers (however slow a loaded machine
+        # makes the engine's start), so the shard is ready first.
+        script = (
+            "import sys, time, urllib.request\n"
+            "while True:\n"
+            "    try:\n"
+            f"        urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=1)\n"
+            "        break\n"
+            "    except OSError:\n"
+            "        time.sleep(0.1)\n"
+            "time.sleep(1.0)\n"
+            "print('sidecar giving up')\n"
+            "sys.exit(3)\n"
         )
+        sidecar = Command(name="sidecar", path=sys.executable, args=("-c", script), env=main.env)
         return [sidecar, main]
 
 
@@ -381,3 +392,23 @@ async def test_the_launcher_serves_prometheus_metrics(
         text = await scrape()
         assert value(text, "llmgw_launcher_restarts_total") == 1
         assert value(text, "llmgw_launcher_shards", state="ready") == 0
+
+
+async def test_ports_go_round_the_range_and_skip_ports_in_use(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """Each port handed out is free and not handed out already: one that another process
+    listens on is skipped, and a port just released is not handed out again while the range
+    has others."""
+    low = free_port()
+    config = agent_config(nats_url, prefix, tmp_path / "agent", port_range=[low, low + 6])
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", low + 3))
+        blocker.listen()
+        async with running_launcher(config) as launcher:
+            got = [launcher._allocate_port() for _ in range(4)]
+            assert len(set(got)) == 4
+            assert all(low <= p <= low + 6 for p in got)
+            assert low + 3 not in got
+            launcher._ports_in_use.discard(got[0])
+            assert launcher._allocate_port() != got[0]

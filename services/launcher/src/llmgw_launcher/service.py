@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import socket
 import time
 from collections import Counter
@@ -119,6 +120,7 @@ class Launcher:
         self.handles: dict[str, Handle] = {}
         self.desired: dict[str, ShardSpec] = {}
         self._ports_in_use: set[int] = set()
+        self._port_cursor: int | None = None  # where the next search for a free port starts
         self._tg: anyio.abc.TaskGroup | None = None
         self.metrics_port = 0
         # Restarts of shards that are no longer on this node: with those still here, a counter.
@@ -169,8 +171,17 @@ class Launcher:
     # --- ports ---------------------------------------------------------------------
 
     def _allocate_port(self) -> int:
+        """A port of the range that nothing listens on now. The search goes round the range
+        from where the last one ended (first from a random place): a port just released is
+        not handed out again at once, and launchers sharing one host (a test cluster, a
+        simulated fleet) seldom race another process for the same port between this check
+        and the engine's own bind."""
         low, high = self.config.port_range
-        for port in range(low, high + 1):
+        size = high - low + 1
+        if self._port_cursor is None:
+            self._port_cursor = random.randrange(size)
+        for i in range(size):
+            port = low + (self._port_cursor + i) % size
             if port in self._ports_in_use:
                 continue
             with socket.socket() as s:
@@ -179,6 +190,7 @@ class Launcher:
                 except OSError:
                     continue
             self._ports_in_use.add(port)
+            self._port_cursor = (port - low + 1) % size
             return port
         raise RuntimeError(f"no free port in {low}-{high} on {self.node}")
 

@@ -238,6 +238,17 @@ class Controller:
         judged = min(silent, at - heard_from)
         return judged < self.config.node_timeout_s, silent
 
+    def alive_nodes(self, at: float) -> frozenset[str]:
+        """The nodes `alive` says are alive at `at`, in one pass over the nodes."""
+        nodes = self.state.nodes
+        timeout = self.config.node_timeout_s
+        heard_from = self.state.heard_from
+        if heard_from is None or at - heard_from < timeout:
+            return frozenset(nodes)
+        seen = self.state.last_seen
+        never = float("-inf")
+        return frozenset(n for n in nodes if at - seen.get(n, never) < timeout)
+
     def launcher_stale(self, node: str, at: float) -> bool:
         """Whether the node's launcher has missed a few heartbeats: what it reported may be stale."""
         if self.state.heard_from is None:
@@ -294,7 +305,7 @@ class Controller:
         own placements and removals update the nodes they touch, so a step costs O(changes),
         not O(nodes). (Computing who is alive is the one pass over every node.)"""
         self._step_at = at
-        alive = frozenset(n for n in self.state.nodes if self.alive(n, at)[0])
+        alive = self.alive_nodes(at)
         dirty = self.state.dirty_nodes
         self.state.dirty_nodes = set()
         if self._index_alive is None:
@@ -324,7 +335,9 @@ class Controller:
             catalog=dict(self.state.catalog),
             shard_status=dict(self.state.shard_status),
         )
-        alive = {v.node for v in self.index(at).all() if v.alive}
+        self.index(at)
+        alive = self._index_alive
+        assert alive is not None
         for key in sorted(self.replicas):
             record = self.replicas.get(key)
             if record is None:
@@ -358,7 +371,7 @@ class Controller:
             await self.reconcile()
             self._reconciled_at = at
 
-    async def _converge(self, dep: Deployment, alive: set[str], snap: Snapshot, at: float) -> None:
+    async def _converge(self, dep: Deployment, alive: frozenset[str], snap: Snapshot, at: float) -> None:
         profile = snap.catalog.get(dep.profile)
         mine = sorted((r for r in self.replicas.values() if r.deployment == dep.name), key=_replica_order)
         # Failover: a replica with any rank on a lost node is placed again, whole.
