@@ -345,3 +345,21 @@ async def test_the_nodes_alive_in_one_pass_are_the_nodes_alive_one_by_one(bus: B
         for at in (95.0, 100.0, 104.9, 105.0, 108.0, 120.0):
             one_by_one = {n for n in state.nodes if controller.alive(n, at)[0]}
             assert controller.alive_nodes(at) == one_by_one, (heard_from, at)
+
+
+async def test_an_idle_cluster_reconciles_empty_buckets_without_a_failed_step(
+    bus: Bus, nats_url: str, prefix: str
+) -> None:
+    """Regression: with no deployment yet, every reconcile (the shards and replicas buckets
+    empty) failed its control step with `nats: no keys found`, and the steps' backoff then
+    delayed the first deployment by up to a minute."""
+    async with control_plane(nats_url, prefix) as cp:
+        await cp.start_fleet(["n0"], gpus=1)
+        p = await cp.start_placement("a", reconcile_interval_s=0.2)
+        await eventually(lambda: len(cp.leaders()) == 1, timeout=20)
+        assert await bus.keys(bus.names.replicas_bucket) == set()
+        await anyio.sleep(2.0)  # about ten reconciles of empty buckets
+        assert p.service.step_failures == 0
+        await bus.put(bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1"))
+        await eventually(lambda: ready_replicas(bus, "chat"), timeout=10, interval=0.2)
+        assert cp.crashes() == []

@@ -515,7 +515,13 @@ class Bus:
                 if attempt == attempts:
                     raise
             except (nats.errors.Error, OSError) as exc:
-                if isinstance(exc, nats.js.errors.NotFoundError | nats.js.errors.KeyWrongLastSequenceError):
+                # Answers, not faults: the caller says what each one means.
+                if isinstance(
+                    exc,
+                    nats.js.errors.NotFoundError
+                    | nats.js.errors.KeyWrongLastSequenceError
+                    | nats.js.errors.NoKeysError,
+                ):
                     raise
                 if attempt == attempts or not transient(exc):
                     raise BusError(f"{what} failed: {exc or type(exc).__name__}") from exc
