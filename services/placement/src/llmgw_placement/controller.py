@@ -125,6 +125,7 @@ class ReplicaIds(msgspec.Struct, frozen=True, kw_only=True):
 
 # Replica numbers are reserved this many at a time: one write per block, not per replica.
 ID_BLOCK = 64
+ID_BLOCK_MAX = 4096
 # Placements written together after one proof of the lease, and how many are in flight at once.
 BATCH_MAX = 512
 
@@ -412,8 +413,8 @@ class Controller:
             return
         missing = dep.replicas - len(current)
         refused = False
-        for _ in range(missing):
-            if not await self._place(dep, profile, fp):
+        for placed in range(missing):
+            if not await self._place(dep, profile, fp, missing - placed):
                 refused = True
                 break
         for record in sorted(current, key=_replica_order, reverse=True)[: max(0, -missing)]:
@@ -564,38 +565,43 @@ class Controller:
 
     # --- writes -------------------------------------------------------------------
 
-    async def _next_replica_id(self, dep: str) -> str:
+    async def _next_replica_id(self, dep: str, wanted: int = 1) -> str:
         """A replica id never used before in this deployment, across failovers, restarts and
-        leaders: numbers are reserved in the leases bucket by compare-and-set, a block at a time."""
+        leaders: numbers are reserved in the leases bucket by compare-and-set, a block at a
+        time, the block as big as the `wanted` replicas still to place (up to ID_BLOCK_MAX):
+        10,000 new replicas cost a few reservations, not one per 64."""
         number, end = self._ids.get(dep, (0, 0))
         if number >= end:
-            number, end = await self._reserve_ids(dep)
+            number, end = await self._reserve_ids(dep, min(max(ID_BLOCK, wanted), ID_BLOCK_MAX))
         self._ids[dep] = (number, end)
         return f"r{number}"
 
-    async def _reserve_ids(self, dep: str) -> tuple[int, int]:
+    async def _reserve_ids(self, dep: str, size: int) -> tuple[int, int]:
         bucket, key = self.bus.names.leases_bucket, f"replica-ids.{dep}"
-        used = max(
-            (
-                int(m.group(1)) + 1
-                for r in self.replicas.values()
-                if r.deployment == dep
-                if (m := _REPLICA_NUMBER.match(r.replica))
-            ),
-            default=0,
-        )
+        if dep in self._ids:
+            used = self._ids[dep][0]  # every replica held was numbered below it
+        else:  # the first block of this leader: the replicas it loaded
+            used = max(
+                (
+                    int(m.group(1)) + 1
+                    for r in self.replicas.values()
+                    if r.deployment == dep
+                    if (m := _REPLICA_NUMBER.match(r.replica))
+                ),
+                default=0,
+            )
         while True:
             current = await self.bus.get(bucket, key, ReplicaIds)
             start = max(used, current[0].next if current else 0, self._ids.get(dep, (0, 0))[0])
-            block = ReplicaIds(deployment=dep, next=start + ID_BLOCK)
+            block = ReplicaIds(deployment=dep, next=start + size)
             if current is None:
                 written = await self.bus.create(bucket, key, block)
             else:
                 written = await self.bus.update(bucket, key, block, last=current[1])
             if written is not None:
-                return start, start + ID_BLOCK
+                return start, start + size
 
-    async def _place(self, dep: Deployment, profile: Profile, fp: str) -> bool:
+    async def _place(self, dep: Deployment, profile: Profile, fp: str, wanted: int = 1) -> bool:
         # Nothing a refusal depends on moved since the last one: it still holds, and
         # deciding again would cost a pass over every node for the same answer.
         refused = self._refused.get(dep.name)
@@ -609,7 +615,7 @@ class Controller:
         if self.metrics is not None:
             self.metrics.decision_seconds.observe(time.perf_counter() - started)
         # The id the replica gets if it is placed; a refusal names it too, without using it up.
-        replica = await self._next_replica_id(dep.name)
+        replica = await self._next_replica_id(dep.name, wanted)
         if isinstance(decision, Refusal):
             self._refused[dep.name] = (self._index_id, self._index.generation, fp, dep.pool, dep.strategy)
             await self._refuse(dep, replica, decision)
