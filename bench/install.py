@@ -129,13 +129,15 @@ class _GzipWriter:
         self.out.write(struct.pack("<II", self.crc, self.size & 0xFFFFFFFF))
 
 
-def _elf_head(work: Path) -> bytes:
-    """A real, tiny shared object (`ldd` reads it as one); the libraries are this plus padding."""
-    src = work / "head.c"
-    src.write_text('#include <stdio.h>\nint llmgw_bench_answer(void) { return puts("42"); }\n')
-    so = work / "head.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
-    return so.read_bytes()
+def _elf_head() -> bytes:
+    """A real, tiny shared object that needs libc (`ldd` reads it as one); the libraries are
+    this plus padding."""
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "head.c"
+        src.write_text('#include <stdio.h>\nint llmgw_bench_answer(void) { return puts("42"); }\n')
+        so = Path(d) / "head.so"
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+        return so.read_bytes()
 
 
 def make_release(work: Path, packed_bytes: int, seed: int = 11) -> Path:
@@ -143,7 +145,7 @@ def make_release(work: Path, packed_bytes: int, seed: int = 11) -> Path:
     rng = random.Random(seed)
     pool = _pool(rng, 16)
     per_unit = sum(len(_deflate(p)) for p in pool) / len(pool)
-    head = _elf_head(work)
+    head = _elf_head()
     libs = {  # real file name -> MiB of padding; the big backend takes what is left
         "libggml-base.so.0.9.4": 2,
         "libggml.so.0.9.4": 1,
