@@ -358,7 +358,7 @@ def test_a_broken_deflate_stream_is_refused_naming_the_member_nothing_written(
         "broken.tar.gz: cannot read member 'llama/libggml.so': Error -3 while decompressing data: "
         "invalid block type; the archive is corrupt or truncated, refused"
     )
-    assert everything_under(dest) == set(), "the whole stream is read before anything is written"
+    assert everything_under(dest) == set(), "what the first member wrote is removed"
 
 
 def test_a_truncated_stream_is_refused_naming_the_member(dirs: tuple[Path, Path]) -> None:
@@ -389,6 +389,28 @@ def test_a_damaged_checksum_at_the_end_of_the_stream_is_caught(dirs: tuple[Path,
         extract(path, dest)
     assert str(err.value).startswith("crc.tar.gz: cannot read member 'llama/libggml.so': CRC check failed ")
     assert everything_under(dest) == set()
+
+
+def test_a_refused_tar_removes_what_it_wrote_and_keeps_what_was_there(dirs: tuple[Path, Path]) -> None:
+    """A tar is unpacked in one pass, so members before a refused one are written first; the
+    runtime archive unpacks beside the main build, which must survive its refusal."""
+    root, dest = dirs
+    (dest / "build" / "bin").mkdir(parents=True)
+    (dest / "build" / "bin" / "llama-server").write_bytes(b"main")
+    path = tar_with(
+        root / "cudart.tar.gz",
+        (info("libcudart.so.12", size=3), b"elf"),
+        (info("build/bin/libcublas.so.12", size=3), b"elf"),
+        (info("lib", kind=tarfile.DIRTYPE, mode=0o755), None),
+        (info("lib/libcublasLt.so.12", size=3), b"elf"),
+        (info("lib/libcublasLt.so", kind=tarfile.SYMTYPE, link="libcublasLt.so.12"), None),
+        (info("../escape", size=3), b"bad"),
+    )
+    with pytest.raises(ArchiveError) as err:
+        extract(path, dest)
+    assert str(err.value) == "cudart.tar.gz: member '../escape' climbs out with '..'; refused"
+    assert everything_under(dest) == {"build", "build/bin", "build/bin/llama-server"}
+    assert (dest / "build" / "bin" / "llama-server").read_bytes() == b"main"
 
 
 def test_a_zip_member_with_a_bad_crc_is_refused_naming_it(dirs: tuple[Path, Path]) -> None:

@@ -13,7 +13,7 @@ drive letters).
 The archive's own internal symlinks are kept: llama.cpp ships `.so` chains
 (`libllama.so -> libllama.so.0 -> libllama.so.0.6.0`).
 
-Sizes are judged before anything is written: a member whose declared size
+Sizes are judged before a member is written: a member whose declared size
 is over `max_ratio` times the archive's own (compressed) size, or that takes
 the total over `max_total_bytes`, is refused naming the member; a 300 MB
 member of zeros packs into 300 kB and must not fill the disk to be noticed.
@@ -22,8 +22,11 @@ counted while it is written and cut off at the declared size.
 
 A corrupt or truncated archive (its published sha256 may well match: the
 release itself is broken) is refused naming the member being read and what
-the decompressor said. A tar stream is read to its end, checksum included,
-before a byte is written, so a broken deflate stream never leaves half a tree.
+the decompressor said. A tar stream is decompressed once: each member is
+checked when its header is read and written before the next is read; after
+the last, the stream is read to its end, the compressor's checksum included.
+Whatever a refused archive had written by then is removed, so a hostile or
+broken archive never leaves half a tree.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import gzip
 import lzma
 import os
 import posixpath
+import shutil
 import stat
 import tarfile
 import zipfile
@@ -59,6 +63,9 @@ _TAR_MODES: dict[str, Literal["r:gz", "r:xz", "r:"]] = {
     ".tar.xz": "r:xz",
     ".tar": "r:",
 }
+
+# tarfile copies a member's data in pieces of 16 kB unless told otherwise.
+_COPY_BYTES = 1 << 20
 
 _ZIP_METHODS = {
     zipfile.ZIP_STORED: "stored",
@@ -138,28 +145,41 @@ def _count_size(archive: str, name: str, size: int, total: int, compressed: int,
     return total
 
 
-class _Reading:
-    """The member whose header or data is being read, for naming it when the stream breaks."""
+class _Unpacking:
+    """One pass over a tar stream: the member being read, to name it when the stream breaks; and
+    what the pass has added under `dest`, to remove it when the archive is refused."""
 
-    def __init__(self) -> None:
+    def __init__(self, dest: Path) -> None:
+        self.dest = dest
         self.member: str | None = None
+        self.added: list[Path] = []
 
-    def track(self, members: list[tarfile.TarInfo]) -> Iterator[tarfile.TarInfo]:
-        for m in members:
-            self.member = m.name
-            yield m
+    def adding(self, name: PurePosixPath) -> None:
+        """Writing `name` creates the first part of its path that does not exist yet: note it."""
+        path = self.dest
+        for part in name.parts:
+            path = path / part
+            if not os.path.lexists(path):
+                self.added.append(path)
+                return
+
+    def remove_added(self) -> None:
+        for path in reversed(self.added):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
 
-def check_tar(
-    tf: tarfile.TarFile, archive: str, limits: Limits, compressed: int = 0, reading: _Reading | None = None
-) -> list[tarfile.TarInfo]:
-    """Every member, checked; then the rest of the stream, so that a damaged one fails here."""
-    reading = reading or _Reading()
-    members = []
+def checked_tar(
+    tf: tarfile.TarFile, archive: str, limits: Limits, compressed: int, unpacking: _Unpacking
+) -> Iterator[tarfile.TarInfo]:
+    """Every member, checked (and setuid/setgid stripped) before it is handed on to be written;
+    after the last, the rest of the stream, so that a damaged one fails the unpacking."""
     total = 0
     links: dict[str, str] = {}
     for count, m in enumerate(tf, start=1):
-        reading.member = m.name
+        unpacking.member = m.name
         if count > limits.max_entries:
             raise ArchiveError(f"{archive}: more than {limits.max_entries} entries; refused")
         name = _check_name(m.name, archive)
@@ -185,7 +205,9 @@ def check_tar(
                     f"{archive}: member {m.name!r} is written through symlink {str(parent)!r}; refused"
                 )
         total = _count_size(archive, m.name, m.size, total, compressed, limits)
-        members.append(m)
+        m.mode &= ~(stat.S_ISUID | stat.S_ISGID)
+        unpacking.adding(name)
+        yield m
     # tarfile stops at the end-of-archive blocks; the compressor's own checksum
     # (gzip's CRC, xz's) sits after them and is only checked when read.
     fileobj = tf.fileobj
@@ -197,12 +219,11 @@ def check_tar(
                 raise ArchiveError(
                     f"{archive}: more than {limits.max_total_bytes} bytes after the last member; refused"
                 )
-    return members
 
 
 def extract_tar(path: Path, dest: Path, limits: Limits = Limits()) -> None:
     archive = path.name
-    reading = _Reading()
+    unpacking = _Unpacking(dest)
     mode = _TAR_MODES[next(e for e in _TAR_MODES if archive.endswith(e))]
     try:
         compressed = path.stat().st_size
@@ -212,23 +233,26 @@ def extract_tar(path: Path, dest: Path, limits: Limits = Limits()) -> None:
     except (*_READ_ERRORS, OSError) as exc:
         raise ArchiveError(f"{archive}: not a readable tar archive: {_reason(exc)}; refused") from exc
     with tf:
+        tf.copybufsize = _COPY_BYTES  # type: ignore[attr-defined]  # (a TarFile argument typeshed lacks)
         try:
-            members = check_tar(tf, archive, limits, compressed, reading)
-        except (*_READ_ERRORS, OSError) as exc:
-            raise _unreadable(archive, reading.member, exc) from exc
-        for m in members:
-            m.mode &= ~(stat.S_ISUID | stat.S_ISGID)
-        reading.member = None
-        try:
-            tf.extractall(dest, members=reading.track(members), filter="data")
-        except tarfile.FilterError as exc:
-            raise ArchiveError(f"{archive}: {exc}; refused") from exc
-        except _READ_ERRORS as exc:
-            raise _unreadable(archive, reading.member, exc) from exc
-        except OSError as exc:  # the node's own disk: full, read-only, quota
-            raise ArchiveError(
-                f"{archive}: cannot write member {reading.member!r}: {exc.strerror or exc}"
-            ) from exc
+            try:
+                # Members are read in order and each written as it comes: the stream is
+                # decompressed once. (Checking them all first and then extracting the list
+                # seeks back to the start: decompressing twice was most of an install's time.)
+                members = checked_tar(tf, archive, limits, compressed, unpacking)
+                tf.extractall(dest, members=members, filter="data")
+            except tarfile.FilterError as exc:
+                raise ArchiveError(f"{archive}: {exc}; refused") from exc
+            except _READ_ERRORS as exc:
+                raise _unreadable(archive, unpacking.member, exc) from exc
+            except OSError as exc:  # the node's own disk: full, read-only, quota
+                raise ArchiveError(
+                    f"{archive}: cannot write member {unpacking.member!r}: {exc.strerror or exc}"
+                ) from exc
+        except BaseException:
+            # A refused archive leaves nothing behind, however far the pass got.
+            unpacking.remove_added()
+            raise
 
 
 def _zip_mode(info: zipfile.ZipInfo) -> int:
