@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import auth, bus, durability, fleet, heartbeats, launcher, placement, scale
+from bench import auth, bus, durability, fleet, heartbeats, install, launcher, placement, scale
 
 ROOT = Path(__file__).parent.parent
 
@@ -42,6 +42,7 @@ def main() -> int:
         durability.run(quick=args.quick),
         auth.run(quick=args.quick),
         bus.run(quick=args.quick),
+        install.run(quick=args.quick),
         placement.run(quick=args.quick),
         fleet.run(quick=args.quick),
         heartbeats.run(quick=args.quick),
