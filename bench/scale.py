@@ -15,12 +15,14 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
+from bench.launcher import read_profile, start_profile, stop_profile
 from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.events import (
     Deployment,
@@ -118,8 +120,8 @@ async def _placed_events(bus: Bus) -> Counter[str]:
 
 
 async def throughput(
-    root: Path, url: str, nats_pid: int, nodes: int, replicas: int, parts: int
-) -> dict[str, float]:
+    root: Path, url: str, nats_pid: int, nodes: int, replicas: int, parts: int, profile: bool = False
+) -> dict[str, Any]:
     prefix = f"scale{nodes}"
     procs = Processes(root, url, prefix)
     async with await Bus.connect(BusOptions(url=url, prefix=prefix, insecure=True), service="bench") as bus:
@@ -146,6 +148,9 @@ async def throughput(
             fleet = [p.pid for name, p in procs.procs.items() if name.startswith("fleet-")]
             cpu0 = _cpu_s(placement.pid)
             others0 = (sum(map(_cpu_s, fleet)), _cpu_s(nats_pid), _cpu_s(os.getpid()))
+            spy_out = root / f"placement-{nodes}.pyspy"
+            spy = start_profile(placement.pid, spy_out) if profile else None
+            await anyio.sleep(1.0 if spy else 0)  # py-spy attaches
             t0 = time.monotonic()
             await bus.put(
                 bus.names.deployments_bucket,
@@ -154,6 +159,7 @@ async def throughput(
             )
             with anyio.fail_after(900):
                 await all_ready.wait()
+            stop_profile(spy)
             elapsed = ended - t0
             spent = time.monotonic() - t0
             cpu = (_cpu_s(placement.pid) - cpu0) / spent
@@ -176,6 +182,7 @@ async def throughput(
                 "nats_cores": nats_cpu,
                 "bench_cores": bench_cpu,
                 "placements": float(sum(placed.values())),
+                "profile": read_profile(spy_out, placement.pid, elapsed) if spy else None,
             }
         finally:
             procs.stop()
@@ -239,7 +246,8 @@ def run(quick: bool = False) -> str:
             sizes = ((500, 1000, 1), (1000, 2000, 2)) if quick else ((500, 1000, 1), (5000, 10_000, 4))
             assert server.proc is not None
             rows = [
-                (n, r, anyio.run(throughput, root, server.url, server.proc.pid, n, r, p)) for n, r, p in sizes
+                (n, r, anyio.run(throughput, root, server.url, server.proc.pid, n, r, p, i == len(sizes) - 1))
+                for i, (n, r, p) in enumerate(sizes)
             ]
             fo = anyio.run(failover, root, server.url, 1000, 10, 400)
         finally:
@@ -279,6 +287,28 @@ def run(quick: bool = False) -> str:
         + ", ".join(f"{k} {v:.2f}" for k, v in shares.items())
         + f" (in cores); {sum(shares.values()):.2f} of {os.cpu_count()} in all, the most to {busiest}.",
     ]
+    prof = big["profile"]
+    if prof is not None and prof.samples:
+        shown = [
+            (fn, c)
+            for fn, c in prof.inclusive
+            if "llmgw" in fn and "__main__.py" not in fn and not fn.startswith(("<module>", "Attempts.run"))
+        ][:14]
+        lines += [
+            "",
+            f"Profile of placement over that run (py-spy, 100 Hz, `--nonblocking`, its event loop): busy in "
+            f"{prof.samples} of {prof.expected} samples ({100 * prof.samples / max(1, prof.expected):.0f}%). "
+            "llmgw's functions by samples they were on the stack for, then the functions the samples "
+            "were in:",
+            "",
+            "```",
+            *(f"{100 * c / prof.samples:5.1f}%  {fn}" for fn, c in shown),
+            "--- own",
+            *(f"{100 * c / prof.samples:5.1f}%  {fn}" for fn, c in prof.own),
+            "```",
+        ]
+    elif prof is None:
+        lines += ["", "(No profile: py-spy is not installed; it is in the dev group.)"]
     lines += [
         "",
         "## Mass failover",
