@@ -25,6 +25,7 @@ from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
+import anyio.lowlevel
 import msgspec
 from opentelemetry import trace
 
@@ -126,6 +127,8 @@ class ReplicaIds(msgspec.Struct, frozen=True, kw_only=True):
 # Replica numbers are reserved this many at a time: one write per block, not per replica.
 ID_BLOCK = 64
 ID_BLOCK_MAX = 4096
+# Placements decided between two turns of the event loop.
+YIELD_EVERY = 64
 # Placements written together after one proof of the lease, and how many are in flight at once.
 BATCH_MAX = 512
 
@@ -414,6 +417,10 @@ class Controller:
         missing = dep.replicas - len(current)
         refused = False
         for placed in range(missing):
+            if placed % YIELD_EVERY == YIELD_EVERY - 1:
+                # Let heartbeats and statuses in between decisions: a step that places
+                # thousands must not hold the loop until its next write.
+                await anyio.lowlevel.checkpoint()
             if not await self._place(dep, profile, fp, missing - placed):
                 refused = True
                 break
