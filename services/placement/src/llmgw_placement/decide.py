@@ -397,8 +397,10 @@ def _decide(
     by_fabric: dict[str, list[NodeView]] = defaultdict(list)
     for node in fit:
         by_fabric[node.fabric].append(node)
-    options: list[tuple[tuple[object, ...], str, list[NodeView]]] = []
-    for fabric, members in sorted(by_fabric.items()):
+    # The fabric first (its key names it, so no two tie), then its members: ranking the
+    # members of every fabric would cost a sort per fabric for one winner.
+    best: tuple[tuple[int, str], list[NodeView]] | None = None
+    for fabric, members in by_fabric.items():
         if len(members) < profile.nodes:
             for node in members:
                 reasons[node.node] = (
@@ -406,17 +408,16 @@ def _decide(
                     f"profile needs {profile.nodes}"
                 )
             continue
-        chosen = heapq.nsmallest(
-            profile.nodes, members, key=lambda n: _cached_score(n, profile, deployment, cache_key)
-        )
         free_after = sum(len(n.free_gpus(profile.gpu_class)) for n in members) - need * profile.nodes
-        key: tuple[object, ...] = (
-            (free_after, fabric) if deployment.strategy == "binpack" else (-free_after, fabric)
-        )
-        options.append((key, fabric, chosen))
-    if not options:
+        key = (free_after, fabric) if deployment.strategy == "binpack" else (-free_after, fabric)
+        if best is None or key < best[0]:
+            best = (key, members)
+    if best is None:
         return Refusal(tuple(sorted(reasons.items())))
-    _, fabric, chosen = min(options, key=lambda o: o[0])
+    (_, fabric), members = best
+    chosen = heapq.nsmallest(
+        profile.nodes, members, key=lambda n: _cached_score(n, profile, deployment, cache_key)
+    )
     port = _port(chosen, port_range)
     hcas_of_fabric = (fabric_hcas or {}).get(fabric, ())
     members_out = []
