@@ -53,6 +53,7 @@ class NodeView:
     # unfit() per (profile fingerprint, deployment name, pool): the many replicas of one
     # deployment placed in a step meet the same unchanged views again and again.
     _unfit: dict[tuple[str, str, str], str | None] = field(default_factory=dict, compare=False, repr=False)
+    # _score() per (profile fingerprint, deployment name, strategy).
     _scores: dict[tuple[str, str, str], tuple[object, ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -302,9 +303,10 @@ def _score(node: NodeView, profile: Profile, deployment: Deployment) -> tuple[ob
     return (not has_weights, free_after, -node.shards, node.node)
 
 
-def _cached_score(
-    node: NodeView, profile: Profile, deployment: Deployment, key: tuple[str, str, str]
-) -> tuple[object, ...]:
+def _cached_score(node: NodeView, profile: Profile, deployment: Deployment, fp: str) -> tuple[object, ...]:
+    # The strategy is part of the key: keyed without it, a view kept across a deployment's
+    # switch from binpack to spread went on ranking by the binpack score it cached first.
+    key = (fp, deployment.name, deployment.strategy)
     found = node._scores.get(key)
     if found is None:
         found = node._scores[key] = _score(node, profile, deployment)
@@ -367,7 +369,8 @@ def _decide(
     reasons: dict[str, str] = {}
     fit: list[NodeView] = []
     memo: dict[tuple[tuple[str, str, int], ...], list[str]] = {}
-    cache_key = (profile.fingerprint(), deployment.name, deployment.pool)
+    fp = profile.fingerprint()
+    cache_key = (fp, deployment.name, deployment.pool)
     for node in nodes:
         if cache_key in node._unfit:
             why = node._unfit[cache_key]
@@ -415,9 +418,7 @@ def _decide(
     if best is None:
         return Refusal(tuple(sorted(reasons.items())))
     (_, fabric), members = best
-    chosen = heapq.nsmallest(
-        profile.nodes, members, key=lambda n: _cached_score(n, profile, deployment, cache_key)
-    )
+    chosen = heapq.nsmallest(profile.nodes, members, key=lambda n: _cached_score(n, profile, deployment, fp))
     port = _port(chosen, port_range)
     hcas_of_fabric = (fabric_hcas or {}).get(fabric, ())
     members_out = []
