@@ -1,7 +1,8 @@
-"""The multi-node decision read from the index's fabric tables against a straightforward reference.
+"""Decisions from a kept index against a straightforward reference.
 
 A kept NodeIndex answers a multi-node decision from per-profile fabric tables it
-updates as views come and go, instead of examining every candidate. Here a
+updates as views come and go, instead of examining every candidate (and a one-node
+binpack decision from its free-GPU buckets). Here a
 randomized fleet (several fabrics, GPU classes and kinds, pools, partly used and
 lost nodes) is changed step by step as the controller changes its index: replicas
 placed and removed, nodes lost and back, GPUs swapped, nodes gone and new. After
@@ -119,6 +120,9 @@ PROFILES = [
     _profile(args=["--quantization", "fp8"]),
     _profile(gpu_class="A100-80G", tp=4, gpus_per_node=2),
     _profile(engine="sglang", tp=16, gpus_per_node=8),
+    # One-node profiles take another path through the index: checked the same way.
+    _profile(tp=4, nodes=1, gpus_per_node=None),
+    _profile(gpu_class="A100-80G", tp=2, nodes=1, gpus_per_node=None, args=["--quantization", "fp8"]),
 ]
 DEPLOYMENTS = [
     Deployment(name="chat", profile="big", replicas=1, pool=pool, strategy=strategy)  # type: ignore[arg-type]
@@ -132,13 +136,27 @@ def _free(view: NodeView, cls: str) -> list[GPUInfo]:
 
 
 def reference(dep: Deployment, profile: Profile, views: list[NodeView]) -> Placement | None:
-    """The multi-node rule written plainly: of the fabrics with enough fitting nodes, binpack
-    takes the one with the fewest free GPUs left after the replica, spread the most, ties to
-    the lower fabric name; in it the best-scored nodes (weights held, then fewest GPUs left
-    or fewest replicas of the deployment, ...), each on its contiguous GPUs, on the lowest
-    port free on every member, with the fabric's adapters the node has."""
+    """The rules written plainly. One node: the best-scored fitting node. Many: of the
+    fabrics with enough fitting nodes, binpack takes the one with the fewest free GPUs left
+    after the replica, spread the most, ties to the lower fabric name; in it the best-scored
+    nodes (weights held, then fewest GPUs left or fewest replicas of the deployment, ...),
+    each on its contiguous GPUs, on the lowest port free on every member, with the fabric's
+    adapters the node has."""
     need = profile.per_node_gpus
     fit = [v for v in views if unfit(v, profile, dep) is None]
+
+    def score(v: NodeView) -> tuple[object, ...]:
+        left = len(_free(v, profile.gpu_class)) - need
+        if dep.strategy == "spread":
+            return (MODEL not in v.weights, v.replicas_of.get(dep.name, 0), -left, v.shards, v.node)
+        return (MODEL not in v.weights, left, -v.shards, v.node)
+
+    if profile.nodes == 1:
+        if not fit:
+            return None
+        best = min(fit, key=score)
+        gpus = tuple(g.index for g in choose_gpus(_free(best, profile.gpu_class), need))
+        return Placement((Assignment(node=best.node, rank=0, gpus=gpus, addr=best.mgmt_addr),))
     options = []
     for fabric in sorted({v.fabric for v in fit}):
         members = [v for v in fit if v.fabric == fabric]
@@ -149,13 +167,6 @@ def reference(dep: Deployment, profile: Profile, views: list[NodeView]) -> Place
     if not options:
         return None
     (_, fabric), members = min(options, key=lambda o: o[0])
-
-    def score(v: NodeView) -> tuple[object, ...]:
-        left = len(_free(v, profile.gpu_class)) - need
-        if dep.strategy == "spread":
-            return (MODEL not in v.weights, v.replicas_of.get(dep.name, 0), -left, v.shards, v.node)
-        return (MODEL not in v.weights, left, -v.shards, v.node)
-
     chosen = sorted(members, key=score)[: profile.nodes]
     used = set().union(*(v.used_ports for v in chosen))
     port = next(p for p in range(PORTS[0], PORTS[1] + 1) if p not in used)

@@ -499,8 +499,13 @@ def decide(
             sorted(holders, key=lambda v: _score(v, profile, deployment)), index.binpack_order(profile, need)
         )
         memo: dict[tuple[tuple[str, str, int], ...], list[str]] = {}
+        # Kept in the view under _decide's key: _decide finds it there for the winner, and
+        # the next decision for the deployment finds it for every node walked past.
+        cache_key = (profile.fingerprint(), deployment.name, deployment.pool)
         for view in ordered:
-            if unfit(view, profile, deployment, memo) is None:
+            if cache_key not in view._unfit:
+                view._unfit[cache_key] = unfit(view, profile, deployment, memo)
+            if view._unfit[cache_key] is None:
                 return _decide(deployment, profile, [view], fabric_hcas, port_range)
     else:
         decision = _decide(deployment, profile, index.candidates(profile), fabric_hcas, port_range)
