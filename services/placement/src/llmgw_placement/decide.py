@@ -53,6 +53,7 @@ class NodeView:
     # unfit() per (profile fingerprint, deployment name, pool): the many replicas of one
     # deployment placed in a step meet the same unchanged views again and again.
     _unfit: dict[tuple[str, str, str], str | None] = field(default_factory=dict, compare=False, repr=False)
+    # _score() per (profile fingerprint, deployment name, strategy).
     _scores: dict[tuple[str, str, str], tuple[object, ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -106,6 +107,11 @@ class NodeIndex:
         self.generation = 0
         # Candidates per (engine, class) in node order, made again only after that set changed.
         self._sorted: dict[tuple[str, str], list[NodeView]] = {}
+        # Per (multi-node profile fingerprint, pool): its fitting candidates by fabric, made on
+        # the first decision for it and kept current by add() and remove() from then on. The
+        # least recently used goes beyond FABRIC_TABLES, so an edited profile's old table does
+        # not cost every later update.
+        self._fabric_fits: dict[tuple[str, str], _FabricFit] = {}
         for view in views:
             self.add(view)
 
@@ -123,12 +129,18 @@ class NodeIndex:
         self.remove(view.node)
         self.generation += 1
         self.views[view.node] = view
-        for key, free in self._keys(view):
+        keys = self._keys(view)
+        for key, free in keys:
             self._sorted.pop(key, None)
             self._buckets[key].add(view.node)
             self._by_free[key][free].add((-view.shards, view.node))
         for path in view.weights:
             self._by_weights[path].add(view.node)
+        if keys:
+            buckets = {key for key, _ in keys}
+            for table in self._fabric_fits.values():
+                if table.bucket in buckets:
+                    table.add(view)
 
     def remove(self, node: str) -> None:
         old = self.views.pop(node, None)
@@ -141,6 +153,8 @@ class NodeIndex:
             self._by_free[key][free].discard((-old.shards, node))
         for path in old.weights:
             self._by_weights[path].discard(node)
+        for table in self._fabric_fits.values():
+            table.remove(node)
 
     def is_candidate(self, profile: Profile, node: str) -> bool:
         return node in self._buckets.get((profile.engine, profile.gpu_class), set())
@@ -167,6 +181,130 @@ class NodeIndex:
 
     def all(self) -> list[NodeView]:
         return [self.views[n] for n in sorted(self.views)]
+
+    def fabric_fit(self, profile: Profile, deployment: Deployment, fp: str) -> _FabricFit:
+        """The fabric table of a multi-node `profile` in the deployment's pool (`fp` is the
+        profile's fingerprint), made from the candidates if there is none yet."""
+        key = (fp, deployment.pool)
+        table = self._fabric_fits.pop(key, None)
+        if table is None:
+            table = _FabricFit(profile, deployment)
+            table.fill([self.views[n] for n in self._buckets.get(table.bucket, set())])
+            while len(self._fabric_fits) >= FABRIC_TABLES:
+                del self._fabric_fits[next(iter(self._fabric_fits))]
+        # Last in the dict is the most recently used.
+        self._fabric_fits[key] = table
+        return table
+
+
+# Fabric tables a NodeIndex keeps (one per multi-node profile and pool decided): each
+# costs an unfit() per changed candidate node, so tables of profiles since edited go.
+FABRIC_TABLES = 32
+
+
+class _FabricFit:
+    """The candidates that fit one rank of a multi-node profile in one pool, by fabric.
+
+    A multi-node decision picks the fabric from each fabric's totals (fitting nodes,
+    their free GPUs), then the members within it. Examining every candidate for
+    that costs a pass over the fleet per decision; this table is updated per node
+    as the index changes instead, so a decision reads one fabric's members.
+    Fit is `unfit(...) is None`, exactly as a full decision would judge it.
+    """
+
+    def __init__(self, profile: Profile, deployment: Deployment) -> None:
+        self.profile = profile
+        # unfit() reads only the deployment's pool, the same for every deployment sharing this.
+        self.deployment = deployment
+        self.bucket = (profile.engine, profile.gpu_class)
+        self._memo: dict[tuple[tuple[str, str, int], ...], list[str]] = {}
+        # node -> (its fabric, its rank key): the key is binpack's score (see _score) with
+        # free GPUs for free GPUs left, which orders the same for one profile.
+        self._fits: dict[str, tuple[str, tuple[bool, int, int, str]]] = {}
+        self._views: dict[str, NodeView] = {}
+        self._members: dict[str, SortedList] = {}
+        self._free: dict[str, int] = {}
+        # (free GPUs, fabric) of the fabrics with enough fitting nodes for a replica.
+        self._ready = SortedList()
+
+    def fill(self, views: Sequence[NodeView]) -> None:
+        """Every candidate at once into an empty table: each sorted list made once, not grown."""
+        ranks: dict[str, list[tuple[bool, int, int, str]]] = defaultdict(list)
+        for view in views:
+            rank = self._rank(view)
+            if rank is not None:
+                self._fits[view.node] = (view.fabric, rank)
+                self._views[view.node] = view
+                ranks[view.fabric].append(rank)
+        for fabric, found in ranks.items():
+            self._members[fabric] = SortedList(found)
+            self._free[fabric] = sum(rank[1] for rank in found)
+        self._ready = SortedList(
+            (self._free[f], f) for f, members in self._members.items() if len(members) >= self.profile.nodes
+        )
+
+    def _rank(self, view: NodeView) -> tuple[bool, int, int, str] | None:
+        if unfit(view, self.profile, self.deployment, self._memo) is not None:
+            return None
+        free = len(view.free_gpus(self.profile.gpu_class))
+        return (self.profile.model_path not in view.weights, free, -view.shards, view.node)
+
+    def add(self, view: NodeView) -> None:
+        """Take `view` in if one rank fits on it; the index removed its old view first."""
+        rank = self._rank(view)
+        if rank is None:
+            return
+        fabric, free = view.fabric, rank[1]
+        self._unready(fabric)
+        self._fits[view.node] = (fabric, rank)
+        self._views[view.node] = view
+        self._members.setdefault(fabric, SortedList()).add(rank)
+        self._free[fabric] = self._free.get(fabric, 0) + free
+        self._make_ready(fabric)
+
+    def remove(self, node: str) -> None:
+        found = self._fits.pop(node, None)
+        if found is None:
+            return
+        fabric, rank = found
+        del self._views[node]
+        self._unready(fabric)
+        members = self._members[fabric]
+        members.remove(rank)
+        if members:
+            self._free[fabric] -= rank[1]
+            self._make_ready(fabric)
+        else:
+            del self._members[fabric], self._free[fabric]
+
+    def _unready(self, fabric: str) -> None:
+        if len(self._members.get(fabric, ())) >= self.profile.nodes:
+            self._ready.remove((self._free[fabric], fabric))
+
+    def _make_ready(self, fabric: str) -> None:
+        if len(self._members[fabric]) >= self.profile.nodes:
+            self._ready.add((self._free[fabric], fabric))
+
+    def choose(self, deployment: Deployment, fp: str) -> tuple[str, list[NodeView]] | None:
+        """The fabric and members in rank order a full decision would pick, or None where none fits.
+
+        Binpack takes the fabric with the fewest free GPUs left, spread the most; ties go
+        to the lower fabric name either way (the key `_decide` compares)."""
+        if not self._ready:
+            return None
+        nodes = self.profile.nodes
+        if deployment.strategy == "binpack":
+            fabric = self._ready[0][1]
+            chosen = [self._views[rank[-1]] for rank in self._members[fabric][:nodes]]
+            return fabric, chosen
+        most = self._ready[-1][0]
+        fabric = self._ready[self._ready.bisect_left((most, ""))][1]
+        chosen = heapq.nsmallest(
+            nodes,
+            (self._views[rank[-1]] for rank in self._members[fabric]),
+            key=lambda n: _cached_score(n, self.profile, deployment, fp),
+        )
+        return fabric, chosen
 
 
 @dataclass(frozen=True)
@@ -225,7 +363,10 @@ def unfit(
 
     `memo` keeps the profile's validation per kind of GPU set across the nodes of one
     decision: a fleet has few kinds of GPU, and validating each node's anew is most
-    of the cost of a multi-node decision."""
+    of the cost of a multi-node decision.
+
+    Of the deployment only its pool is read: a NodeIndex keeps one fabric table per
+    profile and pool for every deployment of them (reading more would need more in its key)."""
     if not node.alive:
         if node.lost_since:
             return f"lost: no heartbeat since {node.lost_since}"
@@ -302,9 +443,10 @@ def _score(node: NodeView, profile: Profile, deployment: Deployment) -> tuple[ob
     return (not has_weights, free_after, -node.shards, node.node)
 
 
-def _cached_score(
-    node: NodeView, profile: Profile, deployment: Deployment, key: tuple[str, str, str]
-) -> tuple[object, ...]:
+def _cached_score(node: NodeView, profile: Profile, deployment: Deployment, fp: str) -> tuple[object, ...]:
+    # The strategy is part of the key: keyed without it, a view kept across a deployment's
+    # switch from binpack to spread went on ranking by the binpack score it cached first.
+    key = (fp, deployment.name, deployment.strategy)
     found = node._scores.get(key)
     if found is None:
         found = node._scores[key] = _score(node, profile, deployment)
@@ -331,8 +473,18 @@ def decide(
 
     Given a NodeIndex, only the candidates (engine running, GPU class present)
     are examined unless the replica cannot be placed, when every node's reason
-    is needed anyway.
+    is needed anyway; a multi-node profile reads the index's fabric table for
+    its profile and pool (`_FabricFit`) and examines the chosen fabric only.
     """
+    if isinstance(nodes, NodeIndex) and profile.nodes > 1:
+        # A kept index keeps each multi-node profile's fabric table current: the decision
+        # reads it instead of examining every candidate. (A plain list is indexed for this
+        # one call, so building the table too would only add to its cost.)
+        fp = profile.fingerprint()
+        found = nodes.fabric_fit(profile, deployment, fp).choose(deployment, fp)
+        if found is not None:
+            return _assemble(profile, *found, fabric_hcas, port_range)
+        return _decide(deployment, profile, nodes.all(), fabric_hcas, port_range)
     index = nodes if isinstance(nodes, NodeIndex) else NodeIndex(nodes)
     if profile.nodes <= 1 and profile.gpu_class and deployment.strategy == "binpack":
         # Binpack's order is (holds the weights, fewest GPUs left, ...): look at the
@@ -347,8 +499,13 @@ def decide(
             sorted(holders, key=lambda v: _score(v, profile, deployment)), index.binpack_order(profile, need)
         )
         memo: dict[tuple[tuple[str, str, int], ...], list[str]] = {}
+        # Kept in the view under _decide's key: _decide finds it there for the winner, and
+        # the next decision for the deployment finds it for every node walked past.
+        cache_key = (profile.fingerprint(), deployment.name, deployment.pool)
         for view in ordered:
-            if unfit(view, profile, deployment, memo) is None:
+            if cache_key not in view._unfit:
+                view._unfit[cache_key] = unfit(view, profile, deployment, memo)
+            if view._unfit[cache_key] is None:
                 return _decide(deployment, profile, [view], fabric_hcas, port_range)
     else:
         decision = _decide(deployment, profile, index.candidates(profile), fabric_hcas, port_range)
@@ -367,7 +524,8 @@ def _decide(
     reasons: dict[str, str] = {}
     fit: list[NodeView] = []
     memo: dict[tuple[tuple[str, str, int], ...], list[str]] = {}
-    cache_key = (profile.fingerprint(), deployment.name, deployment.pool)
+    fp = profile.fingerprint()
+    cache_key = (fp, deployment.name, deployment.pool)
     for node in nodes:
         if cache_key in node._unfit:
             why = node._unfit[cache_key]
@@ -397,8 +555,10 @@ def _decide(
     by_fabric: dict[str, list[NodeView]] = defaultdict(list)
     for node in fit:
         by_fabric[node.fabric].append(node)
-    options: list[tuple[tuple[object, ...], str, list[NodeView]]] = []
-    for fabric, members in sorted(by_fabric.items()):
+    # The fabric first (its key names it, so no two tie), then its members: ranking the
+    # members of every fabric would cost a sort per fabric for one winner.
+    winner: tuple[tuple[int, str], list[NodeView]] | None = None
+    for fabric, members in by_fabric.items():
         if len(members) < profile.nodes:
             for node in members:
                 reasons[node.node] = (
@@ -406,17 +566,26 @@ def _decide(
                     f"profile needs {profile.nodes}"
                 )
             continue
-        chosen = heapq.nsmallest(
-            profile.nodes, members, key=lambda n: _cached_score(n, profile, deployment, cache_key)
-        )
         free_after = sum(len(n.free_gpus(profile.gpu_class)) for n in members) - need * profile.nodes
-        key: tuple[object, ...] = (
-            (free_after, fabric) if deployment.strategy == "binpack" else (-free_after, fabric)
-        )
-        options.append((key, fabric, chosen))
-    if not options:
+        key = (free_after, fabric) if deployment.strategy == "binpack" else (-free_after, fabric)
+        if winner is None or key < winner[0]:
+            winner = (key, members)
+    if winner is None:
         return Refusal(tuple(sorted(reasons.items())))
-    _, fabric, chosen = min(options, key=lambda o: o[0])
+    (_, fabric), members = winner
+    chosen = heapq.nsmallest(profile.nodes, members, key=lambda n: _cached_score(n, profile, deployment, fp))
+    return _assemble(profile, fabric, chosen, fabric_hcas, port_range)
+
+
+def _assemble(
+    profile: Profile,
+    fabric: str,
+    chosen: Sequence[NodeView],
+    fabric_hcas: Mapping[str, tuple[str, ...]] | None,
+    port_range: tuple[int, int],
+) -> Placement:
+    """A multi-node replica on `chosen` (in rank order) over `fabric`."""
+    need = gpus_needed(profile)
     port = _port(chosen, port_range)
     hcas_of_fabric = (fabric_hcas or {}).get(fabric, ())
     members_out = []
