@@ -92,6 +92,21 @@ async def test_same_msg_id_is_stored_once(bus: Bus) -> None:
     assert info.state.messages == 1
 
 
+async def test_publishes_without_a_msg_id_get_distinct_ids(bus: Bus) -> None:
+    """Message ids are a per-client prefix and a counter (cheaper than a uuid4 each): two
+    publishes of the same event must still both be stored, each with its own id."""
+    subject = bus.names.node_install("gpu-01")
+    first = await bus.publish(subject, progress("same"))
+    second = await bus.publish(subject, progress("same"))
+    assert second == first + 1
+    ids = set()
+    for seq in (first, second):
+        msg = await bus.js.get_msg(bus.names.events_stream, seq=seq, direct=False)
+        assert msg.headers is not None
+        ids.add(msg.headers["Nats-Msg-Id"])
+    assert len(ids) == 2
+
+
 async def test_publish_carries_msg_id_and_trace_headers(bus: Bus) -> None:
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
