@@ -181,6 +181,32 @@ async def test_a_bad_kv_value_is_skipped_and_dead_lettered(bus: Bus) -> None:
     assert bus.decode_errors[f"$KV.{bucket}.bad"] == 1
 
 
+async def test_a_snapshot_holds_each_keys_last_value_and_nothing_deleted_empty_or_bad(bus: Bus) -> None:
+    """`entries` reads each key's last message: deletes and purges drop a key, an empty or
+    undecodable value is dead-lettered and left out, and a key filter keeps to its keys."""
+    bucket = bus.names.nodes_bucket
+    kv = await bus.kv(bucket)
+    for step in ("one", "two", "three"):
+        last = await bus.put(bucket, "a.x", progress(step))
+    await bus.put(bucket, "a.gone", progress("x"))
+    await bus.delete(bucket, "a.gone")
+    await bus.put(bucket, "a.purged", progress("x"))
+    await kv.purge("a.purged")
+    await kv.put("a.empty", b"")
+    await kv.put("a.bad", b"{nope")
+    await bus.put(bucket, "b.y", progress("other"))
+    found = await bus.entries(bucket, InstallProgress)
+    assert {k: (c.value.step if c.value else None) for k, c in found.items()} == {
+        "a.x": "three",
+        "b.y": "other",
+    }
+    assert found["a.x"].revision == last
+    assert bus.decode_errors[f"$KV.{bucket}.a.empty"] == 1
+    assert bus.decode_errors[f"$KV.{bucket}.a.bad"] == 1
+    assert list(await bus.entries(bucket, InstallProgress, "b.*")) == ["b.y"]
+    assert await bus.entries(bucket, InstallProgress, "c.*") == {}
+
+
 async def test_commit_writes_puts_deletes_and_events_as_atomic_batches(bus: Bus) -> None:
     """Many writes of one step: one atomic batch per stream, puts and deletes as a KV sees them."""
     names = bus.names
