@@ -92,6 +92,21 @@ async def test_same_msg_id_is_stored_once(bus: Bus) -> None:
     assert info.state.messages == 1
 
 
+async def test_publishes_without_a_msg_id_get_distinct_ids(bus: Bus) -> None:
+    """Message ids are a per-client prefix and a counter (cheaper than a uuid4 each): two
+    publishes of the same event must still both be stored, each with its own id."""
+    subject = bus.names.node_install("gpu-01")
+    first = await bus.publish(subject, progress("same"))
+    second = await bus.publish(subject, progress("same"))
+    assert second == first + 1
+    ids = set()
+    for seq in (first, second):
+        msg = await bus.js.get_msg(bus.names.events_stream, seq=seq, direct=False)
+        assert msg.headers is not None
+        ids.add(msg.headers["Nats-Msg-Id"])
+    assert len(ids) == 2
+
+
 async def test_publish_carries_msg_id_and_trace_headers(bus: Bus) -> None:
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
@@ -164,6 +179,32 @@ async def test_a_bad_kv_value_is_skipped_and_dead_lettered(bus: Bus) -> None:
     snapshot = await bus.entries(bucket, InstallProgress)
     assert list(snapshot) == ["good"]
     assert bus.decode_errors[f"$KV.{bucket}.bad"] == 1
+
+
+async def test_a_snapshot_holds_each_keys_last_value_and_nothing_deleted_empty_or_bad(bus: Bus) -> None:
+    """`entries` reads each key's last message: deletes and purges drop a key, an empty or
+    undecodable value is dead-lettered and left out, and a key filter keeps to its keys."""
+    bucket = bus.names.nodes_bucket
+    kv = await bus.kv(bucket)
+    for step in ("one", "two", "three"):
+        last = await bus.put(bucket, "a.x", progress(step))
+    await bus.put(bucket, "a.gone", progress("x"))
+    await bus.delete(bucket, "a.gone")
+    await bus.put(bucket, "a.purged", progress("x"))
+    await kv.purge("a.purged")
+    await kv.put("a.empty", b"")
+    await kv.put("a.bad", b"{nope")
+    await bus.put(bucket, "b.y", progress("other"))
+    found = await bus.entries(bucket, InstallProgress)
+    assert {k: (c.value.step if c.value else None) for k, c in found.items()} == {
+        "a.x": "three",
+        "b.y": "other",
+    }
+    assert found["a.x"].revision == last
+    assert bus.decode_errors[f"$KV.{bucket}.a.empty"] == 1
+    assert bus.decode_errors[f"$KV.{bucket}.a.bad"] == 1
+    assert list(await bus.entries(bucket, InstallProgress, "b.*")) == ["b.y"]
+    assert await bus.entries(bucket, InstallProgress, "c.*") == {}
 
 
 async def test_commit_writes_puts_deletes_and_events_as_atomic_batches(bus: Bus) -> None:

@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmgw_core.engines import GPUInfo
 from llmgw_core.errors import BusError, ConfigError
-from llmgw_core.events import Deployment, EngineState
+from llmgw_core.events import Deployment, EngineState, NodeStatus
 from llmgw_core.metrics import exposition
 from llmgw_core.telemetry import context_from, current_traceparent
 from llmgw_core.web import MAX_BODY, json_response
@@ -62,6 +62,19 @@ class NodeRow(msgspec.Struct, frozen=True, kw_only=True):
     probed_at: float
 
 
+class _Reported(msgspec.Struct, frozen=True, kw_only=True):
+    """A `NodeRow` after `seen_s_ago`: what changes only when the node reports anew."""
+
+    gpus: tuple[GPUInfo, ...]
+    engines: tuple[EngineState, ...]
+    install: str
+    warnings: tuple[str, ...]
+    probed_at: float
+
+
+_encode = msgspec.json.Encoder().encode
+
+
 def _read_token(path: str, what: str) -> bytes:
     try:
         token = Path(path).read_text().strip()
@@ -80,6 +93,9 @@ class Api:
         self.read_token = (
             _read_token(http.read_token_file, "read_token_file") if http.read_token_file else b""
         )
+        # Per node: the status its `/api/nodes` row was last encoded from, and the encoded
+        # rest of the row (see `nodes_json`).
+        self._reported: dict[str, tuple[NodeStatus, bytes, bytes]] = {}
         # Paths that answer without a token (they must say nothing a token would protect).
         self.public: set[str] = {"/healthz"}
         if not self.token and not http.insecure:
@@ -135,7 +151,7 @@ class Api:
         return json_response({"leader": self.service.is_leader, "identity": self.service.identity})
 
     async def get_nodes(self, _: Request) -> Response:
-        return json_response(self.nodes())
+        return Response(self.nodes_json(), media_type="application/json")
 
     async def get_deployments(self, _: Request) -> Response:
         return json_response({k: _builtins(v) for k, v in sorted(self.service.state.deployments.items())})
@@ -171,6 +187,46 @@ class Api:
                 )
             )
         return out
+
+    def nodes_json(self) -> bytes:
+        """`nodes()` as JSON, newline-ended: the text encoding it writes, made from each node's
+        row encoded once and kept until the node reports anew (its GPUs and engines are nine
+        tenths of the bytes); per request only `alive` and `seen_s_ago` are written into it.
+        Building and encoding every row afresh took a tenth of a second a request at 10,000
+        nodes, on the loop that also hears their heartbeats."""
+        controller = self.service.controller
+        heard = controller.alive if controller else lambda node, at: (True, 0.0)
+        nodes = self.service.state.nodes
+        at = time.monotonic()
+        cached = self._reported
+        kept: dict[str, tuple[NodeStatus, bytes, bytes]] = {}
+        ages: dict[float, bytes] = {}
+        parts: list[bytes] = [b"["]
+        for name in sorted(nodes):
+            status = nodes[name]
+            row = cached.get(name)
+            if row is None or row[0] is not status:
+                rest = _Reported(
+                    gpus=status.facts.gpus,
+                    engines=status.engines,
+                    install=status.install,
+                    warnings=status.warnings,
+                    probed_at=status.probed_at,
+                )
+                # `{"node":…,"alive":` and `,"gpus":…}`: NodeRow's fields in its order.
+                row = (status, b'{"node":' + _encode(status.node) + b',"alive":', b"," + _encode(rest)[1:])
+            kept[name] = row
+            alive, since = heard(status.node, at)
+            seen = round(since, 1) if since != float("inf") else -1.0
+            age = ages.get(seen)
+            if age is None:
+                age = ages[seen] = _encode(seen)
+            parts += (row[1], b'true,"seen_s_ago":' if alive else b'false,"seen_s_ago":', age, row[2], b",")
+        self._reported = kept  # a node that left is dropped here
+        if len(parts) > 1:
+            parts.pop()  # the last row's comma
+        parts.append(b"]\n")
+        return b"".join(parts)
 
     def explain(self, name: str) -> Response:
         """The deployment as it stands (its published status and replicas), the last decision,
