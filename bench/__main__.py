@@ -8,6 +8,7 @@ import platform
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from bench import auth, bus, durability, fleet, heartbeats, install, launcher, placement, scale
@@ -38,17 +39,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("--quick", action="store_true", help="smaller runs (for a smoke check)")
     args = parser.parse_args()
-    sections = [
-        durability.run(quick=args.quick),
-        auth.run(quick=args.quick),
-        bus.run(quick=args.quick),
-        install.run(quick=args.quick),
-        placement.run(quick=args.quick),
-        fleet.run(quick=args.quick),
-        heartbeats.run(quick=args.quick),
-        scale.run(quick=args.quick),
-        launcher.run(quick=args.quick),
-    ]
+    sections = []
+    for module in (durability, auth, bus, install, placement, fleet, heartbeats, scale, launcher):
+        name = module.__name__
+        started = time.monotonic()
+        print(f"bench: {name} ...", file=sys.stderr, flush=True)
+        try:
+            sections.append(module.run(quick=args.quick))
+        except Exception as exc:  # one broken benchmark must not lose the others' figures
+            traceback.print_exc()
+            sections.append(f"## {name}\n\nFailed in this run: {type(exc).__name__}: {exc}\n")
+        print(f"bench: {name} took {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
     ).stdout
