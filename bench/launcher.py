@@ -54,7 +54,9 @@ HEALTH_S = 1.0  # the default health interval
 LOADING_PROBE_S = 0.1  # as the launcher probes a loading engine
 LATE = 1.5  # a heartbeat gap above LATE x the interval is late
 TICKS = os.sysconf("SC_CLK_TCK")
-ENGINE_NICE = AgentConfig(node=NODE).engine_nice  # how far below the launcher engines run
+# How far below the launcher engines run: the agent's default, or LLMGW_BENCH_ENGINE_NICE
+# to compare another setting.
+ENGINE_NICE = int(os.environ.get("LLMGW_BENCH_ENGINE_NICE", AgentConfig(node=NODE).engine_nice))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -210,6 +212,7 @@ class Cluster:
                 "heartbeat_interval_s": HEARTBEAT_S,
                 "health_interval_s": HEALTH_S,
                 "stop_grace_s": 5.0,
+                "engine_nice": ENGINE_NICE,
             },
             AgentConfig,
         )

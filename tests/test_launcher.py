@@ -60,7 +60,7 @@ def test_diff_is_sorted_and_ignores_bookkeeping() -> None:
 async def test_a_sim_shard_goes_ready_and_answers(
     bus: Bus, nats_url: str, prefix: str, tmp_path: Path
 ) -> None:
-    config = agent_config(nats_url, prefix, tmp_path / "agent")
+    config = agent_config(nats_url, prefix, tmp_path / "agent", engine_nice=5)
     spec = shard("node-a", "s1", sim_profile("--load-time", "0.5"))
     async with shard_events(bus) as events, running_launcher(config):
         await bus.put(bus.names.shards_bucket, "node-a.s1", spec)
@@ -72,7 +72,7 @@ async def test_a_sim_shard_goes_ready_and_answers(
         assert ready.profile_fp == spec.profile_fp
         assert ready.pool == "default"
         assert len(ready.pids) == 1
-        # The engine, every thread of it, runs 5 nice steps (the default) below the launcher.
+        # The engine, every thread of it, runs `engine_nice` steps below the launcher.
         assert thread_nices(ready.pids[0]) == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)}
         stored = await bus.get(bus.names.shard_status_bucket, "node-a.s1", ShardStatus)
         assert stored is not None
