@@ -462,6 +462,7 @@ async def _run(
     bystander_out = root / "bystander.txt"
     bystander = start_bystander(bystander_out)
     floors: list[tuple[float, float]] = []
+    await floor(1, root, [])  # untimed: one engine writes the bytecode every later start reads
     f["floor"] = await floor(n, root, floors)
     f["load"].append(load())
     prefix = "lbench"
@@ -630,7 +631,8 @@ def render(f: dict[str, Any], n: int, idle_n: int, quick: bool) -> str:
         f"together by the benchmark at the CPU priority the launcher gives its engines (nice "
         f"+{ENGINE_NICE}, `engine_nice`), each timed to its first 200 on /health (probed every "
         f"{LOADING_PROBE_S:g} s, as the launcher probes a loading engine), run before and after the burst "
-        f"({len(fl)} engines in all). The burst is {n} one-replica deployments written at once, each timed "
+        f"({len(fl)} engines in all). Every process starts with its bytecode compiled, as an install leaves "
+        f"it. The burst is {n} one-replica deployments written at once, each timed "
         f"from its write. Load average (1 min) during the run: {', '.join(f['load'])} on "
         f"{os.cpu_count()} cores shared with other work.",
         "",
@@ -777,11 +779,26 @@ def heartbeat_lines(recv: list[float], sent: list[float], when: str, seconds: fl
     ]
 
 
+@contextlib.contextmanager
+def _without_env(name: str) -> Any:
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
 def run(quick: bool = False) -> str:
     n, seq, idle_n, idle_s, kills = (16, 20, 24, 2.0, 5) if quick else (50, 100, 100, 10.0, 20)
     # LLMGW_BENCH_KEEP=<dir> keeps every process's log there for a look afterwards.
     keep = os.environ.get("LLMGW_BENCH_KEEP")
     with contextlib.ExitStack() as stack:
+        # Every process here (engines included) starts with its bytecode compiled, as an
+        # install leaves it (`uv sync --compile-bytecode`, the image's UV_COMPILE_BYTECODE):
+        # where PYTHONDONTWRITEBYTECODE is set, each sim engine would compile its libraries
+        # anew at every start, several times what the launcher adds.
+        stack.enter_context(_without_env("PYTHONDONTWRITEBYTECODE"))
         if keep:
             root = Path(keep)
             root.mkdir(parents=True, exist_ok=True)
