@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
+from bench.procs import terminate
 from llmgw_core.natsd import NatsServer
 from llmgw_placement.config import ServerConfig
 
@@ -114,12 +115,7 @@ def _measure(root: Path, url: str, nodes: int, window_s: float) -> dict[str, flo
         }
     finally:
         for proc in (fleet, placement):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            terminate(proc)
 
 
 def _ctl_get_nodes(url: str, prefix: str, nodes: int, lost: set[str]) -> list[float]:

@@ -45,6 +45,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
+from bench.procs import terminate
 from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.config import AgentConfig
 from llmgw_core.events import DesiredEngines, EngineSpec
@@ -268,12 +269,7 @@ def release_server(directory: Path) -> Iterator[str]:
             raise RuntimeError(f"the release server did not start (said {port!r})")
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc)
 
 
 # --- the two sides -------------------------------------------------------------------------

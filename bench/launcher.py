@@ -37,6 +37,7 @@ import httpx
 import msgspec
 from nats.aio.msg import Msg
 
+from bench.procs import terminate
 from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.config import AgentConfig
 from llmgw_core.engines import Profile, ShardSpec
@@ -255,12 +256,7 @@ class Cluster:
         proc = self.procs.pop(name, None)
         if proc is None:
             return
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc, 15.0)
 
     def close(self) -> None:
         for name in list(self.procs):
