@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -63,6 +64,28 @@ async def operator_sees_the_cluster(text: str, data: Path) -> None:
             assert r.json()["chat.r0"]["state"] == "ready"
 
 
+def free_block(n: int) -> int:
+    """The first of `n` consecutive ports that are all free now, below the kernel's
+    ephemeral range: `llmgw up` takes the ports after --api-port for each node's metrics,
+    and a port picked by the kernel for us has neighbours it hands to outgoing connections."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, 20000 - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports in 10000-19999")
+
+
 @contextlib.contextmanager
 def dev_up(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
     """`./dev up` in its own process group; killed at the end if a test left it running."""
@@ -76,7 +99,7 @@ def dev_up(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes
         "--port",
         str(free_port()),
         "--api-port",
-        str(free_port()),
+        str(free_block(8)),  # and the metrics ports of up to 3 nodes after it
         "--gateway-port",
         str(free_port()),
     ]
