@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,9 +21,12 @@ import pytest
 from nats.aio.msg import Msg
 
 from llmgw_core.bus import Bus
+from llmgw_core.engines import Command
 from llmgw_core.events import ShardStatus, decoder
+from llmgw_launcher import procs
 from llmgw_launcher.health import HealthProber, parse_head
 from llmgw_launcher.records import Records, RecordWriter, ShardRecord
+from llmgw_launcher.workers import Workers
 from tests.launcher_support import (
     agent_config,
     pid_alive,
@@ -338,3 +344,115 @@ async def test_an_adopted_engine_that_dies_is_noticed_at_once_and_restarted(
         for pid in {p.pid for r in records.values() for p in r.procs}:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.fixture(params=["posix_spawn", "subprocess"])
+def spawn_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways the launcher starts a process: libc's posix_spawn, and subprocess where libc
+    lacks what posix_spawn needs."""
+    monkeypatch.setattr(procs, "USE_POSIX_SPAWN", request.param == "posix_spawn")
+    return request.param
+
+
+def test_an_engine_is_started_alone_in_its_session_with_only_what_it_is_given(
+    tmp_path: Path, spawn_path: str
+) -> None:
+    log = tmp_path / "logs" / "0-eng.log"
+    env = (("X", "given"), ("PATH", os.defpath))
+
+    def run(path: str, *args: str, attempt: int = 0) -> int | None:
+        child, _ = procs.spawn(
+            Command(name="eng", path=path, args=args, env=env), log, tmp_path / "run", attempt
+        )
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # ended, not yet reaped
+        return child.poll()
+
+    script = (
+        "echo cwd=$(pwd) x=$X home=${HOME:-unset} sid=$(cut -d' ' -f6 /proc/$$/stat) pid=$$;"
+        "read l || echo stdin=empty; exit 3"
+    )
+    assert run("sh", "-c", script, attempt=2) == 3
+    # A descriptor the launcher holds, inheritable: the engine must not get it.
+    opened = os.open(os.devnull, os.O_RDONLY)
+    leak = os.dup2(opened, 50, inheritable=True)
+    os.close(opened)
+    try:
+        assert run("ls", "/proc/self/fd") == 0
+    finally:
+        os.close(leak)
+    assert run("grep", "-E", "^Sig(Ign|Blk)", "/proc/self/status") == 0
+
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith(f"{procs.ATTEMPT_MARK}2 started ")
+    cwd, x, home, sid, pid = (field.partition("=")[2] for field in lines[1].split())
+    assert (cwd, x, home, sid) == (str(tmp_path / "run"), "given", "unset", pid)
+    assert lines[2] == "stdin=empty"
+    # stdin, stdout, stderr and the directory `ls` reads: not fd 50, nothing else.
+    assert lines[3:7] == ["0", "1", "2", "3"], lines[3:]
+    sig_blocked = int(lines[7].split()[1], 16)
+    sig_ignored = int(lines[8].split()[1], 16)
+    assert sig_blocked == 0
+    # Python ignores SIGPIPE and SIGXFSZ; the engine gets them back at their defaults.
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        assert not sig_ignored & (1 << (sig - 1)), f"{sig.name} ignored in the engine ({spawn_path})"
+
+
+def test_a_spawned_engine_reports_how_it_ended_and_a_missing_program_says_so(
+    tmp_path: Path, spawn_path: str
+) -> None:
+    log = tmp_path / "eng.log"
+    child, _ = procs.spawn(
+        Command(name="eng", path="sleep", args=("30",), env=(("PATH", os.defpath),)), log, tmp_path
+    )
+    assert child.poll() is None
+    assert not child.ended
+    os.kill(child.pid, signal.SIGKILL)
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # ended, not yet reaped
+    assert child.poll() == -signal.SIGKILL
+    assert child.ended
+    assert procs.start_time(child.pid) is None  # reaped: no zombie left behind
+    for path, env in (("/nonexistent/engine", ()), ("no-such-engine", (("PATH", os.defpath),))):
+        with pytest.raises(FileNotFoundError) as raised:
+            procs.spawn(Command(name="eng", path=path, args=(), env=env), log, tmp_path)
+        assert raised.value.filename == path
+
+
+async def test_spawn_jobs_run_in_their_threads_and_each_caller_gets_its_own_outcome() -> None:
+    workers = Workers(spawn_threads=2)
+    running, most = 0, 0
+    lock = threading.Lock()
+
+    def job(i: int) -> tuple[int, str]:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.05)
+        with lock:
+            running -= 1
+        if i == 3:
+            raise OSError(errno.ENOENT, "no such program", f"engine-{i}")
+        return i, threading.current_thread().name
+
+    outcomes: dict[int, object] = {}
+
+    async def ask(i: int) -> None:
+        try:
+            outcomes[i] = await workers.spawn(lambda: job(i))
+        except OSError as exc:
+            outcomes[i] = exc
+
+    async with anyio.create_task_group() as tg:
+        for i in range(6):
+            tg.start_soon(ask, i)
+    assert most == 2  # side by side, never more than its threads
+    for i in (0, 1, 2, 4, 5):
+        assert outcomes[i] == (i, "llmgw-spawn")
+    assert isinstance(outcomes[3], OSError)
+    assert outcomes[3].filename == "engine-3"
+
+    # A caller cancelled while its spawn runs still waits for it: the process must have an owner.
+    done: list[int] = []
+    with anyio.move_on_after(0.01):
+        done.append((await workers.spawn(lambda: job(7)))[0])
+    assert done == [7]

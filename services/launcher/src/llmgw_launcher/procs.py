@@ -13,12 +13,17 @@ socket: no polling, and nothing to do while the engine runs.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
+import shutil
 import signal
 import subprocess
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 from llmgw_core.engines import Command
 
@@ -34,32 +39,6 @@ def attempt_mark(attempt: int, at: float) -> str:
     return f"{ATTEMPT_MARK}{attempt} started {stamp} ---"
 
 
-def start(
-    cmd: Command, log_path: Path, cwd: Path, attempt: int = 0, nice: int = 0
-) -> subprocess.Popen[bytes]:
-    """Start `cmd` in a new session (its own process group), output appended to `log_path`
-    after a line that marks the start of `attempt` (none when 0), `nice` steps below the
-    launcher's own CPU priority."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log:
-        if attempt:
-            log.write(f"{attempt_mark(attempt, time.time())}\n".encode())
-            log.flush()
-        popen = subprocess.Popen(
-            cmd.argv,
-            env=cmd.env_dict(),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=cwd,
-            start_new_session=True,
-            close_fds=True,
-        )
-    if nice:
-        lower_priority(popen.pid, nice)
-    return popen
-
-
 def lower_priority(pid: int, steps: int) -> None:
     """Raise the nice value of `pid` by `steps` (lowering a priority needs no privilege).
 
@@ -72,13 +51,257 @@ def lower_priority(pid: int, steps: int) -> None:
         os.setpriority(os.PRIO_PROCESS, pid, min(19, current + steps))
 
 
-def spawn(
-    cmd: Command, log_path: Path, cwd: Path, attempt: int = 0, nice: int = 0
-) -> tuple[subprocess.Popen[bytes], int]:
-    """`start` and the new process's start time (0 if it is already gone)."""
-    cwd.mkdir(parents=True, exist_ok=True)
-    popen = start(cmd, log_path, cwd, attempt, nice)
-    return popen, start_time(popen.pid) or 0
+class Child:
+    """A process this launcher started, and its exit status once it has ended (reaped here)."""
+
+    def __init__(self, pid: int, popen: subprocess.Popen[bytes] | None = None) -> None:
+        self.pid = pid
+        self.returncode: int | None = None  # as subprocess has it: -N for a signal
+        self.ended = False
+        self._popen = popen  # where subprocess started it: it reaps
+
+    def poll(self) -> int | None:
+        """The exit status if the process has ended (it is reaped then), else None."""
+        if self._popen is not None:
+            self.returncode = self._popen.poll()
+            self.ended = self.returncode is not None
+        elif not self.ended:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                # Reaped by someone else: it has ended, its status went with them.
+                self.ended = True
+            else:
+                if pid:
+                    self.ended = True
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+class Spawn:
+    """One process to start: `cmd` in a new session (its own process group) in `cwd`, stdin from
+    /dev/null, output appended to `log_path` after a line that marks the start of `attempt`
+    (none when 0), no descriptor of the launcher's, SIGPIPE and SIGXFSZ at their defaults.
+
+    Making it prepares everything; `run()` starts the process with libc's posix_spawn, called
+    through ctypes.CDLL, which lets go of the GIL while the kernel makes the child and the
+    child execs. On a machine whose cores are busy that takes tens of milliseconds, and
+    subprocess (like os.posix_spawn) holds the GIL all along, so every other task of the
+    launcher would wait. The quick libc calls around it go through ctypes.PyDLL, which keeps
+    the GIL: each release would be a hand-off to wait for. Where libc lacks what is needed
+    (glibc before 2.34), `run()` starts it with subprocess instead.
+    """
+
+    def __init__(self, cmd: Command, log_path: Path, cwd: Path, attempt: int = 0) -> None:
+        self.cmd = cmd
+        self.cwd = cwd
+        self.env = cmd.env_dict()
+        cwd.mkdir(parents=True, exist_ok=True)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log_path.open("ab")
+        self._actions: ctypes.Array[ctypes.c_char] | None = None
+        try:
+            if attempt:
+                self.log.write(f"{attempt_mark(attempt, time.time())}\n".encode())
+                self.log.flush()
+            self._libc = _spawn_libc()
+            if self._libc is not None:
+                self._path = os.fsencode(_executable(cmd.argv[0], self.env))
+                self._argv = _c_strings([os.fsencode(a) for a in cmd.argv])
+                self._envp = _c_strings([os.fsencode(k) + b"=" + os.fsencode(v) for k, v in self.env.items()])
+                self._actions = _file_actions(self._libc, self.log.fileno(), cwd)
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self) -> Child:
+        """Start it (blocking); OSError if it cannot be (a missing program, say)."""
+        if self._libc is None or self._actions is None:
+            return _popen(self.cmd.argv, self.env, self.log, self.cwd)
+        pid = ctypes.c_int()
+        # Called through ctypes.CDLL: the GIL is let go for the call.
+        code = self._libc.cdll.posix_spawn(
+            ctypes.byref(pid), self._path, self._actions, self._libc.attr, self._argv, self._envp
+        )
+        if code:
+            raise OSError(code, os.strerror(code), os.fsdecode(self._path))
+        return Child(pid.value)
+
+    def close(self) -> None:
+        if self._actions is not None and self._libc is not None:
+            self._libc.pydll.posix_spawn_file_actions_destroy(self._actions)
+            self._actions = None
+        self.log.close()
+
+    def __enter__(self) -> Spawn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def started(child: Child, nice: int = 0) -> int:
+    """Once `child` is started: `nice` steps below the launcher's own CPU priority, and its start
+    time (0 if it is already gone)."""
+    if nice:
+        lower_priority(child.pid, nice)
+    return start_time(child.pid) or 0
+
+
+def spawn(cmd: Command, log_path: Path, cwd: Path, attempt: int = 0, nice: int = 0) -> tuple[Child, int]:
+    """`Spawn` all in one call: the child and its start time."""
+    with Spawn(cmd, log_path, cwd, attempt) as s:
+        child = s.run()
+    return child, started(child, nice)
+
+
+def _executable(name: str, env: dict[str, str]) -> str:
+    """`name` as exec will find it: as given if it has a slash, else on the PATH of `env` (as
+    subprocess looks for it)."""
+    if os.sep in name:
+        return name
+    found = shutil.which(name, path=os.pathsep.join(os.get_exec_path(env)))
+    if found is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)
+    return found
+
+
+def _popen(argv: Sequence[str], env: dict[str, str], log: IO[bytes], cwd: Path) -> Child:
+    popen = subprocess.Popen(
+        argv,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=cwd,
+        start_new_session=True,
+        close_fds=True,
+    )
+    return Child(popen.pid, popen)
+
+
+# posix_spawn through libc. Flags and the sizes that hold glibc's and musl's opaque types.
+_SETSIGDEF = 0x04
+_SETSIGMASK = 0x08
+_SETSID = 0x80
+_OPAQUE = 1024  # posix_spawnattr_t is 336 bytes in glibc, posix_spawn_file_actions_t 80
+_SIGSET = 128  # sigset_t
+_NEEDED = (
+    "posix_spawn",
+    "posix_spawnattr_init",
+    "posix_spawnattr_setflags",
+    "posix_spawnattr_setsigmask",
+    "posix_spawnattr_setsigdefault",
+    "posix_spawn_file_actions_init",
+    "posix_spawn_file_actions_destroy",
+    "posix_spawn_file_actions_addopen",
+    "posix_spawn_file_actions_adddup2",
+    "posix_spawn_file_actions_addchdir_np",
+    "posix_spawn_file_actions_addclosefrom_np",
+    "sigemptyset",
+    "sigaddset",
+)
+# Tests set this to take the subprocess path.
+USE_POSIX_SPAWN = True
+
+
+class _Libc:
+    """libc twice: `cdll` lets go of the GIL during a call (for posix_spawn), `pydll` keeps it
+    (for the quick calls around it, so that none of them is a GIL hand-off). And the spawn
+    attributes every start shares, made once."""
+
+    def __init__(self) -> None:
+        self.cdll = ctypes.CDLL(None, use_errno=True)
+        self.pydll = ctypes.PyDLL(None, use_errno=True)
+        for name in _NEEDED:
+            getattr(self.pydll, name)
+        self.cdll.posix_spawn.argtypes = [
+            ctypes.POINTER(ctypes.c_int),
+            ctypes.c_char_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_char_p),
+            ctypes.POINTER(ctypes.c_char_p),
+        ]
+        self.pydll.posix_spawnattr_setflags.argtypes = [ctypes.c_void_p, ctypes.c_short]
+        self.pydll.posix_spawn_file_actions_addopen.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_char_p,
+            ctypes.c_int,
+            ctypes.c_uint,
+        ]
+        libc = self.pydll
+        self.attr = ctypes.create_string_buffer(_OPAQUE)
+        empty = ctypes.create_string_buffer(_SIGSET)
+        defaults = ctypes.create_string_buffer(_SIGSET)
+        _check(libc.posix_spawnattr_init(self.attr), "posix_spawnattr_init")
+        libc.sigemptyset(empty)
+        libc.sigemptyset(defaults)
+        # Python ignores SIGPIPE and SIGXFSZ; an engine gets them back as they are by default.
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+            libc.sigaddset(defaults, int(sig))
+        _check(libc.posix_spawnattr_setsigmask(self.attr, empty), "posix_spawnattr_setsigmask")
+        _check(libc.posix_spawnattr_setsigdefault(self.attr, defaults), "posix_spawnattr_setsigdefault")
+        _check(
+            libc.posix_spawnattr_setflags(self.attr, _SETSID | _SETSIGMASK | _SETSIGDEF),
+            "posix_spawnattr_setflags",
+        )
+
+
+_libc: _Libc | None = None
+_libc_missing = False
+
+
+def _spawn_libc() -> _Libc | None:
+    global _libc, _libc_missing
+    if not USE_POSIX_SPAWN or _libc_missing:
+        return None
+    if _libc is None:
+        try:
+            _libc = _Libc()
+        except (OSError, AttributeError):
+            _libc_missing = True
+            return None
+    return _libc
+
+
+def _c_strings(items: list[bytes]) -> ctypes.Array[ctypes.c_char_p]:
+    """A NULL-terminated array of C strings (argv, envp)."""
+    return (ctypes.c_char_p * (len(items) + 1))(*items, None)
+
+
+def _file_actions(libc: _Libc, log_fd: int, cwd: Path) -> ctypes.Array[ctypes.c_char]:
+    """stdin from /dev/null, stdout and stderr to `log_fd`, every other descriptor closed (those
+    this process inherited without close-on-exec too), then `cwd`."""
+    c = libc.pydll
+    actions = ctypes.create_string_buffer(_OPAQUE)
+    _check(c.posix_spawn_file_actions_init(actions), "posix_spawn_file_actions_init")
+    try:
+        _check(
+            c.posix_spawn_file_actions_addopen(actions, 0, b"/dev/null", os.O_RDONLY, 0),
+            "posix_spawn_file_actions_addopen",
+        )
+        for fd in (1, 2):
+            _check(
+                c.posix_spawn_file_actions_adddup2(actions, log_fd, fd), "posix_spawn_file_actions_adddup2"
+            )
+        _check(
+            c.posix_spawn_file_actions_addclosefrom_np(actions, 3), "posix_spawn_file_actions_addclosefrom_np"
+        )
+        _check(
+            c.posix_spawn_file_actions_addchdir_np(actions, os.fsencode(cwd)),
+            "posix_spawn_file_actions_addchdir_np",
+        )
+    except BaseException:
+        c.posix_spawn_file_actions_destroy(actions)
+        raise
+    return actions
+
+
+def _check(code: int, what: str) -> None:
+    if code:
+        raise OSError(code, f"{what}: {os.strerror(code)}")
 
 
 class NoPidfd(Exception):

@@ -1,18 +1,23 @@
 """What the launcher started, kept on disk so that its successor can adopt it.
 
 `Records` is the files; `RecordWriter` is how the running launcher writes
-them: in a worker thread (an fsync on the event loop stalls every other
-shard, heartbeat and status write behind one disk flush), in batches, and
-coalesced per shard (of several writes of one shard that wait together, only
-the newest reaches the disk). A batch's files are written and fsynced by a
-few threads side by side, so that the filesystem can commit their fsyncs
-together instead of one disk flush after another.
+them: in the launcher's file threads, in batches, and coalesced per shard (of
+several writes of one shard that wait together, only the newest is written).
+
+A record is replaced atomically (a new file renamed over the old one) but not
+fsynced. It is there for a launcher that restarts while its engines run on: a
+crash of the launcher leaves the kernel's page cache, so the successor reads
+every record that was written. Only a crash of the machine loses what was not
+flushed, and that takes the engines the records describe with it; a record
+torn by it is reported as unreadable and skipped. An fsync per record bought
+nothing, and cost the most exactly when a node is busiest: in a burst of 50
+engines starting on 2 cores, with nats-server fsyncing every message, every
+shard in a batch waited for the batch's last fsync before it could be `ready`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +26,8 @@ import msgspec
 from msgspec import Struct
 
 from llmgw_core.engines import ShardSpec
+
+from .workers import Workers
 
 
 class ProcRecord(Struct, frozen=True, kw_only=True):
@@ -51,22 +58,11 @@ class Records:
         return self.dir / f"{key}.json"
 
     def save(self, record: ShardRecord) -> None:
-        """Atomically: a crash mid-write leaves the previous record, never half a file."""
+        """Atomically: a launcher that dies mid-write leaves the previous record, never half a file."""
         path = self.path(record.key)
         tmp = path.with_suffix(".tmp")
-        with tmp.open("wb") as f:
-            f.write(msgspec.json.encode(record))
-            f.flush()
-            os.fsync(f.fileno())
+        tmp.write_bytes(msgspec.json.encode(record))
         tmp.replace(path)
-
-    def sync_dir(self) -> None:
-        """Make renames and unlinks in the directory durable."""
-        fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def remove(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -107,11 +103,9 @@ class RecordWriter:
     the others in the batch are unaffected.
     """
 
-    # Threads that write one batch's files side by side.
-    PARALLEL = 8
-
-    def __init__(self, records: Records) -> None:
+    def __init__(self, records: Records, workers: Workers | None = None) -> None:
         self.records = records
+        self.workers = workers or Workers()
         self._open = _Batch()
         self._writing = False
         self.batches = 0
@@ -152,27 +146,13 @@ class RecordWriter:
             raise RecordError(error)
 
     async def _write_batch(self, ops: dict[str, ShardRecord | None]) -> dict[str, str]:
-        """Every write of the batch, in up to PARALLEL worker threads, then one directory sync."""
-        errors: dict[str, str] = {}
-        items = list(ops.items())
-        chunks = [items[i :: self.PARALLEL] for i in range(min(self.PARALLEL, len(items)))]
-        async with anyio.create_task_group() as tg:
-            for chunk in chunks:
-                tg.start_soon(self._write_chunk, chunk, errors)
-        try:
-            await anyio.to_thread.run_sync(self.records.sync_dir)
-        except OSError as exc:
-            for key in ops:
-                errors.setdefault(key, f"cannot sync {self.records.dir}: {exc}")
-        return errors
+        """Every write of the batch, one after another in a file thread."""
+        return await self.workers.files(self._write, list(ops.items()))
 
-    async def _write_chunk(self, chunk: list[tuple[str, ShardRecord | None]], errors: dict[str, str]) -> None:
-        errors.update(await anyio.to_thread.run_sync(self._write, chunk))
-
-    def _write(self, chunk: list[tuple[str, ShardRecord | None]]) -> dict[str, str]:
+    def _write(self, batch: list[tuple[str, ShardRecord | None]]) -> dict[str, str]:
         """In a worker thread: these writes, one after another."""
         errors: dict[str, str] = {}
-        for key, record in chunk:
+        for key, record in batch:
             try:
                 if record is None:
                     self.records.remove(key)

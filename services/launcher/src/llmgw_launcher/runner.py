@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from llmgw_core.telemetry import context_from
 from . import procs
 from .health import HealthProber
 from .records import ProcRecord, RecordError, RecordWriter, ShardRecord
+from .workers import Workers
 
 log = logging.getLogger("llmgw.launcher")
 tracer = trace.get_tracer("llmgw.launcher")
@@ -81,6 +81,8 @@ class Context:
     environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     # Points an adapter at the build the installer installed, if any.
     refresh_engine: Callable[[str], Awaitable[None]] = field(default=lambda _name: _nothing())
+    # The threads that blocking work runs in (one for spawns, a few for files).
+    workers: Workers = field(default_factory=Workers)
 
 
 async def _nothing() -> None:
@@ -104,14 +106,16 @@ class Proc:
     pid: int
     start_time: int
     log: Path
-    popen: subprocess.Popen[bytes] | None = None
+    child: procs.Child | None = None  # None: adopted, not started by this launcher
 
     def exit_reason(self) -> str | None:
         """None while running; else how it ended."""
-        if self.popen is not None:
-            code = self.popen.poll()
+        if self.child is not None:
+            code = self.child.poll()
             if code is None:
-                return None
+                if not self.child.ended:
+                    return None
+                return f"{self.name} (pid {self.pid}) exited (its exit status was collected elsewhere)"
             if code < 0:
                 return f"{self.name} (pid {self.pid}) killed by signal {signal.Signals(-code).name}"
             return f"{self.name} (pid {self.pid}) exited with code {code}"
@@ -145,8 +149,17 @@ class ShardRunner:
         self.last_failure_at = 0.0
         self._owns_port = False
         self._leader_url = ""
+        self._secret_values: list[str] | None = None
 
     # --- publishing ----------------------------------------------------------
+
+    def _secrets(self) -> list[str]:
+        """The secret values of the shard's environment, found once: the spec and the launcher's
+        environment do not change under a runner, and matching every variable against the
+        secret patterns at each status was a tenth of the launcher's time in a burst."""
+        if self._secret_values is None:
+            self._secret_values = secret_values(self.spec.profile.env, self.ctx.environ)
+        return self._secret_values
 
     def _set(self, state: ShardState, reason: str = "", retryable: bool = True) -> None:
         self.state = state
@@ -157,7 +170,7 @@ class ShardRunner:
             # While retrying, say which attempt this is and why the last one ended.
             reason = f"attempt {self.restarts + 1}; last: {self.last_failure.summary}"
         # A reason may quote the engine's log, and an engine may print its environment.
-        secrets = secret_values(self.spec.profile.env, self.ctx.environ)
+        secrets = self._secrets()
         reason = scrub(reason, secrets)
         last_failure = scrub(self.last_failure.reason, secrets) if self.last_failure else ""
         status = ShardStatus(
@@ -342,13 +355,16 @@ class ShardRunner:
     async def _start(self, cmd: Command) -> Failure | None:
         log_path = self.ctx.state_dir / "logs" / self.key / f"{len(self.procs)}-{cmd.name}.log"
         workdir = self.ctx.state_dir / "run" / self.key
+        attempt, nice = self.restarts + 1, self.ctx.engine_nice
         try:
-            popen, started = await anyio.to_thread.run_sync(
-                procs.spawn, cmd, log_path, workdir, self.restarts + 1, self.ctx.engine_nice
+            # All of it in the spawning thread, the directories and the log included: on a
+            # node whose disk is busy, creating a file can wait for the filesystem's journal.
+            child, started = await self.ctx.workers.spawn(
+                lambda: procs.spawn(cmd, log_path, workdir, attempt, nice)
             )
         except OSError as exc:
             return Failure(f"cannot start {cmd.name} ({cmd.path}): {exc.strerror or exc}")
-        self.procs.append(Proc(cmd.name, popen.pid, started, log_path, popen))
+        self.procs.append(Proc(cmd.name, child.pid, started, log_path, child))
         return None
 
     def _first_exit(self) -> str | None:
@@ -362,7 +378,7 @@ class ShardRunner:
         """How a process ended, with the last lines of its log; `proc` is found by its reason if not given."""
         found = proc or next((p for p in self.procs if p.exit_reason() == reason), None)
         if found is not None:
-            lines = await anyio.to_thread.run_sync(self._attempt_tail, found.log)
+            lines = await self.ctx.workers.files(self._attempt_tail, found.log)
             if lines:
                 return Failure(f"{reason}; last log lines:\n" + "\n".join(lines))
         return Failure(reason)
@@ -426,7 +442,7 @@ class ShardRunner:
         return await self._until_exit(self._poll_until_healthy, self._leader_url + engine.health_path)
 
     async def _recorded_and_healthy(self, url: str) -> Failure | None:
-        """The record written while the engine loads, side by side: an fsync is no reason to wait
+        """The record written while the engine loads, side by side: a record write is no reason to wait
         before the first probe, but a shard is not ready before it is on disk."""
         failures: list[Failure | None] = []
         async with anyio.create_task_group() as tg:
@@ -484,20 +500,20 @@ class ShardRunner:
             except OSError:
                 continue
             if size > procs.LOG_LIMIT:
-                await anyio.to_thread.run_sync(procs.rotate_if_large, p.log)
+                await self.ctx.workers.files(procs.rotate_if_large, p.log)
 
     # --- stopping ------------------------------------------------------------------
 
     async def _kill_all(self) -> None:
         """SIGTERM every process group, SIGKILL what is left after the grace period, reap."""
         with anyio.CancelScope(shield=True):
-            live = await anyio.to_thread.run_sync(_live, self.procs)
+            live = await self.ctx.workers.files(_live, self.procs)
             for p in live:
                 procs.signal_group(p.pid, signal.SIGTERM)
             deadline = time.monotonic() + self.ctx.stop_grace_s
-            while time.monotonic() < deadline and await anyio.to_thread.run_sync(_any_lingers, live):
+            while time.monotonic() < deadline and await self.ctx.workers.files(_any_lingers, live):
                 await anyio.sleep(0.05)
-            for p in await anyio.to_thread.run_sync(_lingering, live):
+            for p in await self.ctx.workers.files(_lingering, live):
                 log.warning(
                     "shard %s: %s ignored SIGTERM for %gs; SIGKILL",
                     self.key,
@@ -505,7 +521,7 @@ class ShardRunner:
                     self.ctx.stop_grace_s,
                 )
                 procs.signal_group(p.pid, signal.SIGKILL)
-            while await anyio.to_thread.run_sync(_any_lingers, live):
+            while await self.ctx.workers.files(_any_lingers, live):
                 await anyio.sleep(0.05)
             if self._leader_url:
                 await self.ctx.prober.forget(self._leader_url)
@@ -531,7 +547,7 @@ class ShardRunner:
 async def _wait_exit(p: Proc) -> str:
     """Wait for `p` to end (a pidfd turning readable, or polling where there is none); how it ended."""
     try:
-        fd = procs.pidfd(p.pid, 0 if p.popen is not None else p.start_time)
+        fd = procs.pidfd(p.pid, 0 if p.child is not None else p.start_time)
     except procs.NoPidfd:
         while (reason := p.exit_reason()) is None:
             await anyio.sleep(EXIT_POLL_S)
@@ -541,7 +557,7 @@ async def _wait_exit(p: Proc) -> str:
             await anyio.wait_readable(fd)
         finally:
             os.close(fd)
-    if p.popen is None:
+    if p.child is None:
         # Adopted: not our child, so its exit status went to whoever reaped it.
         return f"{p.name} (pid {p.pid}) exited; an earlier launcher started it, so its exit status is unknown"
     # It has exited and is reaped here. The loop only guards against a kernel
@@ -564,8 +580,8 @@ def _any_lingers(ps: list[Proc]) -> bool:
 
 
 def _lingers(p: Proc) -> bool:
-    if p.popen is not None:
-        p.popen.poll()  # reap, so the group's leader is not a zombie forever
+    if p.child is not None:
+        p.child.poll()  # reap, so the group's leader is not a zombie forever
     return procs.group_alive(p.pid, p.start_time)
 
 

@@ -43,6 +43,7 @@ from .outbox import StatusOutbox
 from .reconcile import diff
 from .records import Records, RecordWriter
 from .runner import Context, ShardRunner
+from .workers import Workers
 
 log = logging.getLogger("llmgw.launcher")
 
@@ -114,7 +115,8 @@ class Launcher:
         state_dir = Path(config.state_dir).resolve()
         state_dir.mkdir(parents=True, exist_ok=True)
         self.records = Records(state_dir)
-        self.writer = RecordWriter(self.records)
+        self.workers = Workers()
+        self.writer = RecordWriter(self.records, self.workers)
         self.outbox = StatusOutbox(bus, self.node)
         self.prober = HealthProber(timeout_s=PROBE_TIMEOUT_S)
         self.handles: dict[str, Handle] = {}
@@ -129,6 +131,7 @@ class Launcher:
         self.metrics_registry.register(Collect(self._metrics))
         add_bus(self.metrics_registry, bus)
         self._lock = anyio.Lock()
+        self._changed = anyio.Event()  # set when `desired` changed since the last reconcile
         self._refreshed: dict[str, float] = {}
         self.ctx = Context(
             node=self.node,
@@ -148,6 +151,7 @@ class Launcher:
             health_interval_s=config.health_interval_s,
             engine_nice=config.engine_nice,
             refresh_engine=self._refresh_engine,
+            workers=self.workers,
         )
 
     async def _refresh_engine(self, name: str) -> None:
@@ -164,7 +168,7 @@ class Launcher:
         if now - self._refreshed.get(name, -ENGINE_REFRESH_S) < ENGINE_REFRESH_S:
             return
         self._refreshed[name] = now
-        build = (await anyio.to_thread.run_sync(installed, self.config.state_dir)).get(name)
+        build = (await self.workers.files(installed, self.config.state_dir)).get(name)
         if build is not None:
             self.ctx.registry.use_installed(name, build.bin_dir)
 
@@ -204,7 +208,7 @@ class Launcher:
                 await self.prober.aclose()
 
     async def _run(self, task_status: anyio.abc.TaskStatus[None]) -> None:
-        records, problems = await anyio.to_thread.run_sync(self.records.load_all)
+        records, problems = await self.workers.files(self.records.load_all)
         for problem in problems:
             log.warning("%s", problem)
         for key, record in records.items():
@@ -226,18 +230,31 @@ class Launcher:
                     self.config.launcher_metrics_port,
                 )
             await tg.start(self._serve_logs)
+            tg.start_soon(self._reconcile_on_change)
             task_status.started()
+            # The watch only records what is desired and wakes the reconciler: specs that
+            # arrive together are taken together, without a turn of the event loop between
+            # them (on a saturated machine a turn takes a tenth of a second or more), and
+            # are reconciled in one pass.
             async for change in self.bus.watch(self.bus.names.shards_bucket, ShardSpec, pattern):
                 if change.value is None:
                     self.desired.pop(change.key, None)
                 else:
                     self.desired[change.key] = change.value
-                await self.reconcile()
+                self._changed.set()
+
+    async def _reconcile_on_change(self) -> None:
+        while True:
+            await self._changed.wait()
+            self._changed = anyio.Event()
+            await self.reconcile()
 
     async def reconcile(self) -> None:
         async with self._lock:
+            # A snapshot: the watch goes on changing `desired` while a stop is awaited here.
+            desired = dict(self.desired)
             observed = {k: h.spec for k, h in self.handles.items()}
-            d = diff(self.desired, observed)
+            d = diff(desired, observed)
             if d:
                 log.info(
                     "reconcile %s: +%s -%s ~%s",
@@ -250,9 +267,9 @@ class Launcher:
                 await self._stop(key)
             for key in d.changed:
                 await self._stop(key)
-                self._start(key, self.desired[key])
+                self._start(key, desired[key])
             for key in d.added:
-                self._start(key, self.desired[key])
+                self._start(key, desired[key])
             # Adopted shards that are still desired as they are: supervise them.
             for handle in self.handles.values():
                 if not handle.started:
@@ -354,7 +371,7 @@ class Launcher:
                 error=f"no shard {request.shard} on node {self.node} "
                 f"(its shards: {', '.join(here) or 'none'})",
             )
-        logs = await anyio.to_thread.run_sync(_process_logs, self.ctx.state_dir / "logs" / key)
+        logs = await self.workers.files(_process_logs, self.ctx.state_dir / "logs" / key)
         names = tuple(logs)
         if not names:
             return ShardLogs(
@@ -370,7 +387,7 @@ class Launcher:
                 error=f"shard {request.shard} has no process {process!r} (its processes: {', '.join(names)})",
             )
         start = request.offset if request.offset >= 0 else 0
-        lines, offset = await anyio.to_thread.run_sync(procs.read_from, path, start, LOGS_REPLY_BYTES)
+        lines, offset = await self.workers.files(procs.read_from, path, start, LOGS_REPLY_BYTES)
         if request.offset < 0 and request.tail:
             lines = lines[-request.tail :]
         # An engine may print its environment: the secrets in it are not for the reader.
