@@ -1,8 +1,8 @@
 """What the launcher started, kept on disk so that its successor can adopt it.
 
 `Records` is the files; `RecordWriter` is how the running launcher writes
-them: in the launcher's file threads, in batches, and coalesced per shard (of
-several writes of one shard that wait together, only the newest is written).
+them: in the launcher's file threads, and coalesced per shard (of several
+writes of one shard that wait together, only the newest is written).
 
 A record is replaced atomically (a new file renamed over the old one) but not
 fsynced. It is there for a launcher that restarts while its engines run on: a
@@ -91,16 +91,22 @@ class _Batch:
     # key -> the record to write, or None to remove it
     ops: dict[str, ShardRecord | None] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
-    done: anyio.Event = field(default_factory=anyio.Event)
+    # key -> set once that key's write is done: a shard waits for its own file, not the batch
+    done: dict[str, anyio.Event] = field(default_factory=dict)
 
 
 class RecordWriter:
-    """`await writer.save(record)` returns once the record (or a newer one of its shard) is on disk.
+    """`await writer.save(record)` returns once the record (or a newer one of its shard) is written.
 
     Writes wait in an open batch while one batch is being written; the task
-    that finds no write in progress writes batches until none is left. A
-    write that fails raises RecordError in every task that waited on it;
-    the others in the batch are unaffected.
+    that finds no write in progress writes batches until none is left. The
+    files of a batch are written side by side in the file threads, and each
+    waiter returns when its own file is written: on a busy disk creating a
+    file can wait for the filesystem's journal, and fifty shards waiting for
+    the batch's last file all went `ready` at once, seconds late. A write that
+    fails raises RecordError in the task that waited on it; the others are
+    unaffected. One shard's writes never overlap: a newer one waits for the
+    next batch.
     """
 
     def __init__(self, records: Records, workers: Workers | None = None) -> None:
@@ -120,6 +126,7 @@ class RecordWriter:
     async def _submit(self, key: str, record: ShardRecord | None) -> None:
         batch = self._open
         batch.ops[key] = record
+        done = batch.done.setdefault(key, anyio.Event())
         if not self._writing:
             self._writing = True
             # Shielded: the waiters of this batch and of the ones queued
@@ -128,36 +135,31 @@ class RecordWriter:
                 try:
                     while self._open.ops:
                         current, self._open = self._open, _Batch()
-                        try:
-                            current.errors = await self._write_batch(current.ops)
-                        except Exception as exc:  # a bug here costs these writes, not the launcher
-                            current.errors = {
-                                k: f"cannot write the shard record of {k}: {exc}" for k in current.ops
-                            }
-                        finally:
-                            current.done.set()
+                        async with anyio.create_task_group() as tg:
+                            for k, r in current.ops.items():
+                                tg.start_soon(self._write_one, current, k, r)
                         self.batches += 1
                         self.writes += len(current.ops)
                 finally:
                     self._writing = False
-        await batch.done.wait()
+        await done.wait()
         error = batch.errors.get(key)
         if error is not None:
             raise RecordError(error)
 
-    async def _write_batch(self, ops: dict[str, ShardRecord | None]) -> dict[str, str]:
-        """Every write of the batch, one after another in a file thread."""
-        return await self.workers.files(self._write, list(ops.items()))
+    async def _write_one(self, batch: _Batch, key: str, record: ShardRecord | None) -> None:
+        try:
+            await self.workers.files(self._write, key, record)
+        except OSError as exc:
+            batch.errors[key] = f"cannot write the shard record {self.records.path(key)}: {exc}"
+        except Exception as exc:  # a bug here costs this write, not the launcher
+            batch.errors[key] = f"cannot write the shard record of {key}: {exc}"
+        finally:
+            batch.done[key].set()
 
-    def _write(self, batch: list[tuple[str, ShardRecord | None]]) -> dict[str, str]:
-        """In a worker thread: these writes, one after another."""
-        errors: dict[str, str] = {}
-        for key, record in batch:
-            try:
-                if record is None:
-                    self.records.remove(key)
-                else:
-                    self.records.save(record)
-            except OSError as exc:
-                errors[key] = f"cannot write the shard record {self.records.path(key)}: {exc}"
-        return errors
+    def _write(self, key: str, record: ShardRecord | None) -> None:
+        """In a file thread."""
+        if record is None:
+            self.records.remove(key)
+        else:
+            self.records.save(record)
