@@ -754,14 +754,7 @@ class Bus:
                 done.set()
 
         epoch = self.reconnects
-        sub = await self.js.subscribe(
-            prefix + keys,
-            stream=f"KV_{bucket}",
-            cb=on_msg,
-            ordered_consumer=True,
-            deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
-            inactive_threshold=300,
-        )
+        sub = await self._last_per_key(bucket, keys, on_msg)
         try:
             info = await sub.consumer_info()
             if info.num_pending == 0 and sub.delivered == 0:
@@ -775,6 +768,20 @@ class Bus:
             with anyio.CancelScope(shield=True), contextlib.suppress(nats.errors.Error, OSError):
                 await sub.unsubscribe()
         return found
+
+    async def _last_per_key(
+        self, bucket: str, keys: str, on_msg: Callable[[Msg], Awaitable[None]]
+    ) -> JetStreamContext.PushSubscription:
+        """An ordered consumer of `bucket`'s keys matching `keys`: each key's last message, then
+        every new one, to `on_msg`."""
+        return await self.js.subscribe(
+            f"$KV.{bucket}.{keys}",
+            stream=f"KV_{bucket}",
+            cb=on_msg,
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+            inactive_threshold=300,
+        )
 
     async def _kv_value(self, bucket: str, key: str, data: bytes, kind: type[T]) -> T | None:
         """A key's value, or None (dead-lettered) when it is empty or does not decode."""
@@ -994,14 +1001,7 @@ class Bus:
 
             try:
                 await self.kv(bucket)  # the bucket exists, and this identity may read it
-                sub = await self.js.subscribe(
-                    prefix + keys,
-                    stream=f"KV_{bucket}",
-                    cb=on_msg,
-                    ordered_consumer=True,
-                    deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
-                    inactive_threshold=300,
-                )
+                sub = await self._last_per_key(bucket, keys, on_msg)
             except PermissionDenied as exc:  # a configuration error: retrying cannot help
                 raise BusError(f"{self.service}: cannot watch {bucket} {keys}: {exc}") from exc
             except (nats.errors.Error, OSError, BusError) as exc:
