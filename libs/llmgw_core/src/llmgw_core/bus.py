@@ -51,6 +51,8 @@ T = TypeVar("T", bound=msgspec.Struct)
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 KV_OPS_DELETE = ("DEL", "PURGE")
+# A watch lets its caller's other tasks turn after this many messages taken in one run.
+WATCH_TURN_EVERY = 64
 
 
 def transient(exc: BaseException) -> bool:
@@ -757,8 +759,11 @@ class Bus:
         sub = await self._last_per_key(bucket, keys, on_msg)
         try:
             info = await sub.consumer_info()
-            if info.num_pending == 0 and sub.delivered == 0:
-                done.set()  # an empty bucket, or no key matches
+            # Nothing left and nothing ever sent, by the server's count: an empty bucket, or
+            # no key matches. (What this client has taken so far is no measure: on a busy
+            # machine the server may have sent every key before the first is taken.)
+            if info.num_pending == 0 and (info.delivered is None or info.delivered.consumer_seq == 0):
+                done.set()
             while not done.is_set():
                 with anyio.move_on_after(1.0):
                     await done.wait()
@@ -985,9 +990,12 @@ class Bus:
         on two cores a turn takes a tenth of a second and more, and fifty shard
         specs that reached a launcher at once came out of its watch over 9 s.
         A caller that wants the same should not wait on the loop per change either.
+        After every WATCH_TURN_EVERY messages the loop turns once, so that a long run
+        (thousands of shard statuses) does not hold the caller's other tasks back.
         """
         prefix = f"$KV.{bucket}."
         seen: dict[str, int] = {}
+        taken = 0
         while True:
             epoch = self.reconnects
             inbox: deque[Msg] = deque()
@@ -1019,6 +1027,10 @@ class Bus:
                                 break  # open it again: what changed meanwhile comes out then
                             continue
                     msg = inbox.popleft()
+                    taken += 1
+                    if taken % WATCH_TURN_EVERY == 0:
+                        # A long run of messages still lets the caller's other tasks turn.
+                        await anyio.lowlevel.checkpoint()
                     key = msg.subject[len(prefix) :]
                     rev = msg.metadata.sequence.stream
                     if rev <= seen.get(key, 0):
