@@ -140,19 +140,14 @@ class Spawn:
         self.close()
 
 
-def started(child: Child, nice: int = 0) -> int:
-    """Once `child` is started: `nice` steps below the launcher's own CPU priority, and its start
-    time (0 if it is already gone)."""
-    if nice:
-        lower_priority(child.pid, nice)
-    return start_time(child.pid) or 0
-
-
 def spawn(cmd: Command, log_path: Path, cwd: Path, attempt: int = 0, nice: int = 0) -> tuple[Child, int]:
-    """`Spawn` all in one call: the child and its start time."""
+    """`Spawn` all in one call, the child then `nice` steps below the launcher's own CPU
+    priority: the child and its start time (0 if it is already gone)."""
     with Spawn(cmd, log_path, cwd, attempt) as s:
         child = s.run()
-    return child, started(child, nice)
+    if nice:
+        lower_priority(child.pid, nice)
+    return child, start_time(child.pid) or 0
 
 
 def _executable(name: str, env: dict[str, str]) -> str:

@@ -40,7 +40,6 @@ _Job = tuple[Callable[[], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"
 class Workers:
     def __init__(self, file_threads: int = FILE_THREADS, spawn_threads: int = SPAWN_THREADS) -> None:
         self._files = CapacityLimiter(file_threads)
-        self.file_threads = file_threads
         self.spawn_threads = spawn_threads
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._lock = threading.Lock()
