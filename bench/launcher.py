@@ -209,7 +209,8 @@ class Cluster:
                 "state_dir": str(self.root / NODE),
                 "nats": {"url": self.url, "prefix": self.prefix, "insecure": True},
                 "simulate": {"gpu_count": GPUS},
-                "port_range": [41000, 41999],
+                # Apart from the kernel's ephemeral ports (see ephemeral_overlap).
+                "port_range": [30000, 30999],
                 "heartbeat_interval_s": HEARTBEAT_S,
                 "health_interval_s": HEALTH_S,
                 "stop_grace_s": 5.0,

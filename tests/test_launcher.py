@@ -18,6 +18,7 @@ from llmgw_core.access import prepare_node
 from llmgw_core.bus import Bus
 from llmgw_core.events import ShardStatus
 from llmgw_launcher import diff
+from llmgw_launcher.procs import autogroup
 from tests.launcher_support import (
     agent_config,
     pid_alive,
@@ -74,6 +75,14 @@ async def test_a_sim_shard_goes_ready_and_answers(
         assert len(ready.pids) == 1
         # The engine, every thread of it, runs `engine_nice` steps below the launcher.
         assert thread_nices(ready.pids[0]) == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)}
+        # Where the kernel shares the CPU between sessions first (autogroups), the engine's
+        # session is lowered too, below the one the launcher runs in.
+        mine = autogroup("self")
+        if mine is not None:
+            theirs = autogroup(str(ready.pids[0]))
+            assert theirs is not None
+            assert theirs[0] != mine[0]
+            assert theirs[1] == min(19, mine[1] + 5)
         stored = await bus.get(bus.names.shard_status_bucket, "node-a.s1", ShardStatus)
         assert stored is not None
         assert stored[0].state == "ready"

@@ -26,6 +26,7 @@ from llmgw_core.events import ShardStatus, decoder
 from llmgw_launcher import procs
 from llmgw_launcher.health import HealthProber, parse_head
 from llmgw_launcher.records import Records, RecordWriter, ShardRecord
+from llmgw_launcher.service import ephemeral_overlap
 from llmgw_launcher.workers import Workers
 from tests.launcher_support import (
     agent_config,
@@ -415,6 +416,48 @@ def test_a_spawned_engine_reports_how_it_ended_and_a_missing_program_says_so(
         with pytest.raises(FileNotFoundError) as raised:
             procs.spawn(Command(name="eng", path=path, args=(), env=env), log, tmp_path)
         assert raised.value.filename == path
+
+
+def test_an_engine_runs_below_the_launcher_in_its_own_session_too(tmp_path: Path, spawn_path: str) -> None:
+    """Where the kernel shares the CPU between sessions before threads (autogroups), a nice
+    value alone would leave each engine weighing as much as the whole launcher."""
+    mine = procs.autogroup("self")
+    if mine is None:
+        pytest.skip("this kernel schedules without autogroups: a process's nice value is all there is")
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    child, _ = procs.spawn(
+        Command(name="eng", path="sleep", args=("30",), env=(("PATH", os.defpath),)),
+        tmp_path / "eng.log",
+        tmp_path,
+        nice=3,
+    )
+    try:
+        theirs = procs.autogroup(str(child.pid))
+        assert theirs is not None
+        assert theirs[0] != mine[0]
+        assert theirs[1] == min(19, mine[1] + 3)
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == min(19, before + 3)
+        # The launcher's own session and priority are left as they were.
+        assert procs.autogroup("self") == mine
+        assert os.getpriority(os.PRIO_PROCESS, 0) == before
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+        child.poll()
+
+
+def test_a_port_range_among_the_kernels_ephemeral_ports_is_called_out(tmp_path: Path) -> None:
+    source = tmp_path / "ip_local_port_range"
+    source.write_text("32768\t60999\n")
+    warning = ephemeral_overlap((41000, 41999), source)
+    assert warning is not None
+    assert "port_range 41000-41999" in warning
+    assert "32768-60999" in warning
+    assert "net.ipv4.ip_local_port_range" in warning
+    assert ephemeral_overlap((32000, 32768), source) is not None
+    assert ephemeral_overlap((20000, 29999), source) is None
+    assert ephemeral_overlap((61000, 61999), source) is None
+    assert ephemeral_overlap((41000, 41999), tmp_path / "missing") is None
 
 
 async def test_spawn_jobs_run_in_their_threads_and_each_caller_gets_its_own_outcome() -> None:

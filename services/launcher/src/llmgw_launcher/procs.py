@@ -42,13 +42,35 @@ def attempt_mark(attempt: int, at: float) -> str:
 def lower_priority(pid: int, steps: int) -> None:
     """Raise the nice value of `pid` by `steps` (lowering a priority needs no privilege).
 
-    Popen returns as soon as the exec succeeded, before the engine has started any
+    Called as soon as the exec succeeded, before the engine has started any
     thread of its own, so every thread and child process it makes inherits the value.
     A process already gone is left alone.
+
+    Where Linux schedules by autogroup (`/proc/sys/kernel/sched_autogroup_enabled`,
+    on by default in most distributions for processes outside a cpu cgroup), the
+    CPU is shared between sessions first, and a nice value only orders the threads
+    within a session. An engine leads a session of its own, so its session's nice
+    is raised too: without it, every engine would weigh as much as the whole launcher.
     """
+    if steps <= 0:
+        return
     with contextlib.suppress(ProcessLookupError):
         current = os.getpriority(os.PRIO_PROCESS, pid)
         os.setpriority(os.PRIO_PROCESS, pid, min(19, current + steps))
+    mine, theirs = autogroup("self"), autogroup(str(pid))
+    if mine is None or theirs is None or theirs[0] == mine[0]:
+        return  # no autogroups here, or the same session as the launcher's: its own nice is not touched
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/autogroup").write_text(f"{min(19, mine[1] + steps)}\n")
+
+
+def autogroup(pid: str) -> tuple[str, int] | None:
+    """The autogroup of `pid` (a number or "self") and its nice value, None where there is none."""
+    try:
+        name, _, nice = Path(f"/proc/{pid}/autogroup").read_text().split()
+        return name, int(nice)
+    except (OSError, ValueError):
+        return None
 
 
 class Child:

@@ -211,6 +211,9 @@ class Launcher:
         records, problems = await self.workers.files(self.records.load_all)
         for problem in problems:
             log.warning("%s", problem)
+        overlap = ephemeral_overlap(self.config.port_range)
+        if overlap:
+            log.warning("%s", overlap)
         for key, record in records.items():
             self._ports_in_use.add(record.port)
             self.handles[key] = Handle(key, record.spec, ShardRunner(key, record.spec, self.ctx, record))
@@ -436,3 +439,23 @@ class Launcher:
             "llmgw_launcher_status_batches", "Batches of shard statuses sent to the bus.", self.outbox.batches
         )
         yield counter("llmgw_launcher_statuses", "Shard statuses sent to the bus.", self.outbox.sent)
+
+
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_overlap(port_range: tuple[int, int], source: Path = EPHEMERAL_PORTS) -> str | None:
+    """Why engine ports from `port_range` may be found taken: the kernel hands the same ports to
+    outgoing connections (a health probe's, a client's) as their local ends. None if they are apart."""
+    try:
+        low, high = map(int, source.read_text().split())
+    except (OSError, ValueError):
+        return None
+    first, last = port_range
+    if last < low or first > high:
+        return None
+    return (
+        f"port_range {first}-{last} overlaps the ports the kernel gives outgoing connections "
+        f"({low}-{high}, net.ipv4.ip_local_port_range): an engine can find its port held by one "
+        "and fail to start; set a port_range outside it"
+    )
