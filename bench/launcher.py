@@ -5,7 +5,8 @@ one node agent (installer + launcher, 64 simulated GPUs) and sim engines at `--l
    first 200 on /health (probed every 0.1 s, as the launcher probes a loading engine).
 2. The burst: N one-replica deployments written at once, each timed from its write to the
    replica's `ready` event (placement's verdict), to its shard's `starting` and `ready`; the
-   launcher's heartbeat gaps seen by a subscriber; a py-spy profile of the launcher.
+   launcher's heartbeat gaps seen by a subscriber. Then a py-spy profile of the launcher in a
+   second burst of the same size, untimed (the profiler's CPU would weigh on the first).
 3. The floor again, so that load that came and went on the shared machine weighs on both sides.
 4. Idle: M ready shards on the node, written straight into the shards bucket (placement stopped):
    the launcher's CPU over a window, the CPU of one probe (httpx's pooled client against the
@@ -499,9 +500,6 @@ async def _run(
         f["load"].append(load())
 
         # The burst.
-        profile_path = root / "burst.pyspy"
-        spy = start_profile(launcher_pid, profile_path)
-        await anyio.sleep(1.0 if spy else 0)  # py-spy attaches
         names = [f"d{i:03d}" for i in range(n)]
         put_at: dict[str, float] = {}
         others = {"placement": cluster.procs["placement"].pid, "installer": cluster.procs["installer"].pid}
@@ -525,7 +523,6 @@ async def _run(
         )
         f["cpu_burst"] = cpu_seconds(launcher_pid) - cpu0
         f["cpu_others"] = {k: cpu_seconds(pid) - others0[k] for k, pid in others.items()}
-        stop_profile(spy)
         f["load"].append(load())
         f["deploy_ready"] = [watch.replica_ready[d] - put_at[d] for d in names]
         shard_of = watch.shard_of
@@ -537,15 +534,36 @@ async def _run(
         f["burst_s"] = t1 - t0
         f["beats_burst"] = watch.beat_gaps(t0, t1)
         f["bystander_burst"] = bystander_gaps(bystander_out, t0, t1)
-        f["profile"] = read_profile(profile_path, launcher_pid, t1 - t0) if spy else None
 
-        # Gone again, and the floor a second time.
+        async def gone(names: list[str]) -> None:
+            async with anyio.create_task_group() as tg:
+                for name in names:
+                    tg.start_soon(bus.delete, bus.names.deployments_bucket, name)
+            await until(
+                lambda: all(watch.shard_last[watch.shard_of[d]].state == "stopped" for d in names),
+                120,
+                "burst stopped",
+            )
+
+        await gone(names)
+
+        # The profile, from a burst of its own, untimed: py-spy's sampling takes CPU, which the
+        # control plane has before the engines (they run below it) and the floor has no share of.
+        profile_path = root / "burst.pyspy"
+        spy = start_profile(launcher_pid, profile_path)
+        await anyio.sleep(1.0 if spy else 0)  # py-spy attaches
+        profiled = [f"p{i:03d}" for i in range(n)]
+        t3 = time.perf_counter()
         async with anyio.create_task_group() as tg:
-            for name in names:
-                tg.start_soon(bus.delete, bus.names.deployments_bucket, name)
-        await until(
-            lambda: all(watch.shard_last[shard_of[d]].state == "stopped" for d in names), 120, "burst stopped"
-        )
+            for name in profiled:
+                tg.start_soon(deploy, name)
+        await until(lambda: all(d in watch.replica_ready for d in profiled), 300, "the profiled burst ready")
+        t4 = time.perf_counter()
+        stop_profile(spy)
+        f["profile"] = read_profile(profile_path, launcher_pid, t4 - t3) if spy else None
+        await gone(profiled)
+
+        # The floor a second time.
         cluster.stop("placement")
         cluster.stop("installer")
         f["floor"] += await floor(n, root, floors)
@@ -690,11 +708,12 @@ def render(f: dict[str, Any], n: int, idle_n: int, quick: bool) -> str:
     if prof is not None and prof.samples:
         lines += [
             "",
-            f"Profile of the launcher during the burst (py-spy, 100 Hz, `--nonblocking`, main thread = the "
-            f"event loop): not idle in {prof.samples} of {prof.expected} samples "
+            f"Profile of the launcher during a second burst of {n}, untimed (py-spy, 100 Hz, "
+            f"`--nonblocking`, main thread = the event loop): not idle in {prof.samples} of "
+            f"{prof.expected} samples "
             f"({100 * prof.samples / max(1, prof.expected):.0f}%). py-spy samples wall-clock time: a thread "
-            "that is runnable but waiting for a CPU (or for the GIL after a system call) counts as busy, so "
-            "on a saturated machine this share is mostly waiting; the CPU figure above is the work. Top "
+            "that is runnable but waiting for a CPU (or for the GIL after a system call) counts as busy; the "
+            "CPU figure above is the work. Top "
             "functions by samples they were on the stack for (inclusive, the loop's own plumbing left out), "
             "then by samples in the function itself:",
             "",
