@@ -92,9 +92,10 @@ class AgentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
     restart_backoff_cap_s: float = 60.0
     health_interval_s: float = 1.0
     # Engines run this many nice steps below the node agent (0: at its own priority),
-    # for a node whose engines may keep every core busy while other work on it must
-    # stay responsive. Engines compete among themselves the same either way.
-    engine_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 0
+    # their sessions too, so that engines keeping every core busy cannot starve the
+    # agent's heartbeats, probes and stops; engines lose only the little CPU the agent
+    # uses. Engines compete among themselves the same either way.
+    engine_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
     # Prometheus /metrics of each agent on mgmt_addr; 0 turns it off (the default,
     # so that several simulated nodes can share one machine).
     installer_metrics_port: int = 0
