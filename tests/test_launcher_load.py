@@ -26,6 +26,7 @@ from llmgw_core.events import ShardStatus, decoder
 from llmgw_launcher import procs
 from llmgw_launcher.health import HealthProber, parse_head
 from llmgw_launcher.records import Records, RecordWriter, ShardRecord
+from llmgw_launcher.runner import next_tick
 from llmgw_launcher.service import ephemeral_overlap
 from llmgw_launcher.workers import Workers
 from tests.launcher_support import (
@@ -444,6 +445,17 @@ def test_an_engine_runs_below_the_launcher_in_its_own_session_too(tmp_path: Path
         os.kill(child.pid, signal.SIGKILL)
         os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
         child.poll()
+
+
+def test_ready_shards_probe_on_one_node_wide_beat() -> None:
+    # Shards that went ready at different moments probe at the same instants: a
+    # hundred answers come back in a few turns of the loop, not a hundred wakes.
+    ticks = {next_tick(at, 1.0) for at in (100.02, 100.5, 100.99)}
+    assert ticks == {101.0}
+    assert next_tick(101.0, 1.0) == 102.0  # strictly later: a beat is not probed twice
+    assert next_tick(7.3, 0.25) == 7.5
+    # A probe that overran several beats resumes at the next one, without a catch-up burst.
+    assert next_tick(max(101.0, 103.4), 1.0) == 104.0
 
 
 def test_a_port_range_among_the_kernels_ephemeral_ports_is_called_out(tmp_path: Path) -> None:
