@@ -35,12 +35,23 @@ def machine() -> str:
     return f"{system}, {os.cpu_count()} cores ({cpu}), {mem}, Python {platform.python_version()}"
 
 
+MODULES = (durability, auth, bus, install, placement, fleet, heartbeats, scale, launcher)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("--quick", action="store_true", help="smaller runs (for a smoke check)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=[m.__name__.removeprefix("bench.") for m in MODULES],
+        help="run this section alone (repeatable) and replace only its part of BENCHMARKS.md, "
+        "stamped with its own date, commit and machine",
+    )
     args = parser.parse_args()
+    modules = [m for m in MODULES if not args.only or m.__name__.removeprefix("bench.") in args.only]
     sections = []
-    for module in (durability, auth, bus, install, placement, fleet, heartbeats, scale, launcher):
+    for module in modules:
         name = module.__name__
         started = time.monotonic()
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
@@ -52,19 +63,44 @@ def main() -> int:
         print(f"bench: {name} took {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout
+    ).stdout.strip()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    path = ROOT / "BENCHMARKS.md"
+    if args.only:
+        text = path.read_text() if path.exists() else ""
+        for section in sections:
+            title, _, body = section.partition("\n")
+            stamp = (
+                f"Run on its own by `python -m bench --only` on {when}, commit {commit}, on {machine()}; "
+                "the sections without such a line come from the run named at the top."
+            )
+            text = replace_section(text, title, f"{title}\n\n{stamp}\n{body}")
+        print("\n".join(sections))
+        path.write_text(text)
+        return 0
     header = (
         "# Benchmarks\n\n"
-        f"Written by `just bench` on {when}, commit {commit.strip()}.\n"
+        f"Written by `just bench` on {when}, commit {commit}.\n"
         f"Machine: {machine()}.\n"
         "Each figure is compared with a baseline measured in the same run: "
         "the machines are shared and noisy.\n"
     )
     text = header + "\n" + "\n".join(sections)
     print(text)
-    (ROOT / "BENCHMARKS.md").write_text(text)
+    path.write_text(text)
     return 0
+
+
+def replace_section(text: str, title: str, section: str) -> str:
+    """`text` with the section headed `title` (up to the next `## ` heading) replaced by `section`,
+    or `section` added at the end where there is none."""
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip("\n") == title), None)
+    if start is None:
+        return text.rstrip("\n") + "\n\n" + section
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    rest = "".join(lines[end:])
+    return "".join(lines[:start]) + section.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
 
 
 if __name__ == "__main__":
