@@ -167,8 +167,7 @@ def spawn(cmd: Command, log_path: Path, cwd: Path, attempt: int = 0, nice: int =
     priority: the child and its start time (0 if it is already gone)."""
     with Spawn(cmd, log_path, cwd, attempt) as s:
         child = s.run()
-    if nice:
-        lower_priority(child.pid, nice)
+    lower_priority(child.pid, nice)
     return child, start_time(child.pid) or 0
 
 
