@@ -4,7 +4,9 @@ do not run them; and rechecks, which never take an installed engine away."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -310,6 +312,20 @@ async def test_a_node_whose_driver_is_older_than_every_cuda_build_says_so_and_ta
         assert stored is not None
         assert stored[0].engines == status.engines
 
+        # What the operator reads: the tag engines: names, what llama-server says, the CPU build.
+        nodes = await ctl(nats_url, prefix, "get", "nodes")
+        assert "llamacpp b11434 (installed; 0.6.0-dev; CPU build only)" in nodes, nodes
+        assert f"llamacpp b11434: CPU build only: {OLD_DRIVER_WORDS}" in nodes, nodes
+        described = await ctl(nats_url, prefix, "describe", "node", "node-a")
+        [row] = [line for line in described.splitlines() if line.strip().startswith("llamacpp ")]
+        assert re.split(r"\s{2,}", row.strip()) == [
+            "llamacpp",
+            "b11434",
+            "0.6.0-dev (build 11434, commit 6a5e2f1)",
+            "installed",
+            f"CPU build only: {OLD_DRIVER_WORDS}",
+        ], described
+
         # Placement: GPU profiles of llama.cpp refused in the node's words, CPU ones placed.
         dep = Deployment(name="chat", profile="qwen-7b", replicas=1, pool="default")
         refused = decide(dep, llama_profile(), [view_of(status)])
@@ -336,6 +352,20 @@ async def test_a_node_whose_driver_is_older_than_every_cuda_build_says_so_and_ta
         "(CUDA 12.2 when the CPU build was chosen)"
         for e in events
     )
+
+
+CTL = [sys.executable, "-c", "import sys; from llmgw.cli import main; sys.exit(main())", "ctl"]
+
+
+async def ctl(nats_url: str, prefix: str, *args: str) -> str:
+    """`llmgw ctl`, run as the operator runs it."""
+    done = await anyio.run_process(
+        [*CTL, "--prefix", prefix, *args],
+        env={**os.environ, "LLMGW_NATS_URL": nats_url},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout.decode()
 
 
 # --- rechecks ----------------------------------------------------------------------------------

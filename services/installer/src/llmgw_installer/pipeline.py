@@ -349,7 +349,9 @@ class Installation:
             shutil.rmtree(staging, ignore_errors=True)
         cpu_only = f"; CPU build only: {build.cpu_only}" if build.cpu_only else ""
         await self.step(
-            "installed", f"installed {self.name} {self.tag} ({version}) in {bin_dir}{cpu_only}", "done"
+            "installed",
+            f"installed {self.name} {self.tag} in {bin_dir} ({SERVER} says {version}){cpu_only}",
+            "done",
         )
         return EngineState(
             name=self.name,
