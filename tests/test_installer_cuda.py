@@ -22,6 +22,8 @@ from llmgw_core.installed import installed
 from llmgw_core.probe import CommandResult, Probe
 from llmgw_installer.builds import Asset, NoBuildError, choose_build
 from llmgw_installer.checks import missing_libraries
+from llmgw_installer.errors import InstallError
+from llmgw_installer.pipeline import merge_runtime
 from llmgw_placement.decide import NodeView, Placement, Refusal, decide
 from tests.installer_support import (
     B11434,
@@ -421,3 +423,34 @@ async def test_rechecks_never_report_an_installed_engine_as_anything_else(
     assert {state for _, state in reported} == {"installed"}, reported
     assert ("inventory", "installed") in reported
     assert ("status", "installed") in reported
+
+
+def test_runtime_libraries_at_any_depth_go_beside_llama_server_links_and_all(tmp_path: Path) -> None:
+    runtime, bin_dir = tmp_path / "runtime", tmp_path / "bin"
+    lib64 = runtime / "cudart-mirror" / "lib64"
+    lib64.mkdir(parents=True)
+    bin_dir.mkdir()
+    (lib64 / "libcudart.so.12.8.90").write_bytes(b"\x7fELF")
+    (lib64 / "libcudart.so.12").symlink_to("libcudart.so.12.8.90")
+    (runtime / "cudart-mirror" / "libcudart.so").symlink_to("lib64/libcudart.so.12")
+    (runtime / "cudart-mirror" / "LICENSE").write_text("EULA\n")
+    assert merge_runtime(runtime, bin_dir, "cudart.tar.gz") == [
+        "libcudart.so",
+        "libcudart.so.12",
+        "libcudart.so.12.8.90",
+    ]
+    assert os.readlink(bin_dir / "libcudart.so") == "libcudart.so.12"
+    assert (bin_dir / "libcudart.so").resolve() == (bin_dir / "libcudart.so.12.8.90")
+    assert not (bin_dir / "LICENSE").exists()
+
+
+def test_a_runtime_holding_one_library_twice_is_refused(tmp_path: Path) -> None:
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "libcudart.so.12").write_bytes(b"\x7fELF")
+    with pytest.raises(InstallError) as err:
+        merge_runtime(tmp_path, tmp_path / "bin", "cudart.tar.gz")
+    assert str(err.value) == (
+        "cudart.tar.gz holds libcudart.so.12 twice (a/libcudart.so.12 and b/libcudart.so.12); "
+        "refusing to guess which goes beside llama-server"
+    )
