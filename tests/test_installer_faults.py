@@ -128,7 +128,13 @@ async def test_a_damaged_archive_costs_one_attempt_and_is_retried_with_backoff(
             stored = await bus.get(bus.names.nodes_bucket, "node-a", NodeStatus)
             assert stored is not None
             assert stored[0].install == f"install failed: {detail}"
-            assert engine(stored[0]) == {"state": "failed", "version": TAG, "path": "", "detail": detail}
+            assert engine(stored[0]) == {
+                "state": "failed",
+                "version": TAG,
+                "engine_version": "",
+                "path": "",
+                "detail": detail,
+            }
             assert installed(config.state_dir) == {}
             # The service goes on: with no wake-up and a 10-minute recheck, the backoff
             # alone brings the next attempt, which fails the same way...

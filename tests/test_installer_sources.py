@@ -163,13 +163,15 @@ async def test_source_configured_takes_the_path_agent_yaml_names_and_downloads_n
         )
     assert engine(named) == {
         "state": "configured",
-        "version": "0.5.0-dev",
+        "version": TAG,
+        "engine_version": "0.5.0-dev (build 42, commit deadbee)",
         "path": str(llama_dir),
         "detail": "",
     }
     assert engine(unnamed) == {
         "state": "failed",
         "version": TAG,
+        "engine_version": "",
         "path": "",
         "detail": "llamacpp is to be configured on this node (source: configured), but agent.yaml names "
         "no path for it; add engines: {llamacpp: {path: ...}} to agent.yaml",
@@ -190,6 +192,7 @@ async def test_a_configured_engine_is_checked_like_the_others(
     assert engine(status) == {
         "state": "broken",
         "version": "",
+        "engine_version": "",
         "path": str(llama_dir),
         "detail": "llama-server --version exited with code 1: error: unsupported CPU",
     }

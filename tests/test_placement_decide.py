@@ -199,3 +199,28 @@ def test_choose_gpus_of_none_is_empty() -> None:
     choose_gpus raised IndexError, failing every control step."""
     gpus = [GPUInfo(index=i, name="NVIDIA H100 80GB HBM3", memory_mb=81559) for i in range(2)]
     assert choose_gpus(gpus, 0) == []
+
+
+def test_a_cpu_build_on_a_gpu_node_takes_cpu_profiles_only_and_says_why() -> None:
+    from llmgw_placement.decide import NodeIndex
+
+    words = "driver supports CUDA 12.2; b11434 has CUDA builds 12.8, 13.4 only"
+    cpu_build = {
+        "llamacpp": EngineState(name="llamacpp", state="installed", version="b11434", cpu_only=words)
+    }
+    cuda_build = {"llamacpp": EngineState(name="llamacpp", state="installed", version="b11434")}
+    gpu_profile = profile(engine="llamacpp", tp=1)
+    cpu_profile = profile(engine="llamacpp", tp=1, gpu_class="")
+    old = node("gpu-01", engines=cpu_build)
+    index = NodeIndex([old])
+    assert decide(DEP, gpu_profile, index) == Refusal(
+        (("gpu-01", f"engine llamacpp is the CPU build here: {words}"),)
+    )
+    assert index.candidates(gpu_profile) == []
+    placed = decide(DEP, cpu_profile, index)
+    assert isinstance(placed, Placement)
+    assert [m.node for m in placed.members] == ["gpu-01"]
+    index.add(node("gpu-02", engines=cuda_build))
+    placed = decide(DEP, gpu_profile, index)
+    assert isinstance(placed, Placement)
+    assert [m.node for m in placed.members] == ["gpu-02"]

@@ -12,6 +12,7 @@ from llmgw_core.events import (
     Deployment,
     DeploymentStatus,
     EngineInventory,
+    EngineState,
     InstallProgress,
     NodeFacts,
     NodeLiveness,
@@ -114,6 +115,18 @@ def node_views(c: Cluster) -> list[NodeView]:
     return views
 
 
+def engine_words(e: EngineState) -> str:
+    """`llamacpp b11434 (installed; 0.6.0-dev)`: the version `engines:` names, the engine's own
+    beside it where it differs, and a CPU build on a GPU node said as such."""
+    own = e.engine_version.split(" (", 1)[0]
+    notes: list[str] = [e.state]
+    if own and own != e.version:
+        notes.append(own)
+    if e.cpu_only:
+        notes.append("CPU build only")
+    return f"{e.name} {e.version} ({'; '.join(notes)})".replace("  ", " ")
+
+
 NODE_HEADERS = ["NODE", "STATE", "GPUS", "ENGINES", "INSTALL", "WARNINGS"]
 NODE_WIDE = ["ARCH", "CORES", "MEMORY", "PROBED"]
 
@@ -122,7 +135,7 @@ def node_row(v: NodeView, *, wide: bool = False, now: float | None = None) -> li
     status = v.status
     gpus = status.facts.gpus
     gpu_text = f"{len(gpus)}x {gpus[0].name}" if gpus else "-"
-    engines = ", ".join(f"{e.name} {e.version or ''} ({e.state})".replace("  ", " ") for e in status.engines)
+    engines = ", ".join(engine_words(e) for e in status.engines)
     install = status.install or "-"
     if v.state.startswith("lost") and status.install:
         # What a lost node said last is not news: say so.
@@ -334,9 +347,21 @@ def describe_node(v: NodeView, c: Cluster, history: list[Stamped], *, now: float
         _indent(table(["INDEX", "CLASS", "NAME", "CC", "MEMORY"], gpu_rows)) if gpu_rows else "  (none)"
     )
     lines += ["", "Engines:"]
-    eng_rows = [[e.name, e.version or "-", e.state, e.detail or "-"] for e in s.engines]
+    eng_rows = [
+        [
+            e.name,
+            e.version or "-",
+            e.engine_version or "-",
+            e.state,
+            "; ".join(w for w in (e.detail, f"CPU build only: {e.cpu_only}" if e.cpu_only else "") if w)
+            or "-",
+        ]
+        for e in s.engines
+    ]
     lines.append(
-        _indent(table(["ENGINE", "VERSION", "STATE", "DETAIL"], eng_rows)) if eng_rows else "  (none)"
+        _indent(table(["ENGINE", "VERSION", "ENGINE SAYS", "STATE", "DETAIL"], eng_rows))
+        if eng_rows
+        else "  (none)"
     )
     shards = [st for st in c.shards.values() if st.node == v.node]
     lines += ["", "Shards:"]
@@ -377,7 +402,7 @@ def event_text(e: object) -> tuple[str, str, str]:
             f"{e.engine}: {e.message}" + ("" if e.outcome == "running" else f" ({e.outcome})"),
         )
     if isinstance(e, EngineInventory):
-        engines = ", ".join(f"{x.name} ({x.state})" for x in e.engines) or "none"
+        engines = ", ".join(engine_words(x) for x in e.engines) or "none"
         return "engines", e.node, engines
     if isinstance(e, NodeFacts):
         return "facts", e.node, f"{len(e.gpus)} GPUs, {e.cores} cores, {e.os_id} {e.os_version}".strip()

@@ -102,9 +102,18 @@ EngineStateName = Literal["installing", "installed", "configured", "broken", "fa
 class EngineState(Struct, frozen=True, kw_only=True):
     name: str
     state: EngineStateName
+    # The version as `engines:` names it (llama.cpp's build tag, `b11434`); an engine
+    # configured on the node without one in `engines:` reports its own version here.
     version: str = ""
     path: str = ""
     detail: str = ""
+    # What the engine says of itself (`llama-server --version`): `0.6.0-dev (build 11434,
+    # commit 6a5e2f1)`, so that a build that is not the one named shows beside the name.
+    engine_version: str = ""
+    # Why this engine cannot use the node's GPUs, in the node's words, when it is a CPU
+    # build on a node with GPUs (`driver supports CUDA 12.2; b11434 has CUDA builds 12.8,
+    # 13.4 only`). Placement gives such a node only CPU profiles of the engine.
+    cpu_only: str = ""
 
     @property
     def runs(self) -> bool:

@@ -22,6 +22,11 @@ class InstalledEngine(msgspec.Struct, frozen=True, kw_only=True):
     asset: str = ""
     sha256: str = ""
     installed_at: float = 0.0
+    # Why the build is the CPU one on a node with GPUs (see EngineState.cpu_only), and the
+    # CUDA version the driver supported when the build was chosen: a driver upgraded since
+    # has the build chosen again.
+    cpu_only: str = ""
+    cuda_driver: str = ""
 
 
 def engines_root(state_dir: str | Path) -> Path:

@@ -27,6 +27,15 @@ class Version:
     build: str = ""
     commit: str = ""
 
+    @property
+    def full(self) -> str:
+        """The version as the engine says it: `0.6.0-dev (build 11434, commit 6a5e2f1)`."""
+        if self.text == f"b{self.build}":
+            return f"{self.text} (commit {self.commit})" if self.commit else self.text
+        parts = [f"build {self.build}" if self.build else "", f"commit {self.commit}" if self.commit else ""]
+        inside = ", ".join(p for p in parts if p)
+        return f"{self.text} ({inside})" if inside else self.text
+
 
 def parse_version(output: str) -> Version | None:
     m = _VERSION_SEMVER.search(output)

@@ -27,12 +27,23 @@ def check_configured(name: str, engine: ConfiguredEngine) -> EngineState:
     try:
         if name == "llamacpp":
             version = check_binary(path / "llama-server")
-            return EngineState(name=name, state="configured", version=version.text, path=str(path))
+            return EngineState(
+                name=name,
+                state="configured",
+                version=version.text,
+                path=str(path),
+                engine_version=version.full,
+            )
         if name in ("vllm", "sglang"):
             python = path / "python"
             out = run_version([str(python), "-c", f"import {name}; print({name}.__version__)"], timeout=120)
+            version_text = out.strip().splitlines()[-1]
             return EngineState(
-                name=name, state="configured", version=out.strip().splitlines()[-1], path=str(path)
+                name=name,
+                state="configured",
+                version=version_text,
+                path=str(path),
+                engine_version=version_text,
             )
     except CheckError as exc:
         return EngineState(name=name, state="broken", path=str(path), detail=str(exc))

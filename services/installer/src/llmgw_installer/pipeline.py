@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import posixpath
 import shutil
 import time
 import uuid
@@ -30,7 +31,7 @@ from llmgw_core.installed import MARKER, InstalledEngine, read_marker
 
 from . import ospkg
 from .archive import Limits, extract
-from .builds import Asset, choose_build
+from .builds import Asset, choose_again, choose_build
 from .checks import describe_missing, missing_libraries, version_of
 from .download import download
 from .errors import CheckError, InstallError
@@ -134,11 +135,57 @@ def missing_in(bin_dir: Path, ldd: Ldd, timeout: float) -> dict[str, str]:
 
 
 def check_installed(bin_dir: Path, ldd: Ldd, ldd_timeout: float, version_timeout: float) -> str:
-    """ldd on every ELF file, then `llama-server --version`: the version text, or CheckError."""
+    """ldd on every ELF file, then `llama-server --version`: the version as it says it, or CheckError."""
     missing = missing_in(bin_dir, ldd, ldd_timeout)
     if missing:
         raise CheckError(describe_missing(missing))
-    return version_of(bin_dir / SERVER, version_timeout).text
+    return version_of(bin_dir / SERVER, version_timeout).full
+
+
+def runtime_libraries(runtime_tree: Path, archive: str) -> dict[str, Path]:
+    """The shared objects of a CUDA runtime archive, by file name, wherever in it they sit.
+
+    llama.cpp packs them under a top-level directory named like the archive
+    (`cudart-llama-b11434-bin-ubuntu-cuda-12.8-x64/libcudart.so.12`); a mirror may
+    pack them flat or under `lib64/`. Symlinks (`libcudart.so -> libcudart.so.12`)
+    are kept as symlinks: their targets are file names beside them once merged.
+    """
+    found: dict[str, Path] = {}
+    for path in sorted(runtime_tree.rglob("*.so*"), key=lambda p: (len(p.parts), str(p))):
+        if not (path.is_symlink() or path.is_file()) or ".so" not in path.name:
+            continue
+        if path.name in found:
+            raise InstallFailed(
+                f"{archive} holds {path.name} twice ({found[path.name].relative_to(runtime_tree)} and "
+                f"{path.relative_to(runtime_tree)}); refusing to guess which goes beside {SERVER}"
+            )
+        found[path.name] = path
+    if not found:
+        raise InstallFailed(f"{archive} holds no shared libraries (.so); it is not a CUDA runtime archive")
+    for path in found.values():
+        if path.is_symlink() and posixpath.basename(os.readlink(path)) not in found:
+            raise InstallFailed(
+                f"{archive}: {path.relative_to(runtime_tree)} points to {os.readlink(path)!r}, "
+                "which is not among its libraries"
+            )
+    return found
+
+
+def merge_runtime(runtime_tree: Path, bin_dir: Path, archive: str) -> list[str]:
+    """Move the runtime's libraries beside llama-server, where its $ORIGIN rpath finds them;
+    returns their names. A symlink whose target had a directory part is made to point to
+    the file name beside it."""
+    libs = runtime_libraries(runtime_tree, archive)
+    for name, path in sorted(libs.items()):
+        dest = bin_dir / name
+        if dest.is_symlink() or dest.exists():
+            dest.unlink()
+        if path.is_symlink():
+            os.symlink(posixpath.basename(os.readlink(path)), dest)
+            path.unlink()
+        else:
+            shutil.move(str(path), dest)
+    return sorted(libs)
 
 
 class Installation:
@@ -187,8 +234,24 @@ class Installation:
                 f"environment under engines: in agent.yaml",
             )
         final = self.ctx.root / self.name / self.tag
-        if read_marker(final) is not None:
-            return await self.recheck(final)
+        marker = read_marker(final)
+        if marker is not None:
+            why = choose_again(marker.asset, marker.cuda_driver, self.ctx.facts)
+            if not why:
+                return await self.recheck(final)
+            await self.step(
+                "resolving", f"installing: choosing the {self.name} {self.tag} build again: {why}"
+            )
+            try:
+                return await self._install(final)
+            except InstallError as exc:
+                # What is installed still runs: it stays installed, saying why it was not replaced.
+                await self.step(
+                    "failed", f"could not replace the {self.name} {self.tag} build: {exc}", "failed"
+                )
+                state = await self.recheck(final)
+                words = f"{why}; installing the build for it failed: {exc}"
+                return msgspec.structs.replace(state, cpu_only=f"{state.cpu_only}; {words}".lstrip("; "))
         try:
             return await self._install(final)
         except InstallError as exc:
@@ -198,15 +261,16 @@ class Installation:
         marker = read_marker(final)
         assert marker is not None
         bin_dir = Path(marker.bin_dir)
+        seen = {"version": self.tag, "path": str(bin_dir), "cpu_only": marker.cpu_only}
         try:
             version = await anyio.to_thread.run_sync(
                 check_installed, bin_dir, self.ctx.ldd, self.ctx.ldd_timeout_s, self.ctx.version_timeout_s
             )
         except CheckError as exc:
             return EngineState(
-                name=self.name, state="broken", version=marker.version, path=str(bin_dir), detail=str(exc)
+                name=self.name, state="broken", engine_version=marker.version, detail=str(exc), **seen
             )
-        return EngineState(name=self.name, state="installed", version=version, path=str(bin_dir))
+        return EngineState(name=self.name, state="installed", engine_version=version, **seen)
 
     async def _assets(self) -> list[Asset]:
         kind, where = parse_source(self.spec.source)
@@ -240,22 +304,26 @@ class Installation:
         (staging / "downloads").mkdir(parents=True)
         tree = staging / "tree"
         tree.mkdir()
+        # The runtime is unpacked apart: its libraries go beside llama-server, wherever
+        # in its own archive they sit.
+        runtime_tree = staging / "runtime"
+        runtime_tree.mkdir()
         try:
-            for asset in (build.main, build.runtime):
+            for asset, into in ((build.main, tree), (build.runtime, runtime_tree)):
                 if asset is not None:
                     path = await self._download(asset, staging / "downloads" / asset.name)
                     await self.step("unpacking", f"installing: unpacking {asset.name}")
-                    await anyio.to_thread.run_sync(extract, path, tree, self.ctx.limits)
+                    await anyio.to_thread.run_sync(extract, path, into, self.ctx.limits)
             bin_dir_in_tree = find_bin_dir(tree)
             if build.runtime is not None:
-                await self._merge_runtime(tree, bin_dir_in_tree)
+                await self._merge_runtime(runtime_tree, bin_dir_in_tree, build.runtime.name)
             await self._check_libraries(bin_dir_in_tree)
             await self.step("version", f"installing: running {SERVER} --version")
             version = (
                 await anyio.to_thread.run_sync(
                     version_of, bin_dir_in_tree / SERVER, self.ctx.version_timeout_s
                 )
-            ).text
+            ).full
             bin_dir = final / bin_dir_in_tree.relative_to(tree)
             marker = InstalledEngine(
                 name=self.name,
@@ -265,6 +333,8 @@ class Installation:
                 asset=build.main.name,
                 sha256=build.main.sha256,
                 installed_at=time.time(),
+                cpu_only=build.cpu_only,
+                cuda_driver=self.ctx.facts.cuda_driver,
             )
             marker_path = tree / MARKER
             marker_path.write_bytes(msgspec.json.encode(marker))
@@ -277,14 +347,24 @@ class Installation:
             os.replace(tree, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        await self.step("installed", f"installed {self.name} {version} in {bin_dir}", "done")
-        return EngineState(name=self.name, state="installed", version=version, path=str(bin_dir))
+        cpu_only = f"; CPU build only: {build.cpu_only}" if build.cpu_only else ""
+        await self.step(
+            "installed",
+            f"installed {self.name} {self.tag} in {bin_dir} ({SERVER} says {version}){cpu_only}",
+            "done",
+        )
+        return EngineState(
+            name=self.name,
+            state="installed",
+            version=self.tag,
+            path=str(bin_dir),
+            engine_version=version,
+            cpu_only=build.cpu_only,
+        )
 
-    async def _merge_runtime(self, tree: Path, bin_dir: Path) -> None:
-        # The cudart archive's libraries go beside llama-server, where its $ORIGIN rpath finds them.
-        for lib in tree.glob("*.so*"):
-            if lib.parent == tree and lib.parent != bin_dir:
-                shutil.move(str(lib), bin_dir / lib.name)
+    async def _merge_runtime(self, runtime_tree: Path, bin_dir: Path, archive: str) -> None:
+        await self.step("unpacking", f"installing: putting {archive}'s libraries beside {SERVER}")
+        await anyio.to_thread.run_sync(merge_runtime, runtime_tree, bin_dir, archive)
 
     async def _check_libraries(self, bin_dir: Path) -> None:
         """ldd every ELF file; install the OS packages for what is missing; ldd again."""

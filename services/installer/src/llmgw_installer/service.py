@@ -75,8 +75,39 @@ def node_facts(config: AgentConfig, probe: Probe | None = None) -> NodeFacts:
 ENGINE_STATES: tuple[str, ...] = get_args(EngineStateName)
 
 
-def warnings_for(facts: NodeFacts) -> tuple[str, ...]:
-    return () if facts.has_avx2 else (NO_AVX2,)
+def warnings_for(facts: NodeFacts, engines: tuple[EngineState, ...] = ()) -> tuple[str, ...]:
+    cpu_only = tuple(f"{e.name} {e.version}: CPU build only: {e.cpu_only}" for e in engines if e.cpu_only)
+    return (() if facts.has_avx2 else (NO_AVX2,)) + cpu_only
+
+
+def while_rechecked(spec: EngineSpec, last: EngineState | None, root: Path) -> EngineState:
+    """What a desired engine is reported as while this pass checks or installs it.
+
+    An installed engine stays installed while it is rechecked (ldd and --version take
+    seconds, and placement refuses an `installing` node): as last reported, or, after
+    a restart, as its marker says. Only the recheck's own outcome changes that.
+    """
+    if last is not None and last.runs and last.version == spec.version:
+        return last
+    marker = read_marker(root / spec.name / spec.version)
+    if marker is not None:
+        return EngineState(
+            name=spec.name,
+            state="installed",
+            version=spec.version,
+            path=marker.bin_dir,
+            engine_version=marker.version,
+            cpu_only=marker.cpu_only,
+        )
+    return EngineState(name=spec.name, state="installing", version=spec.version)
+
+
+def named_as_desired(state: EngineState, desired: tuple[EngineSpec, ...]) -> EngineState:
+    """A configured engine under the version `engines:` names for it, its own beside it."""
+    for spec in desired:
+        if spec.name == state.name and spec.version and state.runs:
+            return msgspec.structs.replace(state, version=spec.version)
+    return state
 
 
 class Installer:
@@ -143,7 +174,7 @@ class Installer:
             engines=self.engines,
             probed_at=self.probed_at,
             install=self.install_words,
-            warnings=warnings_for(self.facts),
+            warnings=warnings_for(self.facts, self.engines),
             updated_at=now(),
         )
         await self.bus.put(self.bus.names.nodes_bucket, self.config.node, status)
@@ -207,18 +238,18 @@ class Installer:
             removed = await anyio.to_thread.run_sync(clean_staging, self.root)
             if removed:
                 log.warning("removed the leftovers of an interrupted install: %s", ", ".join(removed))
-        states = list(await anyio.to_thread.run_sync(configured_engines, self.config))
+        states = [
+            named_as_desired(s, self.desired)
+            for s in await anyio.to_thread.run_sync(configured_engines, self.config)
+        ]
         configured = {s.name for s in states}
         pending = [spec for spec in self.desired if spec.name not in configured]
-        self.engines = tuple(
-            sorted(
-                [
-                    *states,
-                    *(EngineState(name=s.name, state="installing", version=s.version) for s in pending),
-                ],
-                key=lambda s: s.name,
-            )
-        )
+        last = {e.name: e for e in self.engines}
+        rechecked = [
+            await anyio.to_thread.run_sync(while_rechecked, spec, last.get(spec.name), self.root)
+            for spec in pending
+        ]
+        self.engines = tuple(sorted([*states, *rechecked], key=lambda s: s.name))
         self.probed_at = now()
         await self._status()
         async with httpx.AsyncClient(timeout=httpx.Timeout(self.http_timeout_s)) as client:
@@ -365,7 +396,7 @@ class Installer:
         for e in self.engines:
             up.add_metric([e.name], int(e.runs))
             state.add_metric([e.name], {s: s == e.state for s in ENGINE_STATES})
-            info.add_metric([e.name], {"version": e.version})
+            info.add_metric([e.name], {"version": e.version, "engine_version": e.engine_version})
         yield from (up, state, info)
         yield GaugeMetricFamily(
             "llmgw_installer_probed_at_seconds",

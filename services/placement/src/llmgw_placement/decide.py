@@ -122,7 +122,8 @@ class NodeIndex:
             ((engine, cls), len(view.free_gpus(cls)) if cls else 0)
             for engine, state in view.engines.items()
             if state.runs
-            for cls in (*view.classes, "")
+            # A CPU build of the engine takes CPU profiles only (see unfit).
+            for cls in ((*view.classes, "") if not state.cpu_only else ("",))
         ]
 
     def add(self, view: NodeView) -> None:
@@ -388,6 +389,10 @@ def unfit(
             else f"engine {profile.engine} {engine.state}"
         )
     need = gpus_needed(profile)
+    if profile.gpu_class and engine.cpu_only:
+        # The node installed the CPU build (its driver runs none of the CUDA builds): a GPU
+        # profile there would run on the CPU, several times slower, with nothing looking wrong.
+        return f"engine {profile.engine} is the CPU build here: {engine.cpu_only}"
     if profile.gpu_class:
         if not node.gpus:
             return f"no GPUs, profile needs {profile.gpu_class}"

@@ -156,6 +156,11 @@ class Page:
             )
             engines = "<br>".join(
                 f"{_e(e.name)} <b>{_e(e.state)}</b> {_e(e.version)}"
+                + (
+                    f" <small>{_e(e.engine_version)}</small>"
+                    if e.engine_version not in ("", e.version)
+                    else ""
+                )
                 + (f" — {_e(e.detail)}" if e.detail else "")
                 for e in row.engines
             )
