@@ -10,6 +10,7 @@ flight finish for a moment and cuts streams that would not.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 from collections.abc import Generator
@@ -82,9 +83,16 @@ async def serve(
     host: str,
     port: int,
     *,
+    protocol: type[asyncio.Protocol] | None = None,
+    backlog: int = 2048,
     task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve `app` on host:port until cancelled; `tg.start(serve, …)` returns the bound port."""
+    """Serve `app` on host:port until cancelled; `tg.start(serve, …)` returns the bound port.
+
+    `protocol`: uvicorn's HTTP protocol class to use instead of its own (the gateway's counts
+    and times its connections); `backlog`: the listen backlog, which is also how many
+    connections asyncio accepts in one go.
+    """
     sock = bind(host, port)
     bound = int(sock.getsockname()[1])
     config = uvicorn.Config(
@@ -95,6 +103,8 @@ async def serve(
         # uvicorn's start and stop lines would repeat for every server; its errors still show.
         log_level="warning",
         ws="none",
+        http=protocol or "auto",
+        backlog=backlog,
         server_header=False,
         timeout_graceful_shutdown=GRACE_S,
     )

@@ -16,6 +16,7 @@ from llmgw_core.errors import LlmgwError
 from llmgw_core.lifecycle import cancel_on_signal, connect_service
 
 from .config import GatewayConfig
+from .connections import raise_open_file_limit
 from .service import Gateway
 
 
@@ -34,6 +35,7 @@ def run(config_path: str) -> int:
     try:
         config = load(config_path, GatewayConfig)
         telemetry.setup("llmgw-gateway")
+        raise_open_file_limit()
         anyio.run(_main, config)
     except LlmgwError as exc:
         print(f"llmgw-gateway: {exc}", file=sys.stderr)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from llmgw_core.config import NatsConfig
 from llmgw_core.errors import ConfigError
@@ -18,6 +19,22 @@ class HttpConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # (one a line, `#` comments). Off by default: a local cluster's endpoint is open.
     require_api_key: bool = False
     api_keys_file: str = ""
+    # A client must send a request's headers within header_timeout_s of connecting (or, on a
+    # kept-alive connection, of the request's first byte), then its whole body within
+    # body_timeout_s; else the gateway closes the connection. Bytes trickled slowly extend
+    # neither: a client sending a header every 5 s is closed like one that sends nothing.
+    header_timeout_s: Annotated[float, Meta(gt=0)] = 20.0
+    body_timeout_s: Annotated[float, Meta(gt=0)] = 60.0
+    # Client connections held at once. At the limit a new connection closes the one that has
+    # waited longest without a request in progress (idle, or still sending its headers); when
+    # every one has a request in progress it is answered 503 and closed. 0: as many as the
+    # open-file limit (`ulimit -n`, raised to its hard limit at start) allows, each client
+    # counted twice (its connection, and the replica connection its request holds) after
+    # reserved_fds: (limit - reserved_fds) / 2. A value the limit cannot hold is refused at start.
+    max_connections: Annotated[int, Meta(ge=0)] = 0
+    # Descriptors kept out of that count: NATS, logs, the listener, and the up to 128
+    # connections that one pass of the accept loop takes before any of them is counted.
+    reserved_fds: Annotated[int, Meta(ge=160)] = 256
 
 
 class GatewayConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -25,6 +42,9 @@ class GatewayConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     http: HttpConfig = HttpConfig()
     # The most a client may send in one request body.
     max_body_bytes: int = 8 << 20
+    # How deep a request body's JSON may nest (arrays and objects inside each other); deeper
+    # is refused with 400 before it is parsed. At most 512: Python's parser recurses per level.
+    max_json_depth: Annotated[int, Meta(ge=1, le=512)] = 128
     # How long to wait for a replica to accept a connection before trying another.
     connect_timeout_s: float = 5.0
     # How long to wait for the first byte of an answer, then between bytes (0: no limit;

@@ -24,13 +24,14 @@ import httpx
 from opentelemetry import propagate, trace
 from prometheus_client import Counter, Gauge, Histogram
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from llmgw_core.events import ReplicaRecord
 from llmgw_core.metrics import exposition, new_registry
 
+from .limits import json_nests_deeper, shown
 from .routing import Table
 
 log = logging.getLogger("llmgw.gateway")
@@ -107,12 +108,14 @@ class Proxy:
         *,
         api_keys: frozenset[str] = frozenset(),
         max_body_bytes: int = 8 << 20,
+        max_json_depth: int = 128,
         tracer: trace.Tracer | None = None,
     ) -> None:
         self.table = table
         self.client = client
         self.api_keys = api_keys
         self.max_body_bytes = max_body_bytes
+        self.max_json_depth = max_json_depth
         self.tracer = tracer or trace.get_tracer("llmgw.gateway")
         self.metrics = Metrics()
         # Set once the first snapshot of the buckets is in: until then "unknown model"
@@ -135,19 +138,31 @@ class Proxy:
     # --- plain endpoints ------------------------------------------------------
 
     async def healthz(self, request: Request) -> Response:
+        # Open to load balancers, which send no key; the deployments' names only to a client
+        # with one, where keys are required.
         if not self.loaded.is_set():
             return JSONResponse({"status": "loading", "detail": "reading the replicas bucket"}, 503)
+        if not self._key_ok(request):
+            return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "ok", "deployments": self.table.known()})
 
     async def prometheus(self, request: Request) -> Response:
+        # Behind the key where keys are required: the labels name every deployment.
+        refused = self._unauthorized(request)
+        if refused is not None:
+            return refused
         return exposition(self.metrics.registry, request)
 
-    def _unauthorized(self, request: Request) -> JSONResponse | None:
+    def _key_ok(self, request: Request) -> bool:
+        """Whether keys are not required, or the request carries one of them."""
         if not self.api_keys:
-            return None
+            return True
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
-        if scheme.lower() == "bearer" and any(hmac.compare_digest(key.strip(), k) for k in self.api_keys):
+        return scheme.lower() == "bearer" and any(hmac.compare_digest(key.strip(), k) for k in self.api_keys)
+
+    def _unauthorized(self, request: Request) -> JSONResponse | None:
+        if self._key_ok(request):
             return None
         self.metrics.errors.labels(UNKNOWN, "unauthorized").inc()
         return _error(
@@ -204,7 +219,13 @@ class Proxy:
         refused = self._unauthorized(request)
         if refused is not None:
             return refused
-        body = await self._body(request)
+        try:
+            body = await self._body(request)
+        except ClientDisconnect:
+            # The connection closed before the body was in (the client went, or the gateway
+            # closed it at http: body_timeout_s): nobody is left to read an answer.
+            self.metrics.errors.labels(UNKNOWN, "bad_request").inc()
+            return Response(status_code=400)
         if body is None:
             self.metrics.errors.labels(UNKNOWN, "bad_request").inc()
             return _error(
@@ -212,6 +233,15 @@ class Proxy:
                 f"request body over {self.max_body_bytes} bytes (the gateway's max_body_bytes)",
                 "invalid_request_error",
                 "request_too_large",
+            )
+        if json_nests_deeper(body, self.max_json_depth):
+            self.metrics.errors.labels(UNKNOWN, "bad_request").inc()
+            return _error(
+                400,
+                f"the body's JSON nests arrays and objects more than {self.max_json_depth} deep "
+                "(the gateway's max_json_depth)",
+                "invalid_request_error",
+                "json_too_deep",
             )
         try:
             payload = json.loads(body)
@@ -236,7 +266,7 @@ class Proxy:
             self.metrics.errors.labels(UNKNOWN, "unknown_model").inc()
             return _error(
                 404,
-                f"model {model!r} is not served here; known models: {self.table.describe_known()}",
+                f"model {shown(model)} is not served here; known models: {self.table.describe_known()}",
                 "invalid_request_error",
                 "model_not_found",
             )
@@ -244,7 +274,7 @@ class Proxy:
         span = self.tracer.start_span(
             f"gateway {request.url.path}",
             kind=trace.SpanKind.SERVER,
-            attributes={"llmgw.deployment": deployment, "llmgw.model": model},
+            attributes={"llmgw.deployment": deployment, "llmgw.model": model[:256]},
         )
         try:
             return await self._forward(request, payload, body, model, deployment, span, arrived)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import anyio
 import anyio.abc
@@ -20,6 +21,7 @@ from llmgw_core.errors import BusError
 from llmgw_core.events import Deployment, ReplicaRecord
 
 from .config import GatewayConfig, load_api_keys
+from .connections import ACCEPT_BACKLOG, Connections, connection_limit, open_file_limit, protocol
 from .proxy import Proxy
 from .routing import Table
 from .web import serve_app
@@ -35,15 +37,38 @@ class Gateway:
         self.bus = bus
         self.table = Table()
         keys = load_api_keys(config.http.api_keys_file) if config.http.require_api_key else frozenset()
+        http = config.http
+        open_files = open_file_limit()
+        limit = connection_limit(http.max_connections, http.reserved_fds, open_files)
         timeout = httpx.Timeout(
             connect=config.connect_timeout_s, read=config.read_timeout_s or None, write=60.0, pool=60.0
         )
         # One pooled client for every replica: kept-alive connections, no per-request handshake.
+        # At most one replica connection per client connection (a request holds one at a
+        # time), so that the two together stay within the open-file limit.
         self.client = httpx.AsyncClient(
-            timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=512)
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=limit, max_keepalive_connections=min(512, limit)),
         )
         self.proxy = Proxy(
-            self.table, self.client, api_keys=keys, max_body_bytes=config.max_body_bytes, tracer=tracer
+            self.table,
+            self.client,
+            api_keys=keys,
+            max_body_bytes=config.max_body_bytes,
+            max_json_depth=config.max_json_depth,
+            tracer=tracer,
+        )
+        self.connections = Connections(
+            limit,
+            header_timeout_s=http.header_timeout_s,
+            body_timeout_s=http.body_timeout_s,
+            registry=self.proxy.metrics.registry,
+        )
+        log.info(
+            "holding up to %d client connections (open-file limit %d, http: reserved_fds %d)",
+            limit,
+            open_files,
+            http.reserved_fds,
         )
 
     async def _load(self) -> None:
@@ -102,7 +127,16 @@ class Gateway:
         """Serve until cancelled; `task_status.started(port)` once the socket is bound."""
         try:
             async with anyio.create_task_group() as tg:
-                port = await tg.start(serve_app, self.proxy.app, self.config.http.host, self.config.http.port)
+                port = await tg.start(
+                    partial(
+                        serve_app,
+                        self.proxy.app,
+                        self.config.http.host,
+                        self.config.http.port,
+                        protocol=protocol(self.connections),
+                        backlog=ACCEPT_BACKLOG,
+                    )
+                )
                 task_status.started(port)
                 await self._start_watches()
                 tg.start_soon(self._forever, "the replicas bucket", self._follow_replicas)

@@ -3,6 +3,8 @@ take said as a mistake in its config."""
 
 from __future__ import annotations
 
+import asyncio
+
 import anyio
 import anyio.abc
 from starlette.types import ASGIApp
@@ -18,11 +20,14 @@ async def serve_app(
     host: str,
     port: int,
     *,
+    protocol: type[asyncio.Protocol] | None = None,
+    backlog: int = 2048,
     task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve `app` on host:port until cancelled; `task_status.started(port)` once bound."""
+    """Serve `app` on host:port until cancelled; `task_status.started(port)` once bound.
+    `protocol` and `backlog` as `llmgw_core.web.serve` takes them."""
     try:
-        await serve(app, host, port, task_status=task_status)
+        await serve(app, host, port, protocol=protocol, backlog=backlog, task_status=task_status)
     except OSError as exc:
         raise ConfigError(
             f"{exc.strerror or exc}; choose another http: port (0 takes a free one) or stop what holds it"

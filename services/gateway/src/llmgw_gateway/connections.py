@@ -1,0 +1,279 @@
+"""Client connections the gateway holds: how many at once, and how long a client may take
+to send its request.
+
+uvicorn (0.54) bounds neither. Its keep-alive timer runs only between requests and every
+byte received cancels it, so a client that never sends a request, or trickles a header
+every few seconds, holds its connection for good. Its `limit_concurrency` answers 503 only
+once a whole request has arrived and never stops accepting, so asyncio's accept loop takes
+connections until the open-file limit: accept then fails with EMFILE (`socket.accept() out
+of system resource`), the listener is dropped for a second at a time, and no descriptor is
+left to reach a replica with.
+
+Without replacing the server:
+
+- `protocol(connections)` is uvicorn's h11 protocol with one deadline per phase of a
+  request: its headers within `header_timeout_s` of the connection (on a kept-alive one, of
+  the request's first byte), then its body within `body_timeout_s` of the headers. A
+  deadline passed aborts the connection; bytes arriving slowly never move it.
+- `Connections` counts them against a limit below the open-file limit (`connection_limit`),
+  keeping those without a request in progress in the order they began to wait. At the
+  limit a new connection closes the one that has waited longest (as nginx reuses idle
+  keep-alive connections), so idle or stalled clients cannot lock out a real one; when every
+  connection has a request in progress the new one is answered 503 at once and closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+import time
+from collections import OrderedDict
+from typing import Any, ClassVar, Literal
+
+import h11
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from llmgw_core.errors import ConfigError
+
+from .proxy import error_body
+
+log = logging.getLogger("llmgw.gateway")
+
+# Connections asyncio accepts in one pass of its accept loop (it is the listen backlog too),
+# all of them before the first reaches `connection_made` to be counted: `reserved_fds` covers them.
+ACCEPT_BACKLOG = 128
+# What an unlimited open-file limit counts as (Linux's default ceiling, fs.nr_open).
+UNLIMITED_FILES = 1 << 20
+# At the limit, each kind of warning is logged at most this often.
+WARN_EVERY_S = 60.0
+
+Phase = Literal["headers", "body"]
+
+
+def raise_open_file_limit() -> None:
+    """Raise this process's open-file limit to its hard limit, as Go's runtime does at start:
+    the soft default (often 1024) is a relic of select(), which asyncio does not use."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or hard == resource.RLIM_INFINITY or soft >= hard:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("cannot raise the open-file limit from %d to its hard limit %d: %s", soft, hard, exc)
+
+
+def open_file_limit() -> int:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return UNLIMITED_FILES if soft == resource.RLIM_INFINITY else soft
+
+
+def connection_limit(max_connections: int, reserved_fds: int, open_files: int) -> int:
+    """How many client connections the gateway may hold: `max_connections`, or with 0 as many
+    as `open_files` allows. Each counts twice (its own descriptor, and the replica connection
+    its request holds: the upstream pool is capped at the same number), after `reserved_fds`."""
+    room = (open_files - reserved_fds) // 2
+    if room < 1:
+        raise ConfigError(
+            f"the open-file limit (ulimit -n) is {open_files}, which leaves no room for client "
+            f"connections after http: reserved_fds {reserved_fds}; raise it (ulimit -n, LimitNOFILE= "
+            f"in a systemd unit, --ulimit nofile= for docker)"
+        )
+    if max_connections > room:
+        raise ConfigError(
+            f"http: max_connections {max_connections} needs {2 * max_connections + reserved_fds} open "
+            f"files (one per client connection, one per replica connection its request holds, and "
+            f"http: reserved_fds {reserved_fds}) but the open-file limit (ulimit -n) is {open_files}; "
+            f"raise that limit, or set max_connections to {room} or less (0 takes what it allows)"
+        )
+    return max_connections or room
+
+
+class Connections:
+    """The gateway's client connections: counted, the waiting ones in order, and the metrics."""
+
+    def __init__(
+        self,
+        limit: int,
+        *,
+        header_timeout_s: float,
+        body_timeout_s: float,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.limit = limit
+        self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self._open: set[GuardedH11Protocol] = set()
+        # Connections without a request in progress, the longest waiting first.
+        self._waiting: OrderedDict[GuardedH11Protocol, None] = OrderedDict()
+        self._warned: dict[str, float] = {}
+        body = json.dumps(
+            error_body(
+                f"the gateway holds its limit of {limit} client connections (http: max_connections), "
+                "each with a request in progress; retry shortly",
+                "service_unavailable",
+                "too_many_connections",
+            )
+        ).encode()
+        self.refusal = (
+            b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        Gauge(
+            "llmgw_gateway_connections",
+            "Client connections open.",
+            registry=registry,
+        ).set_function(lambda: self.held)
+        Gauge(
+            "llmgw_gateway_connection_limit",
+            "Client connections the gateway holds at most (http: max_connections, or what the "
+            "open-file limit allows).",
+            registry=registry,
+        ).set(limit)
+        self.closed = Counter(
+            "llmgw_gateway_connections_closed",
+            "Client connections the gateway closed, by reason: header_timeout, body_timeout, "
+            "evicted (at the limit, for a new connection: it had waited longest without a request), "
+            "refused (at the limit, every connection with a request in progress).",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in ("header_timeout", "body_timeout", "evicted", "refused"):
+            self.closed.labels(reason)  # each at 0 from the start, for rate() and alerts
+
+    @property
+    def held(self) -> int:
+        """Connections open."""
+        return len(self._open)
+
+    @property
+    def waiting(self) -> int:
+        """Connections open without a request in progress."""
+        return len(self._waiting)
+
+    def admit(self, conn: GuardedH11Protocol) -> bool:
+        """Count a new connection in, making room if need be; False: refuse it."""
+        if len(self._open) >= self.limit:
+            if not self._waiting:
+                self.closed.labels("refused").inc()
+                self._warn("refused", "every one has a request in progress: new ones are answered 503")
+                return False
+            oldest, _ = self._waiting.popitem(last=False)
+            self._open.discard(oldest)
+            self.closed.labels("evicted").inc()
+            self._warn("evicted", "each new one closes the one that has waited longest without a request")
+            oldest.abort()
+        self._open.add(conn)
+        self._waiting[conn] = None
+        return True
+
+    def busy(self, conn: GuardedH11Protocol, busy: bool) -> None:
+        """Whether `conn` has a request in progress; one that stops waiting joins the back of the line."""
+        if conn not in self._open:
+            return
+        if busy:
+            self._waiting.pop(conn, None)
+        elif conn not in self._waiting:
+            self._waiting[conn] = None
+
+    def gone(self, conn: GuardedH11Protocol) -> None:
+        self._open.discard(conn)
+        self._waiting.pop(conn, None)
+
+    def _warn(self, kind: str, what: str) -> None:
+        now = time.monotonic()
+        if now - self._warned.get(kind, -WARN_EVERY_S) < WARN_EVERY_S:
+            return
+        self._warned[kind] = now
+        log.warning(
+            "client connections at the gateway's limit of %d (http: max_connections, or what the "
+            "open-file limit allows): %s",
+            self.limit,
+            what,
+        )
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, counted by `guard` and with a deadline per request phase."""
+
+    guard: ClassVar[Connections]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._phase: Phase | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if not self.guard.admit(self):
+            transport.write(self.guard.refusal)
+            transport.close()
+            return
+        # Even a client that sends nothing: its request's headers are due from now.
+        self._arm("headers")
+
+    def data_received(self, data: bytes) -> None:
+        if self._phase is None and self.conn.their_state is h11.IDLE:
+            # The next request on a kept-alive connection: its headers are due from its first byte.
+            self._arm("headers")
+        super().data_received(data)
+        self._follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self.guard.gone(self)
+        super().connection_lost(exc)
+
+    def abort(self) -> None:
+        """Close now, dropping anything unsent: a client that does not read cannot hold it open."""
+        self._disarm()
+        self.transport.abort()
+
+    def _follow(self) -> None:
+        """The deadline and the place in the waiting line, from where the request stands."""
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:
+            if self._phase != "body":
+                self._arm("body")
+        elif state is h11.IDLE and (self.conn.trailing_data[0] or self.timeout_keep_alive_task is None):
+            # Part of the next request is in (pipelined behind the response before it), or
+            # nothing else would close the idle connection: uvicorn arms its keep-alive timer
+            # when a response ends, and a body still arriving after an early answer cancels it.
+            if self._phase != "headers":
+                self._arm("headers")
+        else:
+            # The whole request is in, or none of the next one and uvicorn's keep-alive timer
+            # runs.
+            self._disarm()
+        self.guard.busy(self, self.cycle is not None and not self.cycle.response_complete)
+
+    def _arm(self, phase: Phase) -> None:
+        self._disarm()
+        self._phase = phase
+        c = self.guard
+        timeout = c.header_timeout_s if phase == "headers" else c.body_timeout_s
+        self._deadline = self.loop.call_later(timeout, self._expired, phase)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._phase = None
+
+    def _expired(self, phase: Phase) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        self.guard.closed.labels(f"{'header' if phase == 'headers' else 'body'}_timeout").inc()
+        self.abort()
+
+
+def protocol(connections: Connections) -> type[asyncio.Protocol]:
+    """The protocol class to give uvicorn (`uvicorn.Config(http=…)`), counting into `connections`."""
+    return type("GatewayH11Protocol", (GuardedH11Protocol,), {"guard": connections})
