@@ -285,7 +285,9 @@ async def test_healthz_stops_saying_leader_within_a_lease_period_of_losing_nats(
                 f"\n/healthz stopped saying leader {took:.2f} s after NATS stopped "
                 f"(lease period {c.node_timeout_s} s)"
             )
-            assert took < c.node_timeout_s + 1.5
+            # Its last renewal came before the stop, so a lease period is the bound; the rest is
+            # this test's own stop and polling on a busy machine.
+            assert took < c.node_timeout_s + 2.0
             assert body == {
                 "leader": False,
                 "identity": "p1",
