@@ -186,11 +186,12 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             f"{p}.events.placement.>",
             f"{p}.events.deployment.>",
             f"{p}.dlq.placement",
+            names.placement_file,
             *(f"$JS.API.STREAM.{op}.{s}" for s in all_streams(names) for op in ("CREATE", "UPDATE", "INFO")),
             *(rule for b in names.buckets() for rule in _read_all(_kv_stream(b))),
         ]
         # The cluster page shows the events as they happen.
-        subscribe = (inbox, heartbeats, names.liveness_request, names.events_all)
+        subscribe = (inbox, heartbeats, names.liveness_request, names.placement_file, names.events_all)
         return Permissions(tuple(publish), subscribe, allow_responses=True)
     if role == "ctl":
         publish = [

@@ -195,6 +195,9 @@ class KVChange(Generic[T]):
     key: str
     value: T | None
     revision: int
+    # Why the value at `revision` cannot be used (it did not decode; it was dead-lettered),
+    # from a watch that asked for such changes; "" for a value or a delete.
+    error: str = ""
 
 
 def _authentication_refused(exc: BaseException) -> bool:
@@ -590,6 +593,27 @@ class Bus:
             return None
         return decoder(kind).decode(entry.value), int(entry.revision or 0)
 
+    async def revisions(self, bucket: str, key: str) -> list[tuple[int, bytes | None]]:
+        """Every revision of `key` the bucket still holds (its `history` setting), newest first:
+        (revision, value), the value None for a delete or purge."""
+        try:
+            with anyio.fail_after(30):
+                entries = await self._kv_call(
+                    f"read the history of {bucket}/{key}", bucket, lambda kv: kv.history(key)
+                )
+        except nats.js.errors.NoKeysError:  # never written, or purged
+            return []
+        except TimeoutError as exc:
+            raise BusError(f"reading the history of {bucket}/{key} took over 30 s") from exc
+        return sorted(
+            (
+                (int(e.revision or 0), None if e.operation in KV_OPS_DELETE else (e.value or b""))
+                for e in entries
+            ),
+            key=lambda entry: entry[0],
+            reverse=True,
+        )
+
     async def delete(self, bucket: str, key: str) -> None:
         try:
             await self._kv_call(f"delete {bucket}/{key}", bucket, lambda kv: kv.delete(key))
@@ -790,20 +814,22 @@ class Bus:
 
     async def _kv_value(self, bucket: str, key: str, data: bytes, kind: type[T]) -> T | None:
         """A key's value, or None (dead-lettered) when it is empty or does not decode."""
+        value = await self._kv_decoded(bucket, key, data, kind)
+        return None if isinstance(value, str) else value
+
+    async def _kv_decoded(self, bucket: str, key: str, data: bytes, kind: type[T]) -> T | str:
+        """A key's value, or why it cannot be used (dead-lettered): empty, or it does not decode."""
         if not data:
             # Only a KV delete (its KV-Operation header) removes a key: an empty
             # value put by mistake must not stop an engine or drop a deployment.
-            await self.dead_letter(
-                f"$KV.{bucket}.{key}",
-                b"",
-                "an empty value is not a delete (use a KV delete); the key keeps its last value",
-            )
-            return None
+            error = "an empty value is not a delete (use a KV delete); the key keeps its last value"
+            await self.dead_letter(f"$KV.{bucket}.{key}", b"", error)
+            return error
         try:
             return self._decode(kind, f"$KV.{bucket}.{key}", data)
         except DecodeFailure as exc:
             await self.dead_letter(exc.subject, data, exc.error)
-            return None
+            return exc.error
 
     async def history(self, subject: str, kind: type[T], *, idle_s: float = 1.0) -> list[T]:
         """Every event on `subject` (wildcards allowed) still in the events stream, oldest first:
@@ -974,13 +1000,17 @@ class Bus:
                 with contextlib.suppress(nats.errors.Error, OSError):
                     await sub.unsubscribe()
 
-    async def watch(self, bucket: str, kind: type[T], keys: str = ">") -> AsyncIterator[KVChange[T]]:
+    async def watch(
+        self, bucket: str, kind: type[T], keys: str = ">", *, undecodable: bool = False
+    ) -> AsyncIterator[KVChange[T]]:
         """Every key's current value first, then each change, for as long as the caller iterates.
 
         After a reconnect (a restarted server, a network cut) the watch is
         opened again and every key whose revision moved past what was already
         yielded comes out, deletes included, so nothing written while away is
-        missed. A value that does not decode goes to the DLQ and is skipped.
+        missed. A value that does not decode goes to the DLQ and is skipped;
+        with `undecodable` it comes out too, as a change with no value and its
+        `error`, so that the caller can keep the key's last good value.
 
         Messages that arrived together come out together, with no turn of the
         event loop between them: the ordered consumer's callback only puts each
@@ -1042,9 +1072,11 @@ class Bus:
                     if deleted:
                         yield KVChange(key, None, rev)
                         continue
-                    value = await self._kv_value(bucket, key, msg.data or b"", kind)
-                    if value is not None:
+                    value = await self._kv_decoded(bucket, key, msg.data or b"", kind)
+                    if not isinstance(value, str):
                         yield KVChange(key, value, rev)
+                    elif undecodable:
+                        yield KVChange(key, None, rev, error=value)
             finally:
                 with anyio.CancelScope(shield=True):
                     with contextlib.suppress(nats.errors.Error, OSError):

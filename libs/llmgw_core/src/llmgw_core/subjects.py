@@ -114,6 +114,12 @@ class Names:
         `Liveness` of every node, as it judges them; `llmgw ctl` asks it."""
         return f"{self.prefix}.placement.liveness"
 
+    @property
+    def placement_file(self) -> str:
+        """Plain NATS, placement to placement: each says now and then what its server.yaml
+        would seed (digests), so that two placements with different files are warned about."""
+        return f"{self.prefix}.placement.file"
+
     def launcher_logs(self, node: str) -> str:
         """Request/reply: the node's launcher answers a `ShardLogsRequest` with `ShardLogs`,
         a shard's own log lines (`llmgw ctl logs`)."""

@@ -1,6 +1,10 @@
-"""Placement's HTTP API: `/api/nodes`, `/api/deployments`, `/api/replicas`, `/api/explain/<d>`, `/metrics`.
+"""Placement's HTTP API: `/api/nodes`, `/api/deployments`, `/api/replicas`, `/api/explain/<d>`,
+`/api/warnings`, `/metrics`.
 
-Every placement serves it; a standby answers from the same watched state.
+Every placement serves it; a standby answers from the same watched state, but
+replicas and decisions are the leader's: there a standby answers 503 naming the
+leader. `/healthz` answers 503 while this placement cannot work (NATS out of
+reach, or a lease it could not renew within the lease period).
 Every route but `/healthz` wants `Authorization: Bearer <token>`: the API
 token reads and writes, the read token (for dashboards) only reads.
 
@@ -132,6 +136,7 @@ class Api:
             Route("/api/deployments", self.put_deployment, methods=["POST"]),
             Route("/api/replicas", self.get_replicas, methods=["GET"]),
             Route("/api/explain/{name}", self.get_explain, methods=["GET"]),
+            Route("/api/warnings", self.get_warnings, methods=["GET"]),
             Route("/metrics", self.get_metrics, methods=["GET"]),
         ]
 
@@ -148,7 +153,12 @@ class Api:
     # --- routes ---------------------------------------------------------------------
 
     async def whoami(self, _: Request) -> Response:
-        return json_response({"leader": self.service.is_leader, "identity": self.service.identity})
+        body: dict[str, Any] = {"leader": self.service.is_leader, "identity": self.service.identity}
+        trouble = self.service.trouble()
+        if trouble:
+            body["error"] = trouble
+            return json_response(body, 503)
+        return json_response(body)
 
     async def get_nodes(self, _: Request) -> Response:
         return Response(self.nodes_json(), media_type="application/json")
@@ -158,11 +168,31 @@ class Api:
 
     async def get_replicas(self, _: Request) -> Response:
         controller = self.service.controller
-        replicas = controller.replicas if controller else {}
-        return json_response({k: _builtins(v) for k, v in sorted(replicas.items())})
+        if controller is None or not self.service.is_leader:
+            return self.standby()
+        return json_response({k: _builtins(v) for k, v in sorted(controller.replicas.items())})
 
     async def get_explain(self, request: Request) -> Response:
+        if not self.service.is_leader:
+            return self.standby()
         return self.explain(request.path_params["name"])
+
+    async def get_warnings(self, _: Request) -> Response:
+        return json_response({"warnings": self.service.warnings()})
+
+    def standby(self) -> Response:
+        """503 for what only the leader knows (its replicas and decisions), naming the leader."""
+        leader = self.service.leader()
+        said = f"the leader is {leader}" if leader else "no placement leads now"
+        trouble = self.service.trouble()
+        return json_response(
+            {
+                "error": f"standby: {said}; replicas and decisions are the leader's"
+                + (f" ({trouble})" if trouble else ""),
+                "leader": leader,
+            },
+            503,
+        )
 
     async def get_metrics(self, request: Request) -> Response:
         return exposition(self.service.metrics.registry, request)

@@ -42,6 +42,8 @@ class Lease:
         self.revision = 0
         # When this holder last proved it held the lease (time.monotonic()).
         self.proved_at = 0.0
+        # Who held the lease when this process last read it ("" while none did).
+        self.seen_holder = ""
         self._lock = anyio.Lock()
         self._failing_since: float | None = None
 
@@ -97,12 +99,13 @@ class Lease:
             pass
         entry = await kv.get(LEASE_KEY)
         rev = int(entry.revision or 0)
-        if entry.operation not in ("DEL", "PURGE") and entry.value == self.holder.encode():
+        deleted = entry.operation in ("DEL", "PURGE")
+        self.seen_holder = "" if deleted else (entry.value or b"").decode(errors="replace")
+        if not deleted and entry.value == self.holder.encode():
             # Our own lease, from before a reconnect: keep it.
             self.revision = rev
             self.proved_at = time.monotonic()
             return None
-        deleted = entry.operation in ("DEL", "PURGE")
         stale = rev == seen_rev and time.monotonic() - seen_at >= self.timeout
         if deleted or stale:
             try:

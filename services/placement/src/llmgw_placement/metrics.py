@@ -94,6 +94,12 @@ def _state(service: PlacementService) -> Iterator[Metric]:
         "Bucket entries placement refused as invalid (sent to the dead-letter subject).",
         service.invalid_inputs,
     )
+    yield GaugeMetricFamily(
+        "llmgw_placement_warnings",
+        "Warnings placement shows now (`/api/warnings`): another placement's server.yaml differs, "
+        "or a key's stored value is refused.",
+        value=len(service.warnings()),
+    )
     controller = service.controller
     nodes = GaugeMetricFamily(
         "llmgw_placement_nodes",

@@ -112,11 +112,13 @@ class Page:
     def view(self) -> str:
         """The page's body: every section, rendered now."""
         service = self.service
-        controller = service.controller
+        # An ex-leader's controller holds what it last knew: only a leader shows its own.
+        controller = service.controller if service.is_leader else None
         head = (
             f"<p class=who>placement <b>{_e(service.identity)}</b> · "
             + ("leader" if service.is_leader else "standby: replicas and decisions are the leader's")
             + "</p>"
+            + "".join(f"<div class=warn>{_e(w)}</div>" for w in service.warnings())
         )
         replicas = dict(controller.replicas) if controller else {}
         shards = dict(controller.shards) if controller else {}

@@ -35,6 +35,7 @@ from llmgw_core.events import (
     NodeLiveness,
     NodeStatus,
     ShardStatus,
+    decoder,
     encode,
     now,
 )
@@ -43,6 +44,7 @@ from llmgw_core.telemetry import current_traceparent
 from .checks import check_deployment, check_profile
 from .config import ServerConfig
 from .controller import ClusterState, Controller
+from .desired import PlacementFile, file_difference, last_good, placement_file
 from .lease import Lease, LeaseLost
 from .metrics import PlacementMetrics
 
@@ -58,6 +60,10 @@ STALL_S = 0.5
 CAUGHT_UP_S = 10.0
 # The longest pause between failed control steps.
 BACKOFF_CAP_S = 5.0
+# How often each placement says what its server.yaml would seed, and after how long
+# without a word another placement's file is forgotten (it left).
+FILE_EVERY_S = 10.0
+FILE_FORGOTTEN_S = 3.5 * FILE_EVERY_S
 
 
 class PlacementService:
@@ -68,13 +74,22 @@ class PlacementService:
         self.state.heard_from = time.monotonic()
         self.identity = config.identity or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.controller: Controller | None = None
-        self.is_leader = False
+        # The lease this placement holds or waits for, and whether it took over with it.
+        self.lease: Lease | None = None
+        self._leading = False
         self.step_failures = 0
         # Overload: whether this placement is behind now, and how often its loop stalled.
         self.behind = False
         self.stalls = 0
         self._last_stall = 0.0
         self.invalid_inputs = 0
+        # "<bucket>/<key>" -> why its stored value is refused and what placement keeps instead.
+        self.held: dict[str, str] = {}
+        # What this placement's server.yaml would seed, and other placements' files, as each
+        # last said (and when, time.monotonic()).
+        self.file = placement_file(self.identity, config)
+        self.files: dict[str, tuple[PlacementFile, float]] = {}
+        self._file_asked = anyio.Event()
         self._wake = anyio.Event()
         self.metrics = PlacementMetrics()
         self.metrics.watch(self)
@@ -82,22 +97,73 @@ class PlacementService:
     def wake(self) -> None:
         self._wake.set()
 
-    async def seed(self) -> None:
-        """server.yaml's engines, catalog and deployments, for keys that have no value yet.
+    @property
+    def is_leader(self) -> bool:
+        """Whether this placement leads now: it took over, and it proved its lease within the
+        last lease period. One cut off from NATS cannot know whether a standby took over
+        since: once one may have, it stops saying it leads (its API, metrics, liveness)."""
+        return self._leading and self.lease is not None and self.lease.proven()
 
-        What a user changed at runtime (a scale, a profile edit, a deletion
-        followed by a re-create) is never rewritten from the file by a restart
-        or a change of leader; `llmgw ctl apply -f server.yaml` writes the file
-        on purpose.
+    def leader(self) -> str:
+        """Who leads, as far as this placement knows: itself, or who held the lease when it
+        last read it ("" when nobody did)."""
+        if self.is_leader:
+            return self.identity
+        return self.lease.seen_holder if self.lease is not None else ""
+
+    def trouble(self) -> str:
+        """Why this placement cannot do its work now ("" when it can): `/healthz` answers 503
+        with it, so that a load balancer stops sending to this one."""
+        if not self.bus.connected or self.bus.nc.is_closed:
+            return (
+                f"placement {self.identity} cannot reach NATS at {self.bus.options.resolved_url()}: "
+                "it can neither lead nor stand by until it does"
+            )
+        lease = self.lease
+        if self._leading and lease is not None and not lease.proven():
+            return (
+                f"placement {self.identity} last renewed the placement lease "
+                f"{time.monotonic() - lease.proved_at:.1f} s ago (lease period {lease.timeout:g} s): "
+                "it does not lead until a renewal lands"
+            )
+        return ""
+
+    def warnings(self) -> list[str]:
+        """What an operator should know: another placement with a different server.yaml, and
+        keys whose stored value is refused."""
+        at = time.monotonic()
+        out = []
+        for name in sorted(self.files):
+            theirs, heard = self.files[name]
+            difference = file_difference(self.file, theirs) if at - heard < FILE_FORGOTTEN_S else None
+            if difference:
+                out.append(difference)
+        out.extend(self.held[where] for where in sorted(self.held))
+        return out
+
+    async def seed(self) -> None:
+        """server.yaml's engines, catalog and deployments, for keys that were never written.
+
+        A key with any history is left alone, whichever placement's file names it:
+        what a user changed at runtime (a scale, a profile edit) is never rewritten
+        from a file, and what a user deleted stays deleted. (KV create succeeds over
+        a delete marker: with it, a deleted deployment came back at the next take-over
+        of any placement whose file named it.) `llmgw ctl apply -f server.yaml` writes
+        the file on purpose.
         """
         names = self.bus.names
         with tracer.start_as_current_span("placement: desired engines"):
             desired = DesiredEngines(engines=self.config.engines, traceparent=current_traceparent())
-            await self.bus.create(names.config_bucket, "engines", desired)
-        for profile in self.config.catalog:
-            await self.bus.create(names.catalog_bucket, profile.name, profile.wire())
-        for dep in self.config.deployments:
-            await self.bus.create(names.deployments_bucket, dep.name, dep.wire())
+            writes: list[tuple[str, str, msgspec.Struct]] = [(names.config_bucket, "engines", desired)]
+        writes += [(names.catalog_bucket, p.name, p.wire()) for p in self.config.catalog]
+        writes += [(names.deployments_bucket, d.name, d.wire()) for d in self.config.deployments]
+        seeded = []
+        for bucket, key, value in writes:
+            # Revision 0: only a key with no message at all, not even a delete marker.
+            if await self.bus.update(bucket, key, value, last=0) is not None:
+                seeded.append(f"{bucket}/{key}")
+        if seeded:
+            log.info("%s: seeded from server.yaml: %s", self.identity, ", ".join(seeded))
 
     async def _mirror(
         self,
@@ -106,22 +172,114 @@ class PlacementService:
         target: dict[str, T],
         check: Callable[[str, T], str | None] | None = None,
     ) -> None:
-        changes: AsyncIterator[KVChange[T]] = self.bus.watch(bucket, kind)
+        changes: AsyncIterator[KVChange[T]] = self.bus.watch(bucket, kind, undecodable=True)
         async for change in changes:
-            if change.value is None:
+            problem: str | None = change.error or None  # one that does not decode: dead-lettered
+            if problem is None and change.value is None:
                 target.pop(change.key, None)
-            else:
+            elif problem is None and change.value is not None:
                 problem = check(change.key, change.value) if check else None
-                if problem is not None:
-                    # The key keeps its last good value: a bad write changes nothing.
-                    self.invalid_inputs += 1
+                if problem is None:
+                    target[change.key] = change.value
+                else:
                     await self.bus.dead_letter(f"$KV.{bucket}.{change.key}", encode(change.value), problem)
+            if self.held and problem is None:
+                self.held.pop(f"{bucket}/{change.key}", None)  # a good value or a delete ends it
+            if problem is not None:
+                # The key keeps its last good value: a bad write changes nothing, and after a
+                # restart (nothing in memory) that value is read from the key's history.
+                self.invalid_inputs += 1
+                restored = None
+                if change.key not in target:
+                    restored = await self._last_good(bucket, kind, change.key, change.revision, check)
+                    if restored is not None:
+                        target[change.key] = restored[1]
+                if restored is not None:
+                    kept = f"placement keeps revision {restored[0]}, the last good one"
+                elif change.key in target:
+                    kept = "placement keeps the value it had"
+                else:
+                    kept = "it has no earlier good value, so placement leaves the key out"
+                where = f"{bucket}/{change.key}"
+                self.held[where] = (
+                    f"{where}: revision {change.revision} is refused ({problem[:300]}); {kept}; "
+                    "write a good value or delete the key"
+                )
+                if restored is None:
                     continue
-                target[change.key] = change.value
             if target is self.state.nodes:
                 self.state.nodes_version += 1
                 self.state.dirty_nodes.add(change.key)
             self.wake()
+
+    async def _last_good(
+        self,
+        bucket: str,
+        kind: type[T],
+        key: str,
+        before: int,
+        check: Callable[[str, T], str | None] | None,
+    ) -> tuple[int, T] | None:
+        """The newest revision of `key` older than `before` that decodes and passes `check`.
+        Read again until NATS answers: leaving the key out would remove what ran."""
+        dec = decoder(kind)
+
+        def judge(data: bytes) -> T | str:
+            try:
+                value = dec.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                return str(exc)
+            problem = check(key, value) if check else None
+            return value if problem is None else problem
+
+        history: list[tuple[int, bytes | None]] = []
+
+        async def read() -> None:
+            history[:] = await self.bus.revisions(bucket, key)
+
+        reading = Attempts(self.identity, f"reading the history of {bucket}/{key}")
+        while not await reading.run(read):
+            await anyio.sleep(reading.delay)
+        return last_good([(rev, data) for rev, data in history if rev < before], judge)
+
+    async def _files(self) -> None:
+        """Say what this placement's server.yaml would seed, now and every FILE_EVERY_S (at
+        once when another placement is first heard), and hear what the others say."""
+        names = self.bus.names
+
+        async def heard(theirs: PlacementFile, _subject: str) -> None:
+            if theirs.placement == self.identity:
+                return
+            before = self.files.get(theirs.placement)
+            self.files[theirs.placement] = (theirs, time.monotonic())
+            if before is None:
+                self._file_asked.set()  # so that it hears this one's without waiting
+            if before is None or before[0].digest != theirs.digest:
+                difference = file_difference(self.file, theirs)
+                if difference:
+                    log.warning("%s: %s", self.identity, difference)
+
+        async with anyio.create_task_group() as tg:
+            while True:
+                try:
+                    await tg.start(self.bus.subscribe_core, names.placement_file, PlacementFile, heard)
+                    break
+                except BusError as exc:
+                    log.warning("%s: cannot hear other placements' files yet: %s", self.identity, exc)
+                    await anyio.sleep(1.0)
+            while True:
+                self._file_asked = anyio.Event()
+                try:
+                    await self.bus.publish_core(
+                        names.placement_file, msgspec.structs.replace(self.file, at=now())
+                    )
+                except BusError as exc:
+                    log.debug("%s: could not say what its server.yaml seeds: %s", self.identity, exc)
+                with anyio.move_on_after(FILE_EVERY_S):
+                    await self._file_asked.wait()
+                for name, (_, at) in list(self.files.items()):
+                    if time.monotonic() - at > FILE_FORGOTTEN_S:
+                        del self.files[name]
 
     async def _heartbeats(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -231,6 +389,7 @@ class PlacementService:
             await tg.start(self._heartbeats)
             tg.start_soon(self._answer_liveness)
             tg.start_soon(self._hearing)
+            tg.start_soon(self._files)
             tg.start_soon(self._mirror, names.nodes_bucket, NodeStatus, self.state.nodes, _check_node)
             tg.start_soon(self._mirror, names.catalog_bucket, Profile, self.state.catalog, check_profile)
             tg.start_soon(
@@ -255,13 +414,14 @@ class PlacementService:
                     interval=self.config.heartbeat_interval_s,
                     timeout=self.config.node_timeout_s,
                 )
+                self.lease = lease
                 await lease.acquire()
                 try:
                     await self._lead(lease)
                 except* LeaseLost as group:
                     log.error("%s; standing by", group.exceptions[0])
                 finally:
-                    self.is_leader = False
+                    self._leading = False
 
     async def _lead(self, lease: Lease) -> None:
         controller = Controller(
@@ -273,7 +433,7 @@ class PlacementService:
             while not await taking_over.run(lambda: self._take_over(controller)):
                 await anyio.sleep(taking_over.delay)
             self.controller = controller
-            self.is_leader = True
+            self._leading = True
             log.info("%s: active placement", self.identity)
             interval = min(self.config.heartbeat_interval_s, self.config.node_timeout_s / 4)
             steps = Attempts(self.identity, "control step")
