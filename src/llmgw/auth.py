@@ -25,6 +25,7 @@ from pathlib import Path
 
 from llmgw_core.access import NODE_ROLE_PREFIX, ROLES, permissions, public_key_of
 from llmgw_core.errors import ConfigError
+from llmgw_core.limits import NAME_MAX, name_problem
 from llmgw_core.subjects import DEFAULT_PREFIX, Names
 
 BASE_ROLES = ("placement", "ctl", "observer", "gateway")
@@ -37,6 +38,9 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 def _check_node(node: str) -> str:
+    problem = name_problem("node id", node)
+    if problem is not None and len(node) > NAME_MAX:
+        raise ConfigError(problem)
     if not _TOKEN.match(node):
         raise ConfigError(
             f"{node!r} is not a node id: node ids match [A-Za-z0-9_-]+ (a dot splits a subject); "

@@ -179,7 +179,12 @@ def main(nodes: int, gpus: int, name: str, options: BusOptions, *, shard: str = 
     (`llmgw auth init --fleet`)."""
     from llmgw_core.access import prepare_node
     from llmgw_core.lifecycle import cancel_on_signal
+    from llmgw_core.limits import name_problem
 
+    # The last id is the longest: if it is a node id, every one is.
+    problem = name_problem("node id", f"{name}-{max(0, nodes - 1):05d}") if nodes else None
+    if problem is not None:
+        raise ConfigError(f"--name: {problem}")
     mine = shard_of([f"{name}-{i:05d}" for i in range(nodes)], shard)
 
     async def run() -> None:

@@ -17,7 +17,7 @@ from opentelemetry import trace
 
 from llmgw_core.access import PermissionDenied
 from llmgw_core.bus import Bus
-from llmgw_core.engines import TOKEN_PATTERN, Profile, ShardSpec
+from llmgw_core.engines import Profile, ShardSpec
 from llmgw_core.errors import BusError, ConfigError
 from llmgw_core.events import (
     Deployment,
@@ -27,6 +27,7 @@ from llmgw_core.events import (
     ShardLogsRequest,
     ShardStatus,
 )
+from llmgw_core.limits import NAME_MAX, name_problem, shown
 from llmgw_core.telemetry import current_traceparent
 
 from . import _read as read
@@ -51,11 +52,19 @@ def warn(text: str) -> None:
 
 
 def check_name(what: str, name: str) -> None:
-    if not re.match(TOKEN_PATTERN, name):
-        raise UsageError(
-            f"{what} {name!r} is not a valid name: use letters, digits, '-' and '_' "
-            "(a dot splits a subject), e.g. chat-7b"
-        )
+    """Refuse a name the cluster would refuse, in the words the API uses: one over the length
+    limit is refused (exit 4), one that is no name at all is a usage error (exit 2)."""
+    problem = name_problem(what, name)
+    if problem is None:
+        return
+    if len(name) > NAME_MAX:
+        raise Refused(problem)
+    raise UsageError(problem)
+
+
+# Any key the deployments bucket can hold (what NATS allows in a KV key), so that `delete`
+# removes one no reader accepts: a name over the limits, or with a dot, written by hand.
+_STORED_KEY = re.compile(r"^[-/_=A-Za-z0-9]([-/_=.A-Za-z0-9]*[-/_=A-Za-z0-9])?$")
 
 
 # --- kept from the first ctl (tests and scripts call these) -------------------------------
@@ -69,8 +78,7 @@ async def nodes(bus: Bus) -> str:
 async def explain(bus: Bus, deployment: str) -> str:
     """Why the deployment stands as it does now: placement's last published status of it (ready
     of desired, and every node's reason for what cannot be placed), never an older decision."""
-    if await bus.get(bus.names.deployments_bucket, deployment, Deployment) is None:
-        raise NotFound(f"no deployment {deployment} (`llmgw ctl get deployments` lists them)")
+    await stored_deployment(bus, deployment)
     status = await read.last_on(bus, bus.names.deployment_event(deployment), DeploymentStatus)
     if status is None:
         return f"{deployment}: not judged by a placement yet"
@@ -116,12 +124,33 @@ async def apply(bus: Bus, path: str) -> str:
     )
 
 
+async def stored_deployment(bus: Bus, name: str) -> Deployment:
+    """The deployment stored under `name`; NotFound when there is none, Refused when what is
+    stored does not decode (written by hand, or by a writer of another schema)."""
+    try:
+        found = await bus.get(bus.names.deployments_bucket, name, Deployment)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise Refused(
+            f"deployment {name}: the stored value is not a deployment ({exc}); "
+            f"`llmgw ctl delete deployment {name}` removes it"
+        ) from exc
+    if found is None:
+        raise NotFound(f"no deployment {name} (`llmgw ctl get deployments` lists them)")
+    return found[0]
+
+
 async def delete_deployment(bus: Bus, name: str) -> str:
-    check_name("deployment", name)
-    if await bus.get(bus.names.deployments_bucket, name, Deployment) is None:
-        raise NotFound(f"no deployment {name}")
+    """Delete the deployment stored under `name`, whatever its value holds: one that does not
+    decode, or breaks a rule, is removed like any other (its value is never read)."""
+    if not _STORED_KEY.match(name):
+        raise UsageError(
+            f"deployment {shown(name)} cannot be a stored key: a key holds letters, digits and "
+            "'-', '_', '/', '=', '.' (not first or last)"
+        )
+    if name not in await bus.keys(bus.names.deployments_bucket):
+        raise NotFound(f"no deployment {shown(name) if len(name) > NAME_MAX else name}")
     await bus.delete(bus.names.deployments_bucket, name)
-    return f"deployment {name} deleted: its replicas stop"
+    return f"deployment {shown(name) if len(name) > NAME_MAX else name} deleted: its replicas stop"
 
 
 # --- deploy and scale --------------------------------------------------------------------
@@ -132,15 +161,17 @@ async def request_replicas(bus: Bus, dep: Deployment, verb: str) -> str:
     check_name("deployment", dep.name)
     if dep.replicas < 0:
         raise UsageError(f"--replicas {dep.replicas}: a replica count is 0 or more")
+    from llmgw_placement.checks import check_deployment
+
+    # Placement's own rules, before anything is read or written: what it would dead-letter is
+    # refused here, with the words its API uses.
+    problem = check_deployment(dep.name, dep)
+    if problem:
+        raise Refused(problem)
     catalog = await read.values(bus, bus.names.catalog_bucket, Profile)
     if dep.profile not in catalog:
         known = ", ".join(sorted(catalog)) or "none (write one with `llmgw ctl apply -f server.yaml`)"
         raise Refused(f"unknown profile {dep.profile!r} for deployment {dep.name}: the catalog has {known}")
-    from llmgw_placement.checks import check_deployment
-
-    problem = check_deployment(dep.name, dep)
-    if problem:
-        raise Refused(problem)
     seen: list[DeploymentStatus] = []
     got = anyio.Event()
 
@@ -509,11 +540,9 @@ async def _dispatch(bus: Bus, args: argparse.Namespace) -> str | None:
         check_name("deployment", args.name)
         if args.replicas < 0:
             raise UsageError(f"--replicas {args.replicas}: a replica count is 0 or more")
-        found = await bus.get(bus.names.deployments_bucket, args.name, Deployment)
-        if found is None:
-            raise NotFound(f"no deployment {args.name} (`llmgw ctl get deployments` lists them)")
+        found = await stored_deployment(bus, args.name)
         return await request_replicas(
-            bus, msgspec.structs.replace(found[0], replicas=args.replicas), "requested"
+            bus, msgspec.structs.replace(found, replicas=args.replicas), "requested"
         )
     if cmd == "apply":
         try:

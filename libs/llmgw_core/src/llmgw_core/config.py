@@ -13,8 +13,9 @@ import msgspec
 from msgspec import Struct
 
 from .bus import BusOptions
-from .engines import GPUInfo, Token
+from .engines import GPUInfo
 from .errors import ConfigError
+from .limits import Name
 
 T = TypeVar("T", bound=Struct)
 
@@ -64,7 +65,7 @@ class ConfiguredEngine(Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 class AgentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    node: Token
+    node: Name
     state_dir: str = ".llmgw/agent"
     nats: NatsConfig = NatsConfig()
     # The address other nodes and clients reach this node on.

@@ -16,7 +16,8 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
-from .engines import GPUInfo, Member, Profile, ShardSpec, Token
+from .engines import GPUInfo, Member, Profile, ShardSpec
+from .limits import Aliases, Name, Token
 
 __all__ = [
     "Deployment",
@@ -69,7 +70,7 @@ class NetInterface(Struct, frozen=True, kw_only=True):
 
 
 class NodeFacts(Message, frozen=True):
-    node: Token
+    node: Name
     os_id: str = ""
     os_version: str = ""
     kernel: str = ""
@@ -121,13 +122,13 @@ class EngineState(Struct, frozen=True, kw_only=True):
 
 
 class EngineInventory(Message, frozen=True):
-    node: Token
+    node: Name
     probed_at: float
     engines: tuple[EngineState, ...] = ()
 
 
 class InstallProgress(Message, frozen=True):
-    node: Token
+    node: Name
     engine: str
     step: str
     message: str
@@ -140,7 +141,7 @@ class InstallProgress(Message, frozen=True):
 class NodeStatus(Message, frozen=True):
     """The value of `<node>` in the nodes bucket: everything placement needs to know."""
 
-    node: Token
+    node: Name
     facts: NodeFacts
     engines: tuple[EngineState, ...] = ()
     probed_at: float = 0.0
@@ -150,7 +151,7 @@ class NodeStatus(Message, frozen=True):
 
 
 class Heartbeat(Message, frozen=True):
-    node: Token
+    node: Name
     service: str
     at: float
 
@@ -198,7 +199,7 @@ ShardState = Literal["pending", "starting", "waiting", "loading", "ready", "fail
 
 
 class ShardStatus(Message, frozen=True):
-    node: Token
+    node: Name
     shard: Token
     replica: str
     state: ShardState
@@ -225,7 +226,7 @@ class ShardStatus(Message, frozen=True):
 
 
 class Deployment(Message, frozen=True):
-    name: Token
+    name: Name
     profile: str
     replicas: Annotated[int, Meta(ge=0)] = 1
     pool: str = ""
@@ -233,7 +234,7 @@ class Deployment(Message, frozen=True):
     traceparent: str = ""
     # Other names clients may send as `model` to reach this deployment through the gateway
     # (the served model's own name, a friendly name); the deployment's name always works.
-    aliases: tuple[str, ...] = ()
+    aliases: Aliases = ()
 
 
 # `unknown`: a launcher of the replica has gone silent, so nothing says whether it still serves.
@@ -245,7 +246,7 @@ ReplicaState = Literal[
 class ReplicaRecord(Message, frozen=True):
     """The value of `<deployment>.<replica>` in the replicas bucket."""
 
-    deployment: Token
+    deployment: Name
     replica: Token
     profile: str
     profile_fp: str
@@ -269,7 +270,7 @@ class ReplicaRecord(Message, frozen=True):
 class ReplicaStatus(Message, frozen=True):
     """A replica's state transition, as an event."""
 
-    deployment: Token
+    deployment: Name
     replica: Token
     state: ReplicaState
     reason: str = ""
@@ -286,7 +287,7 @@ class DeploymentStatus(Message, frozen=True):
     """A deployment as placement sees it: published on `<prefix>.events.deployment.<name>`
     whenever any count or the refusal changes (the stream keeps the last per subject)."""
 
-    deployment: Token
+    deployment: Name
     desired: int
     ready: int = 0
     # Placed but not ready: placing, starting, degraded, unknown or failed and being retried.
@@ -301,7 +302,7 @@ class DeploymentStatus(Message, frozen=True):
 
 
 class PlacementDecision(Message, frozen=True):
-    deployment: Token
+    deployment: Name
     replica: str
     outcome: Literal["placed", "refused"]
     nodes: tuple[str, ...] = ()

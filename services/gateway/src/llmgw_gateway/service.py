@@ -18,7 +18,8 @@ from opentelemetry import trace
 
 from llmgw_core.bus import Bus
 from llmgw_core.errors import BusError
-from llmgw_core.events import Deployment, ReplicaRecord
+from llmgw_core.events import Deployment, ReplicaRecord, encode
+from llmgw_core.limits import key_problem
 
 from .config import GatewayConfig, load_api_keys
 from .connections import ACCEPT_BACKLOG, Connections, connection_limit, open_file_limit, protocol
@@ -75,7 +76,8 @@ class Gateway:
         """The first snapshot, before the gateway answers `unknown model` to anyone."""
         names = self.bus.names
         for key, change in (await self.bus.entries(names.replicas_bucket, ReplicaRecord)).items():
-            self.table.set_replica(key, change.value)
+            if await self._acceptable(names.replicas_bucket, key, change.value):
+                self.table.set_replica(key, change.value)
         try:
             deployments = await self.bus.entries(names.deployments_bucket, Deployment)
         except BusError as exc:
@@ -87,15 +89,33 @@ class Gateway:
             )
             return
         for key, dchange in deployments.items():
-            self.table.set_deployment(key, dchange.value)
+            if await self._acceptable(names.deployments_bucket, key, dchange.value):
+                self.table.set_deployment(key, dchange.value)
 
     async def _follow_replicas(self) -> None:
-        async for change in self.bus.watch(self.bus.names.replicas_bucket, ReplicaRecord):
-            self.table.set_replica(change.key, change.value)
+        bucket = self.bus.names.replicas_bucket
+        async for change in self.bus.watch(bucket, ReplicaRecord):
+            if await self._acceptable(bucket, change.key, change.value):
+                self.table.set_replica(change.key, change.value)
 
     async def _follow_deployments(self) -> None:
-        async for change in self.bus.watch(self.bus.names.deployments_bucket, Deployment):
-            self.table.set_deployment(change.key, change.value)
+        bucket = self.bus.names.deployments_bucket
+        async for change in self.bus.watch(bucket, Deployment):
+            if await self._acceptable(bucket, change.key, change.value):
+                self.table.set_deployment(change.key, change.value)
+
+    async def _acceptable(self, bucket: str, key: str, value: Deployment | ReplicaRecord | None) -> bool:
+        """Whether a key may enter the routing table: one over the name limits or with a dot
+        (written by hand) is dead-lettered, and never named to a client as a deployment."""
+        if bucket == self.bus.names.replicas_bucket:
+            problem = key_problem(key, "deployment", "replica")
+        else:
+            problem = key_problem(key, "deployment")
+        if problem is None:
+            return True
+        if value is not None:  # a delete of a key never taken changes nothing
+            await self.bus.dead_letter(f"$KV.{bucket}.{key}", encode(value), problem)
+        return False
 
     async def _forever(self, what: str, follow: Callable[[], Awaitable[None]]) -> None:
         """Run a watch for as long as the service runs; a failure costs one attempt, retried."""

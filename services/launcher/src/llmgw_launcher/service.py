@@ -33,6 +33,7 @@ from llmgw_core.config import AgentConfig
 from llmgw_core.engines import GPUInfo, Registry, ShardSpec, default_registry
 from llmgw_core.events import ShardLogs, ShardLogsRequest, ShardState, decoder, encode
 from llmgw_core.installed import installed
+from llmgw_core.limits import key_problem
 from llmgw_core.metrics import Collect, add_bus, counter, new_registry, serve_metrics
 from llmgw_core.probe import Probe
 from llmgw_core.redact import scrub, secret_values
@@ -219,7 +220,11 @@ class Launcher:
             self.handles[key] = Handle(key, record.spec, ShardRunner(key, record.spec, self.ctx, record))
         pattern = f"{self.node}.*"
         snapshot = await self.bus.entries(self.bus.names.shards_bucket, ShardSpec, pattern)
-        self.desired = {k: c.value for k, c in snapshot.items() if c.value is not None}
+        self.desired = {
+            k: c.value
+            for k, c in snapshot.items()
+            if c.value is not None and await self._acceptable(k, c.value)
+        }
         async with anyio.create_task_group() as tg:
             self._tg = tg
             await tg.start(self.outbox.run)
@@ -242,9 +247,26 @@ class Launcher:
             async for change in self.bus.watch(self.bus.names.shards_bucket, ShardSpec, pattern):
                 if change.value is None:
                     self.desired.pop(change.key, None)
-                else:
+                elif await self._acceptable(change.key, change.value):
                     self.desired[change.key] = change.value
+                else:
+                    continue
                 self._changed.set()
+
+    async def _acceptable(self, key: str, spec: ShardSpec) -> bool:
+        """Whether a spec may run under `key`; one that may not is dead-lettered. The key names
+        the shard's log and run directories and its record: one over the name limits (or not the
+        spec's own NODE.SHARD) is never run, so it never reaches a path or a subject."""
+        problem = key_problem(key, "node", "shard")
+        if problem is None and key != self.bus.names.shard_key(spec.node, spec.shard):
+            problem = (
+                f"key {key} holds the spec of shard {spec.node}.{spec.shard}: "
+                "a spec is stored under its own key"
+            )
+        if problem is None:
+            return True
+        await self.bus.dead_letter(f"$KV.{self.bus.names.shards_bucket}.{key}", encode(spec), problem)
+        return False
 
     async def _reconcile_on_change(self) -> None:
         while True:

@@ -32,11 +32,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmgw_core.engines import GPUInfo
 from llmgw_core.errors import BusError, ConfigError
-from llmgw_core.events import Deployment, EngineState, NodeStatus
+from llmgw_core.events import Deployment, EngineState, NodeStatus, decoder
 from llmgw_core.metrics import exposition
 from llmgw_core.telemetry import context_from, current_traceparent
 from llmgw_core.web import MAX_BODY, json_response
 
+from .checks import check_deployment
 from .decide import Refusal, decide
 from .service import PlacementService
 
@@ -77,6 +78,22 @@ class _Reported(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _encode = msgspec.json.Encoder().encode
+
+
+class _Entered(msgspec.Struct, frozen=True, kw_only=True):
+    """The named and counted fields of a posted deployment, without the wire type's constraints."""
+
+    name: str
+    profile: str
+    replicas: int = 1
+    aliases: tuple[str, ...] = ()
+
+    def deployment(self) -> Deployment:
+        # Not decoded, so not validated: `check_deployment` judges these fields as they came.
+        return Deployment(name=self.name, profile=self.profile, replicas=self.replicas, aliases=self.aliases)
+
+
+_entered = msgspec.json.Decoder(_Entered)
 
 
 def _read_token(path: str, what: str) -> bytes:
@@ -309,8 +326,22 @@ class Api:
         return json_response(body)
 
     async def put_deployment(self, req: Request) -> Response:
+        """Store a deployment that every reader decodes and placement acts on; anything else is
+        refused here (400), before it is stored, with the rule it breaks."""
+        body = await req.body()
+        max_replicas = self.service.config.max_replicas
+        # The names and sizes first, read without the wire type's constraints, so a refusal says
+        # the rule in its words (the limit, what to do) rather than msgspec's.
         try:
-            dep = msgspec.json.decode(await req.body(), type=Deployment)
+            entered = _entered.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+        else:
+            problem = check_deployment(entered.name, entered.deployment(), max_replicas=max_replicas)
+            if problem is not None:
+                return json_response({"error": f"invalid deployment: {problem}"}, 400)
+        try:
+            dep = decoder(Deployment).decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return json_response({"error": f"invalid deployment: {exc}"}, 400)
         with tracer.start_as_current_span(

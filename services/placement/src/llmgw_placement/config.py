@@ -8,8 +8,9 @@ import msgspec
 from msgspec import Meta, Struct
 
 from llmgw_core.config import NatsConfig
-from llmgw_core.engines import Profile, Token
+from llmgw_core.engines import Profile
 from llmgw_core.events import Deployment, EngineSpec
+from llmgw_core.limits import REPLICAS_CEILING, Aliases, Name, replicas_problem
 
 # The llama.cpp build every node gets unless server.yaml says otherwise.
 DEFAULT_ENGINES = (EngineSpec(name="llamacpp", version="b11434", source="github:ggml-org/llama.cpp"),)
@@ -23,12 +24,12 @@ class ProfileConfig(Profile, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
 
 class DeploymentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    name: Token
-    profile: str
+    name: Name
+    profile: Name
     replicas: Annotated[int, Meta(ge=0)] = 1
     pool: str = ""
     strategy: Literal["binpack", "spread"] = "binpack"
-    aliases: tuple[str, ...] = ()
+    aliases: Aliases = ()
 
     def wire(self) -> Deployment:
         return Deployment(**msgspec.structs.asdict(self))
@@ -66,7 +67,14 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     dist_port_range: tuple[int, int] = (30000, 39999)
     identity: str = ""
     # The most replicas one deployment may ask for; a larger count is refused where it enters.
-    max_replicas: int = 10_000
+    max_replicas: Annotated[int, Meta(ge=0, le=REPLICAS_CEILING)] = 10_000
     # How often the leader removes records and shard specs in the buckets that are not its
     # own (a write that landed after its writer lost the lease).
     reconcile_interval_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        # Refused at load, naming the entry: placement would only dead-letter it after seeding.
+        for i, dep in enumerate(self.deployments):
+            problem = replicas_problem(dep.name, dep.replicas, self.max_replicas)
+            if problem is not None:
+                raise ValueError(f"{problem} - at `$.deployments[{i}].replicas`")

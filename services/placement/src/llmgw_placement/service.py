@@ -39,6 +39,7 @@ from llmgw_core.events import (
     encode,
     now,
 )
+from llmgw_core.limits import key_problem
 from llmgw_core.telemetry import current_traceparent
 
 from .checks import check_deployment, check_profile
@@ -488,12 +489,18 @@ class Attempts:
 
 
 def _check_node(key: str, status: NodeStatus) -> str | None:
+    problem = key_problem(key, "node")
+    if problem is not None:
+        return problem
     if status.node != key:
         return f"key {key} holds the status of node {status.node}: a node writes only its own key"
     return None
 
 
 def _check_shard_status(key: str, status: ShardStatus) -> str | None:
+    problem = key_problem(key, "node", "shard")
+    if problem is not None:
+        return problem
     if key != f"{status.node}.{status.shard}":
         return (
             f"key {key} holds the status of shard {status.node}.{status.shard}: "

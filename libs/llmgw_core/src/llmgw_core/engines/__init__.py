@@ -3,11 +3,11 @@
 Nothing here starts a process; the launcher does that with what these return.
 """
 
+from ..limits import TOKEN_PATTERN, Name, Token
 from ._env import generated_env, materialise
 from ._quant import MIN_CAPABILITY, parse_capability, quantization_of
 from ._registry import InstallableEngine, Registry, UnknownEngineError, default_registry
 from ._types import (
-    TOKEN_PATTERN,
     Address,
     Command,
     Engine,
@@ -15,7 +15,6 @@ from ._types import (
     Member,
     Profile,
     ShardSpec,
-    Token,
 )
 from ._validate import validate_profile
 from .llamacpp import LlamaCpp, LlamaCppConfig
@@ -35,6 +34,7 @@ __all__ = [
     "LlamaCpp",
     "LlamaCppConfig",
     "Member",
+    "Name",
     "Profile",
     "Registry",
     "SGLang",

@@ -8,15 +8,13 @@ functions that build argv and environments.
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Protocol
+from typing import Protocol
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import Struct
 
-# Names that become subject or key tokens: a dot splits a NATS subject, so
-# `gpu-01.dc1` would silently become two tokens and match the wrong filters.
-TOKEN_PATTERN = r"^[A-Za-z0-9_-]+$"
-Token = Annotated[str, Meta(pattern=TOKEN_PATTERN)]
+# Names and ids that become subject or key tokens: their rules are in `llmgw_core.limits`.
+from ..limits import Name, Token
 
 
 class GPUInfo(Struct, frozen=True, kw_only=True):
@@ -34,7 +32,7 @@ class GPUInfo(Struct, frozen=True, kw_only=True):
 class Profile(Struct, frozen=True, kw_only=True):
     """How one model runs on one class of GPU, as the catalog states it."""
 
-    name: Token
+    name: Name
     engine: str
     model_path: str
     model: str = ""
@@ -77,7 +75,7 @@ class Member(Struct, frozen=True, kw_only=True):
     engine has one (llama.cpp's RPC server).
     """
 
-    node: Token
+    node: Name
     addr: str
     port: int = 0
 
@@ -87,7 +85,7 @@ class ShardSpec(Struct, frozen=True, kw_only=True):
 
     replica: Token
     shard: Token
-    node: Token
+    node: Name
     profile: Profile
     rank: int = 0
     gpus: tuple[int, ...] = ()
