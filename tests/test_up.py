@@ -19,6 +19,8 @@ import openai
 import pytest
 
 from llmgw.auth import AuthDir
+from llmgw_launcher import procs
+from llmgw_launcher.records import Records
 from tests.launcher_support import pid_alive, processes_with
 from tests.test_sim_engine import free_port
 from tests.waiting import eventually
@@ -273,3 +275,206 @@ async def test_dev_up_without_authentication_must_be_asked_for_and_says_so(tmp_p
         async with httpx.AsyncClient(timeout=10) as client:
             assert (await client.get(f"{api.group(1)}/api/replicas")).status_code == 200
         await ctrl_c(proc, out, data)
+
+
+# --- supervision: what `up` does when one of its children dies -----------------------
+
+
+def started_pids(text: str) -> dict[str, int]:
+    """The pids `llmgw up` says it started, by child: `llmgw: pids: nats-server 12, placement 13, …`."""
+    m = re.search(r"^llmgw: pids: (.+); each is restarted if it exits$", text, re.MULTILINE)
+    assert m, text[-3000:]
+    return {name: int(pid) for name, pid in (item.rsplit(" ", 1) for item in m.group(1).split(", "))}
+
+
+def recorded_engine(data: Path) -> tuple[int, int, int]:
+    """The engine's pid, start time and port, from the shard record its launcher wrote."""
+    records, problems = Records(data / "agent").load_all()
+    assert problems == []
+    assert len(records) == 1, records
+    (record,) = records.values()
+    (proc,) = record.procs
+    return proc.pid, proc.start_time, record.port
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+async def chat(url: str) -> bool:
+    async with httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(
+            f"{url}/v1/chat/completions",
+            json={"model": "chat", "messages": [{"role": "user", "content": "hello"}]},
+        )
+    assert r.status_code == 200, r.text
+    return True
+
+
+async def test_up_says_its_nats_server_died_and_restarts_it_on_the_same_port_and_store(
+    tmp_path: Path,
+) -> None:
+    with dev_up(tmp_path) as (proc, data, out):
+        url, _ = await ready(proc, out)
+        text = out.read_text()
+        nats = started_pids(text)["nats-server"]
+        port = re.search(r"NATS JetStream is up at nats://127\.0\.0\.1:(\d+) ", text)
+        assert port, text
+        os.kill(nats, signal.SIGKILL)
+
+        # Said at once: which child, how it ended, its last log lines; then restarted.
+        def restarted() -> int:
+            said = out.read_text()
+            assert f"llmgw: nats-server (pid {nats}) was killed by signal SIGKILL after " in said, said[
+                -3000:
+            ]
+            assert f"s; the last lines of {data / 'logs' / 'nats.log'}:\n    [{nats}] " in said
+            assert re.search(
+                rf"^llmgw: restarting nats-server in [\d.]+s \(same port {port.group(1)}, "
+                rf"same store {re.escape(str(data / 'nats'))}\)$",
+                said,
+                re.MULTILINE,
+            ), said[-3000:]
+            m = re.search(r"^llmgw: nats-server restarted \(pid (\d+)\)$", said, re.MULTILINE)
+            assert m, said[-3000:]
+            return int(m.group(1))
+
+        new = await eventually(restarted, timeout=20, interval=0.2)
+        assert new != nats
+        assert pid_alive(new)
+        # The cluster resumes: the deployment answers through the gateway again, and placement
+        # acts on a change made after the restart (its watch and lease came back).
+        await eventually(lambda: chat(url), timeout=120, interval=1)
+        ctl_line = re.search(r"LLMGW_NATS_URL=(\S+) LLMGW_NATS_NKEY=(\S+) llmgw ctl nodes", text)
+        token = re.search(r"its API token: (\S+) ", text)
+        api = re.search(r"API (http://\S+)\)", text)
+        assert ctl_line, text
+        assert token, text
+        assert api, text
+        env = {**os.environ, "LLMGW_NATS_URL": ctl_line.group(1), "LLMGW_NATS_NKEY": ctl_line.group(2)}
+        env.pop("LLMGW_NATS_INSECURE", None)
+        ctl = [sys.executable, "-c", "import sys; from llmgw.cli import main; sys.exit(main())", "ctl"]
+
+        def scaled() -> bool:
+            done = subprocess.run(
+                [*ctl, "scale", "chat", "--replicas", "2"],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=60,
+            )
+            assert done.returncode == 0, done.stderr
+            return True
+
+        await eventually(scaled, timeout=60, interval=1)
+
+        async def two_ready() -> bool:
+            async with httpx.AsyncClient(base_url=api.group(1), timeout=10) as client:
+                r = await client.get("/api/replicas", headers={"Authorization": f"Bearer {token.group(1)}"})
+            assert r.status_code == 200, r.text
+            states = {k: v["state"] for k, v in r.json().items()}
+            assert states == {"chat.r0": "ready", "chat.r1": "ready"}, states
+            return True
+
+        await eventually(two_ready, timeout=120, interval=1)
+        await ctrl_c(proc, out, data)
+        assert not pid_alive(new)
+
+
+async def test_up_stops_the_engine_of_a_launcher_that_died_and_exits_naming_its_taken_port(
+    tmp_path: Path,
+) -> None:
+    with dev_up(tmp_path, "--insecure") as (proc, data, out):
+        _, engine_url = await ready(proc, out)
+        text = out.read_text()
+        engine, engine_started, engine_port = recorded_engine(data)
+        assert engine_url.endswith(f":{engine_port}")
+        assert pid_alive(engine)
+        launcher = started_pids(text)["launcher"]
+        metrics = re.search(r"local-1 launcher http://127\.0\.0\.1:(\d+)/metrics", text)
+        assert metrics, text
+        metrics_port = int(metrics.group(1))
+
+        # The launcher dies and another process takes its metrics port: a launcher started
+        # again cannot listen, so restarting it cannot help.
+        os.kill(launcher, signal.SIGKILL)
+        with socket.socket() as held:
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+            def take() -> bool:
+                try:
+                    held.bind(("127.0.0.1", metrics_port))
+                except OSError:
+                    return False
+                held.listen()
+                return True
+
+            await eventually(take, timeout=10, interval=0.005)
+            assert proc.wait(timeout=120) == 1
+        said = out.read_text()
+        assert f"llmgw: launcher (pid {launcher}) was killed by signal SIGKILL after " in said
+        # Up's port check may come first, or the restarted launcher may fail to listen.
+        why = (
+            rf"launcher (was killed by signal SIGKILL|exited with code 1) and cannot be restarted: "
+            rf"port {metrics_port} \(local-1's launcher metrics, --api-port \+ 2\) is held by another "
+            r"process \(Address already in use\); stop what holds it, then run `llmgw up` again"
+        )
+        assert re.search(rf"^llmgw: giving up: {why}; stopping the cluster$", said, re.MULTILINE), said[
+            -3000:
+        ]
+        # The launcher is gone, so `up` stops the engine it recorded, and exits naming the cause.
+        assert (
+            "llmgw: stopping 1 engine process group left running without a launcher: "
+            f"local-1.chat-r0-0's sim (pid {engine})\n"
+        ) in said
+        assert re.search(rf"^llmgw: stopped\n(.*\n)?llmgw: {why}$", said, re.MULTILINE), said[-3000:]
+        assert procs.start_time(engine) != engine_started
+        assert port_free(engine_port)
+        assert Records(data / "agent").load_all() == ({}, [])
+        assert processes_with(str(data)) == []
+
+
+async def test_up_exits_naming_a_child_that_exits_each_time_it_starts(tmp_path: Path) -> None:
+    with dev_up(tmp_path, "--insecure") as (proc, data, out):
+        await ready(proc, out)
+        engine, engine_started, engine_port = recorded_engine(data)
+        gateway = started_pids(out.read_text())["gateway"]
+        # From now on the gateway cannot start: its configuration does not load.
+        (data / "gateway.yaml").write_text("http: {port: not-a-port}\n")
+        os.kill(gateway, signal.SIGKILL)
+
+        assert proc.wait(timeout=180) == 1
+        said = out.read_text()
+        log = data / "logs" / "gateway.log"
+        # Each exit is said as it happens, with the gateway's own last words, and restarted after
+        # a longer wait each time.
+        exits = re.findall(
+            rf"^llmgw: gateway \(pid \d+\) exited with code 2 after [\d.]+s; "
+            rf"the last lines of {re.escape(str(log))}:\n(?:    .*\n)*?    llmgw-gateway: "
+            rf"{re.escape(str(data / 'gateway.yaml'))}: Expected `int`, got `str` - at `\$\.http\.port`\n"
+            r"llmgw: (?:restarting gateway in|giving up)",
+            said,
+            re.MULTILINE,
+        )
+        assert f"llmgw: gateway (pid {gateway}) was killed by signal SIGKILL after " in said
+        # The kill counts as the first quick exit, unless the gateway had run 30 s by then.
+        assert len(exits) in (4, 5), said[-4000:]
+        delays = [
+            float(d) for d in re.findall(r"^llmgw: restarting gateway in ([\d.]+)s$", said, re.MULTILINE)
+        ]
+        assert len(delays) >= 4, said[-4000:]
+        assert delays == sorted(delays)
+        why = f"gateway exited 5 times in a row within 30s of starting (last: exited with code 2); see {log}"
+        assert f"llmgw: giving up: {why}; stopping the cluster\n" in said
+        assert f"llmgw: stopped\nllmgw: {why}\n" in said
+        # Its launcher was alive: it stopped the engine itself.
+        assert "without a launcher" not in said
+        assert procs.start_time(engine) != engine_started
+        assert port_free(engine_port)
+        assert processes_with(str(data)) == []

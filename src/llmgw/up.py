@@ -8,9 +8,13 @@ processes, with a server.yaml that deploys a simulated model. While it waits
 it says what it is waiting for (NATS, placement leading, each node probed,
 engines installing, the replica starting and loading); once the replica
 answers it prints the gateway's URL, the one endpoint that stays the same
-however often a replica restarts or moves, and a curl that works. On Ctrl-C
-it stops the gateway, the agents and their engines, placement and NATS, in
-that order.
+however often a replica restarts or moves, and a curl that works.
+
+It supervises what it started (`supervise.py`): a child that exits is said at
+once and restarted, NATS on the same port and store, or `up` stops the cluster
+and exits non-zero naming it when restarting cannot help. On Ctrl-C it stops
+the gateway, the agents and their engines, placement and NATS, in that order,
+and then any engine a launcher that is gone left running.
 
 Authentication is on: the first run writes the identities and API tokens
 into `<data-dir>/auth` (`llmgw auth init`), NATS enforces each identity's
@@ -26,8 +30,6 @@ import logging
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,6 +52,15 @@ from llmgw_gateway.config import GatewayConfig
 from llmgw_placement.config import ServerConfig
 
 from .auth import AuthDir
+from .supervise import (
+    Child,
+    GaveUp,
+    Supervisor,
+    become_subreaper,
+    port_in_use,
+    stop_orphans,
+    stop_recorded_engines,
+)
 
 NODE = "local-1"
 DEPLOYMENT = "chat"
@@ -168,45 +179,6 @@ def _write(path: Path, value: dict[str, Any], kind: type[msgspec.Struct]) -> Pat
     return path
 
 
-class Processes:
-    def __init__(self, logs: Path) -> None:
-        self.logs = logs
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    def start(self, name: str, argv: list[str]) -> None:
-        with (self.logs / f"{name}.log").open("ab") as log:
-            # Their own sessions: Ctrl-C reaches `llmgw up` alone, which then stops
-            # them in order (agents before placement before NATS), once each.
-            proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
-        self.procs.append((name, proc))
-
-    def check(self) -> None:
-        for name, proc in self.procs:
-            code = proc.poll()
-            if code is not None:
-                tail = (self.logs / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
-                raise SystemExit(f"llmgw: {name} exited with code {code}:\n" + "\n".join(tail))
-
-    def stop(self, timeout: float = 20.0) -> None:
-        # Reverse order: the launcher (which stops its engines) before placement.
-        for name, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    print(f"llmgw: {name} did not stop in {timeout:g}s; killing it", flush=True)
-                    proc.kill()
-                    proc.wait()
-            if proc.returncode not in (0, None):
-                print(
-                    f"llmgw: {name} exited with code {proc.returncode}; see {self.logs / name}.log",
-                    flush=True,
-                )
-
-
 @dataclass
 class Progress:
     """What `llmgw up` has told the operator so far: each line is printed once, when it changes."""
@@ -276,22 +248,22 @@ async def report(bus: Bus, nodes: list[str], progress: Progress) -> ReplicaRecor
     return found
 
 
-async def _wait_ready(bus: Bus, procs: Processes, nodes: list[str], timeout: float) -> ReplicaRecord:
+async def _wait_ready(bus: Bus, logs: Path, nodes: list[str], timeout: float) -> ReplicaRecord:
     deadline = time.monotonic() + timeout
     progress = Progress()
     progress.say("streams", "waiting for placement to create the streams and buckets")
     # Placement creates the streams and buckets; the operator only reads them.
     while True:
-        procs.check()
         try:
             await require_streams(bus, all_streams(bus.names), timeout=1)
             break
-        except BusError:
+        except BusError as exc:
             if time.monotonic() > deadline:
-                raise
+                raise GaveUp(
+                    f"placement did not create the streams in {timeout:g}s: {exc}; see {logs}"
+                ) from exc
     progress.say("streams", "placement created the streams and buckets")
     while True:
-        procs.check()
         try:
             found = await report(bus, nodes, progress)
         except BusError as exc:
@@ -300,23 +272,22 @@ async def _wait_ready(bus: Bus, procs: Processes, nodes: list[str], timeout: flo
         if found is not None:
             return found
         if time.monotonic() > deadline:
-            raise SystemExit(f"llmgw: no ready replica of {DEPLOYMENT} after {timeout:g}s; see {procs.logs}")
+            raise GaveUp(f"no ready replica of {DEPLOYMENT} after {timeout:g}s; see {logs}")
         await anyio.sleep(0.3)
 
 
-def _gateway_url(procs: Processes, timeout: float) -> str:
-    """The gateway prints its endpoint once bound (its port may have been 0)."""
+async def _gateway_url(log: Path, since: int, timeout: float) -> str:
+    """The gateway prints its endpoint once bound (its port may have been 0): the last one said
+    after byte `since` of its log (where this `up`'s gateway began)."""
     deadline = time.monotonic() + timeout
-    log = procs.logs / "gateway.log"
     while True:
-        procs.check()
-        text = log.read_text(errors="replace") if log.exists() else ""
-        m = re.search(r"OpenAI endpoint on (http://\S+)/v1", text)
-        if m:
-            return m.group(1)
+        text = log.read_bytes()[since:].decode(errors="replace") if log.exists() else ""
+        found = re.findall(r"OpenAI endpoint on (http://\S+)/v1", text)
+        if found:
+            return str(found[-1])
         if time.monotonic() > deadline:
-            raise SystemExit(f"llmgw: the gateway did not start listening in {timeout:g}s; see {log}")
-        time.sleep(0.1)
+            raise GaveUp(f"the gateway did not start listening in {timeout:g}s; see {log}")
+        await anyio.sleep(0.1)
 
 
 # --- before anything starts -------------------------------------------------------
@@ -360,15 +331,12 @@ def check_ports(ports: dict[str, int]) -> None:
     for what, port in ports.items():
         if port == 0:
             continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError as exc:
-                raise SystemExit(
-                    f"llmgw: port {port} ({what}) is in use on 127.0.0.1: {exc.strerror or exc}; "
-                    f"stop what holds it or choose another port"
-                ) from exc
+        why = port_in_use(port)
+        if why:
+            raise SystemExit(
+                f"llmgw: port {port} ({what}) is in use on 127.0.0.1: {why}; "
+                f"stop what holds it or choose another port"
+            )
 
 
 def identities(data_dir: Path, nodes: list[str] | None = None) -> AuthDir:
@@ -391,24 +359,32 @@ class Options:
     engine_ports: tuple[int, int] = ENGINE_PORTS
 
 
+def suffix(node: str) -> str:
+    """The first node keeps the file and log names a one-node cluster always had."""
+    return "" if node == NODE else f"-{node}"
+
+
+def child_ports(options: Options) -> dict[str, dict[str, int]]:
+    """Each child's ports by child name, each port named with the flag that moves it."""
+    ports: dict[str, dict[str, int]] = {
+        "nats-server": {"NATS, --port": options.port},
+        "placement": {"placement's API, --api-port": options.api_port},
+    }
+    for i, node in enumerate(node_ids(options.nodes)):
+        installer, launcher = metrics_ports(options.api_port, i)
+        for what, port in (("installer", installer), ("launcher", launcher)):
+            ports[f"{what}{suffix(node)}"] = {
+                f"{node}'s {what} metrics, --api-port + {port - options.api_port}": port
+            }
+    ports["gateway"] = {"the gateway, --gateway-port": options.gateway_port}
+    return ports
+
+
 async def _serve(data_dir: Path, options: Options) -> int:
     # First the lock, then the ports: a refusal touches nothing, not even the NATS store.
     lock = lock_data_dir(data_dir)
     try:
-        check_ports(
-            {
-                "NATS, --port": options.port,
-                "placement's API, --api-port": options.api_port,
-                "the gateway, --gateway-port": options.gateway_port,
-                **{
-                    f"node {i + 1}'s {what} metrics (after --api-port)": port
-                    for i in range(options.nodes)
-                    for what, port in zip(
-                        ("installer", "launcher"), metrics_ports(options.api_port, i), strict=True
-                    )
-                },
-            }
-        )
+        check_ports({what: port for ports in child_ports(options).values() for what, port in ports.items()})
         return await _serve_locked(data_dir, options)
     finally:
         lock.close()
@@ -418,6 +394,10 @@ async def _serve_locked(data_dir: Path, options: Options) -> int:
     logs = data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     nodes = node_ids(options.nodes)
+    ports = child_ports(options)
+    # An engine whose launcher dies before recording it is reparented to `up`, which then
+    # stops it with the rest; without this it would be init's, and left running.
+    subreaper = become_subreaper()
     auth = None if options.insecure else identities(data_dir, nodes)
     server = NatsServer(
         store_dir=data_dir / "nats",
@@ -426,19 +406,28 @@ async def _serve_locked(data_dir: Path, options: Options) -> int:
         includes=(auth.conf,) if auth else (),
     )
     await anyio.to_thread.run_sync(server.start)
+    assert server.proc is not None
+    nats = Child(
+        "nats-server", logs / "nats.log", ports=ports["nats-server"], server=server, proc=server.proc
+    )
+    nats.pid, nats.started_at = server.proc.pid, time.monotonic()
+    print(f"llmgw: NATS JetStream is up at {server.url} (pid {nats.pid}, data in {data_dir})", flush=True)
     if auth is None:
         print(
             "llmgw: INSECURE: NATS and the API run without authentication (--insecure); anyone who can "
             "reach them can start any process on this machine",
             flush=True,
         )
-    procs = Processes(logs)
+    failure = ""
+    supervisor: Supervisor | None = None
     # The receiver stays open until everything is stopped: a second Ctrl-C (a
     # terminal and a wrapper like `uv run` can both deliver one) must not cut
     # the shutdown short and leave engines running.
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         try:
             async with anyio.create_task_group() as tg:
+                supervisor = Supervisor(tg)
+                supervisor.watch(nats)
 
                 async def stop_on_signal() -> None:
                     async for _ in signals:
@@ -447,53 +436,95 @@ async def _serve_locked(data_dir: Path, options: Options) -> int:
                         return
 
                 tg.start_soon(stop_on_signal)
-                await _bring_up(server.url, data_dir, options, nodes, procs, auth)
-                while True:
-                    procs.check()
-                    await anyio.sleep(1)
+                try:
+                    await _bring_up(server.url, data_dir, options, nodes, supervisor, ports, auth)
+                except GaveUp as exc:
+                    failure = str(exc)
+                    print(f"llmgw: {failure}; stopping the cluster", flush=True)
+                    tg.cancel_scope.cancel()
+                else:
+                    await anyio.sleep_forever()
         finally:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(procs.stop)
-                await anyio.to_thread.run_sync(server.stop)
+                if supervisor is not None:
+                    await anyio.to_thread.run_sync(supervisor.stop_all)
+                else:
+                    await anyio.to_thread.run_sync(nats.stop, 10.0)
+                state_dirs = [data_dir / f"agent{suffix(node)}" for node in nodes]
+                await anyio.to_thread.run_sync(stop_recorded_engines, state_dirs)
+                if subreaper:
+                    await anyio.to_thread.run_sync(stop_orphans, set())
     print("llmgw: stopped", flush=True)
+    failure = failure or (supervisor.failure if supervisor else "")
+    if failure:
+        raise SystemExit(f"llmgw: {failure}")
     return 0
 
 
 async def _bring_up(
-    url: str, data_dir: Path, options: Options, nodes: list[str], procs: Processes, auth: AuthDir | None
+    url: str,
+    data_dir: Path,
+    options: Options,
+    nodes: list[str],
+    supervisor: Supervisor,
+    ports: dict[str, dict[str, int]],
+    auth: AuthDir | None,
 ) -> None:
     server_cfg = _write(data_dir / "server.yaml", server_yaml(url, options.api_port, auth), ServerConfig)
-    print(f"llmgw: NATS JetStream is up at {url} (data in {data_dir})", flush=True)
+    logs = data_dir / "logs"
     py = sys.executable
-    procs.start("placement", [py, "-m", "llmgw_placement", "--config", str(server_cfg)])
+
+    def child(name: str, argv: list[str]) -> Child:
+        return Child(name, logs / f"{name}.log", argv, ports=ports[name])
+
+    await supervisor.start(child("placement", [py, "-m", "llmgw_placement", "--config", str(server_cfg)]))
     metrics: list[str] = []
-    for i, (node, ports) in enumerate(zip(nodes, split_ports(options.engine_ports, len(nodes)), strict=True)):
-        # The first node keeps the names a one-node cluster always had.
-        suffix = "" if node == NODE else f"-{node}"
+    for i, (node, engine_ports) in enumerate(
+        zip(nodes, split_ports(options.engine_ports, len(nodes)), strict=True)
+    ):
         installer_port, launcher_port = metrics_ports(options.api_port, i)
         metrics += [
             f"{node} installer http://127.0.0.1:{installer_port}/metrics",
             f"{node} launcher http://127.0.0.1:{launcher_port}/metrics",
         ]
         agent_cfg = _write(
-            data_dir / f"agent{suffix}.yaml",
-            agent_yaml(url, data_dir / f"agent{suffix}", auth, node, ports, (installer_port, launcher_port)),
+            data_dir / f"agent{suffix(node)}.yaml",
+            agent_yaml(
+                url,
+                data_dir / f"agent{suffix(node)}",
+                auth,
+                node,
+                engine_ports,
+                (installer_port, launcher_port),
+            ),
             AgentConfig,
         )
-        procs.start(f"installer{suffix}", [py, "-m", "llmgw_installer", "--config", str(agent_cfg)])
-        procs.start(
-            f"launcher{suffix}",
-            [py, "-m", "llmgw_launcher", "--config", str(agent_cfg), "--stop-engines-on-exit"],
+        await supervisor.start(
+            child(f"installer{suffix(node)}", [py, "-m", "llmgw_installer", "--config", str(agent_cfg)])
+        )
+        await supervisor.start(
+            child(
+                f"launcher{suffix(node)}",
+                [py, "-m", "llmgw_launcher", "--config", str(agent_cfg), "--stop-engines-on-exit"],
+            )
         )
     gateway_cfg = _write(
         data_dir / "gateway.yaml", gateway_yaml(url, options.gateway_port, auth), GatewayConfig
     )
-    procs.start("gateway", [py, "-m", "llmgw_gateway", "--config", str(gateway_cfg)])
+    gateway_log = logs / "gateway.log"
+    since = gateway_log.stat().st_size if gateway_log.exists() else 0
+    await supervisor.start(child("gateway", [py, "-m", "llmgw_gateway", "--config", str(gateway_cfg)]))
     api = f"http://127.0.0.1:{options.api_port}"
     print(
         f"llmgw: placement (API {api}), installer and launcher for node{'s' if len(nodes) > 1 else ''} "
         f"{', '.join(nodes)} (engine ports {options.engine_ports[0]}-{options.engine_ports[1]}) and the "
-        f"gateway started; logs in {procs.logs}",
+        f"gateway started; logs in {logs}",
+        flush=True,
+    )
+    print(
+        "llmgw: pids: "
+        + ", ".join(f"{c.name} {c.pid}" for c in supervisor.children)
+        + "; each is restarted if it exits",
         flush=True,
     )
     # `llmgw up` watches for readiness as the operator does, with the ctl identity.
@@ -503,8 +534,8 @@ async def _bring_up(
         else BusOptions(url=url, nkey_seed_file=str(auth.seed("ctl")))
     )
     async with await Bus.connect(bus_options, service="llmgw-up") as bus:
-        replica = await _wait_ready(bus, procs, nodes, timeout=180)
-    gateway = await anyio.to_thread.run_sync(_gateway_url, procs, 30.0)
+        replica = await _wait_ready(bus, logs, nodes, timeout=180)
+    gateway = await _gateway_url(gateway_log, since, 30.0)
     print(
         f"llmgw: deployment {DEPLOYMENT} is ready (replica {replica.replica}, engine at {replica.url})",
         flush=True,
