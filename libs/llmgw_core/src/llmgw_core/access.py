@@ -35,6 +35,13 @@ server were slow. `GuardedClient` fails every request in flight to the refused
 subject at once with `PermissionDenied` (permissions are per subject, so all of
 them are refused), logs the refusal once per subject with the identity, and
 counts it for `/metrics` (`metrics.bus_metrics`).
+
+nats-server closes the connection of a client whose protocol line is longer
+than its `max_control_line` (`-ERR 'maximum control line exceeded'`), and
+nats-py then closes the client for good: one over-long subject, made of a
+user's name, would end every call of the process. `GuardedClient` refuses such
+a line before sending it (`SubjectTooLong`), and the bus refuses subjects and
+keys long enough that a JetStream request wrapping them could come near it.
 """
 
 from __future__ import annotations
@@ -277,6 +284,41 @@ class PermissionDenied(nats.errors.Error):
         return str(self.args[0])
 
 
+# nats-server's default max_control_line. A line is `HPUB <subject> <reply> <header bytes>
+# <total bytes>` (or `SUB <subject> <queue> <sid>`): LINE_OVERHEAD covers the verb, the
+# spaces, the two sizes and the CRLF, with room to spare.
+MAX_CONTROL_LINE = 4096
+LINE_OVERHEAD = 64
+# Subjects and keys as the bus's callers name them. JetStream puts some of them into a
+# request subject of its own (a KV read asks `$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>`,
+# a consumer is created at `$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>`), and a reply
+# inbox (`_INBOX.<public key>.<id>`, ~110 bytes) goes on the same line: a quarter of the line
+# leaves room for all of it.
+MAX_SUBJECT_BYTES = 1024
+
+
+class SubjectTooLong(BusError, nats.errors.Error):
+    """A subject refused before it was sent: nats-server would close the connection for it.
+
+    Also a nats error, so that every caller that survives a failed publish survives this one.
+    """
+
+    retryable = False
+
+
+def check_subject(subject: str, limit: int = MAX_SUBJECT_BYTES) -> None:
+    """Raise SubjectTooLong when `subject` is longer than `limit` bytes (UTF-8)."""
+    size = len(subject.encode())
+    if size <= limit:
+        return
+    start = subject[:48]
+    raise SubjectTooLong(
+        f"subject '{start}…' is {size:,} bytes long, over the bus's limit of {limit:,} bytes: "
+        f"nats-server closes a connection whose protocol line is longer than its max_control_line "
+        f"({MAX_CONTROL_LINE:,} bytes by default), so nothing was sent; use a shorter name"
+    )
+
+
 @dataclass(frozen=True)
 class Refusal:
     verb: str  # "publish to" or "subscribe to"
@@ -348,12 +390,14 @@ class GuardedClient(Client):
     async def publish(
         self, subject: str, payload: bytes = b"", reply: str = "", headers: dict[str, str] | None = None
     ) -> None:
+        check_subject(subject, MAX_CONTROL_LINE - LINE_OVERHEAD - len(reply.encode()))
         self._remember(subject)
         await super().publish(subject, payload, reply, headers)
 
-    async def subscribe(self, subject: str, *args: Any, **kw: Any) -> Any:
+    async def subscribe(self, subject: str, queue: str = "", *args: Any, **kw: Any) -> Any:
+        check_subject(subject, MAX_CONTROL_LINE - LINE_OVERHEAD - len(queue.encode()))
         self._remember(subject)
-        return await super().subscribe(subject, *args, **kw)
+        return await super().subscribe(subject, queue, *args, **kw)
 
     async def request(
         self,

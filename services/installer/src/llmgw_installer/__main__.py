@@ -21,7 +21,7 @@ from llmgw_core.access import prepare_node
 from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig, load
 from llmgw_core.errors import ConfigError, LlmgwError
-from llmgw_core.lifecycle import cancel_on_signal, connect_service
+from llmgw_core.lifecycle import cancel_on_signal, connect_service, while_connected
 
 from .service import Installer
 
@@ -38,7 +38,7 @@ async def _main(config: AgentConfig, once: bool) -> int:
         if once
         else await connect_service(config.nats, service, ensure=False)
     )
-    async with bus:
+    async with bus, while_connected(bus):
         await prepare_node(bus)
         installer = Installer(config, bus)
         if once:
