@@ -4,7 +4,9 @@ Regressions pinned here: a 3,955-character deployment name became a KV subject w
 protocol line the server refused (`-ERR 'maximum control line exceeded'`); nats-py
 closed the client for good, llmgw never opened another, and placement stayed up with
 every call failing `connection closed`. A placement whose key was rotated stayed up,
-refused at every reconnect, saying only `disconnected`.
+refused at every reconnect, saying only `disconnected`. On a fresh 3-server cluster
+placement took a minute to create the replicated streams and every node agent gave up
+at 30 s.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -26,11 +29,13 @@ from nats.aio.client import Client
 from llmgw.auth import AuthDir
 from llmgw_core.access import SubjectTooLong
 from llmgw_core.bus import REFUSED_RECONNECT_GRACE_S, Bus, BusOptions, Writes
+from llmgw_core.config import AgentConfig
 from llmgw_core.errors import ConnectionLost
-from llmgw_core.events import Deployment, Liveness, decoder
+from llmgw_core.events import Deployment, Liveness, NodeStatus, decoder
 from llmgw_core.lifecycle import while_connected
 from llmgw_core.natsd import NatsServer
 from llmgw_placement.config import ServerConfig
+from tests.nats_cluster import nats_cluster
 from tests.waiting import eventually
 
 # As in test_nats_faults: nats-py's reconnect loop drops the transport of an attempt that
@@ -358,3 +363,79 @@ async def test_a_placement_whose_connection_is_lost_for_good_exits_saying_why_an
             again = procs.start("placement-again", argv)
             await eventually(lambda: _leader(ctl), timeout=60, interval=0.3)
             assert again.poll() is None
+
+
+def _agent_yaml(root: Path, url: str, prefix: str, auth: AuthDir, node: str) -> Path:
+    config = msgspec.convert(
+        {
+            "node": node,
+            "port_range": [21000, 21099],
+            "state_dir": str(root / node),
+            "nats": {"url": url, "prefix": prefix, "nkey_seed_file": str(auth.node_seed(node))},
+            "simulate": {"gpu_count": 1},
+            "heartbeat_interval_s": 0.5,
+        },
+        AgentConfig,
+    )
+    path = root / f"agent-{node}.yaml"
+    path.write_bytes(msgspec.yaml.encode(config))
+    return path
+
+
+OLD_AGENT_TIMEOUT_S = 30.0
+
+
+@pytest.mark.timeout(420)
+async def test_agents_started_before_placement_on_a_fresh_3_server_cluster_wait_for_the_streams(
+    tmp_path: Path, prefix: str
+) -> None:
+    """Placement is started after the 30 s at which agents used to give up: they wait for it,
+    say so once, say when the streams are there, and come up without a restart."""
+    auth = AuthDir(tmp_path / "auth")
+    auth.init(["n1"], prefix=prefix)
+    with nats_cluster(tmp_path / "nats", includes=(auth.conf,)) as cluster, _processes(tmp_path) as procs:
+        agent = str(_agent_yaml(tmp_path, cluster.url, prefix, auth, "n1"))
+        started = time.monotonic()
+        agents = {
+            name: procs.start(name, [sys.executable, "-m", f"llmgw_{name}", "--config", agent])
+            for name in ("installer", "launcher")
+        }
+
+        def waiting(name: str) -> bool:
+            return "waiting for placement to create streams" in procs.log(name)
+
+        for name in agents:
+            await eventually(lambda name=name: waiting(name), timeout=60, interval=0.2)
+        # The delay of a slow cluster, longer than the agents' old limit.
+        await anyio.sleep(max(0.0, OLD_AGENT_TIMEOUT_S + 5 - (time.monotonic() - started)))
+        for name, proc in agents.items():
+            assert proc.poll() is None, procs.log(name)
+
+        server_yaml = _server_yaml(tmp_path, cluster.url, prefix, auth, replicas=3)
+        placement = procs.start(
+            "placement", [sys.executable, "-m", "llmgw_placement", "--config", str(server_yaml)]
+        )
+
+        def there(name: str) -> bool:
+            return "the streams are there after" in procs.log(name)
+
+        for name in agents:
+            await eventually(lambda name=name: there(name), timeout=240, interval=0.5)
+
+        ctl_options = BusOptions(url=cluster.url, prefix=prefix, nkey_seed_file=str(auth.seed("ctl")))
+        async with await Bus.connect(ctl_options, service="test-ctl") as ctl:
+
+            async def node_reported() -> dict[str, Any]:
+                try:
+                    return await ctl.entries(ctl.names.nodes_bucket, NodeStatus)
+                except Exception:
+                    return {}
+
+            assert "n1" in await eventually(node_reported, timeout=120, interval=1.0)
+        for name, proc in {**agents, "placement": placement}.items():
+            assert proc.poll() is None, procs.log(name)
+        for name in agents:
+            log = procs.log(name)
+            assert log.count("waiting for placement to create streams") == 1, log
+            assert log.count("the streams are there after") == 1, log
+            assert "still missing" not in log

@@ -39,7 +39,8 @@ async def _main(config: AgentConfig, once: bool) -> int:
         else await connect_service(config.nats, service, ensure=False)
     )
     async with bus, while_connected(bus):
-        await prepare_node(bus)
+        # As a service it waits for placement's streams as long as it takes; `--once` reports them missing.
+        await prepare_node(bus, timeout=30 if once else None)
         installer = Installer(config, bus)
         if once:
             await installer.load_desired()
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     except LlmgwError as exc:
         print(f"llmgw-installer: {exc}", file=sys.stderr)
         code = INTERNAL_ERROR
+    except KeyboardInterrupt:  # Ctrl-C while it waits for NATS or for the streams
+        code = 130
     except Exception as exc:
         log.error("internal error: %s", exc, exc_info=exc)
         print(f"llmgw-installer: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)

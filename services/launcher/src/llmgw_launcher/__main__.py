@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     except LlmgwError as exc:
         print(f"llmgw-launcher: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C while it waits for NATS or for the streams
+        sys.exit(130)
 
 
 if __name__ == "__main__":
