@@ -25,7 +25,7 @@ def _free_ports(n: int) -> list[int]:
 
 
 class NatsCluster:
-    def __init__(self, root: Path, size: int = 3) -> None:
+    def __init__(self, root: Path, size: int = 3, includes: tuple[Path, ...] = ()) -> None:
         ports = _free_ports(2 * size)
         client, route = ports[:size], ports[size:]
         routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in route)
@@ -37,6 +37,8 @@ class NatsCluster:
                 port=client[i],
                 max_store="1G",
                 log_path=root / f"{name}.log",
+                # The same auth.conf on every member (`llmgw auth init`), as a deployed cluster has.
+                includes=includes,
                 extra_config=(
                     f"server_name: {name}\n"
                     "cluster {\n  name: llmgw-test\n"
@@ -69,8 +71,8 @@ class NatsCluster:
 
 
 @contextlib.contextmanager
-def nats_cluster(root: Path) -> Iterator[NatsCluster]:
-    cluster = NatsCluster(root)
+def nats_cluster(root: Path, includes: tuple[Path, ...] = ()) -> Iterator[NatsCluster]:
+    cluster = NatsCluster(root, includes=includes)
     cluster.start()
     try:
         yield cluster

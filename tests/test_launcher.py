@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -421,3 +422,33 @@ async def test_ports_go_round_the_range_and_skip_ports_in_use(
             assert low + 3 not in got
             launcher._ports_in_use.discard(got[0])
             assert launcher._allocate_port() != got[0]
+
+
+def _time_wait_on(port: int) -> None:
+    """Leave a connection of a server on `port` in TIME_WAIT: the server closes first (the
+    side that closes first waits), then the client, then the listener."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = listener.accept()
+        conn.close()
+        assert client.recv(1) == b""  # the server's FIN has arrived
+        client.close()
+
+
+async def test_a_port_whose_connections_are_in_time_wait_is_free(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """Regression: the free-port check bound without SO_REUSEADDR, so during churn every port
+    an engine had just served on counted as busy (`no free port in …`), though an engine's
+    server binds it at once."""
+    port = free_port()
+    _time_wait_on(port)
+    with socket.socket() as plain, pytest.raises(OSError, match="Address already in use") as busy:
+        plain.bind(("127.0.0.1", port))  # what the check did: TIME_WAIT made the port look taken
+    assert busy.value.errno == errno.EADDRINUSE
+    config = agent_config(nats_url, prefix, tmp_path / "agent", port_range=[port, port])
+    async with running_launcher(config) as launcher:
+        assert launcher._allocate_port() == port

@@ -35,6 +35,13 @@ server were slow. `GuardedClient` fails every request in flight to the refused
 subject at once with `PermissionDenied` (permissions are per subject, so all of
 them are refused), logs the refusal once per subject with the identity, and
 counts it for `/metrics` (`metrics.bus_metrics`).
+
+nats-server closes the connection of a client whose protocol line is longer
+than its `max_control_line` (`-ERR 'maximum control line exceeded'`), and
+nats-py then closes the client for good: one over-long subject, made of a
+user's name, would end every call of the process. `GuardedClient` refuses such
+a line before sending it (`SubjectTooLong`), and the bus refuses subjects and
+keys long enough that a JetStream request wrapping them could come near it.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 import uuid
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -278,6 +286,41 @@ class PermissionDenied(nats.errors.Error):
         return str(self.args[0])
 
 
+# nats-server's default max_control_line. A line is `HPUB <subject> <reply> <header bytes>
+# <total bytes>` (or `SUB <subject> <queue> <sid>`): LINE_OVERHEAD covers the verb, the
+# spaces, the two sizes and the CRLF, with room to spare.
+MAX_CONTROL_LINE = 4096
+LINE_OVERHEAD = 64
+# Subjects and keys as the bus's callers name them. JetStream puts some of them into a
+# request subject of its own (a KV read asks `$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>`,
+# a consumer is created at `$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>`), and a reply
+# inbox (`_INBOX.<public key>.<id>`, ~110 bytes) goes on the same line: a quarter of the line
+# leaves room for all of it.
+MAX_SUBJECT_BYTES = 1024
+
+
+class SubjectTooLong(BusError, nats.errors.Error):
+    """A subject refused before it was sent: nats-server would close the connection for it.
+
+    Also a nats error, so that every caller that survives a failed publish survives this one.
+    """
+
+    retryable = False
+
+
+def check_subject(subject: str, limit: int = MAX_SUBJECT_BYTES) -> None:
+    """Raise SubjectTooLong when `subject` is longer than `limit` bytes (UTF-8)."""
+    size = len(subject.encode())
+    if size <= limit:
+        return
+    start = subject[:48]
+    raise SubjectTooLong(
+        f"subject '{start}…' is {size:,} bytes long, over the bus's limit of {limit:,} bytes: "
+        f"nats-server closes a connection whose protocol line is longer than its max_control_line "
+        f"({MAX_CONTROL_LINE:,} bytes by default), so nothing was sent; use a shorter name"
+    )
+
+
 @dataclass(frozen=True)
 class Refusal:
     verb: str  # "publish to" or "subscribe to"
@@ -349,12 +392,14 @@ class GuardedClient(Client):
     async def publish(
         self, subject: str, payload: bytes = b"", reply: str = "", headers: dict[str, str] | None = None
     ) -> None:
+        check_subject(subject, MAX_CONTROL_LINE - LINE_OVERHEAD - len(reply.encode()))
         self._remember(subject)
         await super().publish(subject, payload, reply, headers)
 
-    async def subscribe(self, subject: str, *args: Any, **kw: Any) -> Any:
+    async def subscribe(self, subject: str, queue: str = "", *args: Any, **kw: Any) -> Any:
+        check_subject(subject, MAX_CONTROL_LINE - LINE_OVERHEAD - len(queue.encode()))
         self._remember(subject)
-        return await super().subscribe(subject, *args, **kw)
+        return await super().subscribe(subject, queue, *args, **kw)
 
     async def request(
         self,
@@ -422,14 +467,17 @@ class GuardedClient(Client):
 # --- streams and buckets exist before node services use them -------------------------
 
 
-async def require_streams(bus: Bus, streams: list[str], *, timeout: float = 30.0) -> None:
+async def require_streams(bus: Bus, streams: list[str], *, timeout: float | None = None) -> None:
     """Wait until every stream exists; fail with what is missing, or which permission is.
 
-    Placement creates llmgw's streams and buckets (only it may); node services
-    started at the same time wait for them, up to `timeout` seconds.
+    Placement creates llmgw's streams and buckets (only it may), and waits for NATS as
+    long as it takes. Node services started with it, or before it, wait for the streams
+    as long (without a `timeout`, for ever): on a fresh 3-server cluster creating the
+    replicated streams took over a minute, and agents that gave up at 30 s needed a
+    restart. The wait is said once, and so is its end.
     """
     waiting: list[str] = []
-    said = False
+    since: float | None = None
     with anyio.move_on_after(timeout):
         while True:
             waiting = []
@@ -441,13 +489,26 @@ async def require_streams(bus: Bus, streams: list[str], *, timeout: float = 30.0
                 except PermissionDenied as exc:
                     raise BusError(f"{bus.service}: cannot check that {stream} exists: {exc}") from exc
                 except nats.errors.Error as exc:
+                    bus.raise_if_final(exc)
                     log.warning("%s: cannot check that %s exists yet: %s", bus.service, stream, exc)
                     waiting.append(stream)
             if not waiting:
+                if since is not None:
+                    log.warning(
+                        "%s: the streams are there after %.0f s; starting",
+                        bus.service,
+                        time.monotonic() - since,
+                    )
                 return
-            if not said:
-                said = True
-                log.info("%s: waiting for placement to create %s", bus.service, ", ".join(waiting))
+            if since is None:
+                since = time.monotonic()
+                log.warning(
+                    "%s: waiting for placement to create streams %s (it creates llmgw's streams and "
+                    "buckets when it starts, with the same nats prefix %r)",
+                    bus.service,
+                    ", ".join(waiting),
+                    bus.names.prefix,
+                )
             await anyio.sleep(0.5)
     raise BusError(
         f"{bus.service}: {', '.join(waiting)} still missing after {timeout:g}s at "
@@ -468,10 +529,29 @@ def node_streams(names: Names) -> list[str]:
     ]
 
 
-async def prepare_node(bus: Bus) -> None:
+async def prepare_node(bus: Bus, *, timeout: float | None = None) -> None:
     """A node service's start: create the streams on an unauthenticated bus (as before
-    identities existed), otherwise wait for placement to have created them."""
+    identities existed), otherwise wait for placement to have created them; either way
+    for as long as it takes, or `timeout` seconds."""
     if bus.options.authenticated():
-        await require_streams(bus, node_streams(bus.names))
-    else:
-        await bus.ensure()
+        await require_streams(bus, node_streams(bus.names), timeout=timeout)
+        return
+    started = time.monotonic()
+    delay = 0.5
+    told = False
+    while True:
+        try:
+            await bus.ensure()
+            break
+        except BusError as exc:
+            # A cluster still electing its stream leaders, or short of space: waiting can cure it.
+            if not exc.retryable or (timeout is not None and time.monotonic() - started + delay > timeout):
+                raise
+            if not told:
+                log.warning("%s: %s; waiting for NATS", bus.service, exc)
+                told = True
+        await anyio.sleep(delay)
+        delay = min(5.0, delay * 2)
+    if told:
+        waited = time.monotonic() - started
+        log.warning("%s: the streams are there after %.0f s; starting", bus.service, waited)

@@ -1,7 +1,12 @@
 """The bus client every service uses: NATS JetStream with llmgw's rules built in.
 
 - Connection: URL from `LLMGW_NATS_URL`, credentials, nkeys or TLS; reconnects
-  forever, and each disconnect and reconnect is logged.
+  forever, and each disconnect and reconnect is logged. A connection that NATS
+  closed for good (see `Bus.lost`) is said once, and every call on it raises
+  ConnectionLost: a service ends then, for its supervisor to start it again
+  (`lifecycle.while_connected`).
+- No subject or key longer than MAX_SUBJECT_BYTES is sent (SubjectTooLong): the
+  server would close the connection for it.
 - Streams and buckets are ensured idempotently at start.
 - Every publish carries `Nats-Msg-Id` (deduplication) and W3C trace headers.
 - A consumer never dies of a bad message: it is logged with subject and
@@ -39,8 +44,16 @@ from nats.js.kv import KeyValue
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
-from .access import GuardedClient, Identity, PermissionDenied, inbox_prefix, public_key_of
-from .errors import BusError
+from .access import (
+    MAX_SUBJECT_BYTES,
+    GuardedClient,
+    Identity,
+    PermissionDenied,
+    check_subject,
+    inbox_prefix,
+    public_key_of,
+)
+from .errors import BusError, ConnectionLost
 from .events import decoder, encode
 from .subjects import DEFAULT_PREFIX, Names
 
@@ -53,6 +66,11 @@ DEFAULT_URL = "nats://127.0.0.1:4222"
 KV_OPS_DELETE = ("DEL", "PURGE")
 # A watch lets its caller's other tasks turn after this many messages taken in one run.
 WATCH_TURN_EVERY = 64
+# A server that refuses this identity at every reconnect for this long will refuse it for
+# good: nats-py signs with the public key it read at the first connection, so a rotated
+# seed file is only used by a new connection. (Shorter refusals happen: one member of a
+# NATS cluster whose auth.conf was not reloaded yet.)
+REFUSED_RECONNECT_GRACE_S = 10.0
 
 
 def transient(exc: BaseException) -> bool:
@@ -229,6 +247,35 @@ def _refused_connection(
     return f"{service}: cannot connect to NATS at {url} as {identity}: {text}; {hint}"
 
 
+def _said(exc: BaseException | None) -> str:
+    """A server's or nats-py's error in plain words: `nats: 'Authorization Violation'` is
+    `Authorization Violation`."""
+    said = f"{exc or type(exc).__name__}" if exc is not None else "no reason given"
+    return " ".join(said.removeprefix("nats: ").strip("'").split())
+
+
+def _lost_words(service: str, url: str, cause: BaseException | None, refused_s: float = 0.0) -> str:
+    """One line: why this connection can do nothing any more, and what to do."""
+    text = _said(cause)
+    if "control line" in text.lower():
+        hint = (
+            "the server refused a protocol line longer than its max_control_line; llmgw refuses such "
+            "subjects before sending them, so this is a bug: report it with this service's log"
+        )
+    elif cause is not None and _authentication_refused(cause):
+        hint = (
+            "the server no longer accepts this identity (its key was rotated or removed, or its credentials "
+            "expired): check its entry in the server's auth.conf; a new connection reads the seed file again"
+        )
+    else:
+        hint = ""
+    if refused_s:
+        what = f"NATS at {url} refused every reconnect for {refused_s:g} s ({text})"
+    else:
+        what = f"NATS at {url} closed the connection for good ({text})"
+    return f"{service}: {what}" + (f"; {hint}" if hint else "")
+
+
 class DecodeFailure(Exception):
     def __init__(self, subject: str, error: str) -> None:
         super().__init__(f"{subject}: {error}")
@@ -254,6 +301,11 @@ class Bus:
         self._atomic: dict[str, bool] = {}
         self._reconnected = anyio.Event()
         self.closing = False
+        # Set once NATS closed this connection for good, or refused every reconnect for
+        # REFUSED_RECONNECT_GRACE_S: no call on it can succeed again. `lost_cause` says why.
+        self.lost = anyio.Event()
+        self.lost_cause = ""
+        self._refused_since: float | None = None
         # Whether this client can hear the bus now, and since when (time.monotonic()):
         # a judge of liveness grants every node a fresh timeout from that moment.
         self.connected = True
@@ -294,6 +346,13 @@ class Bus:
             if holder:
                 holder[0]._on_reconnect()
 
+        async def on_closed() -> None:
+            # Our own close sets `closing` first; any other close is the library's, for good:
+            # a server's -ERR (maximum control line exceeded, authorization violation, user
+            # authentication expired, ...), or reconnecting given up.
+            if holder and not holder[0].closing:
+                holder[0]._lose(_lost_words(service, url, nc.last_error))
+
         errors: list[Exception] = []
         nc = GuardedClient(service, str(identity))
         connected = False
@@ -301,8 +360,11 @@ class Bus:
         async def on_error(exc: Exception) -> None:
             if nc.refused(exc):  # a permission refusal: logged and counted there
                 return
-            errors.append(exc)
-            del errors[:-8]
+            if not connected:
+                # Kept only to explain a first connection that fails: an error holds its
+                # traceback, and so the socket of the attempt that failed.
+                errors.append(exc)
+                del errors[:-8]
             if (_authentication_refused(exc) or isinstance(exc, ssl.SSLError)) and not connected:
                 # The server refused this identity, or TLS failed, at the first connection:
                 # asking again cannot help, so this attempt is the last. (Once connected, a
@@ -310,6 +372,8 @@ class Bus:
                 nc.options["allow_reconnect"] = False
                 return
             if holder and not holder[0].connected:
+                if _authentication_refused(exc):
+                    holder[0]._refused_reconnect(exc, url, str(identity))
                 return  # each failed reconnect of an outage: the disconnect was logged once
             log.warning("%s: NATS error: %s", service, exc)
 
@@ -323,6 +387,7 @@ class Bus:
             "connect_timeout": 5,
             "disconnected_cb": on_disconnect,
             "reconnected_cb": on_reconnect,
+            "closed_cb": on_closed,
             "error_cb": on_error,
         }
         if options.creds_file:
@@ -364,6 +429,7 @@ class Bus:
         return bus
 
     def _on_reconnect(self) -> None:
+        self._refused_since = None
         self.reconnects += 1
         self.connected = True
         self.connected_since = time.monotonic()
@@ -371,13 +437,60 @@ class Bus:
         self._reconnected.set()
         self._reconnected = anyio.Event()
 
+    def _refused_reconnect(self, exc: BaseException, url: str, identity: str) -> None:
+        """The server refused this identity at a reconnect: said at the first refusal of an
+        outage; once it has refused for REFUSED_RECONNECT_GRACE_S, the connection is lost."""
+        now = time.monotonic()
+        if self._refused_since is None:
+            self._refused_since = now
+            log.error(
+                "%s: NATS at %s refuses %s at reconnect: %s; check its entry in the server's auth.conf",
+                self.service,
+                url,
+                identity,
+                _said(exc),
+            )
+        elif now - self._refused_since >= REFUSED_RECONNECT_GRACE_S and not self.lost.is_set():
+            self._lose(_lost_words(self.service, url, exc, REFUSED_RECONNECT_GRACE_S))
+
+    def _lose(self, cause: str) -> None:
+        if self.lost.is_set():
+            return
+        self.connected = False
+        self.lost_cause = cause
+        log.error("%s", cause)
+        self.lost.set()
+
+    def raise_if_final(self, exc: BaseException) -> None:
+        """Raise what no retry can help: ConnectionLost once this connection can never work
+        again (`transient` would call its `connection closed` worth a retry), and a subject
+        refused before sending (SubjectTooLong) as itself."""
+        if isinstance(exc, BusError) and not exc.retryable:
+            raise exc
+        if not self.lost.is_set() and self.nc.is_closed and not self.closing:
+            # Closed, and its closed callback not run yet: the first to notice says it.
+            self._lose(_lost_words(self.service, self.options.resolved_url(), self.nc.last_error))
+        if self.lost.is_set():
+            raise ConnectionLost(self.lost_cause) from exc
+
+    def _check(self, subject: str) -> None:
+        """Before a call: refuse a subject too long to send (see MAX_SUBJECT_BYTES), and any
+        call on a connection that is lost (it would wait out its timeout first)."""
+        check_subject(subject, MAX_SUBJECT_BYTES)
+        if self.lost.is_set():
+            raise ConnectionLost(self.lost_cause)
+
     async def close(self) -> None:
         self.closing = True
         if not self.nc.is_closed:
             try:
                 await self.nc.drain()
             except (nats.errors.Error, OSError):
-                await self.nc.close()
+                # A connection still reconnecting (or lost): nats-py's close flushes what was
+                # buffered meanwhile into a socket that is gone, and raises; it is closed all
+                # the same.
+                with contextlib.suppress(nats.errors.Error, OSError):
+                    await self.nc.close()
 
     async def __aenter__(self) -> Bus:
         return self
@@ -423,6 +536,7 @@ class Bus:
                 await self._ensure_bucket(bucket)
                 await self._allow_atomic(f"KV_{bucket}")
         except nats.errors.Error as exc:
+            self.raise_if_final(exc)
             raise BusError(f"cannot create llmgw's streams and buckets: {exc}") from exc
 
     async def _allow_atomic(self, stream: str) -> None:
@@ -469,6 +583,7 @@ class Bus:
             except PermissionDenied:
                 raise  # a refusal of this identity, said as such (see `watch`)
             except (nats.errors.Error, OSError) as exc:
+                self.raise_if_final(exc)
                 raise BusError(f"cannot open bucket {bucket}: {exc or type(exc).__name__}") from exc
             self._kvs[bucket] = kv
         return kv
@@ -482,6 +597,7 @@ class Bus:
 
     async def publish(self, subject: str, msg: msgspec.Struct, *, msg_id: str | None = None) -> int:
         """Publish an event to JetStream; returns its sequence (a duplicate gets the first's)."""
+        self._check(subject)
         data = encode(msg)
         if not _tracing():
             # Nothing would record a span of this publish: skip making one (it costs more
@@ -502,6 +618,7 @@ class Bus:
                 ack = await self.js.publish(subject, data, headers=headers)
                 return ack.seq
             except (nats.errors.Error, OSError) as exc:
+                self.raise_if_final(exc)
                 if attempt == 3 or not transient(exc):
                     raise BusError(f"publish to {subject} failed: {exc or type(exc).__name__}") from exc
             await anyio.sleep(0.2 * attempt)
@@ -509,13 +626,16 @@ class Bus:
 
     async def publish_core(self, subject: str, msg: msgspec.Struct) -> None:
         """Plain NATS publish, for liveness: nothing is stored."""
+        self._check(subject)
         try:
             await self.nc.publish(subject, encode(msg), headers=self._headers(None))
         except (nats.errors.Error, OSError) as exc:
+            self.raise_if_final(exc)
             raise BusError(f"publish to {subject} failed: {exc or type(exc).__name__}") from exc
 
     async def heartbeat(self, node: str, service: str, interval: float) -> None:
-        """Publish `<prefix>.heartbeat.<node>.<service>` every `interval` until cancelled; never raises."""
+        """Publish `<prefix>.heartbeat.<node>.<service>` every `interval` until cancelled. Raises
+        only ConnectionLost: beating on a connection that NATS closed for good cannot succeed."""
         from .events import Heartbeat, now
 
         subject = self.names.heartbeat(node, service)
@@ -527,6 +647,8 @@ class Bus:
         while True:
             try:
                 await self.publish_core(subject, Heartbeat(node=node, service=service, at=now()))
+            except ConnectionLost:
+                raise
             except Exception as exc:  # liveness must never take a service down
                 log.warning("%s: heartbeat failed: %s", service, exc)
             due += interval
@@ -542,10 +664,11 @@ class Bus:
         for attempt in range(1, attempts + 1):
             try:
                 return await call(await self.kv(bucket))
-            except BusError:
-                if attempt == attempts:
+            except BusError as exc:  # SubjectTooLong and ConnectionLost are not retryable
+                if attempt == attempts or not exc.retryable:
                     raise
             except (nats.errors.Error, OSError) as exc:
+                self.raise_if_final(exc)
                 # Answers, not faults: the caller says what each one means.
                 if isinstance(
                     exc,
@@ -561,11 +684,13 @@ class Bus:
 
     async def put(self, bucket: str, key: str, value: msgspec.Struct) -> int:
         """Write a key; a put is idempotent, so a timed-out one (lost in a reconnect) is retried."""
+        self._check(f"$KV.{bucket}.{key}")
         data = encode(value)
         return int(await self._kv_call(f"write {bucket}/{key}", bucket, lambda kv: kv.put(key, data)))
 
     async def create(self, bucket: str, key: str, value: msgspec.Struct) -> int | None:
         """Write a key only if it has no value; None if it has one."""
+        self._check(f"$KV.{bucket}.{key}")
         data = encode(value)
         try:
             return int(await self._kv_call(f"create {bucket}/{key}", bucket, lambda kv: kv.create(key, data)))
@@ -574,6 +699,7 @@ class Bus:
 
     async def update(self, bucket: str, key: str, value: msgspec.Struct, *, last: int) -> int | None:
         """Compare-and-set: write only if the key is still at revision `last`; None if it moved."""
+        self._check(f"$KV.{bucket}.{key}")
         data = encode(value)
         try:
             return int(
@@ -585,6 +711,7 @@ class Bus:
             return None
 
     async def get(self, bucket: str, key: str, kind: type[T]) -> tuple[T, int] | None:
+        self._check(f"$KV.{bucket}.{key}")
         try:
             entry = await self._kv_call(f"read {bucket}/{key}", bucket, lambda kv: kv.get(key))
         except nats.js.errors.NotFoundError:  # never written, or deleted
@@ -615,6 +742,7 @@ class Bus:
         )
 
     async def delete(self, bucket: str, key: str) -> None:
+        self._check(f"$KV.{bucket}.{key}")
         try:
             await self._kv_call(f"delete {bucket}/{key}", bucket, lambda kv: kv.delete(key))
         except nats.js.errors.NotFoundError:
@@ -645,7 +773,10 @@ class Bus:
         ATOMIC_MAX messages where the server allows it (one commit, not one per message),
         else pipelined one by one. Streams are written in the order they were first queued.
         Raises BusError when a write did not land; what an atomic batch held is then not
-        written at all, and a retry writes it whole."""
+        written at all, and a retry writes it whole. A subject too long to send refuses the
+        whole commit before anything is written."""
+        for w in writes.items:
+            self._check(w.subject)
         by_stream: dict[str, list[_Write]] = {}
         for w in writes.items:
             by_stream.setdefault(self._stream_of(w.subject), []).append(w)
@@ -684,6 +815,7 @@ class Bus:
                 }
                 reply = await self.nc.request(last.subject, last.data, headers=headers, timeout=10)
             except (nats.errors.Error, OSError) as exc:
+                self.raise_if_final(exc)
                 if attempt == attempts or not transient(exc):
                     raise BusError(
                         f"a batch of {len(items)} writes to {stream} failed: {exc or type(exc).__name__}"
@@ -720,6 +852,7 @@ class Bus:
             for w in items:
                 tg.start_soon(one, w)
         if failures:
+            self.raise_if_final(failures[0])
             raise BusError(
                 f"{len(failures)} of {len(items)} writes failed: {failures[0] or type(failures[0]).__name__}"
             )
@@ -738,6 +871,7 @@ class Bus:
         in: through `watch`, every key costs a queue hop and a timed wait, which made
         `llmgw ctl get nodes` take seconds at 10,000 nodes. A reconnect meanwhile reads again.
         """
+        self._check(f"$KV.{bucket}.{keys}")
         try:
             with anyio.fail_after(30):
                 while True:
@@ -746,6 +880,7 @@ class Bus:
                     except PermissionDenied as exc:  # a configuration error: retrying cannot help
                         raise BusError(f"{self.service}: cannot read {bucket} {keys}: {exc}") from exc
                     except (nats.errors.Error, OSError, BusError) as exc:
+                        self.raise_if_final(exc)
                         log.warning("%s: cannot read %s yet: %s", self.service, bucket, exc)
                         await anyio.sleep(0.5)
                         continue
@@ -834,11 +969,13 @@ class Bus:
     async def history(self, subject: str, kind: type[T], *, idle_s: float = 1.0) -> list[T]:
         """Every event on `subject` (wildcards allowed) still in the events stream, oldest first:
         read until none has come for `idle_s`. Values that do not decode are skipped."""
+        self._check(subject)
         dec = decoder(kind)
         out: list[T] = []
         try:
             sub = await self.js.subscribe(subject, stream=self.names.events_stream, ordered_consumer=True)
         except (nats.errors.Error, OSError) as exc:
+            self.raise_if_final(exc)
             raise BusError(f"cannot read {subject}: {exc or type(exc).__name__}") from exc
         try:
             while True:
@@ -895,6 +1032,7 @@ class Bus:
         whose handler raises is redelivered with a delay, and after
         `max_deliver` tries goes to the DLQ too.
         """
+        self._check(subject)
         cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.EXPLICIT, max_deliver=max_deliver, ack_wait=30)
         sub = await self.js.pull_subscribe(
             subject, durable=durable, stream=stream or self.names.events_stream, config=cfg
@@ -906,7 +1044,8 @@ class Bus:
                     msgs = await sub.fetch(batch=64, timeout=1)
                 except nats.errors.TimeoutError:
                     continue
-                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
+                    self.raise_if_final(exc)
                     await anyio.sleep(0.2)
                     continue
                 for msg in msgs:
@@ -975,6 +1114,7 @@ class Bus:
         records a time, and a queue that a burst overflows would turn a busy
         judge into a cluster of "lost" nodes.
         """
+        self._check(subject)
         dec = decoder(kind)
 
         async def on_msg(msg: Msg) -> None:
@@ -991,6 +1131,7 @@ class Bus:
         try:
             sub = await self.nc.subscribe(subject, cb=on_msg)
         except (nats.errors.Error, OSError) as exc:
+            self.raise_if_final(exc)
             raise BusError(f"cannot subscribe to {subject}: {exc or type(exc).__name__}") from exc
         task_status.started()
         try:
@@ -1023,6 +1164,7 @@ class Bus:
         After every WATCH_TURN_EVERY messages the loop turns once, so that a long run
         (thousands of shard statuses) does not hold the caller's other tasks back.
         """
+        self._check(f"$KV.{bucket}.{keys}")
         prefix = f"$KV.{bucket}."
         seen: dict[str, int] = {}
         taken = 0
@@ -1043,6 +1185,7 @@ class Bus:
             except PermissionDenied as exc:  # a configuration error: retrying cannot help
                 raise BusError(f"{self.service}: cannot watch {bucket} {keys}: {exc}") from exc
             except (nats.errors.Error, OSError, BusError) as exc:
+                self.raise_if_final(exc)
                 log.warning("%s: cannot watch %s yet: %s", self.service, bucket, exc)
                 await anyio.sleep(0.5)
                 continue

@@ -3,6 +3,10 @@
     LlmgwError                 base; `retryable` says whether trying again can help
     ├── ConfigError            a config file or value is wrong (not retryable)
     ├── BusError               NATS or JetStream failed (retryable)
+    │   ├── ConnectionLost     NATS closed this client's connection for good: no call on it
+    │   │                      can succeed again; a new connection (a restart) is needed
+    │   └── SubjectTooLong     (llmgw_core.access) refused before sending: the server would
+    │                          have closed the connection
     └── EngineValidationError  a profile cannot run here (not retryable until it changes)
 
 Callers decide on `retryable`, never on the message text.
@@ -26,6 +30,10 @@ class ConfigError(LlmgwError):
 
 class BusError(LlmgwError):
     retryable = True
+
+
+class ConnectionLost(BusError):
+    retryable = False
 
 
 class EngineValidationError(LlmgwError):

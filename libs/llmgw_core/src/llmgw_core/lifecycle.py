@@ -1,14 +1,17 @@
-"""Starting a service whatever the bus is doing, and stopping it on SIGTERM or Ctrl-C."""
+"""Starting a service whatever the bus is doing, stopping it on SIGTERM or Ctrl-C, and
+ending it when NATS closed its connection for good."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
+from collections.abc import AsyncIterator
 
 import anyio
 
 from .bus import Bus, BusOptions
-from .errors import BusError
+from .errors import BusError, ConnectionLost
 
 log = logging.getLogger("llmgw.lifecycle")
 
@@ -60,3 +63,37 @@ async def cancel_on_signal(scope: anyio.CancelScope) -> None:
         async for _ in signals:
             scope.cancel()
             return
+
+
+@contextlib.asynccontextmanager
+async def while_connected(bus: Bus) -> AsyncIterator[None]:
+    """Run the body while `bus`'s connection lives. Once NATS closed it for good (`Bus.lost`),
+    the body is cancelled and ConnectionLost raised, saying why: the service ends, and its
+    supervisor (systemd, compose, `llmgw up`) starts it again with a new connection.
+
+    Not a new connection in the process: a client closed for good has lost every
+    subscription and consumer, and one that was not made again would leave a service up
+    but deaf in part (a placement that answers no liveness request, a launcher that no
+    longer hears its shards). A restart makes all of them again, by the path every start
+    takes, and each service is built to be restarted (see docs/decisions.md).
+    """
+    failed: Exception | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def end_when_lost() -> None:
+            await bus.lost.wait()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(end_when_lost)
+        try:
+            yield
+        except Exception as exc:
+            # Raised below, outside the task group: inside, it would come out wrapped in an
+            # ExceptionGroup, and a service's main says an LlmgwError in one line.
+            failed = exc
+        tg.cancel_scope.cancel()
+    if bus.lost.is_set():
+        ends = f"{bus.service} ends here, for its supervisor to start it again"
+        raise ConnectionLost(f"{bus.lost_cause}; {ends}") from failed
+    if failed is not None:
+        raise failed

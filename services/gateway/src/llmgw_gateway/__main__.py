@@ -13,7 +13,7 @@ import anyio
 from llmgw_core import telemetry
 from llmgw_core.config import load
 from llmgw_core.errors import LlmgwError
-from llmgw_core.lifecycle import cancel_on_signal, connect_service
+from llmgw_core.lifecycle import cancel_on_signal, connect_service, while_connected
 
 from .config import GatewayConfig
 from .connections import raise_open_file_limit
@@ -23,7 +23,7 @@ from .service import Gateway
 async def _main(config: GatewayConfig) -> None:
     # The gateway only reads: it creates no stream or bucket (its identity may not).
     bus = await connect_service(config.nats, "gateway", ensure=False)
-    async with bus:
+    async with bus, while_connected(bus):
         gateway = Gateway(config, bus)
         async with anyio.create_task_group() as tg:
             tg.start_soon(cancel_on_signal, tg.cancel_scope)

@@ -21,7 +21,7 @@ from llmgw_core.access import prepare_node
 from llmgw_core.bus import Bus
 from llmgw_core.config import AgentConfig, load
 from llmgw_core.errors import ConfigError, LlmgwError
-from llmgw_core.lifecycle import cancel_on_signal, connect_service
+from llmgw_core.lifecycle import cancel_on_signal, connect_service, while_connected
 
 from .service import Installer
 
@@ -38,8 +38,9 @@ async def _main(config: AgentConfig, once: bool) -> int:
         if once
         else await connect_service(config.nats, service, ensure=False)
     )
-    async with bus:
-        await prepare_node(bus)
+    async with bus, while_connected(bus):
+        # As a service it waits for placement's streams as long as it takes; `--once` reports them missing.
+        await prepare_node(bus, timeout=30 if once else None)
         installer = Installer(config, bus)
         if once:
             await installer.load_desired()
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     except LlmgwError as exc:
         print(f"llmgw-installer: {exc}", file=sys.stderr)
         code = INTERNAL_ERROR
+    except KeyboardInterrupt:  # Ctrl-C while it waits for NATS or for the streams
+        code = 130
     except Exception as exc:
         log.error("internal error: %s", exc, exc_info=exc)
         print(f"llmgw-installer: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)

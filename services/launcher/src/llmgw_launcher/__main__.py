@@ -16,7 +16,7 @@ from llmgw_core import telemetry
 from llmgw_core.access import prepare_node
 from llmgw_core.config import AgentConfig, load
 from llmgw_core.errors import LlmgwError
-from llmgw_core.lifecycle import connect_service
+from llmgw_core.lifecycle import connect_service, while_connected
 
 from .service import Launcher
 
@@ -24,7 +24,9 @@ from .service import Launcher
 async def _main(config: AgentConfig, stop_engines: bool) -> None:
     # A launcher may start before NATS (a rebooted node): it waits, saying so once.
     bus = await connect_service(config.nats, f"launcher-{config.node}", ensure=False)
-    async with bus:
+    # A connection that NATS closed for good ends the launcher, engines left running:
+    # the next launcher adopts them.
+    async with bus, while_connected(bus):
         await prepare_node(bus)
         launcher = Launcher(config, bus)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     except LlmgwError as exc:
         print(f"llmgw-launcher: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C while it waits for NATS or for the streams
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,10 @@ class Launcher:
             if port in self._ports_in_use:
                 continue
             with socket.socket() as s:
+                # As every engine's server binds: a port whose last connections are in
+                # TIME_WAIT is free to listen on, and without SO_REUSEADDR churn (engines
+                # stopped and started again) made whole ranges look taken.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     s.bind((self.config.mgmt_addr, port))
                 except OSError:

@@ -10,7 +10,7 @@ import anyio
 from llmgw_core import telemetry
 from llmgw_core.config import load
 from llmgw_core.errors import LlmgwError
-from llmgw_core.lifecycle import cancel_on_signal, connect_service
+from llmgw_core.lifecycle import cancel_on_signal, connect_service, while_connected
 from llmgw_core.web import serve
 
 from .api import Api
@@ -21,7 +21,7 @@ from .service import PlacementService
 
 async def _main(config: ServerConfig) -> None:
     bus = await connect_service(config.nats, "placement")
-    async with bus:
+    async with bus, while_connected(bus):
         service = PlacementService(config, bus)
         api = Api(service)
         page = Page(service, api.nodes)
