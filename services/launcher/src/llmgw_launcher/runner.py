@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import msgspec
@@ -41,7 +42,7 @@ from llmgw_core.events import ShardState, ShardStatus, now
 from llmgw_core.redact import scrub, secret_values
 from llmgw_core.telemetry import context_from
 
-from . import procs
+from . import ports, procs
 from .health import HealthProber
 from .records import ProcRecord, RecordError, RecordWriter, ShardRecord
 from .workers import Workers
@@ -319,6 +320,12 @@ class ShardRunner:
             self._owns_port = not self.spec.port
         spec = self._spec_with_port()
         self._leader_url = self._url() if serves else ""
+        if serves:
+            # An engine started on a port another process holds dies with "Address already in
+            # use", and until it does the other process answers its health checks.
+            held = await self.ctx.workers.files(ports.held, self.port, self.spec.host)
+            if held is not None:
+                return Failure(held)
         commands = engine.commands(spec, self.ctx.environ)
         self._set("starting")
         for i, cmd in enumerate(commands):
@@ -464,10 +471,21 @@ class ShardRunner:
         while True:
             problem = await self.ctx.prober.check(url)
             if problem is None:
-                return None
+                return await self._port_owned()
             if time.monotonic() > deadline:
                 return Failure(f"no health answer within {timeout:g} s from {url} (last: {problem})")
             await anyio.sleep(LOADING_PROBE_S)
+
+    async def _port_owned(self) -> Failure | None:
+        """None if the health answer came from the engine's own processes; else who answered.
+
+        A process that held the port before the engine (or took it between the free-port check
+        and the engine's bind) answers /health like an engine: without this check the shard was
+        ready within 100 ms and the gateway sent users to the stranger."""
+        host = urlsplit(self._leader_url).hostname or self.ctx.mgmt_addr
+        pids = [p.pid for p in self.procs]
+        held = await self.ctx.workers.files(ports.foreign, self.port, host, pids)
+        return Failure(held) if held is not None else None
 
     async def _supervise(self, engine: Engine) -> Failure:
         url = self._leader_url + engine.health_path if engine.serves_http(self._spec_with_port()) else ""
