@@ -283,6 +283,10 @@ class ShardRunner:
 
     async def _adopt(self, record: ShardRecord) -> Failure:
         self.port = record.port
+        # A port the spec did not name was picked from the range (the launcher counts it in
+        # use at its start): released when the shard fails, so that a port another process
+        # took meanwhile is not tried again and again.
+        self._owns_port = bool(record.port) and not self.spec.port
         engine, failure = await self._engine()
         if failure is not None or engine is None:
             return failure or Failure("no engine")
