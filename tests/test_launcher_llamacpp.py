@@ -3,14 +3,18 @@ launched through the llamacpp adapter on a tiny random model, alone and split ov
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
+import anyio
 import httpx
 import msgspec
 import pytest
 
 from llmgw_core.bus import Bus
 from llmgw_core.engines import Member, Profile
+from llmgw_core.events import ShardStatus
+from llmgw_launcher.load import LOAD_METRICS, parse_load
 from tests.launcher_support import agent_config, running_launcher, shard, shard_events
 from tests.test_sim_engine import free_port
 from tests.tiny_model import write_tiny_llama
@@ -143,3 +147,54 @@ async def test_the_launcher_runs_the_build_the_installer_installed(
                 "/v1/completions", json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True}
             )
         assert r.json()["usage"]["completion_tokens"] == 4
+
+
+async def test_llama_server_load_is_read_from_its_metrics(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path, llama_bin: str, tiny_model: Path
+) -> None:
+    """One slot (`-np 1`): a long generation runs and a second request waits, and the shard's
+    status says so, read from llama-server's own /metrics; b11434 has no KV-cache gauge."""
+    config = agent_config(
+        nats_url, prefix, tmp_path / "agent", engines={"llamacpp": {"path": llama_bin}}, load_interval_s=0.3
+    )
+    # The tiny model generates thousands of tokens a second: a context of 32k (past the 512
+    # it was made with) keeps one request running for seconds.
+    args = ["-c", "32768", "-np", "1", "--override-kv", "llama.context_length=int:32768", "-t", "1"]
+    async with shard_events(bus) as events, running_launcher(config, gpus=[]):
+        spec = shard("node-a", "l1", llama_profile(tiny_model, args=args))
+        await bus.put(bus.names.shards_bucket, "node-a.l1", spec)
+        ready = await eventually(lambda: (s := events.last("l1")) and s.state == "ready" and s, timeout=60)
+        async with (
+            httpx.AsyncClient(base_url=ready.url, timeout=120) as client,
+            anyio.create_task_group() as tg,
+        ):
+
+            async def generate(tokens: int) -> None:
+                with contextlib.suppress(httpx.HTTPError):
+                    await client.post(
+                        "/v1/completions",
+                        json={"prompt": "hello", "max_tokens": tokens, "ignore_eos": True},
+                    )
+
+            tg.start_soon(generate, 30000)
+            tg.start_soon(generate, 30000)
+
+            async def busy_status() -> ShardStatus | None:
+                found = await bus.get(bus.names.shard_status_bucket, "node-a.l1", ShardStatus)
+                status = found[0] if found else None
+                load = status.load if status else None
+                return status if load is not None and (load.running, load.waiting) == (1, 1) else None
+
+            # The status bucket holds the load (ctl and the page read it there).
+            busy = await eventually(busy_status, timeout=30)
+            assert busy.load is not None
+            assert busy.load.kv_cache_usage is None
+            assert busy.load.summary == "1 running, 1 waiting, KV n/a"
+            assert busy.state == "ready"
+            text = (await client.get("/metrics")).text
+            parsed = parse_load(text, LOAD_METRICS["llamacpp"])
+            assert parsed is not None
+            assert (parsed.running, parsed.waiting, parsed.kv_cache_usage) == (1, 1, None)
+            tg.cancel_scope.cancel()
+        # A load is not a transition: the events carry one `ready`, however often the load changed.
+        assert events.states("l1") == ["pending", "starting", "loading", "ready"]

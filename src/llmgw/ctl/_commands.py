@@ -272,7 +272,7 @@ async def get(bus: Bus, kind: str, name: str, output: str) -> str:
         if name:
             items = _pick(records, name, "replica", lambda r: r.deployment == name)
         headers = views.REPLICA_HEADERS + (views.REPLICA_WIDE if wide else [])
-        rows = [views.replica_row(r, wide=wide, now=now) for r in items]
+        rows = [views.replica_row(r, wide=wide, now=now, shards=c.shards) for r in items]
     else:
         c = await read.cluster(bus, what=frozenset({"shards"}))
         items = list(c.shards.values())

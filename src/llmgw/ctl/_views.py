@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -12,6 +13,7 @@ from llmgw_core.events import (
     Deployment,
     DeploymentStatus,
     EngineInventory,
+    EngineLoad,
     EngineState,
     InstallProgress,
     NodeFacts,
@@ -177,7 +179,7 @@ def deployment_row(v: DeploymentView, *, wide: bool = False) -> list[str]:
 # --- replicas ------------------------------------------------------------------------------
 
 REPLICA_HEADERS = ["REPLICA", "STATE", "NODES", "SINCE", "RESTARTS", "REASON"]
-REPLICA_WIDE = ["URL", "PROFILE", "FABRIC", "LAST FAILURE"]
+REPLICA_WIDE = ["URL", "PROFILE", "FABRIC", "LOAD", "LAST FAILURE"]
 
 
 def replica_view(r: ReplicaRecord, shards: dict[str, ShardStatus]) -> ReplicaRecord:
@@ -200,7 +202,21 @@ def replica_nodes(r: ReplicaRecord) -> str:
     return ",".join(m.node for m in r.members) or "-"
 
 
-def replica_row(r: ReplicaRecord, *, wide: bool = False, now: float | None = None) -> list[str]:
+def replica_load(r: ReplicaRecord, shards: Mapping[str, ShardStatus]) -> str:
+    """What the replica's engines said of their load at the last read; `-` if none was read
+    (not ready, or an engine whose load the launcher cannot read)."""
+    loads = [s.load for k in r.shards if (s := shards.get(k)) is not None and s.load is not None]
+    load = EngineLoad.combined(loads)
+    return load.summary if load is not None else "-"
+
+
+def replica_row(
+    r: ReplicaRecord,
+    *,
+    wide: bool = False,
+    now: float | None = None,
+    shards: Mapping[str, ShardStatus] | None = None,
+) -> list[str]:
     now = now or time.time()
     row = [
         f"{r.deployment}.{r.replica}",
@@ -211,14 +227,15 @@ def replica_row(r: ReplicaRecord, *, wide: bool = False, now: float | None = Non
         headline(r.reason) or "-",
     ]
     if wide:
-        row += [r.url or "-", r.profile, r.fabric or "-", headline(r.last_failure) or "-"]
+        load = replica_load(r, shards or {})
+        row += [r.url or "-", r.profile, r.fabric or "-", load, headline(r.last_failure) or "-"]
     return row
 
 
 # --- shards ----------------------------------------------------------------------------------
 
 SHARD_HEADERS = ["SHARD", "NODE", "STATE", "REPLICA", "RESTARTS", "SINCE", "REASON"]
-SHARD_WIDE = ["PIDS", "URL", "LAST FAILURE"]
+SHARD_WIDE = ["PIDS", "URL", "LOAD", "LAST FAILURE"]
 
 
 def shard_row(s: ShardStatus, *, wide: bool = False, now: float | None = None) -> list[str]:
@@ -232,7 +249,8 @@ def shard_row(s: ShardStatus, *, wide: bool = False, now: float | None = None) -
         headline(s.reason) or "-",
     ]
     if wide:
-        row += [",".join(map(str, s.pids)) or "-", s.url or "-", headline(s.last_failure) or "-"]
+        load = s.load.summary if s.load is not None else "-"
+        row += [",".join(map(str, s.pids)) or "-", s.url or "-", load, headline(s.last_failure) or "-"]
     return row
 
 
@@ -287,12 +305,12 @@ def describe_deployment(name: str, c: Cluster, history: list[Stamped], *, now: f
                     gpus,
                     age(r.since, now),
                     str(r.restarts),
+                    replica_load(r, c.shards),
                     headline(r.reason) or "-",
                 ]
             )
-        lines.append(
-            _indent(table(["REPLICA", "STATE", "NODES", "GPUS", "SINCE", "RESTARTS", "REASON"], rows))
-        )
+        headers = ["REPLICA", "STATE", "NODES", "GPUS", "SINCE", "RESTARTS", "LOAD", "REASON"]
+        lines.append(_indent(table(headers, rows)))
         for r in sorted(replicas, key=lambda r: r.replica):
             if r.last_failure:
                 lines += ["", f"Last failure of {r.replica}:", _indent(r.last_failure)]

@@ -92,6 +92,9 @@ class AgentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
     restart_backoff_s: float = 1.0
     restart_backoff_cap_s: float = 60.0
     health_interval_s: float = 1.0
+    # A ready engine's metrics are read this often for its load (running and waiting
+    # requests, KV-cache use), and its status rewritten only when the load changed; 0: never.
+    load_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     # Engines run this many nice steps below the node agent (0: at its own priority),
     # their sessions too, so that engines keeping every core busy cannot starve the
     # agent's heartbeats, probes and stops; engines lose only the little CPU the agent

@@ -24,6 +24,7 @@ __all__ = [
     "DeploymentStatus",
     "DesiredEngines",
     "EngineInventory",
+    "EngineLoad",
     "EngineSpec",
     "EngineState",
     "Heartbeat",
@@ -198,6 +199,38 @@ class DesiredEngines(Message, frozen=True):
 ShardState = Literal["pending", "starting", "waiting", "loading", "ready", "failed", "stopping", "stopped"]
 
 
+class EngineLoad(Struct, frozen=True, kw_only=True):
+    """What a ready engine said on its metrics endpoint: requests being generated, requests
+    queued, and the fraction of its KV cache in use (None where the engine does not say:
+    llama.cpp's server has no such gauge)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float | None = None
+    # When it was read (wall clock, like `ShardStatus.at`).
+    at: float = 0.0
+
+    @property
+    def summary(self) -> str:
+        """`2 running, 1 waiting, KV 37%`; `KV n/a` where the engine has no such gauge."""
+        kv = "n/a" if self.kv_cache_usage is None else f"{self.kv_cache_usage * 100:.0f}%"
+        return f"{self.running} running, {self.waiting} waiting, KV {kv}"
+
+    @staticmethod
+    def combined(loads: list[EngineLoad]) -> EngineLoad | None:
+        """The load of a replica from its shards' (only the ranks that serve have one):
+        requests added up, the fullest KV cache."""
+        if not loads:
+            return None
+        kvs = [x.kv_cache_usage for x in loads if x.kv_cache_usage is not None]
+        return EngineLoad(
+            running=sum(x.running for x in loads),
+            waiting=sum(x.waiting for x in loads),
+            kv_cache_usage=max(kvs) if kvs else None,
+            at=min(x.at for x in loads),
+        )
+
+
 class ShardStatus(Message, frozen=True):
     node: Name
     shard: Token
@@ -220,6 +253,8 @@ class ShardStatus(Message, frozen=True):
     # kept across restarts until the shard is ready again.
     last_failure: str = ""
     last_failure_at: float = 0.0
+    # The engine's load, read from its metrics while it is ready; None otherwise.
+    load: EngineLoad | None = None
 
 
 # --- deployments and replicas -------------------------------------------------

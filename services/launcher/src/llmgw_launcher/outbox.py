@@ -35,7 +35,8 @@ log = logging.getLogger("llmgw.launcher")
 # the bucket catches up with the shard's next status.
 SEND_TIMEOUT_S = 15.0
 
-Queued = tuple[ShardStatus, otel_context.Context]
+# A status, the trace context it was queued in, and whether it is published as an event too.
+Queued = tuple[ShardStatus, otel_context.Context, bool]
 
 
 class StatusOutbox:
@@ -50,9 +51,10 @@ class StatusOutbox:
         self.batches = 0
         self.sent = 0
 
-    def push(self, status: ShardStatus) -> None:
-        """Queue a status; never blocks."""
-        self._pending.setdefault(status.shard, []).append((status, otel_context.get_current()))
+    def push(self, status: ShardStatus, *, event: bool = True) -> None:
+        """Queue a status; never blocks. With `event=False` it only goes to the bucket (a new
+        load of a ready engine: the bucket holds it, the events carry only transitions)."""
+        self._pending.setdefault(status.shard, []).append((status, otel_context.get_current(), event))
         if self._tg is not None:
             self._start(self._tg)
 
@@ -112,7 +114,9 @@ class StatusOutbox:
             else:
                 bucket.put(names.shard_status_bucket, key, newest)
             subject = names.shard_event(self.node, shard)
-            for status, ctx in queued:
+            for status, ctx, as_event in queued:
+                if not as_event:
+                    continue
                 carrier: dict[str, str] = {}
                 propagate.inject(carrier, context=ctx)
                 events.publish(subject, status, traceparent=carrier.get("traceparent", ""))

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import msgspec
@@ -37,12 +38,13 @@ from llmgw_core.engines import (
     ShardSpec,
     UnknownEngineError,
 )
-from llmgw_core.events import ShardState, ShardStatus, now
+from llmgw_core.events import EngineLoad, ShardState, ShardStatus, now
 from llmgw_core.redact import scrub, secret_values
 from llmgw_core.telemetry import context_from
 
-from . import procs
+from . import ports, procs
 from .health import HealthProber
+from .load import LOAD_METRICS, LoadMetrics, Scraper, changed, parse_load
 from .records import ProcRecord, RecordError, RecordWriter, ShardRecord
 from .workers import Workers
 
@@ -84,6 +86,11 @@ class Context:
     refresh_engine: Callable[[str], Awaitable[None]] = field(default=lambda _name: _nothing())
     # The threads that blocking work runs in (one for spawns, a few for files).
     workers: Workers = field(default_factory=Workers)
+    # A ready engine's metrics are read this often for its load (0: never), through `scraper`;
+    # a load that changed goes out by `publish_quietly` (the status bucket, no event).
+    load_interval_s: float = 5.0
+    scraper: Scraper | None = None
+    publish_quietly: Callable[[ShardStatus], None] | None = None
 
 
 async def _nothing() -> None:
@@ -151,6 +158,9 @@ class ShardRunner:
         self._owns_port = False
         self._leader_url = ""
         self._secret_values: list[str] | None = None
+        # The engine's load as last published; only while ready.
+        self.load: EngineLoad | None = None
+        self._state_at = 0.0
 
     # --- publishing ----------------------------------------------------------
 
@@ -164,6 +174,23 @@ class ShardRunner:
 
     def _set(self, state: ShardState, reason: str = "", retryable: bool = True) -> None:
         self.state = state
+        if state != "ready":
+            self.load = None
+        status = self._status(state, reason, retryable)
+        self._state_at = status.at
+        log.info("shard %s: %s%s", self.key, state, f" ({status.reason})" if status.reason else "")
+        self.ctx.publish(status)
+
+    def _publish_load(self, load: EngineLoad) -> None:
+        """The ready status again with the engine's new load: in the status bucket, which ctl and
+        the page read, but not as an event (a load is not a transition, and the events would
+        bury the transitions that are)."""
+        self.load = load
+        # `at` stays when the shard became ready: it dates the state, which has not changed.
+        status = msgspec.structs.replace(self._status("ready"), at=self._state_at)
+        (self.ctx.publish_quietly or self.ctx.publish)(status)
+
+    def _status(self, state: ShardState, reason: str = "", retryable: bool = True) -> ShardStatus:
         if state == "ready":
             self.last_failure = None
             self.last_failure_at = 0.0
@@ -193,9 +220,9 @@ class ShardRunner:
             at=now(),
             last_failure=last_failure,
             last_failure_at=self.last_failure_at,
+            load=self.load if state == "ready" else None,
         )
-        log.info("shard %s: %s%s", self.key, state, f" ({reason})" if reason else "")
-        self.ctx.publish(status)
+        return status
 
     async def _save(self, ready: bool = False) -> Failure | None:
         """Write the shard's record; a failed write fails the attempt (a successor could not adopt it)."""
@@ -256,6 +283,10 @@ class ShardRunner:
 
     async def _adopt(self, record: ShardRecord) -> Failure:
         self.port = record.port
+        # A port the spec did not name was picked from the range (the launcher counts it in
+        # use at its start): released when the shard fails, so that a port another process
+        # took meanwhile is not tried again and again.
+        self._owns_port = bool(record.port) and not self.spec.port
         engine, failure = await self._engine()
         if failure is not None or engine is None:
             return failure or Failure("no engine")
@@ -319,6 +350,12 @@ class ShardRunner:
             self._owns_port = not self.spec.port
         spec = self._spec_with_port()
         self._leader_url = self._url() if serves else ""
+        if serves:
+            # An engine started on a port another process holds dies with "Address already in
+            # use", and until it does the other process answers its health checks.
+            held = await self.ctx.workers.files(ports.held, self.port, self.spec.host)
+            if held is not None:
+                return Failure(held)
         commands = engine.commands(spec, self.ctx.environ)
         self._set("starting")
         for i, cmd in enumerate(commands):
@@ -464,16 +501,56 @@ class ShardRunner:
         while True:
             problem = await self.ctx.prober.check(url)
             if problem is None:
-                return None
+                return await self._port_owned()
             if time.monotonic() > deadline:
                 return Failure(f"no health answer within {timeout:g} s from {url} (last: {problem})")
             await anyio.sleep(LOADING_PROBE_S)
 
+    async def _port_owned(self) -> Failure | None:
+        """None if the health answer came from the engine's own processes; else who answered.
+
+        A process that held the port before the engine (or took it between the free-port check
+        and the engine's bind) answers /health like an engine: without this check the shard was
+        ready within 100 ms and the gateway sent users to the stranger."""
+        host = urlsplit(self._leader_url).hostname or self.ctx.mgmt_addr
+        pids = [p.pid for p in self.procs]
+        held = await self.ctx.workers.files(ports.foreign, self.port, host, pids)
+        return Failure(held) if held is not None else None
+
     async def _supervise(self, engine: Engine) -> Failure:
         url = self._leader_url + engine.health_path if engine.serves_http(self._spec_with_port()) else ""
-        failure = await self._until_exit(self._check_health, url)
+        failure = await self._until_exit(self._watch, (engine, url))
         assert failure is not None
         return failure
+
+    async def _watch(self, what: tuple[Engine, str]) -> Failure:
+        """Health checks until they fail; meanwhile the engine's load, where it can be read."""
+        engine, url = what
+        metrics = LOAD_METRICS.get(engine.name)
+        scraper = self.ctx.scraper
+        if not url or metrics is None or scraper is None or self.ctx.load_interval_s <= 0:
+            return await self._check_health(url)
+        outcome: list[Failure] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._read_load, scraper, self._leader_url + engine.metrics_path, metrics)
+            outcome.append(await self._check_health(url))
+            tg.cancel_scope.cancel()
+        return outcome[0]
+
+    async def _read_load(self, scraper: Scraper, url: str, metrics: LoadMetrics) -> None:
+        """Every load interval: the engine's load, published when it changed (so a shard's
+        status is written at most once an interval, and not at all while its load holds)."""
+        interval = self.ctx.load_interval_s
+        next_read = next_tick(time.monotonic(), interval)
+        while True:
+            await anyio.sleep(max(0.0, next_read - time.monotonic()))
+            next_read = next_tick(max(next_read, time.monotonic()), interval)
+            text = await scraper.text(url)
+            if text is None:
+                continue
+            load = await self.ctx.workers.files(parse_load, text, metrics, now())
+            if load is not None and changed(self.load, load):
+                self._publish_load(load)
 
     async def _check_health(self, url: str) -> Failure:
         """Every health interval: keep the logs bounded and (with a URL) probe; fails on repeated failures."""

@@ -40,6 +40,7 @@ from llmgw_core.redact import scrub, secret_values
 
 from . import procs
 from .health import HealthProber
+from .load import Scraper
 from .outbox import StatusOutbox
 from .reconcile import diff
 from .records import Records, RecordWriter
@@ -120,6 +121,7 @@ class Launcher:
         self.writer = RecordWriter(self.records, self.workers)
         self.outbox = StatusOutbox(bus, self.node)
         self.prober = HealthProber(timeout_s=PROBE_TIMEOUT_S)
+        self.scraper = Scraper(timeout_s=PROBE_TIMEOUT_S)
         self.handles: dict[str, Handle] = {}
         self.desired: dict[str, ShardSpec] = {}
         self._ports_in_use: set[int] = set()
@@ -153,6 +155,9 @@ class Launcher:
             engine_nice=config.engine_nice,
             refresh_engine=self._refresh_engine,
             workers=self.workers,
+            load_interval_s=config.load_interval_s,
+            scraper=self.scraper,
+            publish_quietly=lambda status: self.outbox.push(status, event=False),
         )
 
     async def _refresh_engine(self, name: str) -> None:
@@ -211,6 +216,7 @@ class Launcher:
         finally:
             with anyio.CancelScope(shield=True):
                 await self.prober.aclose()
+                await self.scraper.aclose()
 
     async def _run(self, task_status: anyio.abc.TaskStatus[None]) -> None:
         records, problems = await self.workers.files(self.records.load_all)

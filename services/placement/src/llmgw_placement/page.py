@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from llmgw_core.events import ReplicaRecord, ShardStatus
+from llmgw_core.events import EngineLoad, ReplicaRecord, ShardStatus
 
 if TYPE_CHECKING:
     from .service import PlacementService
@@ -216,17 +216,21 @@ class Page:
             # The failure's own lines, unless the reason already quotes them whole.
             shown = r.last_failure and r.last_failure.replace("\n", " ") not in r.reason.replace("\n", " ")
             failure = f"<pre>{_e(r.last_failure)}</pre>" if shown else ""
+            loads = [
+                s.load for k in r.shards if (s := shard_status.get(k)) is not None and s.load is not None
+            ]
+            load = EngineLoad.combined(loads)
             rows.append(
                 f"<tr data-replica='{_e(key)}'><td>{_e(r.deployment)}/{_e(r.replica)}</td>"
                 f"<td class='state {_e(r.state)}'>{_e(r.state)}</td><td class=nowrap>{_e(nodes)}</td>"
                 f"<td class=nowrap>{since}</td>"
-                f"<td>{r.restarts}</td><td>{_e(r.reason)}{failure}</td></tr>"
+                f"<td>{r.restarts}</td><td class=nowrap>{_e(load.summary) if load else '-'}</td>"
+                f"<td>{_e(r.reason)}{failure}</td></tr>"
             )
         return (
             f"<section id=replicas><h2>Replicas ({len(rows)})</h2><table>"
-            "<tr><th>replica</th><th>state</th><th>nodes</th><th>since</th><th>restarts</th><th>reason</th></tr>"
-            + "".join(rows)
-            + "</table></section>"
+            "<tr><th>replica</th><th>state</th><th>nodes</th><th>since</th><th>restarts</th><th>load</th>"
+            "<th>reason</th></tr>" + "".join(rows) + "</table></section>"
         )
 
     def _events(self) -> str:

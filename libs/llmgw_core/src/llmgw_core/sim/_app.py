@@ -64,6 +64,9 @@ class SimOptions:
     world: int = 1
     dist_port: int = 0
     leader: str = ""
+    listen_after: float = 0.0
+    # Tokens of KV cache: what the kv-cache-usage gauge is a fraction of.
+    kv_tokens: int = 4096
 
 
 def parse_args(argv: list[str]) -> SimOptions:
@@ -81,6 +84,13 @@ def parse_args(argv: list[str]) -> SimOptions:
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--dist-port", type=int, default=0, help="rank 0: port the workers join")
     p.add_argument("--leader", default="", help="ranks above 0: leader host:port to join")
+    p.add_argument(
+        "--listen-after",
+        type=float,
+        default=0.0,
+        help="seconds before the port is bound (an engine that loads its weights first)",
+    )
+    p.add_argument("--kv-tokens", type=int, default=4096, help="KV cache size, in tokens")
     ns = p.parse_args(argv)
     return SimOptions(**vars(ns))
 
@@ -97,6 +107,9 @@ class SimEngine:
         self.started = time.monotonic()
         self.requests = 0
         self.tokens = 0
+        # Requests being generated now, and the tokens they hold in the KV cache.
+        self.running = 0
+        self.kv_used = 0
         # Built at the first scrape: prometheus_client is imported then, not before the engine
         # answers /health (its import is a third of the engine's start).
         self._registry: Any = None
@@ -148,6 +161,18 @@ class SimEngine:
                 yield CounterMetricFamily("llmgw_sim_requests", "Completion requests served.", requests)
                 yield CounterMetricFamily("llmgw_sim_generation_tokens", "Tokens generated.", tokens)
                 yield GaugeMetricFamily("llmgw_sim_loading", "1 while the model is loading.", loading)
+                # As vLLM and llama.cpp report their load: what the launcher reads.
+                yield GaugeMetricFamily(
+                    "llmgw_sim_requests_running", "Requests being generated now.", engine.running
+                )
+                yield GaugeMetricFamily(
+                    "llmgw_sim_requests_waiting", "Requests queued (the simulator queues none).", 0
+                )
+                yield GaugeMetricFamily(
+                    "llmgw_sim_kv_cache_usage_ratio",
+                    "Fraction of the KV cache in use (1 is full).",
+                    min(1.0, engine.kv_used / max(1, engine.opts.kv_tokens)),
+                )
 
         registry = CollectorRegistry()
         registry.register(Collector())
@@ -218,6 +243,18 @@ class SimEngine:
         )
 
     async def _stream(self, rid: str, created: int, words: list[str], chat: bool) -> AsyncIterator[bytes]:
+        self.running += 1
+        held = 0  # each chunk sent stands for a token held in the cache until the request ends
+        try:
+            async for chunk in self._chunks(rid, created, words, chat):
+                held += 1
+                self.kv_used += 1
+                yield chunk
+        finally:
+            self.running -= 1
+            self.kv_used -= held
+
+    async def _chunks(self, rid: str, created: int, words: list[str], chat: bool) -> AsyncIterator[bytes]:
         kind = "chat.completion.chunk" if chat else "text_completion"
         delay = 1.0 / self.opts.tokens_per_second if self.opts.tokens_per_second > 0 else 0.0
         for i, word in enumerate(words):
@@ -309,6 +346,8 @@ async def run(opts: SimOptions) -> int:
             tg.cancel_scope.cancel()
             return code
         engine = SimEngine(opts)
+        if opts.listen_after > 0:
+            await anyio.sleep(opts.listen_after)
         if opts.world > 1:
             await tg.start(_hold_workers, opts.host, opts.dist_port)
         port = await tg.start(web.serve, engine.app(), opts.host, opts.port)
