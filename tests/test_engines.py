@@ -26,6 +26,7 @@ from llmgw_core.engines import (
     default_registry,
     quantization_of,
 )
+from llmgw_core.engines.llamacpp import device_order
 
 BASE = {"HOME": "/home/llmgw", "PATH": "/usr/bin"}
 H100 = [GPUInfo(index=i, name="NVIDIA H100 80GB HBM3", compute_capability="9.0") for i in range(8)]
@@ -399,11 +400,65 @@ def test_llamacpp_two_nodes_leader_waits_for_the_workers_rpc_servers() -> None:
         Command(
             name="llama-server",
             path=f"{LC_BIN}/llama-server",
-            args=(*LC_ARGS, "-sm", "layer", "-ts", "1,1,1,1", "--rpc", "10.0.0.2:50052"),
+            # llama.cpp's device order: the worker's four GPUs (over RPC) first, then the
+            # leader's own four; every one of the eight named, or the leader's get nothing.
+            args=(*LC_ARGS, "-sm", "layer", "-ts", "1,1,1,1,1,1,1,1", "--rpc", "10.0.0.2:50052"),
             env=env(**MULTI_ENV),
             wait_for=(Address("10.0.0.2", 50052),),
         )
     ]
+    assert device_order(two_node(p, 0, 50052)) == (
+        *["10.0.0.2:50052"] * 4,
+        "CUDA0",
+        "CUDA1",
+        "CUDA2",
+        "CUDA3",
+    )
+
+
+def test_llamacpp_tensor_parallel_across_nodes_splits_layers_not_rows() -> None:
+    # TP 8 over two nodes of four: row split is one node's CUDA feature, RPC devices take layers.
+    p = profile("llamacpp", tp=8, nodes=2, gpus_per_node=4)
+    [cmd] = LC.commands(two_node(p, 0, 50052), BASE)
+    assert cmd.args[len(LC_ARGS) :] == ("-sm", "layer", "-ts", "1,1,1,1,1,1,1,1", "--rpc", "10.0.0.2:50052")
+
+
+def test_llamacpp_cpu_leader_gives_its_workers_one_device_each() -> None:
+    p = profile("llamacpp", gpu_class="", pp=3, nodes=3, gpus_per_node=1)
+    members = tuple(Member(node=f"cpu-0{i}", addr=f"10.0.0.{i}", port=50052) for i in (1, 2, 3))
+    spec = ShardSpec(
+        replica="r0", shard="r0-0", node="cpu-01", profile=p, host="0.0.0.0", port=8000, members=members
+    )
+    [cmd] = LC.commands(spec, BASE)
+    assert device_order(spec) == ("10.0.0.2:50052", "10.0.0.3:50052")
+    assert cmd.args[len(LC_ARGS) :] == (
+        "-sm",
+        "layer",
+        "-ts",
+        "1,1",
+        "--rpc",
+        "10.0.0.2:50052,10.0.0.3:50052",
+    )
+
+
+@pytest.mark.parametrize("addr", ["0.0.0.0", "::", ""])
+def test_llamacpp_refuses_an_rpc_server_on_every_interface(addr: str) -> None:
+    p = profile("llamacpp", tp=2, nodes=2, gpus_per_node=1)
+    spec = msgspec.structs.replace(
+        two_node(p, 1, 50052),
+        gpus=(0,),
+        members=(
+            Member(node="gpu-01", addr="10.0.0.1", port=50052),
+            Member(node="gpu-02", addr=addr, port=50052),
+        ),
+    )
+    assert LC.validate(p, H100, spec) == [
+        f"shard r0-1: rank 1 (gpu-02) has address {addr or '(none)'!r}; llama.cpp's RPC server is "
+        "unauthenticated and listens only where the leader reaches it, never on every interface: "
+        "set that node's mgmt_addr to its own address on the fabric's network"
+    ]
+    # The same shard with the worker on its own address is fine.
+    assert LC.validate(p, H100, msgspec.structs.replace(spec, members=two_node(p, 1).members)) == []
 
 
 def test_llamacpp_finds_whichever_rpc_server_the_install_has(tmp_path: object) -> None:

@@ -360,6 +360,10 @@ async def test_a_cpu_without_avx2_is_flagged_in_the_node_status(
     )
     status = await converge(agent(tmp_path, nats_url, prefix, ""), bus, probe=probe)
     assert status.warnings == (NO_AVX2,)
+    assert NO_AVX2 == (
+        "no AVX2: llama.cpp's CPU build would run several times slower here; "
+        "placement sends this node no CPU profiles (GPU profiles still run)"
+    )
     assert status.facts.gpus == ()
     assert [e.name for e in status.engines] == ["sim"]
 

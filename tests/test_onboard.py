@@ -10,6 +10,8 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 import tomllib
 from collections.abc import Iterator
@@ -20,9 +22,11 @@ import pytest
 
 from llmgw.cli import main
 from llmgw.onboard import (
+    ENGINE_USER,
     Host,
     OnboardError,
     check_host,
+    engine_user_command,
     missing_wheels,
     node_id,
     parse_host,
@@ -366,3 +370,107 @@ def test_the_units_start_the_agents_from_the_install_dir() -> None:
         "[Install]\n"
         "WantedBy=multi-user.target\n"
     )
+
+
+def test_the_launcher_and_its_engines_run_as_the_engine_user_and_the_installer_as_root() -> None:
+    units = unit_files("/opt/llmgw")
+    assert units["llmgw-launcher.service"] == (
+        "[Unit]\n"
+        "Description=llmgw launcher: runs the shards placed on this node\n"
+        "Wants=network-online.target\n"
+        "After=network-online.target\n"
+        "\n"
+        "[Service]\n"
+        "ExecStart=/opt/llmgw/venv/bin/python -m llmgw_launcher --config /opt/llmgw/agent.yaml\n"
+        "WorkingDirectory=/opt/llmgw\n"
+        "Restart=always\n"
+        "RestartSec=2\n"
+        "User=llmgw\n"
+        "Group=llmgw\n"
+        "KillMode=process\n"
+        "\n"
+        "[Install]\n"
+        "WantedBy=multi-user.target\n"
+    )
+    # The installer installs OS packages (apt-get, dnf): root, and it starts no engine.
+    assert "User=" not in units["llmgw-installer.service"]
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="needs systemd-analyze (systemd)")
+def test_systemd_reads_the_units_without_a_complaint(tmp_path: Path) -> None:
+    install_dir = tmp_path / "opt-llmgw"
+    (install_dir / "venv/bin").mkdir(parents=True)
+    (install_dir / "venv/bin/python").symlink_to(sys.executable)
+    for name, text in unit_files(str(install_dir)).items():
+        (tmp_path / name).write_text(text)
+    done = subprocess.run(
+        ["systemd-analyze", "verify", *(str(tmp_path / n) for n in unit_files(str(install_dir)))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+NEEDS_ROOT_AND_NAMESPACES = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("useradd"),
+    reason="runs useradd in a private mount namespace: needs root, unshare and useradd",
+)
+
+
+@NEEDS_ROOT_AND_NAMESPACES
+def test_onboarding_makes_the_engine_user_with_gpu_groups_and_its_state() -> None:
+    # The command onboarding runs on the host, run for real against a copy of this
+    # machine's /etc mounted over /etc in a mount namespace of its own: the host's
+    # users are not touched. Twice, as a second onboarding of the same host does.
+    # Outside pytest's 0700 base directory, so that the engine user can reach its state.
+    with tempfile.TemporaryDirectory(prefix="llmgw-onboard-") as tmp:
+        Path(tmp).chmod(0o711)
+        make_engine_user(Path(tmp))
+
+
+def make_engine_user(tmp_path: Path) -> None:
+    install_dir = tmp_path / "opt-llmgw"
+    for sub in ("state/engines", "logs", "run", "nats"):
+        (install_dir / sub).mkdir(parents=True)
+    (install_dir / "nats/node.creds").write_text("creds")
+    (install_dir / "nats/node.creds").chmod(0o600)
+    subprocess.run(["cp", "-a", "/etc", str(tmp_path / "etc")], check=True)
+    setup = engine_user_command(str(install_dir))
+    state = install_dir / "state"
+    script = (
+        f"mount --bind {tmp_path / 'etc'} /etc && ({setup}) && ({setup}) && "
+        f"getent passwd {ENGINE_USER} && id -nG {ENGINE_USER} && "
+        f"stat -c '%U:%G %n' {state} {install_dir / 'logs'} {install_dir / 'run'} "
+        f"{install_dir / 'nats/node.creds'} && "
+        # What the launcher's unit does with User=/Group=: a process as the user, in its groups.
+        f"setpriv --reuid {ENGINE_USER} --regid {ENGINE_USER} --init-groups "
+        f"sh -c 'id -u; touch {state}/shards-probe && cat {install_dir}/nats/node.creds && echo'; "
+        f"setpriv --reuid {ENGINE_USER} --regid {ENGINE_USER} --init-groups touch /etc/llmgw-probe 2>&1; true"
+    )
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "bash", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    passwd = lines[0].split(":")
+    assert passwd[0] == ENGINE_USER
+    assert int(passwd[2]) != 0
+    assert passwd[5] == str(state)
+    assert passwd[6].endswith(("nologin", "false"))
+    groups = set(lines[1].split())
+    has_video = subprocess.run(["getent", "group", "video"], capture_output=True).returncode == 0
+    assert groups == {ENGINE_USER, *(["video"] if has_video else [])}
+    assert lines[2:6] == [
+        f"{ENGINE_USER}:{ENGINE_USER} {p}"
+        for p in (state, install_dir / "logs", install_dir / "run", install_dir / "nats/node.creds")
+    ]
+    assert lines[6] == passwd[2]  # not root
+    assert lines[7] == "creds"
+    assert (state / "shards-probe").exists()
+    assert "Permission denied" in lines[8]
+    # The host's own users were not touched.
+    assert subprocess.run(["getent", "passwd", ENGINE_USER], capture_output=True).returncode != 0

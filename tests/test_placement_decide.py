@@ -95,7 +95,27 @@ def test_every_refusal_reason_word_for_word() -> None:
     cpu = profile(engine="llamacpp", gpu_class="", tp=1)
     refused = decide(DEP, cpu, [nodes[-1]])
     assert isinstance(refused, Refusal)
-    assert refused.text() == "cpu-01: no AVX2"
+    assert refused.text() == (
+        "cpu-01: no AVX2: llama.cpp's CPU build would run several times slower here; "
+        "place CPU profiles on nodes with AVX2 (`llmgw ctl nodes` marks those without), "
+        "or give the profile a gpu_class"
+    )
+
+
+def test_no_avx2_refuses_only_cpu_profiles_of_real_engines() -> None:
+    llama = {"llamacpp": EngineState(name="llamacpp", state="installed", version="b11434")}
+    old_cpu = node("gpu-05", avx2=False, engines={**llama, **VLLM_OK})
+    # GPU profiles run on the GPUs: the CPU's vector width does not matter there.
+    assert isinstance(decide(DEP, profile(), [old_cpu]), Placement)
+    assert isinstance(decide(DEP, profile(engine="llamacpp", tp=1), [old_cpu]), Placement)
+    refused = decide(DEP, profile(gpu_class="", tp=1), [old_cpu])
+    assert isinstance(refused, Refusal)
+    assert refused.text().startswith("gpu-05: no AVX2: vLLM's CPU build would run several times slower here")
+    # A CPU node with AVX2 takes the same CPU profile.
+    assert isinstance(
+        decide(DEP, profile(engine="llamacpp", gpu_class="", tp=1), [node("cpu-02", gpus=(), engines=llama)]),
+        Placement,
+    )
 
 
 def test_compute_capability_refusal() -> None:

@@ -55,6 +55,11 @@ ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
 # Legacy manylinux names and the glibc each stands for (PEP 600).
 LEGACY_MANYLINUX = {"manylinux2014": (2, 17), "manylinux2010": (2, 12), "manylinux1": (2, 5)}
 UNITS = ("llmgw-installer", "llmgw-launcher")
+# The unprivileged user the launcher, and so every engine it starts, runs as.
+ENGINE_USER = "llmgw"
+# Groups that own GPU device nodes on some distributions (/dev/dri, /dev/kfd; NVIDIA's
+# /dev/nvidia* are world-accessible): the engine user joins those the host has.
+GPU_GROUPS = ("video", "render")
 
 # Run with the host's own interpreter: what the wheels must fit.
 HOST_SCRIPT = (
@@ -297,7 +302,13 @@ def agent_config(options: Options, node: str, mgmt_addr: str) -> AgentConfig:
 
 
 def unit_files(install_dir: str) -> dict[str, str]:
-    """The systemd units of the node's two agents, by file name."""
+    """The systemd units of the node's two agents, by file name.
+
+    The launcher runs as ENGINE_USER, and so do the engines it starts: an engine
+    serves requests from the network and loads weights from anywhere, and must
+    not hold root. The installer stays root: it installs the OS packages a build
+    needs (apt-get, dnf) and runs no engine, only `ldd` and `--version`.
+    """
     python = f"{install_dir}/venv/bin/python"
     config = f"{install_dir}/agent.yaml"
     units: dict[str, str] = {}
@@ -306,6 +317,8 @@ def unit_files(install_dir: str) -> dict[str, str]:
         (
             "launcher",
             "runs the shards placed on this node",
+            f"User={ENGINE_USER}\n"
+            f"Group={ENGINE_USER}\n"
             # Stopping or restarting the launcher must leave its engines running:
             # the next launcher adopts them. systemd's default (control-group)
             # would kill every engine with it.
@@ -329,6 +342,25 @@ def unit_files(install_dir: str) -> dict[str, str]:
             "WantedBy=multi-user.target\n"
         )
     return units
+
+
+def engine_user_command(install_dir: str) -> str:
+    """Make ENGINE_USER (once), put it in the host's GPU groups, and give it the state it writes.
+
+    The launcher writes its shard records, engine logs and working directories under
+    `state/`, and reads the node's NATS credentials; the installer (root) writes the
+    engines it installs there too, readable by everyone.
+    """
+    d, u = install_dir, ENGINE_USER
+    groups = " ".join(GPU_GROUPS)
+    return (
+        f"if ! getent passwd {u} >/dev/null; then "
+        f"useradd --system --user-group --home-dir {_q(d + '/state')} --no-create-home "
+        f'--shell "$(command -v nologin || echo /bin/false)" {u}; fi && '
+        f'for g in {groups}; do if getent group "$g" >/dev/null; then usermod -a -G "$g" {u}; fi; done && '
+        f"chown -R {u}:{u} {_q(d + '/state')} {_q(d + '/logs')} {_q(d + '/run')} && "
+        f"if [ -e {_q(d + '/nats/node.creds')} ]; then chown {u}:{u} {_q(d + '/nats/node.creds')}; fi"
+    )
 
 
 def describe(status: NodeStatus) -> str:
@@ -631,6 +663,9 @@ async def onboard(options: Options, say: Callable[[str], None] = print) -> NodeS
         if options.node_creds:
             await _put(conn, options.host, [options.node_creds], f"{d}/nats/node.creds", mode=0o600)
         say(f"{options.host}: wrote {d}/agent.yaml and {', '.join(unit_files(d))} in {options.unit_dir}")
+        if options.start == "systemd":
+            await remote(conn, options.host, engine_user_command(d), f"making the engine user {ENGINE_USER}")
+            say(f"{options.host}: the launcher and its engines run as {ENGINE_USER}, not root")
         await remote(conn, options.host, start_command(options), "starting the agents")
         url = options.bus_options().resolved_url()
         say(f"{options.host}: agents started; waiting for {node}'s first probe on {url}")

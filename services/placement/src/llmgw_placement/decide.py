@@ -19,6 +19,9 @@ from llmgw_core.events import Deployment, EngineState
 
 from .gpuclass import gpu_class
 
+# How an operator names each engine, for the refusals that speak of its builds.
+ENGINE_NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM", "sglang": "SGLang"}
+
 
 @dataclass(frozen=True)
 class NodeView:
@@ -411,7 +414,14 @@ def unfit(
         if problems:
             return problems[0].split(": ", 1)[1]
     elif not node.avx2 and profile.engine != "sim":
-        return "no AVX2"
+        # Refused, not only warned: a CPU replica there looks as healthy as any other
+        # and answers several times slower (docs/decisions.md, "No AVX2").
+        name = ENGINE_NAMES.get(profile.engine, profile.engine)
+        return (
+            f"no AVX2: {name}'s CPU build would run several times slower here; "
+            "place CPU profiles on nodes with AVX2 (`llmgw ctl nodes` marks those without), "
+            "or give the profile a gpu_class"
+        )
     if profile.nodes > 1 and not node.fabric:
         return f"on no fabric; profile needs {profile.nodes} nodes on one fabric"
     return None

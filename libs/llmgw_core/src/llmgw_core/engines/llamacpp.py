@@ -12,6 +12,25 @@ from ._validate import validate_profile
 
 # The RPC server was renamed; an install has one or the other.
 RPC_SERVER_NAMES = ("ggml-rpc-server", "rpc-server")
+# Addresses that mean "every interface": never where an RPC server listens.
+WILDCARD_ADDRS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def device_order(shard: ShardSpec) -> tuple[str, ...]:
+    """The leader's devices as llama.cpp orders them, which is the order `-ts` counts in.
+
+    llama.cpp puts RPC devices first (in `--rpc` order), then the node's own GPUs
+    (`llama_model_load` in src/llama.cpp: "add RPC servers at the front of the
+    list"). Each worker's RPC server offers every GPU its CUDA_VISIBLE_DEVICES
+    shows it, or its CPU when it has none; one `-ts` entry per device, so a
+    worker with four GPUs is four entries. Workers are named by their address
+    (what `--list-devices` prints for an RPC device), local GPUs as CUDA<n>
+    (renumbered from 0 under CUDA_VISIBLE_DEVICES). The leader's CPU is not a
+    device here: llama.cpp keeps it for what `-ngl` does not offload.
+    """
+    per_worker = len(shard.gpus) or 1
+    remote = tuple(str(Address(m.addr, m.port)) for m in shard.members[1:] for _ in range(per_worker))
+    return remote + tuple(f"CUDA{i}" for i in range(len(shard.gpus)))
 
 
 class LlamaCppConfig(Struct, frozen=True, kw_only=True):
@@ -41,7 +60,17 @@ class LlamaCpp:
         return os.path.join(self.config.bin_dir, name) if self.config.bin_dir else name
 
     def validate(self, profile: Profile, gpus: list[GPUInfo], shard: ShardSpec | None = None) -> list[str]:
-        return validate_profile(profile, gpus, shard, requires_gpus=False)
+        errors = validate_profile(profile, gpus, shard, requires_gpus=False)
+        workers = shard.members[1:] if shard is not None else ()
+        for rank, m in enumerate(workers, start=1):
+            if shard is not None and m.addr.strip() in WILDCARD_ADDRS:
+                errors.append(
+                    f"shard {shard.shard}: rank {rank} ({m.node}) has address {m.addr or '(none)'!r}; "
+                    "llama.cpp's RPC server is unauthenticated and listens only where the leader "
+                    "reaches it, never on every interface: set that node's mgmt_addr to its own "
+                    "address on the fabric's network"
+                )
+        return errors
 
     def serves_http(self, shard: ShardSpec) -> bool:
         return shard.is_leader
@@ -53,6 +82,9 @@ class LlamaCpp:
         if not shard.is_leader:
             # Workers expose their GPUs to the leader over ggml's RPC protocol;
             # the direction is the reverse of Ray: the leader connects to them.
+            # The RPC server has no authentication: it listens on this rank's own
+            # address as placement gave it (where the leader reaches it), never on
+            # every interface (validate refuses a wildcard).
             return [
                 Command(
                     name="rpc-server",
@@ -74,11 +106,16 @@ class LlamaCpp:
             "999",
             "--metrics",
         )
-        if len(shard.gpus) > 1:
-            # TP splits each tensor across GPUs (row); PP gives each GPU whole layers.
-            mode = "row" if profile.pp == 1 else "layer"
-            args += ("-sm", mode, "-ts", ",".join("1" for _ in shard.gpus))
         workers = tuple(Address(m.addr, m.port) for m in shard.members[1:])
+        devices = device_order(shard)
+        if len(devices) > 1:
+            # One node: TP splits each tensor across GPUs (row), PP gives each GPU
+            # whole layers. Across nodes always layers: row split is a CUDA
+            # feature of one node's GPUs and does not reach RPC devices. `-ts`
+            # names every device: llama.cpp zero-fills the ones it omits, and
+            # those get no layers at all.
+            mode = "row" if profile.pp == 1 and not workers else "layer"
+            args += ("-sm", mode, "-ts", ",".join("1" for _ in devices))
         if workers:
             args += ("--rpc", ",".join(str(w) for w in workers))
         return [
