@@ -742,7 +742,11 @@ class Bus:
         )
 
     async def delete(self, bucket: str, key: str) -> None:
-        self._check(f"$KV.{bucket}.{key}")
+        # A key longer than the bus would write can still have been stored by a raw client;
+        # deleting it is one plain publish (no JetStream API subject wraps it), so only the
+        # client's own protocol-line guard applies: the key can always be removed.
+        if self.lost.is_set():
+            raise ConnectionLost(self.lost_cause)
         try:
             await self._kv_call(f"delete {bucket}/{key}", bucket, lambda kv: kv.delete(key))
         except nats.js.errors.NotFoundError:
