@@ -5,7 +5,14 @@ Nothing here starts a process; the launcher does that with what these return.
 
 from ._env import generated_env, materialise
 from ._quant import MIN_CAPABILITY, parse_capability, quantization_of
-from ._registry import InstallableEngine, Registry, UnknownEngineError, default_registry
+from ._registry import (
+    ExtraPortsEngine,
+    InstallableEngine,
+    Registry,
+    UnknownEngineError,
+    default_registry,
+    extra_ports_needed,
+)
 from ._types import (
     TOKEN_PATTERN,
     Address,
@@ -30,6 +37,7 @@ __all__ = [
     "Address",
     "Command",
     "Engine",
+    "ExtraPortsEngine",
     "GPUInfo",
     "InstallableEngine",
     "LlamaCpp",
@@ -46,6 +54,7 @@ __all__ = [
     "UnknownEngineError",
     "VLLMConfig",
     "default_registry",
+    "extra_ports_needed",
     "generated_env",
     "materialise",
     "parse_capability",
