@@ -154,7 +154,6 @@ def test_vllm_one_node_tp4_on_gpus_4_to_7_with_profile_args_and_env() -> None:
 
 RAY_NODE = (
     "--temp-dir=/var/lib/llmgw/ray/6379",
-    "--include-dashboard=false",
     "--dashboard-agent-listen-port=0",
     "--node-manager-port=0",
     "--object-manager-port=0",
@@ -182,6 +181,7 @@ def test_vllm_two_nodes_with_ray() -> None:
                 "--port=6379",
                 "--node-ip-address=10.0.0.1",
                 *RAY_NODE,
+                "--include-dashboard=false",
                 # Ray's default 10001 is taken by the first head on the node.
                 "--ray-client-server-port=20017",
                 "--block",

@@ -179,7 +179,8 @@ class VLLM:
                         wait_for=(head_addr,),
                     )
                 ]
-            head_args = ["start", "--head", f"--port={leader.port}", *ray_args]
+            # No dashboard (its 8265 is fixed, and `ray start` takes the flag on a head only).
+            head_args = ["start", "--head", f"--port={leader.port}", *ray_args, "--include-dashboard=false"]
             if shard.extra_ports:
                 head_args.append(f"--ray-client-server-port={shard.extra_ports[0]}")
             head = Command(name="ray-head", path=self._bin("ray"), args=(*head_args, "--block"), env=env)
@@ -223,13 +224,12 @@ class VLLM:
         replica's rendezvous port, the client server on a port of the node's range
         (`extra_ports`), and the rest (raylet, object manager, the dashboard agent,
         workers) on ports the kernel picks, which no other Ray can hold. With Ray's
-        defaults a second head on the node finds 10001, 52365 and its worker range
-        taken by the first.
+        defaults a second head on the node finds 10001, 8265, 52365 and its worker
+        range taken by the first.
         """
         return (
             f"--node-ip-address={shard.me().addr}",
             f"--temp-dir={ray_temp_dir(self.config, shard)}",
-            "--include-dashboard=false",
             "--dashboard-agent-listen-port=0",
             "--node-manager-port=0",
             "--object-manager-port=0",
