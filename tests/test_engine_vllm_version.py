@@ -172,3 +172,27 @@ def test_vllm_cpu_refuses_a_headless_native_rank(tmp_path: Path) -> None:
         "in agent.yaml"
     ]
     assert vllm.validate(shard(0).profile, gpus, shard(0)) == []
+
+
+def test_the_installer_reports_which_vllm_build_an_environment_has(tmp_path: Path) -> None:
+    import sys
+
+    from llmgw_core.config import ConfiguredEngine
+    from llmgw_installer.engines import check_configured
+
+    bin_dir = Path(fake_env(tmp_path / "cpu", "0.32.0", python="python3.11", dist="vllm-cpu"))
+    site = tmp_path / "cpu" / "lib" / "python3.11" / "site-packages"
+    (site / "vllm").mkdir()
+    (site / "vllm" / "__init__.py").write_text('__version__ = "0.32.0"\n')
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    state = check_configured("vllm", ConfiguredEngine(path=str(bin_dir)))
+    assert (state.state, state.version, state.engine_version) == ("configured", "0.32.0", "vllm-cpu 0.32.0")
+    # The environment's root instead of its bin/: said so, with the path to set.
+    root = check_configured("vllm", ConfiguredEngine(path=str(tmp_path / "cpu")))
+    assert (root.state, root.detail) == (
+        "broken",
+        f"{tmp_path / 'cpu'} is a Python environment, not its bin directory; "
+        f"set path: {bin_dir} for vllm in agent.yaml",
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,12 +21,15 @@ from typing import TypeVar
 import msgspec
 import pytest
 
+from llmgw_core.bus import Bus
 from llmgw_core.engines import VLLM, Command, Member, Profile, ShardSpec, VLLMConfig
+from tests.launcher_support import agent_config, running_launcher, shard, shard_events
 from tests.test_sim_engine import free_port
+from tests.waiting import eventually
 
 T = TypeVar("T")
 
-pytestmark = [pytest.mark.real_ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.timeout(600)]
 
 
 def ray_bin_dir() -> str:
@@ -132,6 +136,7 @@ def alive_nodes(status: str) -> int:
     return len(re.findall(r"^\s*1 node_", active, re.MULTILINE))
 
 
+@pytest.mark.real_ray
 def test_two_replicas_rays_on_one_machine_never_meet() -> None:
     bin_dir = ray_bin_dir()
     # Short: Ray's socket paths must fit in 107 bytes.
@@ -220,3 +225,61 @@ def adjacent_free_ports() -> int:
                 continue
         return port
     raise AssertionError("no two adjacent free ports")
+
+
+@pytest.mark.anyio
+async def test_the_launcher_gives_each_ray_head_its_own_client_port_and_temp_dir(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """Two replicas' Ray heads on one launcher, with a `ray` that records its argv (the real one
+    runs above): each head gets a client-server port of its own from the node's port range."""
+    env = tmp_path / "env" / "bin"
+    env.mkdir(parents=True)
+    for script in ("ray", "vllm"):
+        (env / script).write_text('#!/bin/sh\nprintf "%s\\n" "$@" > argv\nexec sleep 600\n')
+        (env / script).chmod(0o755)
+    state = Path(tempfile.mkdtemp(prefix="llmgw-", dir="/tmp"))
+    config = agent_config(
+        nats_url,
+        prefix,
+        state,
+        port_range=[24100, 24199],
+        engines={"vllm": {"path": str(env), "multinode": "ray"}},
+    )
+    profile = replica_shards("r0", 1)[0].profile
+    rendezvous = adjacent_free_ports()
+    try:
+        async with shard_events(bus) as events, running_launcher(config, gpus=[]):
+            for i, replica in enumerate(("r0", "r1")):
+                members = [
+                    {"node": "node-a", "addr": "127.0.0.1", "port": rendezvous + i},
+                    {"node": "node-b", "addr": "127.0.0.1", "port": rendezvous + i},
+                ]
+                await bus.put(
+                    bus.names.shards_bucket,
+                    f"node-a.{replica}-0",
+                    shard("node-a", f"{replica}-0", profile, replica=replica, members=members, fabric="lo"),
+                )
+            # The fake head never listens: each server waits for its own head.
+            for i, replica in enumerate(("r0", "r1")):
+                await eventually(
+                    lambda r=replica, i=i: (
+                        (s := events.last(f"{r}-0")) and s.reason == f"waiting for 127.0.0.1:{rendezvous + i}"
+                    ),
+                    timeout=30,
+                )
+            heads = {}
+            for replica in ("r0", "r1"):
+                argv = state / "run" / f"node-a.{replica}-0" / "argv"
+                heads[replica] = await eventually(lambda a=argv: a.exists() and a.read_text().split("\n"))
+        client_ports = {
+            r: int(next(a for a in argv if a.startswith("--ray-client-server-port=")).split("=")[1])
+            for r, argv in heads.items()
+        }
+        assert client_ports["r0"] != client_ports["r1"]
+        assert all(24100 <= p <= 24199 for p in client_ports.values()), client_ports
+        for i, replica in enumerate(("r0", "r1")):
+            assert f"--port={rendezvous + i}" in heads[replica]
+            assert f"--temp-dir={state / 'ray' / str(rendezvous + i)}" in heads[replica]
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
