@@ -91,7 +91,7 @@ class Cluster:
         path.write_bytes(msgspec.yaml.encode(config))
         return path
 
-    def agent_config(self, node: str, gpus: int) -> Path:
+    def agent_config(self, node: str, gpus: int, engines: dict[str, Any] | None = None) -> Path:
         # Nodes share this machine: each gets its own engine ports.
         base = 20000 + 100 * (len(list(self.root.glob("agent-*.yaml"))) + 1)
         if self.session is not None:
@@ -107,6 +107,7 @@ class Cluster:
                 "stop_grace_s": 3.0,
                 "restart_backoff_s": 0.3,
                 "health_interval_s": 0.3,
+                "engines": engines or {},
             },
             AgentConfig,
         )
@@ -133,8 +134,9 @@ class Cluster:
             f"placement-{identity}", [sys.executable, "-m", "llmgw_placement", "--config", str(path)]
         )
 
-    def start_node(self, node: str, gpus: int = 1) -> None:
-        path = str(self.agent_config(node, gpus))
+    def start_node(self, node: str, gpus: int = 1, engines: dict[str, Any] | None = None) -> None:
+        """An installer and a launcher for `node`; `engines` as agent.yaml names them."""
+        path = str(self.agent_config(node, gpus, engines))
         self._spawn(f"installer-{node}", [sys.executable, "-m", "llmgw_installer", "--config", path])
         self._spawn(f"launcher-{node}", [sys.executable, "-m", "llmgw_launcher", "--config", path])
 

