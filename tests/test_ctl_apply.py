@@ -182,3 +182,43 @@ async def test_apply_writes_only_what_the_file_names_and_refuses_a_reference_to_
             r = await client.post("/api/deployments", json={"name": "chat", "profile": "tiny", "replicas": 1})
             assert r.status_code == 200, r.text
         ready(c, "chat", 1)
+
+
+# --- the plan, as pure functions ----------------------------------------------------------------
+
+
+def test_an_empty_section_is_named_and_an_absent_one_is_not() -> None:
+    from llmgw.ctl._apply import named_sections
+
+    assert named_sections(b"deployments: []\n") == {"deployments"}
+    assert named_sections(b"engines: []\ncatalog: []\n") == {"engines", "catalog"}
+    assert named_sections(b"max_replicas: 3\n") == set()
+
+
+def test_only_prune_deletes_and_a_profile_and_a_deployment_may_share_a_name() -> None:
+    from llmgw.ctl._apply import Live, plan, reference_problems
+    from llmgw_core.config import loads
+    from llmgw_placement.config import ServerConfig
+
+    tiny = Profile(name="chat", engine="sim", model_path="sim://tiny")
+    live = Live(
+        engines=(),
+        catalog={"chat": tiny},
+        deployments={
+            "chat": Deployment(name="chat", profile="chat"),
+            "old": Deployment(name="old", profile="chat"),
+        },
+    )
+    raw = b"deployments:\n  - {name: chat, profile: chat, replicas: 3}\n"
+    config = loads(raw, ServerConfig)
+    kept = plan(config, {"deployments"}, live, prune=False)
+    assert kept.lines() == [
+        "engines: not in the file, left as it is",
+        "catalog: not in the file, left as it is",
+        "deployment chat: changed (replicas: 1 -> 3)",
+        "deployment old: not in the file, kept (--prune deletes it)",
+    ]
+    pruned = plan(config, {"deployments"}, live, prune=True)
+    assert [c.line() for c in pruned.of("deleted")] == ["deployment old: deleted"]
+    # The absent catalog is not pruned, so the deployments' profile stays.
+    assert reference_problems(config, {"deployments"}, live, pruned, engines={"sim"}, path="f") == []
