@@ -105,7 +105,7 @@ async def apply(bus: Bus, path: str, *, dry_run: bool = False, prune: bool = Fal
     """
     from pathlib import Path
 
-    from llmgw_core.config import load
+    from llmgw_core.config import loads
     from llmgw_core.engines import default_registry
     from llmgw_core.events import DesiredEngines
     from llmgw_placement.checks import check_deployment
@@ -113,8 +113,12 @@ async def apply(bus: Bus, path: str, *, dry_run: bool = False, prune: bool = Fal
 
     from . import _apply
 
-    config = load(path, ServerConfig)
-    named = _apply.named_sections(Path(path).read_bytes())
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    config = loads(raw, ServerConfig, source=path)
+    named = _apply.named_sections(raw)
     names = bus.names
     for dep in config.deployments if "deployments" in named else ():
         problem = check_deployment(dep.name, dep.wire(), max_replicas=config.max_replicas)
