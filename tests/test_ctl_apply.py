@@ -165,6 +165,17 @@ async def test_apply_writes_only_what_the_file_names_and_refuses_a_reference_to_
             f"applied {whole}: 0 added, 0 changed, 1 deleted, 3 unchanged",
         ]
         assert await bus.keys(bus.names.deployments_bucket) == {"chat", "fresh"}
+        # A file that names the engines writes them (sim is built in: nothing to install).
+        sim = write(tmp_path, "engines.yaml", "engines: [{name: sim}]\n")
+        assert ok(c, "apply", "-f", str(sim)).splitlines() == [
+            "catalog: not in the file, left as it is",
+            "deployments: not in the file, left as it is",
+            "engines: changed (none -> sim)",
+            f"applied {sim}: 0 added, 1 changed, 0 deleted, 0 unchanged",
+        ]
+        engines = await bus.get(bus.names.config_bucket, "engines", DesiredEngines)
+        assert engines is not None
+        assert [e.name for e in engines[0].engines] == ["sim"]
 
         # Placement's API: the same rule, the same words, nothing stored.
         found = await eventually(lambda: re.search(r"API on (http://\S+)", c.log("placement-p1")), timeout=30)

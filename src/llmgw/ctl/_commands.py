@@ -125,10 +125,12 @@ async def apply(bus: Bus, path: str, *, dry_run: bool = False, prune: bool = Fal
         if problem:
             raise ConfigError(f"{path}: {problem}")
     found = await bus.get(names.config_bucket, "engines", DesiredEngines)
+    catalog = await bus.entries(names.catalog_bucket, Profile)
+    deployments = await bus.entries(names.deployments_bucket, Deployment)
     live = _apply.Live(
         engines=found[0].engines if found else None,
-        catalog=await read.values(bus, names.catalog_bucket, Profile),
-        deployments=await read.values(bus, names.deployments_bucket, Deployment),
+        catalog={k: c.value for k, c in catalog.items() if c.value is not None},
+        deployments={k: c.value for k, c in deployments.items() if c.value is not None},
     )
     plan = _apply.plan(config, named, live, prune=prune)
     problems = _apply.reference_problems(
@@ -139,15 +141,36 @@ async def apply(bus: Bus, path: str, *, dry_run: bool = False, prune: bool = Fal
     lines = plan.lines()
     if dry_run:
         return "\n".join([*lines, f"dry run of {path}: nothing written; {plan.counts()}"])
+    done: list[str] = []
+
+    async def write(what: str, bucket: str, key: str, value: msgspec.Struct, last: int) -> None:
+        # A changed key is written only at the revision the plan was made from: a `scale` or
+        # another apply in between is not overwritten with a change computed without it.
+        if last:
+            if await bus.update(bucket, key, value, last=last) is None:
+                raise Refused(
+                    f"{what} was changed by another writer after {path} was compared with it; "
+                    f"written before that: {', '.join(done) or 'nothing'}; run the apply again "
+                    "(`--dry-run` shows what is left)"
+                )
+        else:
+            await bus.put(bucket, key, value)
+        done.append(what)
+
     writes = {(c.kind, c.name) for c in plan.changes if c.action in ("added", "changed")}
-    if plan.of("added", "engines") or plan.of("changed", "engines"):
-        await bus.put(names.config_bucket, "engines", DesiredEngines(engines=plan.engines))
+    if ("engines", "") in writes:
+        engines = DesiredEngines(engines=plan.engines)
+        await write("engines", names.config_bucket, "engines", engines, found[1] if found else 0)
     for name, profile in sorted(plan.profiles.items()):
         if ("profile", name) in writes:
-            await bus.put(names.catalog_bucket, name, profile)
+            last = catalog[name].revision if name in live.catalog else 0
+            await write(f"profile {name}", names.catalog_bucket, name, profile, last)
     for name, wanted in sorted(plan.deployments.items()):
         if ("deployment", name) in writes:
-            await deploy(bus, wanted)
+            last = deployments[name].revision if name in live.deployments else 0
+            with tracer.start_as_current_span(f"ctl apply {name}"):
+                wanted = msgspec.structs.replace(wanted, traceparent=current_traceparent())
+                await write(f"deployment {name}", names.deployments_bucket, name, wanted, last)
     # Deployments before the profiles they may name, so no deployment is left naming nothing.
     for change in plan.of("deleted", "deployment"):
         await bus.delete(names.deployments_bucket, change.name)
