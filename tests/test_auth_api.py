@@ -22,6 +22,7 @@ from llmgw_placement import PlacementService, ServerConfig
 from llmgw_placement.api import Api
 from tests.cluster_support import sim_catalog
 from tests.metrics_support import value
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -63,7 +64,7 @@ def bearer(token: str) -> dict[str, str]:
 
 
 async def test_without_the_token_nothing_is_read_or_written(api: tuple[str, AuthDir, Api], bus: Bus) -> None:
-    url, auth, _ = api
+    url, auth, handler = api
     chat = {"name": "chat", "profile": "tiny", "replicas": 1}
     async with httpx.AsyncClient(base_url=url, timeout=10) as client:
         for headers in (
@@ -86,7 +87,9 @@ async def test_without_the_token_nothing_is_read_or_written(api: tuple[str, Auth
         assert r.status_code == 403
         assert r.json() == {"error": "the read token cannot change anything; use the API token"}
         assert await bus.get(bus.names.deployments_bucket, "chat", Deployment) is None
-        # The API token does both.
+        # The API token does both (once the catalog, seeded as placement takes the lease, has
+        # the deployment's profile: a deployment naming no profile is refused).
+        await eventually(lambda: "tiny" in handler.service.state.catalog, timeout=30)
         r = await client.post("/api/deployments", json=chat, headers=bearer(auth.token()))
         assert r.status_code == 200
         written = await bus.get(bus.names.deployments_bucket, "chat", Deployment)

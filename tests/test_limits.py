@@ -153,6 +153,9 @@ async def test_the_api_refuses_a_4000_character_name_and_10_to_the_30_replicas_s
                 "/api/deployments", json={"name": "chat", "profile": "tp1", "aliases": ["m" * 300]}
             )
             keys = await bus.keys(bus.names.deployments_bucket)
+            # A deployment names a profile of the catalog (this placement does not run, so its
+            # file seeds nothing: the profile is written here).
+            await bus.put(bus.names.catalog_bucket, "tp1", config.catalog[0].wire())
             fine = await client.post("/api/deployments", json={"name": "chat", "profile": "tp1"})
         tg.cancel_scope.cancel()
     assert (long_name.status_code, long_name.json()) == (

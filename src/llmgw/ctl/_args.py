@@ -15,7 +15,7 @@ examples:
   llmgw ctl scale chat --replicas 5
   llmgw ctl logs chat-r0-0 --tail 50 --follow
   llmgw ctl events --deployment chat --follow
-  llmgw ctl apply -f server.yaml
+  llmgw ctl apply -f server.yaml --dry-run   what would change, written nowhere
   llmgw ctl delete deployment chat
 
 exit codes: 0 done, 2 usage, 3 not found, 4 refused, 5 cannot reach NATS (3 s) or the launcher asked.
@@ -111,9 +111,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     p_scale.add_argument("name", help="the deployment")
     p_scale.add_argument("--replicas", type=int, required=True)
     p_apply = add(
-        "apply", "write the engines, catalog and deployments of a server.yaml, replacing what the cluster has"
+        "apply",
+        "write the sections a server.yaml names (engines, catalog, deployments); "
+        "a section it omits is left as it is",
     )
     p_apply.add_argument("-f", "--file", required=True, help="server.yaml")
+    p_apply.add_argument(
+        "--dry-run", action="store_true", help="say what would be added, changed and deleted; write nothing"
+    )
+    p_apply.add_argument(
+        "--prune",
+        action="store_true",
+        help="delete the profiles and deployments a named section omits (without it nothing is deleted)",
+    )
     p_delete = add("delete", "delete a deployment: its replicas stop")
     p_delete.add_argument("kind", choices=["deployment"])
     p_delete.add_argument("name")

@@ -27,7 +27,7 @@ from llmgw_core.events import (
     ShardLogsRequest,
     ShardStatus,
 )
-from llmgw_core.limits import NAME_MAX, name_problem, shown
+from llmgw_core.limits import NAME_MAX, name_problem, profile_problem, shown
 from llmgw_core.telemetry import current_traceparent
 
 from . import _read as read
@@ -96,32 +96,87 @@ async def deploy(bus: Bus, deployment: Deployment) -> Deployment:
     return deployment
 
 
-async def apply(bus: Bus, path: str) -> str:
-    """Write what server.yaml says: its engines, every profile and every deployment it names.
+async def apply(bus: Bus, path: str, *, dry_run: bool = False, prune: bool = False) -> str:
+    """Write what a server.yaml names (its engines, profiles and deployments), and nothing else.
 
-    Keys the file does not name are left as they are (delete a deployment with
-    `llmgw ctl delete deployment NAME`).
+    A section the file omits is left as it is; what a named section omits is deleted only with
+    `prune`. Every reference is checked against the file and the live state before anything is
+    written (Refused, nothing written). `dry_run` says what would change and writes nothing.
     """
-    from llmgw_core.config import load
+    from pathlib import Path
+
+    from llmgw_core.config import loads
+    from llmgw_core.engines import default_registry
     from llmgw_core.events import DesiredEngines
     from llmgw_placement.checks import check_deployment
     from llmgw_placement.config import ServerConfig
 
-    config = load(path, ServerConfig)
+    from . import _apply
+
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    config = loads(raw, ServerConfig, source=path)
+    named = _apply.named_sections(raw)
     names = bus.names
-    for dep in config.deployments:
+    for dep in config.deployments if "deployments" in named else ():
         problem = check_deployment(dep.name, dep.wire(), max_replicas=config.max_replicas)
         if problem:
             raise ConfigError(f"{path}: {problem}")
-    await bus.put(names.config_bucket, "engines", DesiredEngines(engines=config.engines))
-    for profile in config.catalog:
-        await bus.put(names.catalog_bucket, profile.name, profile.wire())
-    for dep in config.deployments:
-        await deploy(bus, dep.wire())
-    return (
-        f"applied {path}: {len(config.engines)} engines, {len(config.catalog)} profiles, "
-        f"{len(config.deployments)} deployments"
+    found = await bus.get(names.config_bucket, "engines", DesiredEngines)
+    catalog = await bus.entries(names.catalog_bucket, Profile)
+    deployments = await bus.entries(names.deployments_bucket, Deployment)
+    live = _apply.Live(
+        engines=found[0].engines if found else None,
+        catalog={k: c.value for k, c in catalog.items() if c.value is not None},
+        deployments={k: c.value for k, c in deployments.items() if c.value is not None},
     )
+    plan = _apply.plan(config, named, live, prune=prune)
+    problems = _apply.reference_problems(
+        config, named, live, plan, engines=default_registry().names(), path=path
+    )
+    if problems:
+        raise Refused("\n".join(problems) + "\nnothing was written")
+    lines = plan.lines()
+    if dry_run:
+        return "\n".join([*lines, f"dry run of {path}: nothing written; {plan.counts()}"])
+    done: list[str] = []
+
+    async def write(what: str, bucket: str, key: str, value: msgspec.Struct, last: int) -> None:
+        # A changed key is written only at the revision the plan was made from: a `scale` or
+        # another apply in between is not overwritten with a change computed without it.
+        if last:
+            if await bus.update(bucket, key, value, last=last) is None:
+                raise Refused(
+                    f"{what} was changed by another writer after {path} was compared with it; "
+                    f"written before that: {', '.join(done) or 'nothing'}; run the apply again "
+                    "(`--dry-run` shows what is left)"
+                )
+        else:
+            await bus.put(bucket, key, value)
+        done.append(what)
+
+    writes = {(c.kind, c.name) for c in plan.changes if c.action in ("added", "changed")}
+    if ("engines", "") in writes:
+        engines = DesiredEngines(engines=plan.engines)
+        await write("engines", names.config_bucket, "engines", engines, found[1] if found else 0)
+    for name, profile in sorted(plan.profiles.items()):
+        if ("profile", name) in writes:
+            last = catalog[name].revision if name in live.catalog else 0
+            await write(f"profile {name}", names.catalog_bucket, name, profile, last)
+    for name, wanted in sorted(plan.deployments.items()):
+        if ("deployment", name) in writes:
+            last = deployments[name].revision if name in live.deployments else 0
+            with tracer.start_as_current_span(f"ctl apply {name}"):
+                wanted = msgspec.structs.replace(wanted, traceparent=current_traceparent())
+                await write(f"deployment {name}", names.deployments_bucket, name, wanted, last)
+    # Deployments before the profiles they may name, so no deployment is left naming nothing.
+    for change in plan.of("deleted", "deployment"):
+        await bus.delete(names.deployments_bucket, change.name)
+    for change in plan.of("deleted", "profile"):
+        await bus.delete(names.catalog_bucket, change.name)
+    return "\n".join([*lines, f"applied {path}: {plan.counts()}"])
 
 
 async def stored_deployment(bus: Bus, name: str) -> Deployment:
@@ -169,9 +224,9 @@ async def request_replicas(bus: Bus, dep: Deployment, verb: str) -> str:
     if problem:
         raise Refused(problem)
     catalog = await read.values(bus, bus.names.catalog_bucket, Profile)
-    if dep.profile not in catalog:
-        known = ", ".join(sorted(catalog)) or "none (write one with `llmgw ctl apply -f server.yaml`)"
-        raise Refused(f"unknown profile {dep.profile!r} for deployment {dep.name}: the catalog has {known}")
+    problem = profile_problem(dep.name, dep.profile, catalog)
+    if problem:
+        raise Refused(problem)
     seen: list[DeploymentStatus] = []
     got = anyio.Event()
 
@@ -546,7 +601,7 @@ async def _dispatch(bus: Bus, args: argparse.Namespace) -> str | None:
         )
     if cmd == "apply":
         try:
-            return await apply(bus, args.file)
+            return await apply(bus, args.file, dry_run=args.dry_run, prune=args.prune)
         except ConfigError as exc:
             raise UsageError(str(exc)) from exc
     if cmd == "delete":

@@ -16,6 +16,7 @@ published about it into a process with no bus.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from typing import Annotated
 
 from msgspec import Meta
@@ -114,3 +115,27 @@ def _count(n: int) -> str:
     """A count for a message: in full, or its order of magnitude when absurd (10**30)."""
     digits = len(str(abs(n)))
     return str(n) if digits <= 12 else f"{'-' if n < 0 else ''}10^{digits - 1} or more"
+
+
+# --- references -------------------------------------------------------------------------------
+#
+# A deployment names a profile and a profile names an engine. Every entry refuses a reference
+# to nothing before it stores anything, with these words: placement would take a deployment
+# whose profile is not in the catalog as "not placeable", and stop its replicas (one typo in
+# an applied file stopped a healthy deployment and the gateway answered 503).
+
+
+def profile_problem(deployment: str, profile: str, catalog: Collection[str]) -> str | None:
+    """Why a deployment cannot name `profile`, given the catalog's profile names; None when it can."""
+    if profile in catalog:
+        return None
+    known = ", ".join(sorted(catalog)) or "none (write one with `llmgw ctl apply -f server.yaml`)"
+    return f"unknown profile {profile!r} for deployment {deployment}: the catalog has {known}"
+
+
+def engine_problem(owner: str, engine: str, engines: Collection[str]) -> str | None:
+    """Why `owner` (`profile tiny`, `the desired engines`) cannot name `engine`, given the
+    engines llmgw runs; None when it can."""
+    if engine in engines:
+        return None
+    return f"unknown engine {engine!r} for {owner}: llmgw runs {', '.join(sorted(engines))}"

@@ -30,14 +30,15 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from llmgw_core.engines import GPUInfo
+from llmgw_core.engines import GPUInfo, Profile
 from llmgw_core.errors import BusError, ConfigError
 from llmgw_core.events import Deployment, EngineState, NodeStatus, decoder
+from llmgw_core.limits import profile_problem
 from llmgw_core.metrics import exposition
 from llmgw_core.telemetry import context_from, current_traceparent
 from llmgw_core.web import MAX_BODY, json_response
 
-from .checks import check_deployment
+from .checks import check_deployment, check_profile
 from .decide import Refusal, decide
 from .service import PlacementService
 
@@ -344,6 +345,12 @@ class Api:
             dep = decoder(Deployment).decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return json_response({"error": f"invalid deployment: {exc}"}, 400)
+        try:
+            problem = await self.profile_problem(dep)
+        except BusError as exc:
+            return json_response({"error": str(exc)}, 503)
+        if problem is not None:
+            return json_response({"error": f"invalid deployment: {problem}"}, 400)
         with tracer.start_as_current_span(
             f"api deploy {dep.name}", context=context_from(req.headers.get("traceparent", ""))
         ):
@@ -353,6 +360,22 @@ class Api:
             except BusError as exc:
                 return json_response({"error": str(exc)}, 503)
         return json_response(_builtins(dep))
+
+    async def profile_problem(self, dep: Deployment) -> str | None:
+        """Why `dep` names a profile that is not in the catalog; None when it is. The catalog
+        placement holds first; a name it lacks is read from the bucket before it is refused,
+        so a profile written a moment ago (not yet mirrored here) is not refused."""
+        catalog = self.service.state.catalog
+        if dep.profile in catalog:
+            return None
+        bus = self.service.bus
+        try:
+            stored = await bus.get(bus.names.catalog_bucket, dep.profile, Profile)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            stored = None
+        if stored is not None and check_profile(dep.profile, stored[0]) is None:
+            return None
+        return profile_problem(dep.name, dep.profile, catalog)
 
 
 async def _no_route(request: Request, exc: Exception) -> Response:

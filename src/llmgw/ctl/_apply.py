@@ -1,0 +1,189 @@
+"""`llmgw ctl apply -f FILE`, as pure functions: which sections a file names, what it would
+change against the live state, and which of its references point at nothing.
+
+A file writes only what it names, as `kubectl apply` does: a section it omits
+(`engines:`, `catalog:`, `deployments:`) is left as the cluster has it. Without
+this, a file with no `engines:` took the default (llama.cpp) for the cluster's
+desired engines, and every node started an install. What the live state holds
+and a named section omits is deleted only with `--prune`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from llmgw_core.engines import Profile
+from llmgw_core.events import Deployment, EngineSpec
+from llmgw_core.limits import engine_problem, profile_problem
+from llmgw_placement.config import ServerConfig
+
+SECTIONS = ("engines", "catalog", "deployments")
+# Fields that say who wrote a value, not what it asks for.
+_BOOKKEEPING = frozenset({"traceparent"})
+
+
+@dataclass(frozen=True)
+class Live:
+    """The desired state as the buckets hold it now (`engines` None: never written)."""
+
+    engines: tuple[EngineSpec, ...] | None
+    catalog: dict[str, Profile]
+    deployments: dict[str, Deployment]
+
+
+@dataclass(frozen=True)
+class Change:
+    # "engines", "profile" or "deployment".
+    kind: str
+    name: str
+    # "added", "changed", "unchanged", "deleted" (with --prune) or "kept" (live, not in the
+    # file, no --prune).
+    action: str
+    # "replicas: 1 -> 2", for a changed one.
+    fields: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        what = f"{self.kind} {self.name}" if self.name else self.kind
+        said = {"kept": "not in the file, kept (--prune deletes it)"}.get(self.action, self.action)
+        return f"{what}: {said}" + (f" ({'; '.join(self.fields)})" if self.fields else "")
+
+
+@dataclass(frozen=True)
+class Plan:
+    changes: tuple[Change, ...]
+    # The sections the file does not name: left as they are.
+    absent: tuple[str, ...] = ()
+    engines: tuple[EngineSpec, ...] = ()
+    profiles: dict[str, Profile] = field(default_factory=dict)
+    deployments: dict[str, Deployment] = field(default_factory=dict)
+
+    def of(self, action: str, kind: str = "") -> list[Change]:
+        return [c for c in self.changes if c.action == action and (not kind or c.kind == kind)]
+
+    def lines(self) -> list[str]:
+        out = [f"{s}: not in the file, left as it is" for s in self.absent]
+        return out + [c.line() for c in self.changes]
+
+    def counts(self) -> str:
+        return ", ".join(
+            f"{len(self.of(action))} {action}" for action in ("added", "changed", "deleted", "unchanged")
+        )
+
+
+def named_sections(raw: bytes) -> frozenset[str]:
+    """The sections a server.yaml names (present, even if empty: `deployments: []` names none)."""
+    top = msgspec.yaml.decode(raw)
+    return frozenset(s for s in SECTIONS if isinstance(top, dict) and s in top)
+
+
+def _shown(value: Any) -> str:
+    return msgspec.json.encode(value).decode()
+
+
+def changed_fields(old: msgspec.Struct, new: msgspec.Struct) -> tuple[str, ...]:
+    """`field: old -> new` for each field that differs, bookkeeping left out."""
+    a = {k: msgspec.to_builtins(v) for k, v in msgspec.structs.asdict(old).items()}
+    b = {k: msgspec.to_builtins(v) for k, v in msgspec.structs.asdict(new).items()}
+    return tuple(
+        f"{k}: {_shown(a.get(k))} -> {_shown(b.get(k))}"
+        for k in sorted(a.keys() | b.keys())
+        if k not in _BOOKKEEPING and a.get(k) != b.get(k)
+    )
+
+
+def _engines_text(engines: tuple[EngineSpec, ...]) -> str:
+    return ", ".join(" ".join(x for x in (e.name, e.version, e.source) if x) for e in engines) or "none"
+
+
+def _diff(
+    kind: str,
+    live: dict[str, Any],
+    wanted: dict[str, Any],
+    prune: bool,
+) -> list[Change]:
+    out = []
+    for name in sorted(live.keys() | wanted.keys()):
+        if name not in live:
+            out.append(Change(kind, name, "added"))
+        elif name not in wanted:
+            out.append(Change(kind, name, "deleted" if prune else "kept"))
+        else:
+            fields = changed_fields(live[name], wanted[name])
+            out.append(Change(kind, name, "changed" if fields else "unchanged", fields))
+    return out
+
+
+def plan(config: ServerConfig, named: Collection[str], live: Live, *, prune: bool) -> Plan:
+    """What applying `config` (its `named` sections only) would change in `live`."""
+    changes: list[Change] = []
+    profiles = {p.name: p.wire() for p in config.catalog} if "catalog" in named else {}
+    deployments = {d.name: d.wire() for d in config.deployments} if "deployments" in named else {}
+    if "engines" in named:
+        if live.engines is None:
+            changes.append(Change("engines", "", "added", (_engines_text(config.engines),)))
+        elif tuple(live.engines) != tuple(config.engines):
+            changes.append(
+                Change(
+                    "engines",
+                    "",
+                    "changed",
+                    (f"{_engines_text(live.engines)} -> {_engines_text(config.engines)}",),
+                )
+            )
+        else:
+            changes.append(Change("engines", "", "unchanged"))
+    if "catalog" in named:
+        changes += _diff("profile", live.catalog, profiles, prune)
+    if "deployments" in named:
+        changes += _diff("deployment", live.deployments, deployments, prune)
+    return Plan(
+        changes=tuple(changes),
+        absent=tuple(s for s in SECTIONS if s not in named),
+        engines=config.engines,
+        profiles=profiles,
+        deployments=deployments,
+    )
+
+
+def reference_problems(
+    config: ServerConfig,
+    named: Collection[str],
+    live: Live,
+    the_plan: Plan,
+    *,
+    engines: Collection[str],
+    path: str,
+) -> list[str]:
+    """Every reference the applied state would hold to nothing, each with where it is (the
+    file and the path in it); empty when the file may be applied."""
+    problems: list[str] = []
+    if "engines" in named:
+        for i, spec in enumerate(config.engines):
+            problem = engine_problem("the desired engines", spec.name, engines)
+            if problem:
+                problems.append(f"{path}: $.engines[{i}].name: {problem}")
+    if "catalog" in named:
+        for i, profile in enumerate(config.catalog):
+            problem = engine_problem(f"profile {profile.name}", profile.engine, engines)
+            if problem:
+                problems.append(f"{path}: $.catalog[{i}].engine: {problem}")
+    deleted = {(c.kind, c.name) for c in the_plan.of("deleted")}
+    catalog = {n for n in live.catalog if ("profile", n) not in deleted} | set(the_plan.profiles)
+    for i, dep in enumerate(config.deployments if "deployments" in named else ()):
+        problem = profile_problem(dep.name, dep.profile, catalog)
+        if problem:
+            problems.append(f"{path}: $.deployments[{i}].profile: {problem}")
+    # A deployment the file leaves alone must not lose its profile to --prune.
+    for name, stored in sorted(live.deployments.items()):
+        kept = name not in the_plan.deployments and ("deployment", name) not in deleted
+        if kept and stored.profile in live.catalog and stored.profile not in catalog:
+            problems.append(
+                f"{path}: --prune would delete profile {stored.profile}, which deployment {name} uses "
+                f"(it is not in the file, so it stays): name the profile in the file, or delete "
+                f"the deployment"
+            )
+    return problems
