@@ -24,6 +24,11 @@ up *ARGS:
 test *ARGS: system-packages sync-all lint
     uv run --frozen --no-sync pytest {{ARGS}}
 
+# Only the tests over plain data (no NATS, no processes): seconds, for the edit-test loop.
+test-fast *ARGS:
+    uv sync --frozen --inexact --no-group engines --no-group real-engines
+    uv run --frozen --no-sync pytest -m fast {{ARGS}}
+
 sync-all:
     uv sync --frozen --all-groups
 

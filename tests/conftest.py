@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import inspect
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -76,3 +77,22 @@ def own_nats(tmp_path: Path) -> Iterator[NatsServer]:
         yield server
     finally:
         server.stop()
+
+
+# Fixtures a plain-data test may take and still be `fast` (no NATS, no process, no loop).
+_FAST_FIXTURES = frozenset({"tmp_path", "monkeypatch", "capsys", "caplog", "request"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `fast` the tests that are plain functions over plain data: synchronous, with no
+    marker that needs a built engine, and no fixture beyond `_FAST_FIXTURES` (parameters
+    aside). `just test-fast` runs just these."""
+    slow_markers = {"llama", "containers", "real_vllm", "real_ray", "anyio"}
+    for item in items:
+        if not isinstance(item, pytest.Function) or inspect.iscoroutinefunction(item.obj):
+            continue
+        if any(m.name in slow_markers for m in item.iter_markers()):
+            continue
+        params = set(item.callspec.params) if hasattr(item, "callspec") else set()
+        if set(item.fixturenames) - params <= _FAST_FIXTURES:
+            item.add_marker(pytest.mark.fast)
