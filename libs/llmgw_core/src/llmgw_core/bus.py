@@ -41,7 +41,7 @@ from opentelemetry import propagate, trace
 
 from .access import GuardedClient, Identity, PermissionDenied, inbox_prefix, public_key_of
 from .errors import BusError
-from .events import decoder, encode
+from .events import Heartbeat, decoder, encode
 from .subjects import DEFAULT_PREFIX, Names
 
 log = logging.getLogger("llmgw.bus")
@@ -511,9 +511,19 @@ class Bus:
         except (nats.errors.Error, OSError) as exc:
             raise BusError(f"publish to {subject} failed: {exc or type(exc).__name__}") from exc
 
-    async def heartbeat(self, node: str, service: str, interval: float) -> None:
-        """Publish `<prefix>.heartbeat.<node>.<service>` every `interval` until cancelled; never raises."""
-        from .events import Heartbeat, now
+    async def heartbeat(
+        self, node: str, service: str, interval: float, beat: Callable[[], Heartbeat] | None = None
+    ) -> None:
+        """Publish `<prefix>.heartbeat.<node>.<service>` every `interval` until cancelled; never raises.
+
+        Each beat is `beat()`, by default one that names this process (`claims.Claimant`)."""
+        from .claims import Claimant
+
+        if beat is None:
+            claimant = Claimant.here()
+
+            def beat() -> Heartbeat:
+                return claimant.beat(node, service)
 
         subject = self.names.heartbeat(node, service)
         # Beats keep to a fixed schedule: the time a beat takes to send, or a late wake,
@@ -523,7 +533,7 @@ class Bus:
         due = time.monotonic()
         while True:
             try:
-                await self.publish_core(subject, Heartbeat(node=node, service=service, at=now()))
+                await self.publish_core(subject, beat())
             except Exception as exc:  # liveness must never take a service down
                 log.warning("%s: heartbeat failed: %s", service, exc)
             due += interval
