@@ -151,6 +151,9 @@ class ShardRunner:
         self._owns_port = False
         self._leader_url = ""
         self._secret_values: list[str] | None = None
+        # The last status this runner published (None before its first): what the status
+        # bucket should hold for this shard.
+        self.status: ShardStatus | None = None
 
     # --- publishing ----------------------------------------------------------
 
@@ -195,6 +198,7 @@ class ShardRunner:
             last_failure_at=self.last_failure_at,
         )
         log.info("shard %s: %s%s", self.key, state, f" ({reason})" if reason else "")
+        self.status = status
         self.ctx.publish(status)
 
     async def _save(self, ready: bool = False) -> Failure | None:
