@@ -39,8 +39,8 @@ def test_a_restart_is_not_a_second_claim_but_two_senders_are() -> None:
     assert not claims.beat(restarted.beat("n1", "launcher"), "n1", "launcher", at + 0.3)
     # The one that started first comes first.
     assert claims.claimed("n1", at + 0.3) == (
-        "n1 is claimed by two machines: launcher pid 200 on host-b (boot 5e6f7a8b) and "
-        "launcher pid 101 on host-a (boot 1a2b3c4d)"
+        "n1 is claimed by two machines: host-b (boot 5e6f7a8b) with launcher pid 200, and "
+        "host-a (boot 1a2b3c4d) with launcher pid 101"
     )
     assert claims.contested(at + 0.3) == ["n1"]
     # The second machine stops: once it has been silent for the window, the node is one machine's.
@@ -57,7 +57,7 @@ def test_two_agents_on_one_machine_and_agents_that_do_not_say_who_they_are() -> 
         claims.beat(A.beat("n1", "installer"), "n1", "installer", i)
         claims.beat(other.beat("n1", "installer", standby=True), "n1", "installer", i + 0.5)
     assert claims.claimed("n1", 3.0) == (
-        "n1 is claimed twice on one machine, host-a (boot 1a2b3c4d): installer pid 100 and "
+        "n1 is claimed twice on one machine, host-a (boot 1a2b3c4d), with installer pid 100, "
         "installer pid 300 (standing by)"
     )
     # An older agent's beat names nobody: never a claim.
@@ -75,9 +75,10 @@ def test_an_agent_stands_by_while_another_instance_works_for_its_node() -> None:
     holder.heard(A.beat("n1", "launcher"), 0.5)
     why = holder.must_wait(0.6)
     assert why == (
-        "n1 is claimed by two machines: launcher pid 100 on host-a (boot 1a2b3c4d) and launcher pid 200 "
-        "on host-b (boot 5e6f7a8b) (standing by); this launcher stands by and runs nothing until the "
-        "other has been silent for 5 s: stop one of them, or give this machine a node id of its own"
+        "n1 is claimed by two machines: host-a (boot 1a2b3c4d) with launcher pid 100, and host-b "
+        "(boot 5e6f7a8b) with launcher pid 200 (standing by); this launcher stands by and runs "
+        "nothing until the other has been silent for 5 s: stop one of them, or give this machine a "
+        "node id of its own"
     )
     # A standby elsewhere is no reason to wait; a worker silent for the takeover time neither.
     holder.heard(A.beat("n1", "launcher", standby=True), 1.0)

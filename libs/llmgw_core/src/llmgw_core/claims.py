@@ -91,18 +91,22 @@ def machine(beat: Heartbeat) -> str:
 
 
 def describe(node: str, beats: list[Heartbeat]) -> str:
-    """`n1 is claimed by two machines: launcher pid 100 on host-a (boot 1a2b3c4d) and …`,
-    from the beats of every instance heard (two or more)."""
-    ordered = sorted(beats, key=lambda b: (b.started_at, b.instance))
-    machines = {(b.host, b.boot_id) for b in ordered}
-    if len(machines) > 1:
-        count = "two" if len(machines) == 2 else str(len(machines))
-        who = " and ".join(
-            f"{b.service} pid {b.pid} on {machine(b)}{' (standing by)' if b.standby else ''}" for b in ordered
-        )
-        return f"{node} is claimed by {count} machines: {who}"
-    who = " and ".join(f"{b.service} pid {b.pid}{' (standing by)' if b.standby else ''}" for b in ordered)
-    return f"{node} is claimed twice on one machine, {machine(ordered[0])}: {who}"
+    """`n1 is claimed by two machines: host-a (boot 1a2b3c4d) with launcher pid 100, and
+    host-b (boot 5e6f7a8b) with launcher pid 200 (standing by)`, from the last beat of every
+    instance heard (two or more), the machine that started first first."""
+    by_machine: dict[tuple[str, str], list[Heartbeat]] = {}
+    for b in sorted(beats, key=lambda b: (b.started_at, b.service, b.instance)):
+        by_machine.setdefault((b.host, b.boot_id), []).append(b)
+
+    def who(some: list[Heartbeat]) -> str:
+        return ", ".join(f"{b.service} pid {b.pid}{' (standing by)' if b.standby else ''}" for b in some)
+
+    if len(by_machine) > 1:
+        count = "two" if len(by_machine) == 2 else str(len(by_machine))
+        parts = [f"{machine(some[0])} with {who(some)}" for some in by_machine.values()]
+        return f"{node} is claimed by {count} machines: {', and '.join(parts)}"
+    ((some),) = by_machine.values()
+    return f"{node} is claimed twice on one machine, {machine(some[0])}, with {who(some)}"
 
 
 @dataclass
@@ -117,7 +121,8 @@ class Claims:
     given, on the caller's monotonic clock). An instance silent for `window` is forgotten."""
 
     window: float
-    _heard: dict[tuple[str, str], dict[str, _Heard]] = field(default_factory=dict)
+    # Node -> service -> instance -> its last beat.
+    _heard: dict[str, dict[str, dict[str, _Heard]]] = field(default_factory=dict)
     _latest: dict[tuple[str, str], str] = field(default_factory=dict)
     # Node -> when two instances last proved it claimed twice.
     _contested: dict[str, float] = field(default_factory=dict)
@@ -128,7 +133,7 @@ class Claims:
         if not beat.instance:
             return False  # an agent that does not say who it is
         key = (node, service)
-        heard = self._heard.setdefault(key, {})
+        heard = self._heard.setdefault(node, {}).setdefault(service, {})
         for instance in [i for i, h in heard.items() if at - h.seen > self.window]:
             del heard[instance]
         latest = self._latest.get(key)
@@ -148,25 +153,18 @@ class Claims:
         since = self._contested.get(node)
         if since is None or at - since > self.window:
             return None
-        for (n, _), heard in sorted(self._heard.items()):
-            if n != node:
-                continue
+        claimants: list[Heartbeat] = []
+        for heard in self._heard.get(node, {}).values():
             live = [h.beat for h in heard.values() if at - h.seen <= self.window]
             if len(live) > 1:
-                return describe(node, live)
-        return None
+                claimants += live
+        return describe(node, claimants) if claimants else None
 
     def contested(self, at: float) -> list[str]:
         """The nodes claimed twice now, sorted; an episode that ended is forgotten here."""
         for node in [n for n, since in self._contested.items() if at - since > self.window]:
             del self._contested[node]
         return sorted(n for n in self._contested if self.claimed(n, at) is not None)
-
-    def forget(self, node: str) -> None:
-        for key in [k for k in self._heard if k[0] == node]:
-            del self._heard[key]
-            self._latest.pop(key, None)
-        self._contested.pop(node, None)
 
 
 class Holder:
