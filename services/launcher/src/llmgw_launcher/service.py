@@ -354,6 +354,8 @@ class Launcher:
                     exc,
                     delay,
                 )
+            except Exception:  # a fault costs this watch, never the launcher
+                log.exception("%s: watching this node's shard statuses failed; retrying", self.node)
             await anyio.sleep(delay)
             delay = min(WATCH_RETRY_CAP_S, delay * 2)
 
@@ -366,39 +368,48 @@ class Launcher:
             tg.start_soon(self._follow_statuses)
             while True:
                 await anyio.sleep(interval)
-                mine: dict[str, ShardStatus | None] = {k: h.runner.status for k, h in self.handles.items()}
-                mine.update(dict.fromkeys(self._stopping))
-                fix, suspects = audit(self.stored, mine, suspects)
-                for key in fix.rewrite:
-                    status = mine[key]
-                    assert status is not None
-                    had = self.stored.get(key)
-                    log.warning(
-                        "shard %s: the status bucket says %s; writing what this launcher runs: %s%s",
-                        key,
-                        _said(had),
-                        status.state,
-                        f" at port {status.port}" if status.port else "",
-                    )
-                    self.outbox.push(status)
-                for key in fix.remove:
-                    had = self.stored[key]
-                    log.warning(
-                        "shard %s: the status bucket says %s, but this launcher does not run it; removing it",
-                        key,
-                        _said(had),
-                    )
-                    self.outbox.push(
-                        msgspec.structs.replace(
-                            had,
-                            state="stopped",
-                            reason=f"not run by the launcher of {self.node}",
-                            pids=(),
-                            url="",
-                            at=now(),
-                        )
-                    )
-                self.corrected += len(fix.rewrite) + len(fix.remove)
+                try:
+                    suspects = self._correct(suspects)
+                except Exception:  # a fault costs this pass, never the launcher
+                    log.exception("%s: checking the shard statuses failed; trying again", self.node)
+                    suspects = {}
+
+    def _correct(self, suspects: Suspects) -> Suspects:
+        """One audit: queue the corrections it confirms; returns what the next one checks again."""
+        mine: dict[str, ShardStatus | None] = {k: h.runner.status for k, h in self.handles.items()}
+        mine.update(dict.fromkeys(self._stopping))
+        fix, suspects = audit(self.stored, mine, suspects)
+        for key in fix.rewrite:
+            status = mine[key]
+            assert status is not None
+            had = self.stored.get(key)
+            log.warning(
+                "shard %s: the status bucket says %s; writing what this launcher runs: %s%s",
+                key,
+                _said(had),
+                status.state,
+                f" at port {status.port}" if status.port else "",
+            )
+            self.outbox.push(status)
+        for key in fix.remove:
+            had = self.stored[key]
+            log.warning(
+                "shard %s: the status bucket says %s, but this launcher does not run it; removing it",
+                key,
+                _said(had),
+            )
+            self.outbox.push(
+                msgspec.structs.replace(
+                    had,
+                    state="stopped",
+                    reason=f"not run by the launcher of {self.node}",
+                    pids=(),
+                    url="",
+                    at=now(),
+                )
+            )
+        self.corrected += len(fix.rewrite) + len(fix.remove)
+        return suspects
 
     async def stop_all(self) -> None:
         """Stop every engine on this node (not what stopping the agent does)."""
