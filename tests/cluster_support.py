@@ -91,7 +91,9 @@ class Cluster:
         path.write_bytes(msgspec.yaml.encode(config))
         return path
 
-    def agent_config(self, node: str, gpus: int, engines: dict[str, Any] | None = None) -> Path:
+    def agent_config(
+        self, node: str, gpus: int, engines: dict[str, Any] | None = None, machine: str = ""
+    ) -> Path:
         # Nodes share this machine: each gets its own engine ports.
         base = 20000 + 100 * (len(list(self.root.glob("agent-*.yaml"))) + 1)
         if self.session is not None:
@@ -100,7 +102,7 @@ class Cluster:
             {
                 "port_range": [base, base + 99],
                 "node": node,
-                "state_dir": str(self.root / node),
+                "state_dir": str(self.root / (f"{node}@{machine}" if machine else node)),
                 "nats": self.nats(f"node-{node}"),
                 "simulate": {"gpu_count": gpus},
                 "heartbeat_interval_s": self.heartbeat_s,
@@ -111,7 +113,7 @@ class Cluster:
             },
             AgentConfig,
         )
-        path = self.root / f"agent-{node}.yaml"
+        path = self.root / (f"agent-{node}@{machine}.yaml" if machine else f"agent-{node}.yaml")
         path.write_bytes(msgspec.yaml.encode(config))
         return path
 
@@ -139,6 +141,14 @@ class Cluster:
         path = str(self.agent_config(node, gpus, engines))
         self._spawn(f"installer-{node}", [sys.executable, "-m", "llmgw_installer", "--config", path])
         self._spawn(f"launcher-{node}", [sys.executable, "-m", "llmgw_launcher", "--config", path])
+
+    def start_machine(self, node: str, machine: str, gpus: int = 1) -> None:
+        """Another machine's agents under the node id `node` (a replacement, or a mistake): their
+        own state directory and processes (`installer-<node>@<machine>`, `launcher-…`)."""
+        path = str(self.agent_config(node, gpus, machine))
+        name = f"{node}@{machine}"
+        self._spawn(f"installer-{name}", [sys.executable, "-m", "llmgw_installer", "--config", path])
+        self._spawn(f"launcher-{name}", [sys.executable, "-m", "llmgw_launcher", "--config", path])
 
     def kill(self, name: str) -> None:
         proc = self.procs.pop(name)

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from llmgw_core.bus import Bus
+from llmgw_core.claims import Claimant
 from llmgw_core.engines import GPUInfo
 from llmgw_core.events import Heartbeat, NodeFacts, NodeStatus, now
 from llmgw_core.web import serve
@@ -100,4 +101,29 @@ async def test_api_nodes_says_what_encoding_every_row_says_and_follows_changes(
                 return True
 
             await eventually(changed, timeout=10)
+
+            # Two machines beat for gpu-1 (beats that name their sender): said in the row, encoded
+            # either way alike.
+            for host, pid in (("host-a", 4141), ("host-b", 4242)):
+                who = Claimant(host=host, boot_id="5e6f7a8b", pid=pid, instance=host, started_at=pid)
+                tg.start_soon(
+                    bus.heartbeat, "gpu-1", "launcher", 0.1, lambda who=who: who.beat("gpu-1", "launcher")
+                )
+
+            async def claimed() -> str:
+                rows = await listed()
+                text = str(rows[0]["claimed"])
+                assert text.startswith("gpu-1 is claimed by two machines: "), rows[0]
+                assert text.endswith(
+                    "host-a (boot 5e6f7a8b) with launcher pid 4141, and host-b (boot 5e6f7a8b) with "
+                    "launcher pid 4242"
+                ), text
+                assert rows[1]["claimed"] == ""
+                return text
+
+            await eventually(claimed, timeout=10)
+            cached = msgspec.json.decode(api.nodes_json())
+            fresh = msgspec.json.decode(msgspec.json.encode(api.nodes()))
+            assert [list(r) for r in cached] == [list(r) for r in fresh]
+            assert [r["claimed"] for r in cached] == [r["claimed"] for r in fresh]
         tg.cancel_scope.cancel()

@@ -155,12 +155,85 @@ async def _count(found: object, n: int) -> bool:
     return len(await found) == n  # type: ignore[misc]
 
 
-async def test_a_silent_launcher_makes_readiness_unknown_then_fails_over(
+async def test_a_silent_launcher_whose_installer_beats_keeps_serving_then_fails_over_after_the_grace(
     bus: Bus, nats_url: str, prefix: str
 ) -> None:
+    """An agent restart is not a node failure: while n0's installer beats, its silent launcher makes
+    the replica's readiness `unknown` (its URL kept, so the gateway still sends to it) and nothing
+    moves until launcher_grace_s has passed; then the node is failed over."""
+    async with control_plane(nats_url, prefix) as cp, anyio.create_task_group() as beats:
+        launcher = await cp.start_fleet(["n0"], gpus=8)  # n0's launcher: it answers n0's shards
+        beats.start_soon(bus.heartbeat, "n0", "installer", 0.3)
+        p = await cp.start_placement("a", node_timeout_s=2.0, launcher_grace_s=8.0)
+        await eventually(lambda: p.service.controller is not None, timeout=20)
+        await bus.put(
+            bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1", replicas=1)
+        )
+        await eventually(lambda: _count(ready_replicas(bus, "chat"), 1), timeout=20)
+        url = (await replicas(bus))["chat.r0"].url
+        assert url
+        await cp.start_fleet(["n1"], gpus=8)
+
+        async def launcher_heard() -> bool:
+            judged = await ctl.liveness(bus)
+            assert judged is not None
+            n0 = next(n for n in judged.nodes if n.node == "n0")
+            return n0.silent_s >= 0 and n0.installer_silent_s >= 0
+
+        await eventually(launcher_heard, timeout=10)
+        launcher.cancel()
+        silenced = anyio.current_time()
+        states: list[tuple[str, str]] = []
+
+        async def watch() -> None:
+            sub = await bus.js.subscribe(bus.names.replica_event("chat", "*"), ordered_consumer=True)
+            async for msg in sub.messages:
+                event = decoder(ReplicaStatus).decode(msg.data)
+                states.append((event.state, event.reason))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            await eventually(lambda: "unknown" in [s for s, _ in states], timeout=10)
+            r0 = (await replicas(bus))["chat.r0"]
+            assert r0.state == "unknown"
+            assert r0.url == url, "the engines it last heard ready are still routed to"
+            assert r0.reason == (
+                "launcher on n0 silent: readiness unknown; its installer still beats (an agent restart?): "
+                "its engines are routed to for up to launcher_grace_s (8 s) before it fails over"
+            )
+
+            # Past node_timeout (2 s) and well into the grace: judged alive, nothing moved.
+            async def in_grace() -> str:
+                judged = await ctl.liveness(bus)
+                assert judged is not None
+                n0 = next(n for n in judged.nodes if n.node == "n0")
+                assert n0.alive
+                assert n0.silent_s >= 3.0, n0
+                assert 0 < n0.grace_left_s <= 5.0, n0
+                return (await ctl.nodes(bus)).splitlines()[1]
+
+            line = await eventually(in_grace, timeout=10, interval=0.2)
+            assert line.startswith("n0    launcher silent "), line
+            assert ", installer beats (fails over in " in line, line
+            assert set(await replicas(bus)) == {"chat.r0"}
+            assert "failed" not in [s for s, _ in states]
+
+            # Then the grace ends and the replica is placed again elsewhere, under a new id.
+            await eventually(lambda: _equal(ready_replicas(bus, "chat"), ["chat.r1"]), timeout=30)
+            tg.cancel_scope.cancel()
+        assert anyio.current_time() - silenced >= 8.0
+        assert ("failed", "node n0 lost") in states
+        beats.cancel_scope.cancel()
+
+
+async def test_a_node_silent_altogether_makes_readiness_unknown_then_fails_over(
+    bus: Bus, nats_url: str, prefix: str
+) -> None:
+    """The launcher and the installer both silent (the fleet is the node's only agent): the node
+    is lost after node_timeout, grace or not."""
     async with control_plane(nats_url, prefix) as cp:
         silent_node = await cp.start_fleet(["n0"], gpus=8)
-        p = await cp.start_placement("a", node_timeout_s=4.0)
+        p = await cp.start_placement("a", node_timeout_s=4.0, launcher_grace_s=600.0)
         await eventually(lambda: p.service.controller is not None, timeout=20)
         await bus.put(
             bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1", replicas=1)
@@ -331,7 +404,7 @@ async def test_a_late_write_of_an_ex_leader_is_removed(bus: Bus, nats_url: str, 
 async def test_the_nodes_alive_in_one_pass_are_the_nodes_alive_one_by_one(bus: Bus, prefix: str) -> None:
     """`alive_nodes` (a step's one pass over every node) says what `alive` says of each node:
     before, during and long after the grace this placement gives after it could not hear."""
-    config = server_config(bus.options.url, prefix, node_timeout_s=5.0)
+    config = server_config(bus.options.url, prefix, node_timeout_s=5.0, launcher_grace_s=30.0)
     state = ClusterState.empty()
     controller = Controller(config, bus, state)
     rng = random.Random(7)
@@ -340,9 +413,11 @@ async def test_the_nodes_alive_in_one_pass_are_the_nodes_alive_one_by_one(bus: B
         state.nodes[name] = NodeStatus(node=name, facts=NodeFacts(node=name))
         if rng.random() < 0.9:  # some were never heard
             state.last_seen[name] = 100.0 + rng.uniform(-10, 10)
+        if rng.random() < 0.5:  # an installer that still beats gives a silent launcher its grace
+            state.installer_seen[name] = 100.0 + rng.uniform(-10, 30)
     for heard_from in (None, 0.0, 99.0, 104.0):
         state.heard_from = heard_from
-        for at in (95.0, 100.0, 104.9, 105.0, 108.0, 120.0):
+        for at in (95.0, 100.0, 104.9, 105.0, 108.0, 120.0, 135.0, 150.0):
             one_by_one = {n for n in state.nodes if controller.alive(n, at)[0]}
             assert controller.alive_nodes(at) == one_by_one, (heard_from, at)
 

@@ -771,7 +771,7 @@ def test_validation_of_gpus_the_node_does_not_have() -> None:
     p = profile("vllm", tp=2)
     s = single(p, (6, 9))
     assert VLLM().validate(p, H100, s) == [
-        "shard r0-0: GPU 9 not on this node (node has 0, 1, 2, 3, 4, 5, 6, 7)"
+        "shard r0-0: GPU 9 not on this node (this node's GPUs: 0, 1, 2, 3, 4, 5, 6, 7)"
     ]
 
 

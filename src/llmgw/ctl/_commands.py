@@ -410,6 +410,7 @@ async def watch(bus: Bus, kind: str, name: str, output: str) -> None:
                 state=views.node_state(j, judged is not None),
                 silent_s=j.silent_s if j else -1.0,
                 status=value,
+                claimed=j.claimed if j else "",
             )
         elif kind == "deployment" and value is not None:
             value = views.DeploymentView(name=key, deployment=value, status=statuses.get(key))

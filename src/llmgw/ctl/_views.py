@@ -37,6 +37,8 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     # Seconds since placement last heard its launcher; -1 when not since placement started or unknown.
     silent_s: float
     status: NodeStatus
+    # `n1 is claimed by two machines: …` while placement hears two machines send its beats.
+    claimed: str = ""
 
 
 class DeploymentView(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,6 +96,12 @@ def node_state(live: NodeLiveness | None, judged: bool) -> str:
         return "unknown (no placement answered)"
     if live is None:
         return "unknown (not heard since placement started)"
+    if live.claimed:
+        return "claimed twice"
+    if live.alive and live.grace_left_s >= 0:
+        # An agent restart, as placement judges it: the engines serve on for now.
+        left = ago(live.grace_left_s)
+        return f"launcher silent {ago(live.silent_s)}, installer beats (fails over in {left})"
     if live.alive:
         return "alive"
     if live.silent_s < 0:
@@ -112,6 +120,7 @@ def node_views(c: Cluster) -> list[NodeView]:
                 state=node_state(judged, c.judged is not None),
                 silent_s=judged.silent_s if judged is not None else -1.0,
                 status=status,
+                claimed=judged.claimed if judged is not None else "",
             )
         )
     return views
@@ -142,7 +151,8 @@ def node_row(v: NodeView, *, wide: bool = False, now: float | None = None) -> li
     if v.state.startswith("lost") and status.install:
         # What a lost node said last is not news: say so.
         install = f"{status.install} (last known)"
-    row = [v.node, v.state, gpu_text, engines or "none", install, "; ".join(status.warnings) or "-"]
+    warnings = (v.claimed, *status.warnings) if v.claimed else status.warnings
+    row = [v.node, v.state, gpu_text, engines or "none", install, "; ".join(warnings) or "-"]
     if wide:
         facts = status.facts
         row += [

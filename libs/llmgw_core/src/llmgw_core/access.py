@@ -14,8 +14,9 @@ whose rights nats-server itself enforces, subject by subject:
     gateway     reads the replicas and deployments buckets
     node-<id>   one per node, shared by its installer and launcher: writes only its
                 own status, shard statuses, heartbeats and events; reads the desired
-                engines and only its own shard specs; answers requests for its own
-                shards' logs (only `ctl` may ask: logs can quote secrets)
+                engines, only its own shard specs and shard statuses, and its own
+                heartbeats; answers requests for its own shards' logs (only `ctl`
+                may ask: logs can quote secrets)
     fleet       `llmgw fleet`'s simulated nodes: every node's rights at once, for
                 scale tests only
 
@@ -169,9 +170,15 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             f"{p}.dlq.installer-{node}",
             f"{p}.dlq.launcher-{node}",
             *_read_filtered(shards, f"$KV.{names.shards_bucket}.{node}.*"),
+            # Its launcher reads back its own shard statuses, to correct what it does not run.
+            *_read_filtered(
+                _kv_stream(names.shard_status_bucket), f"$KV.{names.shard_status_bucket}.{node}.*"
+            ),
         ]
-        # Its launcher answers requests for its shards' logs (and only for its own).
-        return Permissions(tuple(publish), (inbox, names.launcher_logs(node)), allow_responses=True)
+        # Its launcher answers requests for its shards' logs (and only for its own); its
+        # agents hear their node's heartbeats, so a second machine with its id stands by.
+        own = (inbox, names.launcher_logs(node), names.heartbeat(node, "*"))
+        return Permissions(tuple(publish), own, allow_responses=True)
     if role == "fleet":
         publish = [
             *_node_publish(names, "*"),

@@ -54,7 +54,7 @@ from .access import (
     public_key_of,
 )
 from .errors import BusError, ConnectionLost
-from .events import decoder, encode
+from .events import Heartbeat, decoder, encode
 from .subjects import DEFAULT_PREFIX, Names
 
 log = logging.getLogger("llmgw.bus")
@@ -633,10 +633,20 @@ class Bus:
             self.raise_if_final(exc)
             raise BusError(f"publish to {subject} failed: {exc or type(exc).__name__}") from exc
 
-    async def heartbeat(self, node: str, service: str, interval: float) -> None:
+    async def heartbeat(
+        self, node: str, service: str, interval: float, beat: Callable[[], Heartbeat] | None = None
+    ) -> None:
         """Publish `<prefix>.heartbeat.<node>.<service>` every `interval` until cancelled. Raises
-        only ConnectionLost: beating on a connection that NATS closed for good cannot succeed."""
-        from .events import Heartbeat, now
+        only ConnectionLost: beating on a connection that NATS closed for good cannot succeed.
+
+        Each beat is `beat()`, by default one that names this process (`claims.Claimant`)."""
+        from .claims import Claimant
+
+        if beat is None:
+            claimant = Claimant.here()
+
+            def beat() -> Heartbeat:
+                return claimant.beat(node, service)
 
         subject = self.names.heartbeat(node, service)
         # Beats keep to a fixed schedule: the time a beat takes to send, or a late wake,
@@ -646,7 +656,7 @@ class Bus:
         due = time.monotonic()
         while True:
             try:
-                await self.publish_core(subject, Heartbeat(node=node, service=service, at=now()))
+                await self.publish_core(subject, beat())
             except ConnectionLost:
                 raise
             except Exception as exc:  # liveness must never take a service down

@@ -155,6 +155,18 @@ class Heartbeat(Message, frozen=True):
     node: Name
     service: str
     at: float
+    # Who sends it (see `llmgw_core.claims`): one node id is one machine, and two
+    # senders that claim the same node are told apart by these. Empty from an agent
+    # older than them.
+    host: str = ""
+    boot_id: str = ""
+    pid: int = 0
+    # Random, one per running service: a restarted agent is a new instance.
+    instance: str = ""
+    started_at: float = 0.0
+    # The sender waits while another instance works for this node: it runs nothing,
+    # so its beats say nothing about the node's engines.
+    standby: bool = False
 
 
 class NodeLiveness(Struct, frozen=True, kw_only=True, array_like=True):
@@ -166,6 +178,11 @@ class NodeLiveness(Struct, frozen=True, kw_only=True, array_like=True):
     silent_s: float
     # Seconds since its installer was last heard; -1 likewise.
     installer_silent_s: float = -1.0
+    # `n1 is claimed by two machines: …` while two machines send its heartbeats, else "".
+    claimed: str = ""
+    # Its launcher is silent but its installer beats: for how much longer its engines are
+    # routed to before its replicas are placed elsewhere (-1: not in that grace).
+    grace_left_s: float = -1.0
 
 
 class Liveness(Message, frozen=True):

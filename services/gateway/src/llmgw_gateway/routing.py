@@ -4,6 +4,12 @@ Pure: the service feeds it every change of the replicas and deployments
 buckets; the proxy asks it which deployment a `model` names, which ready
 replica to send to (least outstanding requests first), and, when there is
 none, why, in the replicas' own words.
+
+Where no replica is known ready, a replica whose readiness is `unknown` and
+that still has a URL is sent to: its launcher went silent while its engines
+were last heard ready (a launcher restarting, an agent upgrade), and placement
+keeps that URL only while it judges the node alive. A request it cannot take
+costs a connection attempt and goes to the next replica.
 """
 
 from __future__ import annotations
@@ -79,11 +85,18 @@ class Table:
     def ready(self, deployment: str) -> list[tuple[str, ReplicaRecord]]:
         return [(k, r) for k, r in self.of(deployment) if r.state == "ready" and r.url]
 
+    def unknown(self, deployment: str) -> list[tuple[str, ReplicaRecord]]:
+        """Replicas whose launcher is silent while their engines were last heard ready."""
+        return [(k, r) for k, r in self.of(deployment) if r.state == "unknown" and r.url]
+
     def pick(
         self, deployment: str, exclude: frozenset[str] = frozenset()
     ) -> tuple[str, ReplicaRecord] | None:
-        """The ready replica with the fewest requests in flight, not in `exclude`."""
+        """The ready replica with the fewest requests in flight, not in `exclude`; where none
+        is left, the `unknown` one with a URL that has the fewest."""
         candidates = [(k, r) for k, r in self.ready(deployment) if k not in exclude]
+        if not candidates:
+            candidates = [(k, r) for k, r in self.unknown(deployment) if k not in exclude]
         if not candidates:
             return None
         key, record = min(

@@ -25,6 +25,7 @@ from prometheus_client import Histogram
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric, StateSetMetricFamily
 
 from llmgw_core.bus import Bus
+from llmgw_core.claims import hold
 from llmgw_core.config import AgentConfig
 from llmgw_core.errors import BusError
 from llmgw_core.events import (
@@ -364,7 +365,9 @@ class Installer:
         except Exception as exc:  # the watch below catches up once the bus answers
             log.warning("could not read the desired engines yet: %s", exc)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self.bus.heartbeat, self.config.node, "installer", self.config.heartbeat_interval_s)
+            # Heartbeats first; and while another installer works for this node id (a second
+            # machine given the same id), this one stands by here and reports nothing.
+            await tg.start(hold, self.bus, self.config.node, "installer", self.config.heartbeat_interval_s)
             if self.config.installer_metrics_port:
                 self.metrics_port = await tg.start(
                     serve_metrics,

@@ -165,6 +165,9 @@ class ShardRunner:
         # The engine's load as last published; only while ready.
         self.load: EngineLoad | None = None
         self._state_at = 0.0
+        # The last status this runner published (None before its first): what the status
+        # bucket should hold for this shard.
+        self.status: ShardStatus | None = None
 
     # --- publishing ----------------------------------------------------------
 
@@ -183,6 +186,7 @@ class ShardRunner:
         status = self._status(state, reason, retryable)
         self._state_at = status.at
         log.info("shard %s: %s%s", self.key, state, f" ({status.reason})" if status.reason else "")
+        self.status = status
         self.ctx.publish(status)
 
     def _publish_load(self, load: EngineLoad) -> None:
@@ -192,6 +196,7 @@ class ShardRunner:
         self.load = load
         # `at` stays when the shard became ready: it dates the state, which has not changed.
         status = msgspec.structs.replace(self._status("ready"), at=self._state_at)
+        self.status = status
         (self.ctx.publish_quietly or self.ctx.publish)(status)
 
     def _status(self, state: ShardState, reason: str = "", retryable: bool = True) -> ShardStatus:

@@ -29,9 +29,11 @@ from nats.aio.msg import Msg
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from llmgw_core.bus import Bus
+from llmgw_core.claims import hold
 from llmgw_core.config import AgentConfig
 from llmgw_core.engines import GPUInfo, Registry, ShardSpec, default_registry
-from llmgw_core.events import ShardLogs, ShardLogsRequest, ShardState, decoder, encode
+from llmgw_core.errors import BusError
+from llmgw_core.events import ShardLogs, ShardLogsRequest, ShardState, ShardStatus, decoder, encode, now
 from llmgw_core.installed import installed
 from llmgw_core.limits import key_problem
 from llmgw_core.metrics import Collect, add_bus, counter, new_registry, serve_metrics
@@ -39,6 +41,7 @@ from llmgw_core.probe import Probe
 from llmgw_core.redact import scrub, secret_values
 
 from . import procs
+from .audit import Suspects, audit
 from .health import HealthProber
 from .load import Scraper
 from .outbox import StatusOutbox
@@ -55,6 +58,11 @@ PROBE_TIMEOUT_S = 2.0
 ENGINE_REFRESH_S = 5.0
 # A logs reply stays under NATS's default max_payload (1 MiB), JSON escaping included.
 LOGS_REPLY_BYTES = 900 * 1024
+# This node's shard statuses are checked against what runs every this many heartbeat
+# intervals (at least a second apart).
+AUDIT_BEATS = 3
+# The longest pause before watching the status bucket again after a failure.
+WATCH_RETRY_CAP_S = 30.0
 
 
 @dataclass
@@ -127,7 +135,13 @@ class Launcher:
         self.prober = HealthProber(timeout_s=PROBE_TIMEOUT_S)
         self.scraper = Scraper(timeout_s=PROBE_TIMEOUT_S)
         self.handles: dict[str, Handle] = {}
+        # Shards being stopped (no longer in `handles`): their statuses are theirs to remove.
+        self._stopping: set[str] = set()
         self.desired: dict[str, ShardSpec] = {}
+        # The status bucket's statuses of this node's shards, as its watch last said.
+        self.stored: dict[str, ShardStatus] = {}
+        # Statuses this launcher wrote again, or removed, because they were not what it runs.
+        self.corrected = 0
         self._ports_in_use: set[int] = set()
         self._port_cursor: int | None = None  # where the next search for a free port starts
         self._tg: anyio.abc.TaskGroup | None = None
@@ -233,17 +247,20 @@ class Launcher:
             self._ports_in_use.add(record.port)
             self.handles[key] = Handle(key, record.spec, ShardRunner(key, record.spec, self.ctx, record))
         pattern = f"{self.node}.*"
-        snapshot = await self.bus.entries(self.bus.names.shards_bucket, ShardSpec, pattern)
-        self.desired = {
-            k: c.value
-            for k, c in snapshot.items()
-            if c.value is not None and await self._acceptable(k, c.value)
-        }
         async with anyio.create_task_group() as tg:
             self._tg = tg
             await tg.start(self.outbox.run)
+            # Heartbeats first; and while another launcher works for this node id (a second
+            # machine given the same id), this one stands by here and runs nothing.
+            await tg.start(hold, self.bus, self.node, "launcher", self.config.heartbeat_interval_s)
+            snapshot = await self.bus.entries(self.bus.names.shards_bucket, ShardSpec, pattern)
+            self.desired = {
+                k: c.value
+                for k, c in snapshot.items()
+                if c.value is not None and await self._acceptable(k, c.value)
+            }
             await self.reconcile()
-            tg.start_soon(self.bus.heartbeat, self.config.node, "launcher", self.config.heartbeat_interval_s)
+            tg.start_soon(self._audit_statuses)
             if self.config.launcher_metrics_port:
                 self.metrics_port = await tg.start(
                     serve_metrics,
@@ -338,11 +355,97 @@ class Launcher:
 
     async def _stop(self, key: str) -> None:
         handle = self.handles.pop(key)
-        self._restarts_gone += handle.runner.restarts
-        handle.scope.cancel()
-        if handle.started:
-            await handle.done.wait()
-        await handle.runner.terminate()
+        self._stopping.add(key)
+        try:
+            self._restarts_gone += handle.runner.restarts
+            handle.scope.cancel()
+            if handle.started:
+                await handle.done.wait()
+            await handle.runner.terminate()
+        finally:
+            self._stopping.discard(key)
+
+    # --- the status bucket against what runs --------------------------------------------
+
+    async def _follow_statuses(self) -> None:
+        """Keep `stored` as the status bucket says, for this node's keys; a failure to watch
+        (an auth.conf older than this rule refuses it) is said and retried with backoff."""
+        delay = 1.0
+        while True:
+            try:
+                async for change in self.bus.watch(
+                    self.bus.names.shard_status_bucket, ShardStatus, f"{self.node}.*"
+                ):
+                    delay = 1.0
+                    if change.value is None:
+                        self.stored.pop(change.key, None)
+                    else:
+                        self.stored[change.key] = change.value
+            except BusError as exc:
+                log.warning(
+                    "%s: cannot read back this node's shard statuses (%s); statuses another machine "
+                    "wrote are not corrected until it can (`llmgw auth init` writes the rule); "
+                    "retrying in %.0f s",
+                    self.node,
+                    exc,
+                    delay,
+                )
+            except Exception:  # a fault costs this watch, never the launcher
+                log.exception("%s: watching this node's shard statuses failed; retrying", self.node)
+            await anyio.sleep(delay)
+            delay = min(WATCH_RETRY_CAP_S, delay * 2)
+
+    async def _audit_statuses(self) -> None:
+        """Every few heartbeats: write again each status the bucket holds that this launcher's
+        runner did not last publish, and remove those of shards it does not run (see `audit`)."""
+        interval = max(1.0, AUDIT_BEATS * self.config.heartbeat_interval_s)
+        suspects: Suspects = {}
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._follow_statuses)
+            while True:
+                await anyio.sleep(interval)
+                try:
+                    suspects = self._correct(suspects)
+                except Exception:  # a fault costs this pass, never the launcher
+                    log.exception("%s: checking the shard statuses failed; trying again", self.node)
+                    suspects = {}
+
+    def _correct(self, suspects: Suspects) -> Suspects:
+        """One audit: queue the corrections it confirms; returns what the next one checks again."""
+        mine: dict[str, ShardStatus | None] = {k: h.runner.status for k, h in self.handles.items()}
+        mine.update(dict.fromkeys(self._stopping))
+        fix, suspects = audit(self.stored, mine, suspects)
+        for key in fix.rewrite:
+            status = mine[key]
+            assert status is not None
+            had = self.stored.get(key)
+            log.warning(
+                "shard %s: the status bucket says %s; writing what this launcher runs: %s%s",
+                key,
+                _said(had),
+                status.state,
+                f" at port {status.port}" if status.port else "",
+            )
+            self.outbox.push(status)
+        for key in fix.remove:
+            had = self.stored[key]
+            log.warning(
+                "shard %s: the status bucket says %s, but this launcher does not run it; removing it",
+                key,
+                _said(had),
+            )
+            self.outbox.push(
+                msgspec.structs.replace(
+                    had,
+                    state="stopped",
+                    reason=f"not run by the launcher of {self.node}",
+                    pids=(),
+                    url="",
+                    at=now(),
+                )
+            )
+        self.corrected += len(fix.rewrite) + len(fix.remove)
+        return suspects
 
     async def stop_all(self) -> None:
         """Stop every engine on this node (not what stopping the agent does)."""
@@ -475,6 +578,20 @@ class Launcher:
             "llmgw_launcher_status_batches", "Batches of shard statuses sent to the bus.", self.outbox.batches
         )
         yield counter("llmgw_launcher_statuses", "Shard statuses sent to the bus.", self.outbox.sent)
+        yield counter(
+            "llmgw_launcher_statuses_corrected",
+            "Shard statuses in the bucket written again or removed because they were not what this "
+            "launcher runs (another machine with this node id wrote them, say).",
+            self.corrected,
+        )
+
+
+def _said(status: ShardStatus | None) -> str:
+    if status is None:
+        return "nothing"
+    port = f" at port {status.port}" if status.port else ""
+    pids = f" (pids {', '.join(map(str, status.pids))})" if status.pids else ""
+    return f"{status.state}{port}{pids}"
 
 
 EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")

@@ -61,6 +61,8 @@ class NodeRow(msgspec.Struct, frozen=True, kw_only=True):
     alive: bool
     # Seconds since its launcher was last heard; -1 if never since this placement started.
     seen_s_ago: float
+    # `n1 is claimed by two machines: …` while two machines send its heartbeats, else "".
+    claimed: str = ""
     gpus: tuple[GPUInfo, ...]
     engines: tuple[EngineState, ...]
     install: str
@@ -227,6 +229,7 @@ class Api:
                     node=status.node,
                     alive=alive,
                     seen_s_ago=round(since, 1) if since != float("inf") else -1.0,
+                    claimed=self.service.state.claims.claimed(status.node, at) or "",
                     gpus=status.facts.gpus,
                     engines=status.engines,
                     install=status.install,
@@ -239,11 +242,13 @@ class Api:
     def nodes_json(self) -> bytes:
         """`nodes()` as JSON, newline-ended: the text encoding it writes, made from each node's
         row encoded once and kept until the node reports anew (its GPUs and engines are nine
-        tenths of the bytes); per request only `alive` and `seen_s_ago` are written into it.
+        tenths of the bytes); per request only `alive`, `seen_s_ago` and `claimed` are written into it.
         Building and encoding every row afresh took a tenth of a second a request at 10,000
         nodes, on the loop that also hears their heartbeats."""
         controller = self.service.controller
         heard = controller.alive if controller else lambda node, at: (True, 0.0)
+        claims = self.service.state.claims
+        contested = set(claims.contested(time.monotonic()))
         nodes = self.service.state.nodes
         at = time.monotonic()
         cached = self._reported
@@ -263,13 +268,21 @@ class Api:
                 )
                 # `{"node":…,"alive":` and `,"gpus":…}`: NodeRow's fields in its order.
                 row = (status, b'{"node":' + _encode(status.node) + b',"alive":', b"," + _encode(rest)[1:])
+            claimed = (claims.claimed(name, at) or "") if name in contested else ""
             kept[name] = row
             alive, since = heard(status.node, at)
             seen = round(since, 1) if since != float("inf") else -1.0
             age = ages.get(seen)
             if age is None:
                 age = ages[seen] = _encode(seen)
-            parts += (row[1], b'true,"seen_s_ago":' if alive else b'false,"seen_s_ago":', age, row[2], b",")
+            parts += (
+                row[1],
+                b'true,"seen_s_ago":' if alive else b'false,"seen_s_ago":',
+                age,
+                b',"claimed":' + _encode(claimed) if claimed else b',"claimed":""',
+                row[2],
+                b",",
+            )
         self._reported = kept  # a node that left is dropped here
         if len(parts) > 1:
             parts.pop()  # the last row's comma

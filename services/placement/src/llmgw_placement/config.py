@@ -71,6 +71,11 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     # How often the leader removes records and shard specs in the buckets that are not its
     # own (a write that landed after its writer lost the lease).
     reconcile_interval_s: float = 15.0
+    # A node whose launcher is silent while its installer still beats is restarting an agent
+    # (an upgrade), not lost: its replicas' readiness is `unknown` and the gateway goes on
+    # routing to their engines for this long before they are placed elsewhere. A node whose
+    # installer is silent too is lost after node_timeout_s, as ever.
+    launcher_grace_s: Annotated[float, Meta(ge=0)] = 60.0
 
     def __post_init__(self) -> None:
         # Refused at load, naming the entry: placement would only dead-letter it after seeding.

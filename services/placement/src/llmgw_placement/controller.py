@@ -30,6 +30,7 @@ import msgspec
 from opentelemetry import trace
 
 from llmgw_core.bus import Bus, Writes
+from llmgw_core.claims import Claims
 from llmgw_core.engines import Member, Profile, ShardSpec
 from llmgw_core.errors import BusError
 from llmgw_core.events import (
@@ -102,6 +103,8 @@ class ClusterState:
     # reconnect, the end of its last stall); None while it cannot hear at all.
     # A node is judged only on silence that this placement could have heard.
     heard_from: float | None = 0.0
+    # Who sends each node's heartbeats: a node two machines claim is placed on no more.
+    claims: Claims = field(default_factory=lambda: Claims(window=5.0))
 
     @classmethod
     def empty(cls) -> ClusterState:
@@ -164,6 +167,8 @@ class Controller:
         self._refused: dict[str, tuple[int, int, str, str, str]] = {}
         # Who was alive when the index was last brought up to date (None: never built).
         self._index_alive: frozenset[str] | None = None
+        # The nodes claimed by two machines when the index was last brought up to date.
+        self._index_claimed: frozenset[str] = frozenset()
         self._usage_all = Usage()
         self._step_at = 0.0
         # Per deployment, the next replica number and the end of the block reserved in the bucket.
@@ -228,11 +233,15 @@ class Controller:
     # --- node views ------------------------------------------------------------------
 
     def alive(self, node: str, at: float) -> tuple[bool, float]:
-        """Whether the node's launcher was heard within `node_timeout`, and for how long it was not.
+        """Whether the node's launcher was heard within `node_timeout` (or, while its installer
+        still is, within `launcher_grace_s`), and for how long it was not.
 
         Silence counts only from when this placement could hear it: after its
         own start, reconnect or stall every node gets a full timeout again,
         and while it cannot hear the bus at all nobody is declared lost.
+        A launcher that restarts (an upgrade) is silent for seconds while its
+        engines serve on and its installer beats: failing the node over then
+        would cost every replica on it for nothing.
         """
         seen = self.state.last_seen.get(node)
         silent = at - seen if seen is not None else float("inf")
@@ -240,18 +249,44 @@ class Controller:
         if heard_from is None:
             return True, silent
         judged = min(silent, at - heard_from)
-        return judged < self.config.node_timeout_s, silent
+        if judged < self.config.node_timeout_s:
+            return True, silent
+        return judged < self.config.launcher_grace_s and self._installer_heard(node, at), silent
+
+    def _installer_heard(self, node: str, at: float) -> bool:
+        installer = self.state.installer_seen.get(node)
+        return installer is not None and at - installer < self.config.node_timeout_s
+
+    def in_grace(self, node: str, at: float) -> float | None:
+        """Seconds of `launcher_grace_s` left while the node is alive only by its installer, else None."""
+        seen = self.state.last_seen.get(node)
+        heard_from = self.state.heard_from
+        if heard_from is None:
+            return None
+        judged = min(at - seen if seen is not None else float("inf"), at - heard_from)
+        if judged < self.config.node_timeout_s or not self._installer_heard(node, at):
+            return None
+        left = self.config.launcher_grace_s - judged
+        return left if left > 0 else None
 
     def alive_nodes(self, at: float) -> frozenset[str]:
         """The nodes `alive` says are alive at `at`, in one pass over the nodes."""
         nodes = self.state.nodes
         timeout = self.config.node_timeout_s
+        grace = self.config.launcher_grace_s
         heard_from = self.state.heard_from
         if heard_from is None or at - heard_from < timeout:
             return frozenset(nodes)
+        since = at - heard_from
         seen = self.state.last_seen
+        installer = self.state.installer_seen
         never = float("-inf")
-        return frozenset(n for n in nodes if at - seen.get(n, never) < timeout)
+        return frozenset(
+            n
+            for n in nodes
+            if (silent := at - seen.get(n, never)) < timeout
+            or (min(silent, since) < grace and at - installer.get(n, never) < timeout)
+        )
 
     def launcher_stale(self, node: str, at: float) -> bool:
         """Whether the node's launcher has missed a few heartbeats: what it reported may be stale."""
@@ -301,6 +336,7 @@ class Controller:
             used_ports=frozenset(usage.ports[name]),
             replicas_of=dict(usage.replicas_of[name]),
             mgmt_iface=facts.mgmt_iface,
+            claimed=self.state.claims.claimed(name, at) or "",
         )
 
     def index(self, at: float) -> NodeIndex:
@@ -310,18 +346,20 @@ class Controller:
         not O(nodes). (Computing who is alive is the one pass over every node.)"""
         self._step_at = at
         alive = self.alive_nodes(at)
+        claimed = frozenset(self.state.claims.contested(at))
         dirty = self.state.dirty_nodes
         self.state.dirty_nodes = set()
         if self._index_alive is None:
             self._index = NodeIndex([self._view(n, at, self._usage_all) for n in sorted(self.state.nodes)])
             self._index_id += 1
         else:
-            for node in sorted(dirty | (alive ^ self._index_alive)):
+            for node in sorted(dirty | (alive ^ self._index_alive) | (claimed ^ self._index_claimed)):
                 if node in self.state.nodes:
                     self._index.add(self._view(node, at, self._usage_all))
                 else:
                     self._index.remove(node)
         self._index_alive = alive
+        self._index_claimed = claimed
         return self._index
 
     def _reindex(self, node: str) -> None:
@@ -386,6 +424,14 @@ class Controller:
         mine = [r for r in mine if _key(r) in self.replicas]
         for record in mine:
             await self._observe(record, snap, at)
+        # A replica that failed for good because a GPU it was given is not on its node (a
+        # replacement machine with fewer GPUs under the same node id) is placed again, by
+        # what the node reports it has now; left alone it would stay failed forever.
+        for record in mine:
+            gone = self._gpus_gone(self.replicas[_key(record)])
+            if gone:
+                await self._remove_replica(self.replicas[_key(record)], gone, state="failed")
+        mine = [r for r in mine if _key(r) in self.replicas]
         mine = [self.replicas[_key(r)] for r in mine]
         if profile is None:
             await self._unknown_profile(dep)
@@ -491,6 +537,26 @@ class Controller:
                 f"({', '.join(sorted(self.state.catalog)) or 'the catalog is empty'})",
             )
 
+    def _gpus_gone(self, record: ReplicaRecord) -> str:
+        """Why a replica that failed for good holds GPUs its node no longer has, else ""."""
+        if record.state != "failed":
+            return ""
+        for key in record.shards:
+            spec = self.shards.get(key)
+            status = self.state.nodes.get(spec.node) if spec is not None else None
+            if spec is None or status is None:
+                continue
+            have = sorted(g.index for g in status.facts.gpus)
+            missing = [i for i in spec.gpus if i not in have]
+            if missing:
+                plural = "s" if len(missing) > 1 else ""
+                return (
+                    f"GPU{plural} {', '.join(map(str, missing))} no longer on node {spec.node} "
+                    f"(it reports {len(have)} GPU{'' if len(have) == 1 else 's'}"
+                    f"{': ' + ', '.join(map(str, have)) if have else ''})"
+                )
+        return ""
+
     def _fits_without(self, record: ReplicaRecord, dep: Deployment, profile: Profile) -> bool:
         at = self.clock()
         usage = self._usage(s for k, s in self.shards.items() if k not in set(record.shards))
@@ -507,6 +573,9 @@ class Controller:
         A shard whose launcher has gone silent reported what it saw then, not
         now: the replica's readiness is `unknown` until the launcher is heard
         again (or the node is declared lost and the replica placed elsewhere).
+        An `unknown` replica whose shards were last heard ready keeps its URL:
+        the gateway sends to it when no replica is known ready, so a launcher
+        restart (its engines serving on) costs no request.
         """
         statuses = [snap.shard_status.get(k) for k in record.shards]
         url = ""
@@ -514,15 +583,23 @@ class Controller:
         reason = ""
         failed = [s for s in statuses if s is not None and s.state == "failed"]
         silent = sorted({m.node for m in record.members if self.launcher_stale(m.node, at)})
+        last_ready = bool(statuses) and all(
+            s is not None and s.state == "ready" and s.profile_fp == record.profile_fp for s in statuses
+        )
         if silent:
             state = "unknown"
             reason = f"launcher on {', '.join(silent)} silent: readiness unknown"
+            if all(self._installer_heard(n, at) for n in silent):
+                reason += (
+                    f"; its installer still beats (an agent restart?): its engines are routed to for up "
+                    f"to launcher_grace_s ({self.config.launcher_grace_s:g} s) before it fails over"
+                )
+            if last_ready and statuses[0] is not None:
+                url = statuses[0].url
         elif failed:
             state = "failed" if any(not s.retryable for s in failed) else "degraded"
             reason = "; ".join(f"{s.node}/{s.shard}: {s.reason}" for s in failed)
-        elif statuses and all(
-            s is not None and s.state == "ready" and s.profile_fp == record.profile_fp for s in statuses
-        ):
+        elif last_ready:
             leader = statuses[0]
             assert leader is not None
             url = leader.url

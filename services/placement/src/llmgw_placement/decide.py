@@ -47,6 +47,9 @@ class NodeView:
     used_ports: frozenset[int] = frozenset()
     replicas_of: Mapping[str, int] = field(default_factory=dict)
     mgmt_iface: str = ""
+    # `n1 is claimed by two machines: …` while two machines send its heartbeats: nothing
+    # more is placed on it (which of them would run it?).
+    claimed: str = ""
 
     # A view never changes once made: what is derived from it is computed once.
     _free: dict[str, list[GPUInfo]] = field(default_factory=dict, compare=False, repr=False)
@@ -119,7 +122,7 @@ class NodeIndex:
             self.add(view)
 
     def _keys(self, view: NodeView) -> list[tuple[tuple[str, str], int]]:
-        if not view.alive:
+        if not view.alive or view.claimed:
             return []
         return [
             ((engine, cls), len(view.free_gpus(cls)) if cls else 0)
@@ -375,6 +378,8 @@ def unfit(
         if node.lost_since:
             return f"lost: no heartbeat since {node.lost_since}"
         return f"lost {int(node.lost_for_s)} s ago"
+    if node.claimed:
+        return node.claimed
     if deployment.pool and deployment.pool not in node.pools:
         return f"not in pool {deployment.pool}"
     engine = node.engines.get(profile.engine)

@@ -111,6 +111,12 @@ def _state(service: PlacementService) -> Iterator[Metric]:
     nodes.add_metric(["alive"], alive)
     nodes.add_metric(["lost"], len(service.state.nodes) - alive)
     yield nodes
+    yield GaugeMetricFamily(
+        "llmgw_placement_nodes_claimed_twice",
+        "Nodes whose heartbeats two machines (or two agents of one service) send: nothing more "
+        "is placed on them.",
+        value=len(service.state.claims.contested(at)),
+    )
     replicas = GaugeMetricFamily(
         "llmgw_placement_replicas",
         "Replicas by deployment and state (every state of every deployment, 0 included).",

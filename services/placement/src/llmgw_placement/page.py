@@ -143,7 +143,9 @@ class Page:
         for row in self.nodes():
             status = self.service.state.nodes.get(row.node)
             facts = status.facts if status else None
-            if row.alive:
+            if row.claimed:
+                state = "<span class=bad>claimed twice</span>"
+            elif row.alive:
                 state = "<span class=ok>alive</span>"
             elif row.seen_s_ago < 0:
                 state = "<span class=bad>lost</span> (not heard since placement started)"
@@ -169,7 +171,8 @@ class Page:
             if row.install:
                 last = "" if row.alive else " (last known)"
                 engines += f"<div class=install>{_e(row.install)}{last}</div>"
-            warnings = "".join(f"<div class=warn>{_e(w)}</div>" for w in row.warnings)
+            said = ((row.claimed,) if row.claimed else ()) + row.warnings
+            warnings = "".join(f"<div class=warn>{_e(w)}</div>" for w in said)
             rows.append(
                 f"<tr data-node='{_e(row.node)}'><td>{_e(row.node)}</td><td>{state}</td>"
                 f"<td>{_e(system)}{warnings}</td><td class=gpus>{gpus or '—'}</td>"

@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from llmgw_core.bus import Bus, KVChange
+from llmgw_core.claims import Claims
 from llmgw_core.engines import Profile
 from llmgw_core.errors import BusError
 from llmgw_core.events import (
@@ -73,6 +74,7 @@ class PlacementService:
         self.bus = bus
         self.state = ClusterState.empty()
         self.state.heard_from = time.monotonic()
+        self.state.claims = Claims(window=config.node_timeout_s)
         self.identity = config.identity or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.controller: Controller | None = None
         # The lease this placement holds or waits for, and whether it took over with it.
@@ -293,11 +295,24 @@ class PlacementService:
             # are the ones the subject names: nats-server lets each node's identity
             # publish only there, while the payload says whatever the sender wrote.
             _, _, node, service = subject.rsplit(".", 3)
+            at = time.monotonic()
+            if state.claims.beat(beat, node, service, at):
+                # Two machines send this node's beats: said once per episode; `index` views
+                # the node again, and nothing more is placed on it while it lasts.
+                log.error(
+                    "%s; nothing more is placed on it until one of them stops",
+                    state.claims.claimed(node, at),
+                )
+                self.wake()
+            if beat.standby:
+                # An agent that waits while another instance works for the node runs
+                # nothing: its beats say nothing about the node's engines.
+                return
             if service == "installer":
-                state.installer_seen[node] = time.monotonic()
+                state.installer_seen[node] = at
                 return
             first = node not in state.last_seen
-            state.last_seen[node] = time.monotonic()
+            state.last_seen[node] = at
             state.last_seen_wall[node] = beat.at
             if first:
                 self.wake()
@@ -351,12 +366,15 @@ class PlacementService:
         for node in sorted(state.nodes):
             alive, silent = controller.alive(node, at)
             installer = state.installer_seen.get(node)
+            grace = controller.in_grace(node, at)
             out.append(
                 NodeLiveness(
                     node=node,
                     alive=alive,
                     silent_s=round(silent, 1) if silent != float("inf") else -1.0,
                     installer_silent_s=round(at - installer, 1) if installer is not None else -1.0,
+                    claimed=state.claims.claimed(node, at) or "",
+                    grace_left_s=round(grace, 1) if grace is not None else -1.0,
                 )
             )
         return Liveness(placement=self.identity, leader=self.is_leader, nodes=tuple(out), at=now())

@@ -59,7 +59,7 @@ def validate_profile(
         if missing:
             errors.append(
                 f"shard {shard.shard}: GPU {', '.join(map(str, missing))} not on this node "
-                f"(node has {_indices(gpus)})"
+                f"(this node's GPUs: {_indices(gpus)})"
             )
         if per_node > 0 and len(shard.gpus) != per_node:
             errors.append(
