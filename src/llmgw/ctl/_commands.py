@@ -18,7 +18,7 @@ from opentelemetry import trace
 from llmgw_core.access import PermissionDenied
 from llmgw_core.bus import Bus
 from llmgw_core.engines import TOKEN_PATTERN, Profile, ShardSpec
-from llmgw_core.errors import BusError, ConfigError
+from llmgw_core.errors import BusError, ConfigError, StoreFull
 from llmgw_core.events import (
     Deployment,
     DeploymentStatus,
@@ -31,7 +31,7 @@ from llmgw_core.telemetry import current_traceparent
 
 from . import _read as read
 from . import _views as views
-from ._errors import CtlError, NotFound, Refused, Unreachable, UsageError
+from ._errors import CannotStore, CtlError, NotFound, Refused, Unreachable, UsageError
 
 tracer = trace.get_tracer("llmgw.ctl")
 
@@ -110,6 +110,7 @@ async def apply(bus: Bus, path: str) -> str:
         await bus.put(names.catalog_bucket, profile.name, profile.wire())
     for dep in config.deployments:
         await deploy(bus, dep.wire())
+    await _acted_on(bus, f"{path}'s {len(config.deployments)} deployments and catalog")
     return (
         f"applied {path}: {len(config.engines)} engines, {len(config.catalog)} profiles, "
         f"{len(config.deployments)} deployments"
@@ -121,7 +122,19 @@ async def delete_deployment(bus: Bus, name: str) -> str:
     if await bus.get(bus.names.deployments_bucket, name, Deployment) is None:
         raise NotFound(f"no deployment {name}")
     await bus.delete(bus.names.deployments_bucket, name)
+    await _acted_on(bus, f"deployment {name} deleted")
     return f"deployment {name} deleted: its replicas stop"
+
+
+async def _acted_on(bus: Bus, written: str) -> None:
+    """A write that landed is done only if placement can act on it: while NATS refuses
+    placement's writes for space, the change waits, and the command says so and fails."""
+    blocked = await read.cannot_write(bus)
+    if blocked:
+        raise CannotStore(
+            f"{written}, but placement cannot act on it: {blocked}; it does once NATS stores again "
+            "(docs/operations.md)"
+        )
 
 
 # --- deploy and scale --------------------------------------------------------------------
@@ -155,6 +168,8 @@ async def request_replicas(bus: Bus, dep: Deployment, verb: str) -> str:
         with anyio.move_on_after(DEPLOY_STATUS_WAIT_S):
             await got.wait()
         tg.cancel_scope.cancel()
+    if not seen:
+        await _acted_on(bus, f"deployment {dep.name}: {dep.replicas} x {dep.profile} written")
     if seen:
         status = seen[-1]
         if status.unplaceable:
@@ -582,6 +597,10 @@ def _exit_code(exc: BaseException) -> int | None:
     if isinstance(exc, PermissionDenied):
         warn(str(exc))
         return Refused.exit_code
+    if isinstance(exc, StoreFull):
+        # Not stored: the change was not made (what to do is in docs/operations.md).
+        warn(f"{exc}; nothing was changed (docs/operations.md)")
+        return CannotStore.exit_code
     if isinstance(exc, BusError):
         warn(str(exc))
         return Refused.exit_code if isinstance(exc.__cause__, PermissionDenied) else Unreachable.exit_code

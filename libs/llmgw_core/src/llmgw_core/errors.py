@@ -3,6 +3,7 @@
     LlmgwError                 base; `retryable` says whether trying again can help
     ├── ConfigError            a config file or value is wrong (not retryable)
     ├── BusError               NATS or JetStream failed (retryable)
+    │   └── StoreFull          NATS refused a write for space: nothing of it was stored
     └── EngineValidationError  a profile cannot run here (not retryable until it changes)
 
 Callers decide on `retryable`, never on the message text.
@@ -26,6 +27,19 @@ class ConfigError(LlmgwError):
 
 class BusError(LlmgwError):
     retryable = True
+
+
+class StoreFull(BusError):
+    """NATS refused a write for space (its store, a bucket's limit, or the disk is full): the
+    write was not stored. Retrying helps once space is freed, not at once (docs/operations.md)."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, stream: str = "", banner: str = "") -> None:
+        super().__init__(message)
+        self.stream = stream
+        # The episode as every surface says it: `NATS store full: …: writes refused since 18:24:09`.
+        self.banner = banner
 
 
 class EngineValidationError(LlmgwError):

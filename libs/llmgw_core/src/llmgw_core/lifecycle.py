@@ -8,7 +8,7 @@ import signal
 import anyio
 
 from .bus import Bus, BusOptions
-from .errors import BusError
+from .errors import BusError, StoreFull
 
 log = logging.getLogger("llmgw.lifecycle")
 
@@ -43,7 +43,13 @@ async def connect_service(options: BusOptions, service: str, *, ensure: bool = T
         if not ensure:
             break
         try:
-            await bus.ensure()
+            while True:
+                try:
+                    await bus.ensure()
+                    break
+                except StoreFull as exc:
+                    # Tried again on this connection, whose store watch says the episode once.
+                    await wait(exc)
         except BusError as exc:
             await bus.close()
             await wait(exc)
