@@ -8,6 +8,8 @@ stream without limits until nats-server refuses every write.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import html
 import logging
 import os
@@ -22,21 +24,35 @@ from typing import Any
 import anyio
 import httpx
 import nats
+import nats.errors
 import nats.js.errors
 import pytest
 from nats.js import api
 
 from llmgw.auth import AuthDir
+from llmgw.ctl import CannotStore
+from llmgw.ctl._commands import request_replicas
 from llmgw_core import store
 from llmgw_core.bus import Bus, BusOptions, Writes
 from llmgw_core.config import AgentConfig, loads
-from llmgw_core.errors import ConfigError, StoreFull
-from llmgw_core.events import Deployment, NodeFacts, NodeStatus, ReplicaRecord, ShardStatus, now
+from llmgw_core.errors import BusError, ConfigError, StoreFull
+from llmgw_core.events import (
+    Deployment,
+    DesiredEngines,
+    NodeFacts,
+    NodeStatus,
+    ReplicaRecord,
+    ShardStatus,
+    now,
+)
 from llmgw_core.metrics import bus_metrics
 from llmgw_core.natsd import NatsServer
 from llmgw_core.subjects import Names
+from llmgw_core.web import serve
+from llmgw_placement.api import Api
 from tests.auth_support import session_for
 from tests.cluster_support import cluster, sim_catalog
+from tests.control_support import control_plane, ready_replicas
 from tests.metrics_support import value
 from tests.waiting import eventually
 
@@ -465,7 +481,9 @@ async def test_a_full_nats_store_is_said_refused_to_users_and_outlived_without_a
                 assert (scaled.returncode, scaled.stdout) == (0, "deployment chat: 3 x tiny requested\n"), (
                     scaled.stderr
                 )
-                await eventually(lambda: _ready(bus, "chat", 3, {"r1", "r2", "r3"}), timeout=120, interval=1.0)
+                await eventually(
+                    lambda: _ready(bus, "chat", 3, {"r1", "r2", "r3"}), timeout=120, interval=1.0
+                )
             for name, pid in running.items():
                 if not name.endswith(lost):
                     assert (c.procs[name].pid, c.procs[name].poll()) == (pid, None), f"{name} restarted"
@@ -484,3 +502,176 @@ async def _ready(bus: Bus, deployment: str, n: int, ids: set[str] | None = None)
     if ids is not None:
         assert {r.replica for r in found} == ids, found
     return True
+
+
+async def test_a_change_stored_while_placement_cannot_write_is_not_said_done(
+    nats_url: str, prefix: str
+) -> None:
+    """The write lands, but nothing acts on it: placement's own bucket is at its limit. `ctl`
+    exits 6 and the API answers 503, each with placement's words; both work again once the
+    bucket has room, with no restart."""
+    async with control_plane(nats_url, prefix) as cp:
+        harness = await cp.connect(
+            "test", max_nodes=4, max_shards=8, max_deployments=4, events_max_bytes=4 << 20
+        )
+        await harness.ensure()
+        names = harness.names
+        await cp.start_fleet(["n0", "n1"], gpus=1)
+        p = await cp.start_placement("a", http={"insecure": True})
+        port = await cp.tg.start(serve, Api(p.service).app(), "127.0.0.1", 0)
+        await harness.put(
+            names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1", replicas=1)
+        )
+        await eventually(lambda: ready_replicas(harness, "chat"), timeout=60)
+
+        # Values nobody placed fill the shards bucket to its limit, to the last few bytes.
+        filled = 0
+        for reason in ("x" * 4000, ""):
+            junk = ShardStatus(node="x", shard="x", replica="r0", state="ready", reason=reason)
+            while True:
+                try:
+                    await harness.put(names.shards_bucket, f"junk.s{filled}", junk)
+                except StoreFull:
+                    break
+                filled += 1
+        assert 200 < filled < 2000
+
+        with pytest.raises(CannotStore) as err:
+            await request_replicas(harness, Deployment(name="chat", profile="tp1", replicas=2), "requested")
+        blocked = p.service.cannot_write()
+        stream = f"KV_{names.shards_bucket}"
+        assert blocked.startswith(
+            f"NATS store full: {stream} holds its limit of 1 MiB (maximum bytes exceeded)"
+        )
+        assert str(err.value) == (
+            f"deployment chat: 2 x tp1 written, but placement cannot act on it: {blocked}; it does once NATS "
+            "stores again (docs/operations.md)"
+        )
+        stored = await harness.get(names.deployments_bucket, "chat", Deployment)
+        assert stored is not None
+        assert stored[0].replicas == 2
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as api:
+            posted = await api.post(
+                "/api/deployments", json={"name": "chat", "profile": "tp1", "replicas": 2}
+            )
+            assert (posted.status_code, posted.json()) == (
+                503,
+                {
+                    "error": f"deployment chat written, but placement cannot act on it: {blocked}",
+                    "stored": True,
+                },
+            )
+            # The operator removes what filled it: placement writes the second replica, unprompted.
+            await harness.js.purge_stream(stream, subject=f"$KV.{names.shards_bucket}.junk.>")
+            await eventually(lambda: _ready(harness, "chat", 2, {"r0", "r1"}), timeout=60, interval=1.0)
+            assert p.service.cannot_write() == ""
+            posted = await api.post(
+                "/api/deployments", json={"name": "chat", "profile": "tp1", "replicas": 2}
+            )
+            assert posted.status_code == 200
+        await request_replicas(harness, Deployment(name="chat", profile="tp1", replicas=2), "requested")
+        assert cp.crashes() == []
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` at `path` (root only): a disk that really fills."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs for the NATS store needs root")
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill_disk(ballast: Path) -> None:
+    """Write zeros until the disk refuses (ENOSPC)."""
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(OSError, match="No space left") as full:  # noqa: PT012 (until the disk refuses)
+            while True:
+                os.write(fd, b"\0" * 65536)
+    finally:
+        os.close(fd)
+    assert full.value.errno == errno.ENOSPC, full.value
+
+
+@pytest.mark.timeout(400)
+async def test_a_real_full_disk_is_never_acknowledged_and_outlived_without_an_llmgw_restart(
+    tmp_path: Path, prefix: str
+) -> None:
+    """nats-server's store on a disk that fills for real (ENOSPC, not its own limit).
+
+    nats-server 2.15 answers an atomic batch it cannot stage `incomplete`; a plain write that
+    hits ENOSPC gets no answer, and its stream none from then on, even once space is freed,
+    until nats-server restarts (docs/operations.md says to). Small writes that fit the space its
+    files hold already land.
+    """
+    with small_disk(tmp_path / "disk", "40m") as disk:
+        server = NatsServer(store_dir=disk / "nats", max_store="1G")  # more than the disk holds
+        server.start()
+        try:
+            async with control_plane(server.url, prefix) as cp:
+                sizes = {"max_nodes": 4, "max_shards": 8, "max_deployments": 4, "events_max_bytes": 4 << 20}
+                harness = await cp.connect("test", **sizes)
+                await harness.ensure()
+                names = harness.names
+                await cp.start_fleet(["n0", "n1"], gpus=1)
+                p = await cp.start_placement("a")
+                await harness.put(names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1"))
+                await eventually(lambda: ready_replicas(harness, "chat"), timeout=60)
+
+                fill_disk(disk / "ballast")
+                # A plain write too large for what the files hold: no answer, and its stream stops.
+                config = f"KV_{names.config_bucket}"
+                with pytest.raises(nats.errors.TimeoutError):
+                    await harness.js.publish(f"$KV.{names.config_bucket}.big", b"x" * 200_000, timeout=5)
+                engines = DesiredEngines()
+                with pytest.raises(StoreFull) as stuck:
+                    await harness.put(names.config_bucket, "engines", engines)
+                assert str(stuck.value) == (
+                    f"write {names.config_bucket}/engines refused: NATS store full: "
+                    f"{store.unacknowledged(config).reason}"
+                )
+                # A scale: whether its own small write lands or not, it is not said done.
+                with pytest.raises((CannotStore, BusError)):
+                    await request_replicas(
+                        harness, Deployment(name="chat", profile="tp1", replicas=2), "requested"
+                    )
+                seen: set[str] = set()
+
+                async def blocked() -> str:
+                    controller = p.service.controller
+                    seen.update(controller.replicas if controller else ())
+                    return p.service.cannot_write()
+
+                # Which of placement's streams it names (its batches, unstaged; the lease, unanswered)
+                # depends on which write met the full disk first.
+                said = await eventually(blocked, timeout=120, interval=0.5)
+                assert said.startswith("NATS store full: "), said
+                assert re.search(r": writes refused since \d\d:\d\d:\d\d$", said), said
+
+                (disk / "ballast").unlink()
+                # Room again, but the stream that hit ENOSPC stays silent until nats-server
+                # restarts, and is said to.
+                with pytest.raises(StoreFull):
+                    await harness.put(names.config_bucket, "engines", engines)
+                assert harness.store.banner().startswith(
+                    f"NATS store full: writes to {config} get no acknowledgement while nats-server answers"
+                )
+                server.restart()
+                # No llmgw process restarts: each reconnects, writes what it could not, and says so.
+                await eventually(lambda: _ready(harness, "chat", 2, {"r0", "r1"}), timeout=120, interval=1.0)
+                assert seen <= {"chat.r0", "chat.r1"}, seen
+                await eventually(lambda: p.service.cannot_write() == "", timeout=30)
+                await harness.put(names.config_bucket, "engines", engines)
+                assert not harness.store.full
+                assert cp.crashes() == []
+        finally:
+            server.stop()

@@ -44,6 +44,7 @@ from .access import GuardedClient, Identity, PermissionDenied, inbox_prefix, pub
 from .errors import BusError, StoreFull
 from .events import decoder, encode
 from .store import (
+    BATCH_INCOMPLETE,
     BUCKETS,
     HISTORY,
     Episode,
@@ -54,6 +55,7 @@ from .store import (
     stream_limits,
     total_bytes,
     unacknowledged,
+    unstaged,
 )
 from .store import size as _size
 from .subjects import DEFAULT_PREFIX, Names
@@ -881,14 +883,16 @@ class Bus:
                 if not error:
                     self.note_write(stream)
                     return
-                refusal = await self._space(stream, error.get("err_code"), str(error.get("description", "")))
+                code, description = error.get("err_code"), str(error.get("description", ""))
+                refusal = await self._space(stream, code, description)
+                if refusal is None and code == BATCH_INCOMPLETE and (attempt == attempts or len(items) == 1):
+                    # A batch whose every message was sent, or a batch of one, that nats-server
+                    # calls incomplete: it could not stage it (on its store's disk).
+                    refusal = unstaged(description, code)
                 if refusal is not None:
                     raise self._refused(stream, refusal, what)
-                if attempt == attempts or error.get("code") not in (503, 504):
-                    raise BusError(
-                        f"a batch of {len(items)} writes to {stream} was refused: "
-                        f"{error.get('description', error)} (error {error.get('err_code', '?')})"
-                    )
+                if attempt == attempts or (error.get("code") not in (503, 504) and code != BATCH_INCOMPLETE):
+                    raise BusError(f"{what} was refused: {description or error} (error {code or '?'})")
             await anyio.sleep(0.2 * attempt)
 
     async def _pipelined(self, items: list[_Write]) -> None:

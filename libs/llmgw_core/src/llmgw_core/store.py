@@ -47,6 +47,9 @@ STORAGE_RESOURCES_EXCEEDED = 10047  # a stream's limit does not fit what the sto
 MEMORY_RESOURCES_EXCEEDED = 10028
 ACCOUNT_RESOURCES_EXCEEDED = 10002
 STREAM_STORE_FAILED = 10077  # "{err}": the stream's own limit (maximum bytes exceeded) or the disk
+# "atomic publish batch is incomplete": also what nats-server answers when it cannot stage a batch
+# (it stages each in a file of its store), as on a full disk.
+BATCH_INCOMPLETE = 10176
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,19 @@ def unacknowledged(stream: str) -> Refusal:
     return Refusal(
         f"writes to {stream} get no acknowledgement while nats-server answers (a stream whose disk "
         "filled stops storing until nats-server restarts; its log says 'no space left on device')",
+        server_wide=False,
+    )
+
+
+def unstaged(description: str, err_code: int) -> Refusal:
+    """An atomic batch that nats-server could not stage: every message of it was sent (or it
+    held one), yet it is `incomplete`. nats-server stages a batch in a file beside its store,
+    and answers so when it cannot write one: its disk is full."""
+    return Refusal(
+        f"nats-server cannot stage a batch of writes ({description}, error {err_code}): the disk under "
+        "its store is likely full",
+        # A full disk still takes a write that fits the space its files hold already (a lease
+        # renewal, say): only a write to this stream that lands shows this one stores again.
         server_wide=False,
     )
 
