@@ -34,6 +34,8 @@ class Cluster:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
     auth: AuthDir | None = None
+    # More of every process's `nats:` section (bucket sizes, say).
+    nats_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.session = session_for(self.nats_url)
@@ -44,11 +46,12 @@ class Cluster:
         """The `nats:` section of a process that connects as `identity` (placement, node-<id>, …)."""
         if self.session is None or self.auth is None:
             # A server the test started for itself (the chaos soak's): no identities.
-            return {"url": self.nats_url, "prefix": self.prefix, "insecure": True}
+            return {"url": self.nats_url, "prefix": self.prefix, "insecure": True, **self.nats_options}
         return {
             "url": self.session.url,
             "prefix": self.prefix,
             "nkey_seed_file": str(self.auth.seed(identity)),
+            **self.nats_options,
         }
 
     @property
@@ -61,6 +64,8 @@ class Cluster:
         env = {**os.environ, "LLMGW_NATS_URL": nats["url"]}
         if "nkey_seed_file" in nats:
             env["LLMGW_NATS_NKEY"] = nats["nkey_seed_file"]
+        if nats.get("insecure"):
+            env["LLMGW_NATS_INSECURE"] = "1"
         return env
 
     def server_config(

@@ -3,11 +3,12 @@ what the operator owns (deployments, the catalog). Fields and exit codes: docs/c
 
 from ._args import add_parser
 from ._commands import apply, delete_deployment, deploy, explain, nodes, run
-from ._errors import CtlError, NotFound, Refused, Unreachable, UsageError
+from ._errors import CannotStore, CtlError, NotFound, Refused, Unreachable, UsageError
 from ._read import liveness
 from ._views import table
 
 __all__ = [
+    "CannotStore",
     "CtlError",
     "NotFound",
     "Refused",

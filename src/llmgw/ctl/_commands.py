@@ -18,7 +18,7 @@ from opentelemetry import trace
 from llmgw_core.access import PermissionDenied
 from llmgw_core.bus import Bus
 from llmgw_core.engines import Profile, ShardSpec
-from llmgw_core.errors import BusError, ConfigError
+from llmgw_core.errors import BusError, ConfigError, StoreFull
 from llmgw_core.events import (
     Deployment,
     DeploymentStatus,
@@ -32,7 +32,7 @@ from llmgw_core.telemetry import current_traceparent
 
 from . import _read as read
 from . import _views as views
-from ._errors import CtlError, NotFound, Refused, Unreachable, UsageError
+from ._errors import CannotStore, CtlError, NotFound, Refused, Unreachable, UsageError
 
 tracer = trace.get_tracer("llmgw.ctl")
 
@@ -176,6 +176,8 @@ async def apply(bus: Bus, path: str, *, dry_run: bool = False, prune: bool = Fal
         await bus.delete(names.deployments_bucket, change.name)
     for change in plan.of("deleted", "profile"):
         await bus.delete(names.catalog_bucket, change.name)
+    if done or plan.of("deleted", "deployment") or plan.of("deleted", "profile"):
+        await _acted_on(bus, f"{path} applied")
     return "\n".join([*lines, f"applied {path}: {plan.counts()}"])
 
 
@@ -205,7 +207,20 @@ async def delete_deployment(bus: Bus, name: str) -> str:
     if name not in await bus.keys(bus.names.deployments_bucket):
         raise NotFound(f"no deployment {shown(name) if len(name) > NAME_MAX else name}")
     await bus.delete(bus.names.deployments_bucket, name)
-    return f"deployment {shown(name) if len(name) > NAME_MAX else name} deleted: its replicas stop"
+    said = shown(name) if len(name) > NAME_MAX else name
+    await _acted_on(bus, f"deployment {said} deleted")
+    return f"deployment {said} deleted: its replicas stop"
+
+
+async def _acted_on(bus: Bus, written: str) -> None:
+    """A write that landed is done only if placement can act on it: while NATS refuses
+    placement's writes for space, the change waits, and the command says so and fails."""
+    blocked = await read.cannot_write(bus)
+    if blocked:
+        raise CannotStore(
+            f"{written}, but placement cannot act on it: {blocked}; it does once NATS stores again "
+            "(docs/operations.md)"
+        )
 
 
 # --- deploy and scale --------------------------------------------------------------------
@@ -241,6 +256,8 @@ async def request_replicas(bus: Bus, dep: Deployment, verb: str) -> str:
         with anyio.move_on_after(DEPLOY_STATUS_WAIT_S):
             await got.wait()
         tg.cancel_scope.cancel()
+    if not seen:
+        await _acted_on(bus, f"deployment {dep.name}: {dep.replicas} x {dep.profile} written")
     if seen:
         status = seen[-1]
         if status.unplaceable:
@@ -667,6 +684,10 @@ def _exit_code(exc: BaseException) -> int | None:
     if isinstance(exc, PermissionDenied):
         warn(str(exc))
         return Refused.exit_code
+    if isinstance(exc, StoreFull):
+        # Not stored: the change was not made (what to do is in docs/operations.md).
+        warn(f"{exc}; nothing was changed (docs/operations.md)")
+        return CannotStore.exit_code
     if isinstance(exc, BusError):
         warn(str(exc))
         return Refused.exit_code if isinstance(exc.__cause__, PermissionDenied) else Unreachable.exit_code

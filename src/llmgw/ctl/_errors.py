@@ -4,7 +4,8 @@ CtlError       base (exit 1)
 ├── UsageError   2: the command line is wrong (a bad name, negative replicas)
 ├── NotFound     3: what was named does not exist
 ├── Refused      4: the cluster refuses it (an unknown profile, a permission, an identity)
-└── Unreachable  5: NATS, or the launcher asked, did not answer in time
+├── Unreachable  5: NATS, or the launcher asked, did not answer in time
+└── CannotStore  6: NATS refused the write for space, or placement cannot act on it for that
 """
 
 from __future__ import annotations
@@ -32,3 +33,10 @@ class Refused(CtlError):
 
 class Unreachable(CtlError):
     exit_code = 5
+
+
+class CannotStore(CtlError):
+    """NATS refused the write for space (nothing was changed), or stored it while placement
+    cannot write (nothing acts on it until NATS stores again): exit code 6."""
+
+    exit_code = 6

@@ -71,6 +71,21 @@ async def liveness(bus: Bus) -> Liveness | None:
     return decoder(Liveness).decode(reply.data)
 
 
+async def cannot_write(bus: Bus) -> str:
+    """Why the leading placement cannot act on what is written now (`Liveness.cannot_write`);
+    empty when it can, or when no placement answers. The request goes to any placement: a
+    standby's answer is asked again, a few times, for the leader's."""
+    said = ""
+    for _ in range(4):
+        judged = await liveness(bus)
+        if judged is None:
+            return said
+        if judged.leader:
+            return judged.cannot_write
+        said = said or judged.cannot_write
+    return said
+
+
 async def last_on(bus: Bus, subject: str, kind: type[T]) -> T | None:
     """The last message on `subject` still in the events stream, or None."""
     try:

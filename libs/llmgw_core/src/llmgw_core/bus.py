@@ -28,7 +28,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 from urllib.parse import urlsplit
 
 import anyio
@@ -37,6 +37,7 @@ import msgspec
 import nats
 import nats.errors
 import nats.js.errors
+from msgspec import Meta
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
@@ -53,8 +54,23 @@ from .access import (
     inbox_prefix,
     public_key_of,
 )
-from .errors import BusError, ConnectionLost
+from .errors import BusError, ConnectionLost, StoreFull
 from .events import Heartbeat, decoder, encode
+from .store import (
+    BATCH_INCOMPLETE,
+    BUCKETS,
+    HISTORY,
+    Episode,
+    Refusal,
+    StoreWatch,
+    clock,
+    space_refusal,
+    stream_limits,
+    total_bytes,
+    unacknowledged,
+    unstaged,
+)
+from .store import size as _size
 from .subjects import DEFAULT_PREFIX, Names
 
 log = logging.getLogger("llmgw.bus")
@@ -71,6 +87,8 @@ WATCH_TURN_EVERY = 64
 # seed file is only used by a new connection. (Shorter refusals happen: one member of a
 # NATS cluster whose auth.conf was not reloaded yet.)
 REFUSED_RECONNECT_GRACE_S = 10.0
+# How long the server keeps a snapshot's consumer once nothing reads it (see `entries`).
+SNAPSHOT_INACTIVE_S = 5.0
 
 
 def transient(exc: BaseException) -> bool:
@@ -168,6 +186,26 @@ class BusOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # Replies and deliveries come here; an nkey identity's default is `_INBOX.<public key>`,
     # the private inbox its permissions name.
     inbox_prefix: str = ""
+    # What one cluster holds, to size every bucket's byte limit (`llmgw_core.store`;
+    # docs/operations.md has the formula and what the NATS store must hold for them).
+    max_nodes: Annotated[int, Meta(ge=1)] = 256
+    # Shard specs in the cluster: replicas times ranks, over every deployment.
+    max_shards: Annotated[int, Meta(ge=1)] = 2048
+    # Deployments, and as many profiles.
+    max_deployments: Annotated[int, Meta(ge=1)] = 512
+    # The largest value one key may hold; a larger write is refused (nats-server's max_payload
+    # bounds it too, 1 MiB by default).
+    max_value_bytes: Annotated[int, Meta(ge=1024)] = 1 << 20
+    # A bucket's byte limit by its name without the prefix (`shard-status: 268435456`),
+    # instead of the formula's.
+    bucket_max_bytes: dict[str, Annotated[int, Meta(ge=1)]] = {}
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.bucket_max_bytes) - set(BUCKETS))
+        if unknown:
+            raise ValueError(
+                f"bucket_max_bytes names no bucket: {', '.join(unknown)} (the buckets: {', '.join(BUCKETS)})"
+            )
 
     def resolved_url(self) -> str:
         return self.url or os.environ.get("LLMGW_NATS_URL", "") or DEFAULT_URL
@@ -310,6 +348,10 @@ class Bus:
         # a judge of liveness grants every node a fresh timeout from that moment.
         self.connected = True
         self.connected_since = time.monotonic()
+        # Each stream's limits, as `ensure` sets them, and whether writes are refused for space now.
+        self.limits = stream_limits(options, self.names)
+        self.store = StoreWatch()
+        self._byte_limits: dict[str, int] = {}
 
     # --- connection ---------------------------------------------------------
 
@@ -480,6 +522,81 @@ class Bus:
         if self.lost.is_set():
             raise ConnectionLost(self.lost_cause)
 
+    # --- writes refused for space --------------------------------------------------
+
+    def note_write(self, stream: str) -> None:
+        """A write to `stream` landed: an episode of writes refused for space may be over (said
+        once). Cheap while nothing is refused."""
+        if self.store.episode is not None:
+            self._said_stored(self.store.stored(stream))
+
+    async def refusal(
+        self, stream: str, what: str, exc: BaseException, *, unanswered: bool = False
+    ) -> StoreFull | None:
+        """The StoreFull that a failed write to `stream` is, if NATS refused it for space (the
+        episode's start is said once); with `unanswered`, for a write that timed out at every
+        try, also when nats-server answers everything but the write. None for any other fault."""
+        if isinstance(exc, nats.js.errors.APIError):
+            found = await self._space(stream, exc.err_code, exc.description or "")
+        else:
+            found = await self._space(stream, None, str(exc))
+        if found is not None:
+            return self._refused(stream, found, what)
+        return await self._unanswered(stream, what, exc) if unanswered else None
+
+    async def _space(self, stream: str, err_code: int | None, description: str) -> Refusal | None:
+        refusal = space_refusal(err_code, description, stream=stream)
+        if refusal is None or "maximum bytes" not in description.lower():
+            return refusal
+        # The bucket's own limit, as the server holds it (this client's configuration may differ).
+        limit = self._byte_limits.get(stream)
+        if limit is None:
+            limit = 0
+            with anyio.move_on_after(2), contextlib.suppress(nats.errors.Error, OSError):
+                limit = (await self.js.stream_info(stream)).config.max_bytes or 0
+            self._byte_limits[stream] = limit
+        return space_refusal(err_code, description, stream=stream, limit=limit)
+
+    def _refused(self, stream: str, refusal: Refusal, what: str) -> StoreFull:
+        started = self.store.episode is None
+        if self.store.refused(stream, refusal, time.time()):
+            # A warning, as an outage of NATS is: the service goes on, and says when it stores again.
+            if started:
+                log.warning(
+                    "%s: %s; free space in NATS's store or raise the limit (docs/operations.md)",
+                    self.service,
+                    self.store.banner(),
+                )
+            else:
+                log.warning("%s: %s", self.service, self.store.banner())
+        return StoreFull(
+            f"{what} refused: NATS store full: {refusal.reason}", stream=stream, banner=self.store.banner()
+        )
+
+    def _said_stored(self, ended: Episode | None) -> None:
+        if ended is not None:
+            log.warning(
+                "%s: NATS stores again: writes work after %.0f s (%d refused since %s)",
+                self.service,
+                time.time() - ended.since,
+                ended.refused,
+                clock(ended.since),
+            )
+
+    async def _unanswered(self, stream: str, what: str, exc: BaseException) -> StoreFull | None:
+        """A write that timed out at every try, while nats-server answers a question about its
+        stream at once: the stream is not storing (a disk that filled stops it until nats-server
+        restarts). None when the server does not answer either (an outage, said as one)."""
+        if not isinstance(exc, nats.errors.TimeoutError | TimeoutError) or not self.connected:
+            return None
+        with anyio.move_on_after(2):
+            try:
+                await self.js.stream_info(stream)
+            except (nats.errors.Error, OSError):
+                return None
+            return self._refused(stream, unacknowledged(stream), what)
+        return None
+
     async def close(self) -> None:
         self.closing = True
         if not self.nc.is_closed:
@@ -502,42 +619,103 @@ class Bus:
     # --- streams and buckets -----------------------------------------------
 
     async def ensure(self) -> None:
-        """Create or update the events and DLQ streams and every bucket; safe to repeat."""
+        """Create or update the events and DLQ streams and every bucket, with their limits
+        (`llmgw_core.store`); safe to repeat.
+
+        The events and DLQ streams take this configuration's limits as they are (they drop
+        their oldest messages at the limit). A bucket's limits are only ever raised to what
+        this configuration asks, never lowered: a bucket refuses new values at its limit, so
+        lowering one below what it holds would leave it refusing every new key, and a node
+        agent and placement whose `nats:` sections differ would undo each other at every
+        start. Lower one by hand (docs/operations.md).
+        """
         o = self.options
+        events, dlq = self.names.events_stream, self.names.dlq_stream
         streams = (
             api.StreamConfig(
-                name=self.names.events_stream,
+                name=events,
                 subjects=[self.names.events_all],
                 storage=api.StorageType.FILE,
                 max_age=o.events_max_age_s,
-                max_bytes=o.events_max_bytes,
+                max_bytes=self.limits[events].max_bytes,
                 num_replicas=o.replicas,
                 duplicate_window=120,
                 # Many events of one control step are written as one atomic batch (see `commit`).
                 allow_atomic=True,
             ),
             api.StreamConfig(
-                name=self.names.dlq_stream,
+                name=dlq,
                 subjects=[self.names.dlq_all],
                 storage=api.StorageType.FILE,
                 max_age=o.events_max_age_s,
-                max_bytes=min(o.events_max_bytes, 64 << 20),
+                max_bytes=self.limits[dlq].max_bytes,
                 num_replicas=o.replicas,
             ),
         )
+        stream = ""
         try:
             for cfg in streams:
+                stream = cfg.name or ""
                 try:
                     info = await self.js.add_stream(cfg)
                 except nats.js.errors.BadRequestError:
                     info = await self.js.update_stream(cfg)
-                self._atomic[cfg.name or ""] = bool(info.config.allow_atomic)
+                self._atomic[stream] = bool(info.config.allow_atomic)
+                self._created(stream)
             for bucket in self.names.buckets():
+                stream = f"KV_{bucket}"
                 await self._ensure_bucket(bucket)
-                await self._allow_atomic(f"KV_{bucket}")
+                await self._raise_limits(stream)
+                await self._allow_atomic(stream)
+                self._created(stream)
         except nats.errors.Error as exc:
             self.raise_if_final(exc)
+            full = await self.refusal(
+                stream, f"creating {stream} ({_size(self.limits[stream].max_bytes)})", exc
+            )
+            if full is not None:
+                raise StoreFull(
+                    f"{full}; llmgw's streams need {_size(total_bytes(o, self.names))} in all on each NATS "
+                    "server that holds them: give its JetStream store more room (jetstream "
+                    "{ max_file_store }, a larger disk) or size llmgw for a smaller cluster "
+                    "(nats: max_nodes, max_shards, max_deployments, events_max_bytes; docs/operations.md)",
+                    stream=full.stream,
+                    banner=full.banner,
+                ) from exc
             raise BusError(f"cannot create llmgw's streams and buckets: {exc}") from exc
+
+    def _created(self, stream: str) -> None:
+        """`stream` exists with its limits: a refusal to create it (its limit did not fit) is over."""
+        if self.store.episode is not None:
+            self._said_stored(self.store.stored(stream, written=False))
+
+    async def _raise_limits(self, stream: str) -> None:
+        """Raise a bucket's byte and value-size limits to this configuration's (see `ensure`); a
+        bucket without limits (made by an older llmgw) gets them, unless it holds more already."""
+        info = await self.js.stream_info(stream)
+        config = info.config
+        want = self.limits[stream]
+        changed = False
+        held = info.state.bytes
+        current = config.max_bytes if config.max_bytes is not None else -1
+        if current < 0 and held > want.max_bytes:
+            log.warning(
+                "%s: %s holds %s, over the %s this configuration sizes it for: it stays without a "
+                "byte limit; raise nats: max_nodes, max_shards or max_deployments (docs/operations.md)",
+                self.service,
+                stream,
+                _size(held),
+                _size(want.max_bytes),
+            )
+        elif current < want.max_bytes:
+            config.max_bytes = want.max_bytes
+            changed = True
+        largest = config.max_msg_size if config.max_msg_size is not None else -1
+        if want.max_msg_size > 0 and largest < want.max_msg_size:  # -1 (none) included
+            config.max_msg_size = want.max_msg_size
+            changed = True
+        if changed:
+            await self.js.update_stream(config)
 
     async def _allow_atomic(self, stream: str) -> None:
         """Let a bucket's stream take atomic batches, where the server knows them (2.12+);
@@ -556,13 +734,16 @@ class Bus:
         try:
             kv = await self.js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
+            limits = self.limits[f"KV_{bucket}"]
             try:
                 kv = await self.js.create_key_value(
                     api.KeyValueConfig(
                         bucket=bucket,
-                        history=5,
+                        history=HISTORY,
                         storage=api.StorageType.FILE,
                         replicas=self.options.replicas,
+                        max_bytes=limits.max_bytes,
+                        max_value_size=limits.max_msg_size,
                     )
                 )
             except nats.js.errors.BadRequestError:
@@ -612,15 +793,23 @@ class Bus:
 
     async def _publish(self, subject: str, data: bytes, headers: dict[str, str]) -> int:
         # One message id for every try: a retried publish that did land is stored once.
+        stream = self._stream_of(subject)
         attempt = 1
         while True:
             try:
                 ack = await self.js.publish(subject, data, headers=headers)
-                return ack.seq
             except (nats.errors.Error, OSError) as exc:
                 self.raise_if_final(exc)
-                if attempt == 3 or not transient(exc):
-                    raise BusError(f"publish to {subject} failed: {exc or type(exc).__name__}") from exc
+                what = f"publish to {subject}"
+                last = attempt == 3 or not transient(exc)
+                full = await self.refusal(stream, what, exc, unanswered=attempt == 3)
+                if full is not None:
+                    raise full from exc
+                if last:
+                    raise BusError(f"{what} failed: {exc or type(exc).__name__}") from exc
+            else:
+                self.note_write(stream)
+                return ack.seq
             await anyio.sleep(0.2 * attempt)
             attempt += 1
 
@@ -667,13 +856,17 @@ class Bus:
                 due, wait = time.monotonic(), 0.0
             await anyio.sleep(max(0.0, wait))
 
-    async def _kv_call(self, what: str, bucket: str, call: Callable[[KeyValue], Awaitable[Any]]) -> Any:
+    async def _kv_call(
+        self, what: str, bucket: str, call: Callable[[KeyValue], Awaitable[Any]], *, write: bool = False
+    ) -> Any:
         """One KV operation, retried while the failure is transient (a write is idempotent:
-        the same value again, or a compare-and-set that fails loudly if it already landed)."""
+        the same value again, or a compare-and-set that fails loudly if it already landed).
+        A write refused for space raises StoreFull at once: trying again cannot help yet."""
         attempts = 3
+        stream = f"KV_{bucket}"
         for attempt in range(1, attempts + 1):
             try:
-                return await call(await self.kv(bucket))
+                result = await call(await self.kv(bucket))
             except BusError as exc:  # SubjectTooLong and ConnectionLost are not retryable
                 if attempt == attempts or not exc.retryable:
                     raise
@@ -687,8 +880,17 @@ class Bus:
                     | nats.js.errors.NoKeysError,
                 ):
                     raise
+                full = (
+                    await self.refusal(stream, what, exc, unanswered=attempt == attempts) if write else None
+                )
+                if full is not None:
+                    raise full from exc
                 if attempt == attempts or not transient(exc):
                     raise BusError(f"{what} failed: {exc or type(exc).__name__}") from exc
+            else:
+                if write:
+                    self.note_write(stream)
+                return result
             await anyio.sleep(0.2 * attempt)
         raise AssertionError("unreachable")
 
@@ -696,14 +898,20 @@ class Bus:
         """Write a key; a put is idempotent, so a timed-out one (lost in a reconnect) is retried."""
         self._check(f"$KV.{bucket}.{key}")
         data = encode(value)
-        return int(await self._kv_call(f"write {bucket}/{key}", bucket, lambda kv: kv.put(key, data)))
+        return int(
+            await self._kv_call(f"write {bucket}/{key}", bucket, lambda kv: kv.put(key, data), write=True)
+        )
 
     async def create(self, bucket: str, key: str, value: msgspec.Struct) -> int | None:
         """Write a key only if it has no value; None if it has one."""
         self._check(f"$KV.{bucket}.{key}")
         data = encode(value)
         try:
-            return int(await self._kv_call(f"create {bucket}/{key}", bucket, lambda kv: kv.create(key, data)))
+            return int(
+                await self._kv_call(
+                    f"create {bucket}/{key}", bucket, lambda kv: kv.create(key, data), write=True
+                )
+            )
         except nats.js.errors.KeyWrongLastSequenceError:
             return None
 
@@ -714,7 +922,7 @@ class Bus:
         try:
             return int(
                 await self._kv_call(
-                    f"update {bucket}/{key}", bucket, lambda kv: kv.update(key, data, last=last)
+                    f"update {bucket}/{key}", bucket, lambda kv: kv.update(key, data, last=last), write=True
                 )
             )
         except nats.js.errors.KeyWrongLastSequenceError:
@@ -758,7 +966,7 @@ class Bus:
         if self.lost.is_set():
             raise ConnectionLost(self.lost_cause)
         try:
-            await self._kv_call(f"delete {bucket}/{key}", bucket, lambda kv: kv.delete(key))
+            await self._kv_call(f"delete {bucket}/{key}", bucket, lambda kv: kv.delete(key), write=True)
         except nats.js.errors.NotFoundError:
             return
 
@@ -814,6 +1022,11 @@ class Bus:
 
     async def _atomic_batch(self, stream: str, items: list[_Write]) -> None:
         attempts = 3
+        what = (
+            f"a batch of {len(items)} writes to {stream}"
+            if len(items) > 1
+            else f"a write to {items[0].subject}"
+        )
         for attempt in range(1, attempts + 1):
             batch = uuid.uuid4().hex[:20]
             try:
@@ -830,19 +1043,26 @@ class Bus:
                 reply = await self.nc.request(last.subject, last.data, headers=headers, timeout=10)
             except (nats.errors.Error, OSError) as exc:
                 self.raise_if_final(exc)
+                full = await self.refusal(stream, what, exc, unanswered=attempt == attempts)
+                if full is not None:
+                    raise full from exc
                 if attempt == attempts or not transient(exc):
-                    raise BusError(
-                        f"a batch of {len(items)} writes to {stream} failed: {exc or type(exc).__name__}"
-                    ) from exc
+                    raise BusError(f"{what} failed: {exc or type(exc).__name__}") from exc
             else:
                 error = msgspec.json.decode(reply.data).get("error") if reply.data else None
                 if not error:
+                    self.note_write(stream)
                     return
-                if attempt == attempts or error.get("code") not in (503, 504):
-                    raise BusError(
-                        f"a batch of {len(items)} writes to {stream} was refused: "
-                        f"{error.get('description', error)} (error {error.get('err_code', '?')})"
-                    )
+                code, description = error.get("err_code"), str(error.get("description", ""))
+                refusal = await self._space(stream, code, description)
+                if refusal is None and code == BATCH_INCOMPLETE and (attempt == attempts or len(items) == 1):
+                    # A batch whose every message was sent, or a batch of one, that nats-server
+                    # calls incomplete: it could not stage it (on its store's disk).
+                    refusal = unstaged(description, code)
+                if refusal is not None:
+                    raise self._refused(stream, refusal, what)
+                if attempt == attempts or (error.get("code") not in (503, 504) and code != BATCH_INCOMPLETE):
+                    raise BusError(f"{what} was refused: {description or error} (error {code or '?'})")
             await anyio.sleep(0.2 * attempt)
 
     async def _pipelined(self, items: list[_Write]) -> None:
@@ -851,15 +1071,19 @@ class Bus:
         limiter = anyio.CapacityLimiter(64)
 
         async def one(w: _Write) -> None:
+            stream = self._stream_of(w.subject)
             async with limiter:
                 for attempt in range(1, 4):
                     try:
                         await self.js.publish(w.subject, w.data, headers=w.headers or None)
-                        return
                     except (nats.errors.Error, OSError) as exc:
-                        if attempt == 3 or not transient(exc):
-                            failures.append(exc)
+                        full = await self.refusal(stream, f"a write to {w.subject}", exc)
+                        if full is not None or attempt == 3 or not transient(exc):
+                            failures.append(full or exc)
                             return
+                    else:
+                        self.note_write(stream)
+                        return
                     await anyio.sleep(0.2 * attempt)
 
         async with anyio.create_task_group() as tg:
@@ -867,9 +1091,12 @@ class Bus:
                 tg.start_soon(one, w)
         if failures:
             self.raise_if_final(failures[0])
-            raise BusError(
-                f"{len(failures)} of {len(items)} writes failed: {failures[0] or type(failures[0]).__name__}"
-            )
+            full = next((f for f in failures if isinstance(f, StoreFull)), None)
+            first = full or failures[0]
+            text = f"{len(failures)} of {len(items)} writes failed: {first or type(first).__name__}"
+            if full is not None:
+                raise StoreFull(text, stream=full.stream, banner=full.banner)
+            raise BusError(text)
 
     async def keys(self, bucket: str) -> set[str]:
         """Every key that holds a value now (the values are not read)."""
@@ -929,7 +1156,11 @@ class Bus:
                 done.set()
 
         epoch = self.reconnects
-        sub = await self._last_per_key(bucket, keys, on_msg)
+        # A snapshot's consumer goes with it: an unsubscribed consumer lingers on the server for
+        # its inactive threshold, and nats-server takes 1,000 consumers per stream, so a reader
+        # polling every few tenths of a second (a script around `llmgw ctl get`) left every
+        # reader of the bucket, placement included, refused (`maximum consumers limit reached`).
+        sub = await self._last_per_key(bucket, keys, on_msg, inactive_threshold=SNAPSHOT_INACTIVE_S)
         try:
             info = await sub.consumer_info()
             # Nothing left and nothing ever sent, by the server's count: an empty bucket, or
@@ -948,7 +1179,12 @@ class Bus:
         return found
 
     async def _last_per_key(
-        self, bucket: str, keys: str, on_msg: Callable[[Msg], Awaitable[None]]
+        self,
+        bucket: str,
+        keys: str,
+        on_msg: Callable[[Msg], Awaitable[None]],
+        *,
+        inactive_threshold: float = 300,
     ) -> JetStreamContext.PushSubscription:
         """An ordered consumer of `bucket`'s keys matching `keys`: each key's last message, then
         every new one, to `on_msg`."""
@@ -958,7 +1194,7 @@ class Bus:
             cb=on_msg,
             ordered_consumer=True,
             deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
-            inactive_threshold=300,
+            inactive_threshold=inactive_threshold,
         )
 
     async def _kv_value(self, bucket: str, key: str, data: bytes, kind: type[T]) -> T | None:
@@ -1019,7 +1255,10 @@ class Bus:
         try:
             await self.js.publish(self.names.dlq(self.service), data, headers=headers)
         except nats.errors.Error as exc:
-            log.error("%s: could not copy the bad message to the DLQ: %s", self.service, exc)
+            full = await self.refusal(self.names.dlq_stream, "copying a bad message to the DLQ", exc)
+            log.error("%s: could not copy the bad message to the DLQ: %s", self.service, full or exc)
+        else:
+            self.note_write(self.names.dlq_stream)
 
     def _decode(self, kind: type[T], subject: str, data: bytes) -> T:
         try:

@@ -192,6 +192,9 @@ class Liveness(Message, frozen=True):
     leader: bool
     nodes: tuple[NodeLiveness, ...] = ()
     at: float = 0.0
+    # Why this placement cannot act on what is written now, in one line (`NATS store full: …:
+    # writes refused since 18:24:09`); empty when it can.
+    cannot_write: str = ""
 
 
 # --- engines the control plane wants ----------------------------------------

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import anyio
 
 from .bus import Bus, BusOptions
-from .errors import BusError, ConnectionLost
+from .errors import BusError, ConnectionLost, StoreFull
 
 log = logging.getLogger("llmgw.lifecycle")
 
@@ -46,7 +46,13 @@ async def connect_service(options: BusOptions, service: str, *, ensure: bool = T
         if not ensure:
             break
         try:
-            await bus.ensure()
+            while True:
+                try:
+                    await bus.ensure()
+                    break
+                except StoreFull as exc:
+                    # Tried again on this connection, whose store watch says the episode once.
+                    await wait(exc)
         except BusError as exc:
             await bus.close()
             await wait(exc)

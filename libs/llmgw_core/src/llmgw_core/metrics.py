@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.abc
 from prometheus_client import CollectorRegistry, Info
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
@@ -81,6 +81,16 @@ def bus_metrics(bus: Bus) -> Iterator[Metric]:
         "llmgw_bus_permission_denied",
         "Publishes and subscriptions nats-server refused.",
         getattr(bus.nc, "denied_total", 0),
+    )
+    yield GaugeMetricFamily(
+        "llmgw_bus_store_full",
+        "1 while NATS refuses this service's writes for space (its store, a bucket's limit, the disk).",
+        value=int(bus.store.full),
+    )
+    yield counter(
+        "llmgw_bus_writes_refused_for_space",
+        "Writes NATS refused for space (not stored).",
+        bus.store.refused_total,
     )
 
 

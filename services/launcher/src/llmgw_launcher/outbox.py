@@ -10,8 +10,12 @@ at once cost two commits, not a hundred round trips. An event is published
 only after the bucket holds its state or a newer one, so whoever reads the
 bucket on seeing the event sees no older state.
 
-A send that fails is logged and dropped: the bucket is level-triggered, the
-next status of that shard writes it again.
+A send whose bucket write fails (NATS down, or refusing writes for space) is
+said once per outage and written again after a pause that grows to a cap:
+each shard's newest status, unless a newer one is queued by then. A shard
+that changes nothing while NATS cannot store would otherwise keep its last
+state in the bucket for good (`loading` for an engine long ready). Its events
+go with that later write; the transitions in between are not told.
 
 Each status keeps the trace context it was queued in, so its event carries
 the shard's trace (`traceparent`) as if the runner had published it itself.
@@ -27,6 +31,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
 from llmgw_core.bus import Bus, Writes
+from llmgw_core.errors import StoreFull
 from llmgw_core.events import ShardStatus
 
 log = logging.getLogger("llmgw.launcher")
@@ -34,6 +39,9 @@ log = logging.getLogger("llmgw.launcher")
 # A shard's batch that takes longer than this (the bus is gone) is abandoned;
 # the bucket catches up with the shard's next status.
 SEND_TIMEOUT_S = 15.0
+# The pause before a status the bucket did not take is written again, doubling to the cap.
+RETRY_FIRST_S = 0.5
+RETRY_CAP_S = 10.0
 
 # A status, the trace context it was queued in, and whether it is published as an event too.
 Queued = tuple[ShardStatus, otel_context.Context, bool]
@@ -50,6 +58,11 @@ class StatusOutbox:
         self._tg: anyio.abc.TaskGroup | None = None
         self.batches = 0
         self.sent = 0
+        # Each shard's newest status that the bucket did not take, written again after a pause.
+        self._retry: dict[str, Queued] = {}
+        self._retry_delay = RETRY_FIRST_S
+        self._retry_due = False
+        self._failing_since: float | None = None
 
     def push(self, status: ShardStatus, *, event: bool = True) -> None:
         """Queue a status; never blocks. With `event=False` it only goes to the bucket (a new
@@ -92,18 +105,61 @@ class StatusOutbox:
             while self._pending:
                 batch, self._pending = self._pending, {}
                 # Shielded: a batch taken off the queue is sent, or given up at the timeout.
+                failure: BaseException | str | None = None
                 with anyio.CancelScope(shield=True), anyio.move_on_after(SEND_TIMEOUT_S) as scope:
-                    await self._send(batch)
+                    failure = await self._send(batch)
                 count = sum(len(b) for b in batch.values())
                 if scope.cancelled_caught:
-                    log.warning("gave up sending %d shard statuses after %gs", count, SEND_TIMEOUT_S)
+                    failure = f"gave up after {SEND_TIMEOUT_S:g}s"
+                if failure is None:
+                    self._written()
+                else:
+                    self._failed(batch, count, failure)
                 self.batches += 1
                 self.sent += count
         finally:
             self._sending = False
             self._idle.set()
 
-    async def _send(self, batch: dict[str, list[Queued]]) -> None:
+    def _written(self) -> None:
+        self._retry_delay = RETRY_FIRST_S
+        if self._failing_since is not None:
+            log.warning(
+                "shard statuses are written again after %.0f s", anyio.current_time() - self._failing_since
+            )
+            self._failing_since = None
+
+    def _failed(self, batch: dict[str, list[Queued]], count: int, failure: BaseException | str) -> None:
+        """The bucket did not take `batch`: each shard's newest status is written again later."""
+        if self._failing_since is None:
+            self._failing_since = anyio.current_time()
+            # A StoreFull was said by the bus, once, as the episode it is; this says what it costs.
+            log.warning(
+                "could not write %d shard statuses to the status bucket (each shard's newest is written "
+                "again until one lands): %s",
+                count,
+                failure,
+            )
+        for shard, queued in batch.items():
+            self._retry[shard] = queued[-1]
+        if self._tg is not None and not self._retry_due:
+            self._retry_due = True
+            self._tg.start_soon(self._retry_later, name="shard statuses again")
+
+    async def _retry_later(self) -> None:
+        await anyio.sleep(self._retry_delay)
+        self._retry_delay = min(RETRY_CAP_S, self._retry_delay * 2)
+        self._retry_due = False
+        retry, self._retry = self._retry, {}
+        for shard, queued in retry.items():
+            self._pending.setdefault(shard, [queued])  # a newer status queued meanwhile wins
+        if self._pending and self._tg is not None:
+            self._start(self._tg)
+
+    async def _send(self, batch: dict[str, list[Queued]]) -> BaseException | None:
+        """Write the batch's newest statuses, then publish its events; the bucket's failure, if
+        it did not take them (the events are then not published: they would tell of states the
+        bucket does not hold)."""
         names = self.bus.names
         bucket, events = Writes(), Writes()
         for shard, queued in batch.items():
@@ -123,8 +179,11 @@ class StatusOutbox:
         try:
             await self.bus.commit(bucket)
         except Exception as exc:  # a bus fault costs this write, never the launcher
-            log.warning("could not write %d shard statuses to the status bucket: %s", len(bucket), exc)
+            return exc
         try:
             await self.bus.commit(events)
+        except StoreFull:
+            pass  # said by the bus, once per episode
         except Exception as exc:  # a bus fault costs these events, never the launcher
             log.warning("could not publish %d shard events: %s", len(events), exc)
+        return None

@@ -1,5 +1,5 @@
 """Placement's HTTP API: `/api/nodes`, `/api/deployments`, `/api/replicas`, `/api/explain/<d>`,
-`/api/warnings`, `/metrics`.
+`/api/warnings`, `/api/store`, `/metrics`.
 
 Every placement serves it; a standby answers from the same watched state, but
 replicas and decisions are the leader's: there a standby answers 503 naming the
@@ -31,7 +31,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmgw_core.engines import GPUInfo, Profile
-from llmgw_core.errors import BusError, ConfigError
+from llmgw_core.errors import BusError, ConfigError, StoreFull
 from llmgw_core.events import Deployment, EngineState, NodeStatus, decoder
 from llmgw_core.limits import profile_problem
 from llmgw_core.metrics import exposition
@@ -157,6 +157,7 @@ class Api:
             Route("/api/replicas", self.get_replicas, methods=["GET"]),
             Route("/api/explain/{name}", self.get_explain, methods=["GET"]),
             Route("/api/warnings", self.get_warnings, methods=["GET"]),
+            Route("/api/store", self.get_store, methods=["GET"]),
             Route("/metrics", self.get_metrics, methods=["GET"]),
         ]
 
@@ -213,6 +214,22 @@ class Api:
             },
             503,
         )
+
+    async def get_store(self, _: Request) -> Response:
+        """Whether NATS refuses this placement's writes for space: since when, which streams and
+        why, and the one line every surface says (`banner`); `full: false` once a write lands."""
+        store = self.service.bus.store
+        episode = store.episode
+        body: dict[str, Any] = {
+            "full": episode is not None,
+            "banner": store.banner(),
+            "since": episode.since if episode else None,
+            "streams": {s: r.reason for s, r in sorted(episode.streams.items())} if episode else {},
+            "refused": episode.refused if episode else 0,
+            "refused_total": store.refused_total,
+            "episodes": store.episodes,
+        }
+        return json_response(body)
 
     async def get_metrics(self, request: Request) -> Response:
         return exposition(self.service.metrics.registry, request)
@@ -370,8 +387,21 @@ class Api:
             dep = msgspec.structs.replace(dep, traceparent=current_traceparent())
             try:
                 await self.service.bus.put(self.service.bus.names.deployments_bucket, dep.name, dep)
+            except StoreFull as exc:
+                # Not stored: 507 Insufficient Storage, in NATS's words.
+                return json_response({"error": str(exc)}, 507)
             except BusError as exc:
                 return json_response({"error": str(exc)}, 503)
+        blocked = self.service.cannot_write()
+        if blocked:
+            # Stored, but nothing acts on it until placement can write again: not done.
+            return json_response(
+                {
+                    "error": f"deployment {dep.name} written, but placement cannot act on it: {blocked}",
+                    "stored": True,
+                },
+                503,
+            )
         return json_response(_builtins(dep))
 
     async def profile_problem(self, dep: Deployment) -> str | None:

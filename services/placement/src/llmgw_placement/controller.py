@@ -10,8 +10,10 @@ A step works on a snapshot taken when it starts: the watchers keep changing
 `ClusterState` while the step awaits its writes (a deployment deleted mid-step
 must cost nothing but its replicas). Placements and removals are planned in
 memory and written in a batch at the end (`flush`). A step that fails
-part-way leaves state the next step repairs: a replica still `placing` in
-memory (its writes failed) is removed and placed again, a removal whose
+part-way leaves state the next step repairs: a placement whose writes did not
+land is written again, the same replica with the same id, by the next step
+(a NATS that refuses writes for space costs no replica ids, however long it
+lasts); a replica loaded `placing` is removed and placed again; a removal whose
 deletes failed is remembered again and retried.
 """
 
@@ -32,7 +34,7 @@ from opentelemetry import trace
 from llmgw_core.bus import Bus, Writes
 from llmgw_core.claims import Claims
 from llmgw_core.engines import Member, Profile, ShardSpec
-from llmgw_core.errors import BusError
+from llmgw_core.errors import BusError, StoreFull
 from llmgw_core.events import (
     Deployment,
     DeploymentStatus,
@@ -175,6 +177,9 @@ class Controller:
         self._ids: dict[str, tuple[int, int]] = {}
         # Placements taken in memory and not yet written (see `flush`).
         self._batch: list[tuple[ReplicaRecord, list[ShardSpec], PlacementDecision, str]] = []
+        # Placements planned whose writes did not land, by replica key: the next step writes them
+        # again as they are (a new id each time would use ids up while NATS cannot store).
+        self._unwritten: dict[str, tuple[ReplicaRecord, list[ShardSpec], PlacementDecision, str]] = {}
         self._removals: list[tuple[ReplicaRecord, dict[str, ShardSpec], str, ReplicaState]] = []
         # Changes of a replica's record, taken in memory: (before, after, trace context).
         self._saves: list[tuple[ReplicaRecord | None, ReplicaRecord, str]] = []
@@ -385,10 +390,16 @@ class Controller:
             if record is None:
                 continue
             if record.deployment not in snap.deployments:
+                self._unwritten.pop(key, None)
                 await self._remove_replica(record, "deployment deleted")
             elif record.state == "placing":
+                planned = self._unwritten.pop(key, None)
+                if planned is not None and planned[0] is record:
+                    self._batch.append(planned)  # written again, as it was planned
+                    continue
                 # Its shards were not all written (a fault mid-commit): start it again.
                 await self._remove_replica(record, "placement was interrupted; placing it again")
+        self._unwritten.clear()  # what is left names replicas removed since
         self._reports = {}
         self._gone = set(self.statuses) - set(snap.deployments)
         for name in sorted(self._gone):
@@ -401,8 +412,9 @@ class Controller:
                 await self._converge(snap.deployments[name], alive, snap, at)
         except BaseException:
             # What was queued is not written: those replicas stay `placing` in
-            # memory, and the next step removes them and places them again; the
-            # removals are remembered again and retried. Nothing is reported.
+            # memory, and the next step writes them again; the removals are
+            # remembered again and retried. Nothing is reported.
+            self._keep_unwritten(self._batch)
             self._batch = []
             self._undo(self._removals, self._saves)
             self._removals, self._saves = [], []
@@ -423,7 +435,8 @@ class Controller:
                 await self._remove_replica(record, f"node {', '.join(lost)} lost", state="failed")
         mine = [r for r in mine if _key(r) in self.replicas]
         for record in mine:
-            await self._observe(record, snap, at)
+            if record.state != "placing":  # one still to be written has nothing to observe
+                await self._observe(record, snap, at)
         # A replica that failed for good because a GPU it was given is not on its node (a
         # replacement machine with fewer GPUs under the same node id) is placed again, by
         # what the node reports it has now; left alone it would stay failed forever.
@@ -805,7 +818,9 @@ class Controller:
         Any failure costs this step (BusError).
         """
         removals, self._removals = self._removals, []
-        batch, self._batch = self._batch, []
+        # A placement removed since it was queued (its node was lost meanwhile) is not written.
+        batch = [b for b in self._batch if self.replicas.get(_key(b[0])) is b[0]]
+        self._batch = []
         saves, self._saves = self._saves, []
         if not removals and not batch and not saves:
             return
@@ -813,6 +828,7 @@ class Controller:
             await self._fenced()
         except BaseException:
             self._undo(removals, saves)
+            self._keep_unwritten(batch)
             raise
         names = self.bus.names
         if removals:
@@ -853,7 +869,11 @@ class Controller:
                 )
                 events.publish(names.placement_event(record.deployment), decision, traceparent=traceparent)
             with tracer.start_as_current_span(f"commit {len(batch)} placements"):
-                await self._write(kv, [], saves)
+                try:
+                    await self._write(kv, [], saves)
+                except BaseException:
+                    self._keep_unwritten(batch)
+                    raise
             for record, starting in started:
                 if self.replicas.get(_key(record)) is record:
                     self.replicas[_key(record)] = starting
@@ -894,6 +914,13 @@ class Controller:
             raise
         self.writes += len(kv)
 
+    def _keep_unwritten(
+        self, batch: list[tuple[ReplicaRecord, list[ShardSpec], PlacementDecision, str]]
+    ) -> None:
+        """Placements whose writes did not land: the next step writes them again (see `step`)."""
+        for planned in batch:
+            self._unwritten[_key(planned[0])] = planned
+
     def _undo(
         self,
         removals: list[tuple[ReplicaRecord, dict[str, ShardSpec], str, ReplicaState]],
@@ -916,6 +943,8 @@ class Controller:
             return
         try:
             await self.bus.commit(events)
+        except StoreFull:
+            pass  # the bus said the episode once; the step's writes say the rest
         except BusError as exc:
             log.warning("could not publish %d events: %s", len(events), exc)
 
@@ -991,6 +1020,8 @@ class Controller:
     async def _event(self, subject: str, msg: msgspec.Struct) -> None:
         try:
             await self.bus.publish(subject, msg)
+        except StoreFull:
+            pass  # the bus said the episode once
         except BusError as exc:
             log.warning("could not publish to %s: %s", subject, exc)
 

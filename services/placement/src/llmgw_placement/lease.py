@@ -126,14 +126,22 @@ class Lease:
         here, before it writes, that a standby took over.
         """
         async with self._lock:
+            stream = f"KV_{self.bus.names.leases_bucket}"
             try:
                 await self._renew()
             except (nats.errors.Error, OSError) as exc:
-                self._outage("renewing the lease", exc)
-                raise BusError(f"lease renewal failed: {exc or type(exc).__name__}") from exc
+                # A refusal for space is said as one; renewals that time out for a whole lease
+                # timeout while the server answers are a stream that stopped storing.
+                failing = (
+                    self._failing_since is not None and time.monotonic() - self._failing_since > self.timeout
+                )
+                full = await self.bus.refusal(stream, "renewing the placement lease", exc, unanswered=failing)
+                self._outage("renewing the lease", full or exc)
+                raise full or BusError(f"lease renewal failed: {exc or type(exc).__name__}") from exc
             except BusError as exc:
                 self._outage("renewing the lease", exc)
                 raise
+            self.bus.note_write(stream)
             self._recovered()
 
     async def _renew(self) -> None:

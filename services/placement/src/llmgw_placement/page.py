@@ -120,6 +120,9 @@ class Page:
             + "</p>"
             + "".join(f"<div class=warn>{_e(w)}</div>" for w in service.warnings())
         )
+        blocked = service.cannot_write()
+        if blocked:
+            head += f"<p class=alert id=store>{_e(blocked)}</p>"
         replicas = dict(controller.replicas) if controller else {}
         shards = dict(controller.shards) if controller else {}
         statuses = dict(controller.statuses) if controller else {}
@@ -296,7 +299,9 @@ text-align:left;vertical-align:top}th{background:#f4f4f4}
 .gpu small{display:block;font-size:10px}.gpu.free{background:#e8f3e8}.gpu.held{background:#dde6f7}
 .state.ready{color:#176117;font-weight:600}.state.failed,.state.degraded,.state.unknown{color:#a11}
 pre{white-space:pre-wrap;font-size:12px;margin:.3em 0;background:#f8f8f8;padding:.3em}
-.install{color:#555;font-style:italic}#live{float:right;color:#777}
+.install{color:#555;font-style:italic}
+.alert{background:#fbe9e9;color:#a11;font-weight:600;padding:.4em .6em;border-radius:3px}
+#live{float:right;color:#777}
 ul.reasons{margin:.2em 0;padding-left:1.2em}time{color:#777}.nowrap{white-space:nowrap}
 </style></head>
 <body><h1>llmgw cluster <span id=live>connecting…</span></h1>

@@ -377,7 +377,18 @@ class PlacementService:
                     grace_left_s=round(grace, 1) if grace is not None else -1.0,
                 )
             )
-        return Liveness(placement=self.identity, leader=self.is_leader, nodes=tuple(out), at=now())
+        return Liveness(
+            placement=self.identity,
+            leader=self.is_leader,
+            nodes=tuple(out),
+            at=now(),
+            cannot_write=self.cannot_write(),
+        )
+
+    def cannot_write(self) -> str:
+        """Why this placement cannot act on what is written now, in one line; empty when it can.
+        What it said when NATS refused its writes for space, until one lands again."""
+        return self.bus.store.banner()
 
     async def _answer_liveness(self) -> None:
         async def answer(msg: Msg) -> None:
