@@ -150,7 +150,7 @@ class Cluster:
     def start_machine(self, node: str, machine: str, gpus: int = 1) -> None:
         """Another machine's agents under the node id `node` (a replacement, or a mistake): their
         own state directory and processes (`installer-<node>@<machine>`, `launcher-…`)."""
-        path = str(self.agent_config(node, gpus, machine))
+        path = str(self.agent_config(node, gpus, machine=machine))
         name = f"{node}@{machine}"
         self._spawn(f"installer-{name}", [sys.executable, "-m", "llmgw_installer", "--config", path])
         self._spawn(f"launcher-{name}", [sys.executable, "-m", "llmgw_launcher", "--config", path])
