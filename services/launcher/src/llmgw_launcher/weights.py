@@ -159,12 +159,18 @@ class Weights:
         key = str(source)
         lock = self._locks.setdefault(key, anyio.Lock())
         progress = self._progress.setdefault(key, Progress(label=source.name))
+        outcome: list[Path | WeightsError] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._report, progress, report)
-            async with lock:
-                path = await self._stage(source, progress)
+            try:
+                async with lock:
+                    outcome.append(await self._stage(source, progress))
+            except WeightsError as exc:  # raised here, not as a group: the runner reads its flag
+                outcome.append(exc)
             tg.cancel_scope.cancel()
-        return path
+        if isinstance(outcome[0], WeightsError):
+            raise outcome[0]
+        return outcome[0]
 
     async def _report(self, progress: Progress, report: Callable[[str], None]) -> None:
         """The progress, when it changed, at most once an interval: a download of many GB must not
@@ -193,7 +199,8 @@ class Weights:
         staged = self._already_staged(source)
         if staged is not None:
             return staged
-        progress.phase, progress.file, progress.done, progress.total = "resolving", "", 0, 0
+        progress.label, progress.phase, progress.file = source.name, "resolving", ""
+        progress.done = progress.total = 0
         try:
             plan = resolve(source, self.root, self.environ, self.timeout_s)
         except WeightsError as exc:
@@ -341,12 +348,13 @@ def hub_endpoint(environ: dict[str, str]) -> str:
 
 def _resolve_hf(source: ModelSource, root: Path, environ: dict[str, str], timeout_s: float) -> Plan:
     from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.utils import build_hf_headers
+    from huggingface_hub.utils import build_hf_headers  # type: ignore[attr-defined]  # exported lazily
 
     endpoint = hub_endpoint(environ)
     token: str | None = environ.get("HF_TOKEN") or None
     headers = tuple(build_hf_headers(token=token, library_name="llmgw").items())
-    where = f"{source.repo}@{source.revision} on {endpoint}"
+    # The hub's host, never the whole endpoint: a mirror's URL may carry credentials.
+    where = f"weights {source.name}: {source.repo}@{source.revision} on {_host(endpoint)}"
     try:
         if source.file:
             url = hf_hub_url(source.repo, source.file, revision=source.revision, endpoint=endpoint)
@@ -388,6 +396,11 @@ def _resolve_hf(source: ModelSource, root: Path, environ: dict[str, str], timeou
         ref=None if source.pinned else hf_dir(root, source) / "refs" / source.revision,
         commit=commit,
     )
+
+
+def _host(url: str) -> str:
+    split = urlsplit(url)
+    return f"{split.hostname}:{split.port}" if split.port else str(split.hostname)
 
 
 def _digest_of(etag: str, lfs_sha: str) -> tuple[Algo, str]:
@@ -520,7 +533,9 @@ def fetch(
             else:
                 raise _http_status(where, r.status_code)
             with partial.open("ab") as out:
-                for chunk in r.iter_bytes(CHUNK):
+                # As the bytes arrive, not in fixed chunks: a chunk still buffered when the
+                # connection drops would be lost, and the resume would start before it.
+                for chunk in r.iter_bytes():
                     if stop.is_set():
                         raise WeightsError(f"{where}: stopped", retryable=True)
                     if have + len(chunk) > want.size:
