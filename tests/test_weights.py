@@ -231,12 +231,14 @@ async def test_a_sha256_mismatch_is_discarded_never_staged(tmp_path: Path, hub: 
     [
         (
             "hf://org/nope/tiny.gguf",
-            "weights nope: org/nope@main on {url}: repository org/nope not found (HTTP 404); if it is private, "
+            "weights nope: org/nope@main on {url}: repository org/nope not found (HTTP 404); "
+            "if it is private, "
             "set HF_TOKEN to a token that can read it",
         ),
         (
             "hf://org/repo/tiny.gguf@v9",
-            "weights repo: org/repo@v9 on {url}: revision v9 not found in org/repo; name a branch, tag or commit it has",
+            "weights repo: org/repo@v9 on {url}: revision v9 not found in org/repo; "
+            "name a branch, tag or commit it has",
         ),
         (
             "hf://org/repo/missing.gguf",
@@ -244,7 +246,8 @@ async def test_a_sha256_mismatch_is_discarded_never_staged(tmp_path: Path, hub: 
         ),
         (
             "hf://org/private/tiny.gguf",
-            "weights private: org/private@main on {url}: repository org/private not found (HTTP 401); if it is private, "
+            "weights private: org/private@main on {url}: repository org/private not found (HTTP 401); "
+            "if it is private, "
             "set HF_TOKEN to a token that can read it",
         ),
     ],
