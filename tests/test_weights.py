@@ -13,6 +13,7 @@ import pytest
 
 from llmgw_core.bus import Bus
 from llmgw_core.engines import ModelSource, Profile, SourceError, parse_source, validate_profile
+from llmgw_core.events import ShardStatus
 from llmgw_launcher.weights import Progress, Weights, WeightsError
 from tests.hf_server import Hub, hf_hub
 from tests.launcher_support import agent_config, running_launcher, shard, shard_events, sim_profile
@@ -382,3 +383,33 @@ async def test_the_launcher_stages_before_the_engine_and_a_bad_source_costs_one_
         assert events.states("w1") == ["pending", "waiting", "starting", "loading", "ready"]
     staged = tmp_path / "agent" / "models" / "hf" / "org" / "repo" / commit / "files" / "tiny.gguf"
     assert staged.read_bytes() == GGUF
+
+
+@pytest.mark.anyio
+async def test_a_shard_waiting_for_its_weights_says_how_far_they_are_and_stops_cleanly(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path, hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub.state.hang = True
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    commit = hub.state.repos["org/repo"].commit
+    config = agent_config(nats_url, prefix, tmp_path / "agent", weights_timeout_s=60.0)
+    async with shard_events(bus) as events, running_launcher(config):
+        await bus.put(
+            bus.names.shards_bucket,
+            "node-a.w3",
+            shard("node-a", "w3", sim_profile(model="hf://org/repo/tiny.gguf")),
+        )
+
+        async def downloading() -> ShardStatus | None:
+            got = await bus.get(bus.names.shard_status_bucket, "node-a.w3", ShardStatus)
+            return got[0] if got and "downloading" in got[0].reason else None
+
+        status = await eventually(downloading, timeout=30)
+        assert status.state == "waiting"
+        assert status.reason == f"weights repo@{commit[:6]}: downloading tiny.gguf (0%, 0.0 of 10.2 kB)"
+        # Progress is a status, not an event: the events hold the transitions only.
+        assert events.states("w3") == ["pending", "waiting"]
+        # A shard no longer wanted stops waiting; nothing half-downloaded is staged.
+        await bus.delete(bus.names.shards_bucket, "node-a.w3")
+        await eventually(lambda: events.states("w3")[-1:] == ["stopped"], timeout=30)
+    assert not (tmp_path / "agent" / "models" / "hf").exists()
