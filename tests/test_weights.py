@@ -328,7 +328,7 @@ async def test_a_url_is_staged_against_its_model_sha256(tmp_path: Path, hub: Hub
     url = hub.add_plain("x.gguf", GGUF)
     good = hashlib.sha256(GGUF).hexdigest()
     path, _ = await stage(store(tmp_path, hub), url, good)
-    assert path == tmp_path / "models" / "url" / good[:16] / "x.gguf"
+    assert path == tmp_path / "models" / "url" / good / "x.gguf"
     assert path.read_bytes() == GGUF
     bad = "0" * 64
     with pytest.raises(WeightsError) as caught:
@@ -413,3 +413,55 @@ async def test_a_shard_waiting_for_its_weights_says_how_far_they_are_and_stops_c
         await bus.delete(bus.names.shards_bucket, "node-a.w3")
         await eventually(lambda: events.states("w3")[-1:] == ["stopped"], timeout=30)
     assert not (tmp_path / "agent" / "models" / "hf").exists()
+
+
+# --- what the node holds, and placement ---------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_the_node_reports_what_it_holds_as_profiles_name_it(tmp_path: Path, hub: Hub) -> None:
+    from llmgw_installer.service import node_facts
+
+    commit = hub.state.repos["org/repo"].commit
+    url = hub.add_plain("x.gguf", GGUF)
+    sha = hashlib.sha256(GGUF).hexdigest()
+    weights = Weights(tmp_path / "agent" / "models", environ={"HF_ENDPOINT": hub.url})
+    await stage(weights, "hf://org/repo/tiny.gguf")
+    await stage(weights, "hf://org/repo")
+    await stage(weights, url, sha)
+    facts = node_facts(agent_config("nats://127.0.0.1:1", "p", tmp_path / "agent"))
+    held = {k: v for k, v in facts.weights.items() if not k.startswith("/")}
+    assert held == {
+        "hf://org/repo@main": commit[:16],
+        f"hf://org/repo@{commit}": commit[:16],
+        "hf://org/repo/tiny.gguf@main": commit[:16],
+        f"hf://org/repo/tiny.gguf@{commit}": commit[:16],
+        f"sha256:{sha}": sha[:16],
+    }
+    for model, digest in [
+        ("hf://org/repo/tiny.gguf", ""),
+        (f"hf://org/repo/tiny.gguf@{commit}", ""),
+        ("hf://org/repo", ""),
+        (url, sha),
+    ]:
+        assert Profile(name="p", engine="vllm", model=model, model_sha256=digest).weights_key in held
+
+
+def test_placement_prefers_the_node_that_holds_the_profiles_weights() -> None:
+    from llmgw_placement.decide import Placement, decide
+    from tests.test_placement_decide import DEP, node, profile
+
+    p = profile(model_path="", model="hf://org/llama/model.safetensors")
+    nodes = [
+        node("gpu-01", used_gpus=frozenset({0, 1, 2, 3})),
+        node("gpu-02", weights=frozenset({"hf://org/llama/model.safetensors@main"})),
+        node("gpu-03"),
+    ]
+    decision = decide(DEP, p, nodes)
+    assert isinstance(decision, Placement)
+    assert decision.members[0].node == "gpu-02"
+    # Held at another revision is not held.
+    other = profile(model_path="", model="hf://org/llama/model.safetensors@v2")
+    decision = decide(DEP, other, nodes)
+    assert isinstance(decision, Placement)
+    assert decision.members[0].node == "gpu-01"

@@ -11,7 +11,7 @@ On disk (one filesystem, so that every commit is a rename or a hard link):
     models/hf/<org>/<repo>/<commit>/files/<f>   one file of a repository: a hard link to its blob
     models/hf/<org>/<repo>/<commit>/snapshot/   a whole repository, renamed into place once every file is in
     models/hf/<org>/<repo>/refs/<revision>      the commit a branch or tag resolved to when last staged
-    models/url/<sha256[:16]>/<name>             a file from a URL
+    models/url/<sha256>/<name>                  a file from a URL
 
 Nothing an engine reads is ever half-written: a blob is renamed from its `.partial` only after its
 bytes were counted, hashed against what the hub (or `model_sha256`) states, and fsynced, and a view
@@ -42,6 +42,7 @@ import httpx
 from anyio import CapacityLimiter
 
 from llmgw_core.engines import ModelSource
+from llmgw_core.staged import hf_dir, hf_view, url_view
 
 log = logging.getLogger("llmgw.launcher.weights")
 
@@ -305,22 +306,6 @@ class Weights:
             _fsync_dir(view.parent)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-
-
-# --- where things are ----------------------------------------------------------------------------
-
-
-def hf_dir(root: Path, source: ModelSource) -> Path:
-    return root / "hf" / source.repo
-
-
-def hf_view(root: Path, source: ModelSource, commit: str) -> Path:
-    base = hf_dir(root, source) / commit
-    return base / "files" / source.file if source.file else base / "snapshot"
-
-
-def url_view(root: Path, source: ModelSource) -> Path:
-    return root / "url" / source.sha256[:16] / source.name
 
 
 # --- asking the hub ----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from ._registry import (
     default_registry,
     extra_ports_needed,
 )
-from ._source import ModelSource, SourceError, is_source, parse_source
+from ._source import ModelSource, SourceError, is_source, parse_source, weights_key
 from ._types import (
     Address,
     Command,
@@ -65,4 +65,5 @@ __all__ = [
     "parse_source",
     "quantization_of",
     "validate_profile",
+    "weights_key",
 ]

@@ -10,6 +10,7 @@ the weights are then at `model_path`. Pure: nothing here touches the network or 
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Literal
 from urllib.parse import unquote, urlsplit
@@ -148,3 +149,23 @@ def _parse_url(model: str, sha256: str, where: str) -> ModelSource:
     if not _SHA256.match(digest):
         raise SourceError(f"{where}model_sha256 {sha256!r} is not 64 hex digits")
     return ModelSource(kind="url", url=model, sha256=digest)
+
+
+@functools.lru_cache(maxsize=4096)
+def weights_key(model: str, sha256: str, model_path: str) -> str:
+    """How a node names these weights when it reports holding them (`llmgw_core.staged.held`).
+
+    A hub source by itself (`hf://org/repo/file@main`), a URL by its content (`sha256:<hex>`),
+    a file or a plain `model_path` by its path, as the node's `model_paths` report it.
+    """
+    try:
+        source = parse_source(model, sha256)
+    except SourceError:
+        return model_path
+    if source is None:
+        return model_path
+    if source.kind == "hf":
+        return str(source)
+    if source.kind == "url":
+        return f"sha256:{source.sha256}"
+    return source.path

@@ -15,6 +15,7 @@ from msgspec import Struct
 
 # Names and ids that become subject or key tokens: their rules are in `llmgw_core.limits`.
 from ..limits import Name, Token
+from ._source import weights_key
 
 
 class GPUInfo(Struct, frozen=True, kw_only=True):
@@ -56,6 +57,11 @@ class Profile(Struct, frozen=True, kw_only=True):
         # A source is not a name a client would ask for.
         named = "" if "://" in self.model else self.model
         return self.served_model_name or named or self.name
+
+    @property
+    def weights_key(self) -> str:
+        """How nodes name this profile's weights when they report holding them."""
+        return weights_key(self.model, self.model_sha256, self.model_path)
 
     @property
     def per_node_gpus(self) -> int:
