@@ -9,7 +9,8 @@
 Errors as the hub sends them (404 with X-Error-Code RepoNotFound / RevisionNotFound / EntryNotFound;
 401 for a private repository without the token). Faults, each set by a test: `cut_once[file] = n`
 sends n bytes of the file's first GET and drops the connection; `wrong_sha[file]` states a sha256
-that the bytes do not have; `hang` holds every download open without a byte. `served[file]` counts
+that the bytes do not have; `hang` holds every download open without a byte, `hang_metadata`
+every metadata request without an answer. `served[file]` counts
 the bytes that went out, `gets` the (file, Range header) of every download.
 """
 
@@ -48,6 +49,7 @@ class HubState:
     cut_once: dict[str, int] = field(default_factory=dict)
     wrong_sha: set[str] = field(default_factory=set)
     hang: bool = False
+    hang_metadata: bool = False
     served: Counter[str] = field(default_factory=Counter)
     gets: list[tuple[str, str]] = field(default_factory=list)
     stopping: threading.Event = field(default_factory=threading.Event)
@@ -90,6 +92,10 @@ def _handler(state: HubState) -> type[BaseHTTPRequestHandler]:
         # --- routing ---
 
         def _route(self, head: bool) -> None:
+            if state.hang_metadata and (head or self.path.startswith("/api/")):
+                state.stopping.wait(120)
+                self.close_connection = True
+                return
             split = urlsplit(self.path)
             parts = [unquote(p) for p in split.path.strip("/").split("/")]
             if parts[:2] == ["api", "models"] and len(parts) >= 4:

@@ -312,6 +312,19 @@ async def test_a_hub_that_hangs_costs_one_bounded_attempt(tmp_path: Path, hub: H
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("model", ["hf://org/repo/tiny.gguf", "hf://org/repo"])
+async def test_a_hub_that_does_not_answer_its_metadata_costs_one_bounded_attempt(
+    tmp_path: Path, hub: Hub, model: str
+) -> None:
+    hub.state.hang_metadata = True
+    with anyio.fail_after(30), pytest.raises(WeightsError) as caught:
+        await stage(store(tmp_path, hub, timeout_s=0.5), model)
+    host = hub.url.removeprefix("http://")
+    assert caught.value.reason == f"weights repo: org/repo@main on {host}: no answer within 0.5 s"
+    assert caught.value.retryable
+
+
+@pytest.mark.anyio
 async def test_a_staged_model_is_used_when_the_hub_is_away(tmp_path: Path) -> None:
     with hf_hub() as h:
         h.add("org/repo", {"tiny.gguf": GGUF})
@@ -465,3 +478,15 @@ def test_placement_prefers_the_node_that_holds_the_profiles_weights() -> None:
     decision = decide(DEP, other, nodes)
     assert isinstance(decision, Placement)
     assert decision.members[0].node == "gpu-01"
+
+
+@pytest.mark.anyio
+async def test_a_hub_that_is_not_there_is_retried(tmp_path: Path) -> None:
+    with hf_hub() as gone:
+        url = gone.url
+    weights = Weights(tmp_path / "models", environ={"HF_ENDPOINT": url}, timeout_s=2)
+    with pytest.raises(WeightsError) as caught:
+        await stage(weights, "hf://org/repo/tiny.gguf")
+    host = url.removeprefix("http://")
+    assert caught.value.reason.startswith(f"weights repo: org/repo@main on {host}: cannot reach the hub: ")
+    assert caught.value.retryable

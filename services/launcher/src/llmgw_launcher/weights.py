@@ -429,9 +429,12 @@ def _hub_error(exc: Exception, source: ModelSource, where: str, timeout_s: float
         if status == 404:
             return WeightsError(f"{where}: HTTP 404, not found", retryable=False)
         return WeightsError(f"{where}: HTTP {status}: {_first_line(exc)}")
-    if isinstance(exc, httpx.TimeoutException):
+    # huggingface_hub speaks HTTP through httpx2 (a fork of httpx): its errors are its own classes.
+    import httpx2
+
+    if isinstance(exc, httpx.TimeoutException | httpx2.TimeoutException):
         return WeightsError(f"{where}: no answer within {timeout_s:g} s")
-    if isinstance(exc, httpx.HTTPError | OSError):
+    if isinstance(exc, httpx.HTTPError | httpx2.HTTPError | OSError):
         return WeightsError(f"{where}: cannot reach the hub: {type(exc).__name__}: {exc}")
     return WeightsError(f"{where}: {type(exc).__name__}: {_first_line(exc)}")
 
