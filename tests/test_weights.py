@@ -167,6 +167,28 @@ async def test_a_hub_file_is_staged_verified_and_reported(tmp_path: Path, hub: H
 
 
 @pytest.mark.anyio
+async def test_what_a_launcher_left_mid_commit_is_swept_and_partials_resumed(
+    tmp_path: Path, hub: Hub
+) -> None:
+    commit = hub.state.repos["org/repo"].commit
+    root = tmp_path / "models"
+    half = root / ".staging" / "0123" / "config.json"
+    half.parent.mkdir(parents=True)
+    half.write_bytes(b"{")
+    link = root / "hf" / "org" / "repo" / commit / "files" / ".tiny.gguf.0123.tmp"
+    link.parent.mkdir(parents=True)
+    link.write_bytes(GGUF[:10])
+    partial = root / "blobs" / f"sha256-{hashlib.sha256(GGUF).hexdigest()}.partial"
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(GGUF[:6000])
+    path, _ = await stage(store(tmp_path, hub), "hf://org/repo/tiny.gguf")
+    assert path.read_bytes() == GGUF
+    assert hub.state.gets == [("tiny.gguf", "bytes=6000-")]
+    assert leftovers(tmp_path) == []
+    assert not (root / ".staging").exists()
+
+
+@pytest.mark.anyio
 async def test_a_whole_snapshot_is_staged_each_file_verified(tmp_path: Path, hub: Hub) -> None:
     path, _ = await stage(store(tmp_path, hub), "hf://org/repo")
     assert sorted(p.name for p in path.iterdir()) == ["config.json", "tiny.gguf"]

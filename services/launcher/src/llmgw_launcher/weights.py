@@ -146,6 +146,8 @@ class Weights:
     _progress: dict[str, Progress] = field(default_factory=dict)
     _blob_locks: dict[str, threading.Lock] = field(default_factory=dict)
     _threads: CapacityLimiter = field(default_factory=lambda: CapacityLimiter(DOWNLOAD_THREADS))
+    _swept: bool = False
+    _sweep_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def blobs(self) -> Path:
@@ -197,6 +199,7 @@ class Weights:
     # --- in a thread of its own -------------------------------------------------------------------
 
     def _stage_sync(self, source: ModelSource, progress: Progress, stop: threading.Event) -> Path:
+        self._sweep()
         staged = self._already_staged(source)
         if staged is not None:
             return staged
@@ -220,6 +223,18 @@ class Weights:
         if plan.ref is not None:
             _write_atomic(plan.ref, plan.commit.encode())
         return plan.view
+
+    def _sweep(self) -> None:
+        """Once per launcher, before its first commit: what a launcher that died mid-commit left
+        (a half-linked snapshot in `.staging`, a link not yet renamed) goes. `.partial` downloads
+        stay: they are resumed."""
+        with self._sweep_lock:
+            if self._swept:
+                return
+            self._swept = True
+            shutil.rmtree(self.root / ".staging", ignore_errors=True)
+            for tmp in self.root.glob("*/**/.*.tmp"):
+                tmp.unlink(missing_ok=True)
 
     def _already_staged(self, source: ModelSource) -> Path | None:
         """A pinned source (a commit, a sha256) staged before: no need to ask anyone."""
