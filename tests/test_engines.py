@@ -652,7 +652,10 @@ def test_the_profiles_env_still_wins_over_every_generated_variable() -> None:
         (
             {"model_path": ""},
             H100,
-            ["profile llama-70b: model_path is empty; set it to the weights' path"],
+            [
+                "profile llama-70b: model_path is empty; set it to the weights' path, or set model to "
+                "hf://<org>/<repo>[/<file>], https://… (with model_sha256) or file:///path"
+            ],
         ),
         ({"tp": 0}, H100, ["profile llama-70b: tp must be positive, got 0"]),
         (
@@ -726,7 +729,8 @@ def test_the_profiles_env_still_wins_over_every_generated_variable() -> None:
             {"model_path": "", "tp": 0, "pp": 0},
             H100,
             [
-                "profile llama-70b: model_path is empty; set it to the weights' path",
+                "profile llama-70b: model_path is empty; set it to the weights' path, or set model to "
+                "hf://<org>/<repo>[/<file>], https://… (with model_sha256) or file:///path",
                 "profile llama-70b: tp must be positive, got 0",
                 "profile llama-70b: pp must be positive, got 0",
             ],

@@ -104,6 +104,11 @@ class AgentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
     # so that several simulated nodes can share one machine).
     installer_metrics_port: int = 0
     launcher_metrics_port: int = 0
+    # Weights a profile's `model` names are staged in <state_dir>/models: at most this many bytes
+    # in all (0: as much as the disk has free), a download given up after this many seconds
+    # without a byte (the next attempt resumes it).
+    models_budget_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    weights_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
 
     @property
     def state_path(self) -> Path:

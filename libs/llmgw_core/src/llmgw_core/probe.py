@@ -29,6 +29,7 @@ import msgspec
 
 from .engines import GPUInfo
 from .events import NetInterface, NodeFacts
+from .staged import held
 
 CommandRunner = Callable[[list[str]], "CommandResult"]
 
@@ -256,6 +257,8 @@ class Probe:
     root: Path = Path("/")
     run: CommandRunner = field(default=run_command)
     model_paths: tuple[str, ...] = ()
+    # Where the node stages the weights profiles name (`<state_dir>/models`); reported with model_paths.
+    models_dir: Path | None = None
     mgmt_addr: str = ""
     # The operator's choice (agent.yaml `mgmt_iface`); found from mgmt_addr when empty.
     mgmt_iface: str = ""
@@ -312,6 +315,8 @@ class Probe:
         gpus, driver, cuda = self.gpus()
         kernel = self._read("proc/sys/kernel/osrelease").strip() or platform.release()
         weights = {p: weights_fingerprint(Path(p)) for p in self.model_paths}
+        if self.models_dir is not None:
+            weights.update(held(self.models_dir))
         mgmt_addr = self.mgmt_addr or socket.gethostbyname("localhost")
         interfaces = self.interfaces()
         return NodeFacts(

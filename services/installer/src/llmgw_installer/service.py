@@ -63,7 +63,11 @@ NO_AVX2 = (
 
 def node_facts(config: AgentConfig, probe: Probe | None = None) -> NodeFacts:
     probe = probe or Probe(
-        config.node, model_paths=config.model_paths, mgmt_addr=config.mgmt_addr, mgmt_iface=config.mgmt_iface
+        config.node,
+        model_paths=config.model_paths,
+        models_dir=config.state_path / "models",
+        mgmt_addr=config.mgmt_addr,
+        mgmt_iface=config.mgmt_iface,
     )
     facts = probe.facts()
     if config.simulate is not None:

@@ -36,8 +36,10 @@ from llmgw_core.engines import (
     GPUInfo,
     Registry,
     ShardSpec,
+    SourceError,
     UnknownEngineError,
     extra_ports_needed,
+    parse_source,
 )
 from llmgw_core.events import EngineLoad, ShardState, ShardStatus, now
 from llmgw_core.redact import scrub, secret_values
@@ -47,6 +49,7 @@ from . import ports, procs
 from .health import HealthProber
 from .load import LOAD_METRICS, LoadMetrics, Scraper, changed, parse_load
 from .records import ProcRecord, RecordError, RecordWriter, ShardRecord
+from .weights import Weights, WeightsError
 from .workers import Workers
 
 log = logging.getLogger("llmgw.launcher")
@@ -92,6 +95,8 @@ class Context:
     load_interval_s: float = 5.0
     scraper: Scraper | None = None
     publish_quietly: Callable[[ShardStatus], None] | None = None
+    # Stages the weights a profile's `model` names (hf://, https://, file://) before its engine starts.
+    weights: Weights | None = None
 
 
 async def _nothing() -> None:
@@ -359,6 +364,9 @@ class ShardRunner:
         problems = engine.validate(self.spec.profile, self.ctx.gpus, self.spec)
         if problems:
             return Failure("; ".join(problems), retryable=False)
+        model_path = await self._stage_weights()
+        if isinstance(model_path, Failure):
+            return model_path
         serves = engine.serves_http(self.spec)
         if not self.port and serves:
             self.port = self.spec.port or self.ctx.allocate_port()
@@ -368,6 +376,10 @@ class ShardRunner:
                 self.ctx.allocate_port() for _ in range(extra_ports_needed(engine, self.spec))
             )
         spec = self._spec_with_port()
+        if model_path != spec.profile.model_path:
+            spec = msgspec.structs.replace(
+                spec, profile=msgspec.structs.replace(spec.profile, model_path=model_path)
+            )
         self._leader_url = self._url() if serves else ""
         if serves:
             # An engine started on a port another process holds dies with "Address already in
@@ -408,6 +420,35 @@ class ShardRunner:
         if failure is not None:
             return failure
         return engine
+
+    async def _stage_weights(self) -> Failure | str:
+        """The path the engine reads the weights at: the node's staged copy when `model` names a
+        source, waited for with its progress as the shard's status; else `model_path` as given."""
+        profile = self.spec.profile
+        try:
+            source = parse_source(profile.model, profile.model_sha256, profile=profile.name)
+        except SourceError as exc:
+            return Failure(str(exc), retryable=False)
+        if source is None:
+            return profile.model_path
+        if self.ctx.weights is None:
+            return Failure(f"profile {profile.name}: this node stages no weights", retryable=False)
+        first = True
+
+        def report(words: str) -> None:
+            nonlocal first
+            if first:
+                first = False
+                self._set("waiting", words)
+                return
+            status = msgspec.structs.replace(self._status("waiting", words), at=self._state_at)
+            (self.ctx.publish_quietly or self.ctx.publish)(status)
+
+        try:
+            path = await self.ctx.weights.stage(source, report)
+        except WeightsError as exc:
+            return Failure(exc.reason, retryable=exc.retryable)
+        return str(path)
 
     async def _start(self, cmd: Command) -> Failure | None:
         log_path = self.ctx.state_dir / "logs" / self.key / f"{len(self.procs)}-{cmd.name}.log"

@@ -48,6 +48,7 @@ from .outbox import StatusOutbox
 from .reconcile import diff
 from .records import Records, RecordWriter
 from .runner import Context, ShardRunner
+from .weights import Weights
 from .workers import Workers
 
 log = logging.getLogger("llmgw.launcher")
@@ -176,6 +177,11 @@ class Launcher:
             load_interval_s=config.load_interval_s,
             scraper=self.scraper,
             publish_quietly=lambda status: self.outbox.push(status, event=False),
+            weights=Weights(
+                state_dir / "models",
+                timeout_s=config.weights_timeout_s,
+                budget_bytes=config.models_budget_bytes,
+            ),
         )
 
     async def _refresh_engine(self, name: str) -> None:

@@ -254,7 +254,7 @@ class _FabricFit:
         if unfit(view, self.profile, self.deployment, self._memo) is not None:
             return None
         free = len(view.free_gpus(self.profile.gpu_class))
-        return (self.profile.model_path not in view.weights, free, -view.shards, view.node)
+        return (self.profile.weights_key not in view.weights, free, -view.shards, view.node)
 
     def add(self, view: NodeView) -> None:
         """Take `view` in if one rank fits on it; the index removed its old view first."""
@@ -449,7 +449,7 @@ def choose_gpus(free: Sequence[GPUInfo], n: int) -> list[GPUInfo]:
 
 
 def _score(node: NodeView, profile: Profile, deployment: Deployment) -> tuple[object, ...]:
-    has_weights = profile.model_path in node.weights
+    has_weights = profile.weights_key in node.weights
     free_after = len(node.free_gpus(profile.gpu_class)) - gpus_needed(profile) if profile.gpu_class else 0
     if deployment.strategy == "spread":
         return (
@@ -511,7 +511,7 @@ def decide(
         # weight holders, then walk the free-GPU buckets upwards; the first bucket
         # with a fitting node holds the answer, so a big fleet is not scanned.
         need = gpus_needed(profile)
-        holders = [v for v in index.holding(profile.model_path) if index.is_candidate(profile, v.node)]
+        holders = [v for v in index.holding(profile.weights_key) if index.is_candidate(profile, v.node)]
         # In score order, the first node that fits is the best. A weight holder that does
         # not fit here does not fit in its free-GPU bucket either, so the buckets' own order
         # (which ignores weights) picks the same node the full score would.

@@ -14,6 +14,7 @@ from ._registry import (
     default_registry,
     extra_ports_needed,
 )
+from ._source import ModelSource, SourceError, is_source, parse_source, weights_key
 from ._types import (
     Address,
     Command,
@@ -42,6 +43,7 @@ __all__ = [
     "LlamaCpp",
     "LlamaCppConfig",
     "Member",
+    "ModelSource",
     "Name",
     "Profile",
     "Registry",
@@ -50,14 +52,18 @@ __all__ = [
     "ShardSpec",
     "Sim",
     "SimConfig",
+    "SourceError",
     "Token",
     "UnknownEngineError",
     "VLLMConfig",
     "default_registry",
     "extra_ports_needed",
     "generated_env",
+    "is_source",
     "materialise",
     "parse_capability",
+    "parse_source",
     "quantization_of",
     "validate_profile",
+    "weights_key",
 ]

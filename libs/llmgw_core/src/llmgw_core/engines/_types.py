@@ -15,6 +15,7 @@ from msgspec import Struct
 
 # Names and ids that become subject or key tokens: their rules are in `llmgw_core.limits`.
 from ..limits import Name, Token
+from ._source import weights_key
 
 
 class GPUInfo(Struct, frozen=True, kw_only=True):
@@ -34,7 +35,10 @@ class Profile(Struct, frozen=True, kw_only=True):
 
     name: Name
     engine: str
-    model_path: str
+    # Where the engine reads the weights. With `model` naming a source (hf://, https://,
+    # file://) the node stages them and the engine reads the staged path instead.
+    model_path: str = ""
+    # The served name, or where the weights come from (`llmgw_core.engines.parse_source`).
     model: str = ""
     gpu_class: str = ""
     tp: int = 1
@@ -45,10 +49,19 @@ class Profile(Struct, frozen=True, kw_only=True):
     env: dict[str, str] = {}
     served_model_name: str = ""
     health_timeout_s: float = 900.0
+    # The sha256 an https:// `model` must have.
+    model_sha256: str = ""
 
     @property
     def served_name(self) -> str:
-        return self.served_model_name or self.model or self.name
+        # A source is not a name a client would ask for.
+        named = "" if "://" in self.model else self.model
+        return self.served_model_name or named or self.name
+
+    @property
+    def weights_key(self) -> str:
+        """How nodes name this profile's weights when they report holding them."""
+        return weights_key(self.model, self.model_sha256, self.model_path)
 
     @property
     def per_node_gpus(self) -> int:
@@ -63,8 +76,19 @@ class Profile(Struct, frozen=True, kw_only=True):
         return self.tp * self.pp if self.nodes == 1 else 0
 
     def fingerprint(self) -> str:
-        """A stable digest of everything that changes the processes started."""
-        return hashlib.sha256(msgspec.json.encode(self, order="sorted")).hexdigest()[:16]
+        """A stable digest of everything that changes the processes started.
+
+        Fields added later count only when set: a profile that does not use them keeps the
+        digest it had before they existed, so an upgrade does not replace every replica.
+        """
+        fields = msgspec.to_builtins(self)
+        for late, default in _LATE_DEFAULTS.items():
+            if fields.get(late) == default:
+                del fields[late]
+        return hashlib.sha256(msgspec.json.encode(fields, order="sorted")).hexdigest()[:16]
+
+
+_LATE_DEFAULTS: dict[str, object] = {"model_sha256": ""}
 
 
 class Member(Struct, frozen=True, kw_only=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._quant import MIN_CAPABILITY, format_capability, parse_capability, quantization_of
+from ._source import SourceError, parse_source
 from ._types import GPUInfo, Profile, ShardSpec
 
 
@@ -19,8 +20,17 @@ def validate_profile(
     a profile of theirs that names no GPU class asks for no GPUs.
     """
     errors: list[str] = []
-    if not profile.model_path.strip():
-        errors.append(f"profile {profile.name}: model_path is empty; set it to the weights' path")
+    try:
+        source = parse_source(profile.model, profile.model_sha256, profile=profile.name)
+    except SourceError as exc:
+        errors.append(str(exc))
+        source = None
+    else:
+        if source is None and not profile.model_path.strip():
+            errors.append(
+                f"profile {profile.name}: model_path is empty; set it to the weights' path, "
+                "or set model to hf://<org>/<repo>[/<file>], https://… (with model_sha256) or file:///path"
+            )
     if profile.tp < 1:
         errors.append(f"profile {profile.name}: tp must be positive, got {profile.tp}")
     if profile.pp < 1:

@@ -1,0 +1,619 @@
+"""The node's weights: staged in `<state_dir>/models` before a shard's engine starts.
+
+    WeightsError(reason, retryable)   every way staging fails, in the node's words;
+                                      the runner turns it into the attempt's Failure
+
+On disk (one filesystem, so that every commit is a rename or a hard link):
+
+    models/blobs/sha256-<hex>                   a verified file, named by its content
+    models/blobs/gitsha1-<hex>                  a small hub file (not LFS), named by its git blob id
+    models/blobs/<blob>.partial                 a download under way; the next attempt resumes it (Range)
+    models/hf/<org>/<repo>/<commit>/files/<f>   one file of a repository: a hard link to its blob
+    models/hf/<org>/<repo>/<commit>/snapshot/   a whole repository, renamed into place once every file is in
+    models/hf/<org>/<repo>/refs/<revision>      the commit a branch or tag resolved to when last staged
+    models/url/<sha256>/<name>                  a file from a URL
+
+Nothing an engine reads is ever half-written: a blob is renamed from its `.partial` only after its
+bytes were counted, hashed against what the hub (or `model_sha256`) states, and fsynced, and a view
+appears only by a rename of links to such blobs. One download per blob per node: shards that want the
+same model wait on the same lock and find it staged; their status shows the download's progress.
+
+The hub protocol (URLs, headers, HF_ENDPOINT, HF_TOKEN, the metadata and its errors) is
+huggingface_hub's; the bytes are fetched here, so that they are hashed while they arrive, resume
+from a `.partial` the node owns, and report progress in the node's words.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import anyio
+import httpx
+from anyio import CapacityLimiter
+
+from llmgw_core.engines import ModelSource
+from llmgw_core.staged import hf_dir, hf_view, url_view
+
+log = logging.getLogger("llmgw.launcher.weights")
+
+CHUNK = 1 << 20
+# At most this many files download at once on a node (each in a thread of its own).
+DOWNLOAD_THREADS = 4
+# A status with the download's progress is published at most this often.
+PROGRESS_INTERVAL_S = 1.0
+
+Algo = Literal["sha256", "gitsha1"]
+
+
+class WeightsError(Exception):
+    """Staging failed; `retryable` says whether another attempt can help (a 404 cannot)."""
+
+    def __init__(self, reason: str, retryable: bool = True) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retryable = retryable
+
+
+@dataclass(frozen=True)
+class Want:
+    """One file to stage: where it is, how big, and the digest it must have."""
+
+    name: str
+    url: str
+    size: int
+    algo: Algo
+    digest: str
+    headers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def blob(self) -> str:
+        return f"{self.algo}-{self.digest}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A source resolved: what it is called in the node's words, its files, where the engine reads it."""
+
+    label: str
+    view: Path
+    files: tuple[Want, ...]
+    snapshot: bool
+    ref: Path | None = None
+    commit: str = ""
+
+
+@dataclass
+class Progress:
+    """A staging as the shards that wait for it describe it; written by the download thread."""
+
+    label: str
+    phase: str = "resolving"
+    file: str = ""
+    done: int = 0
+    total: int = 0
+
+    def words(self) -> str:
+        if self.phase == "downloading" and self.total:
+            pct = int(self.done * 100 / self.total)
+            return f"weights {self.label}: downloading {self.file} ({pct}%, {amount(self.done, self.total)})"
+        target = f" {self.file}" if self.file and self.phase != "resolving" else ""
+        return f"weights {self.label}: {self.phase}{target}"
+
+
+def amount(done: int, total: int) -> str:
+    """`5.1 of 13.4 GB`: both in the unit the total reads best in."""
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if total >= size:
+            return f"{done / size:.1f} of {total / size:.1f} {unit}"
+    return f"{done} of {total} bytes"
+
+
+def size_words(n: int) -> str:
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+@dataclass
+class Weights:
+    """The node's store of staged weights. One per launcher; every runner shares it."""
+
+    root: Path
+    environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    # Seconds without a byte (or a metadata answer) before a download is given up for this attempt.
+    timeout_s: float = 30.0
+    # Bytes the store may hold in all (0: as much as the disk has free).
+    budget_bytes: int = 0
+    # Free space on the store's disk; a seam for tests that need a full disk.
+    free: Callable[[Path], int] = free_bytes
+    progress_interval_s: float = PROGRESS_INTERVAL_S
+    _locks: dict[str, anyio.Lock] = field(default_factory=dict)
+    _progress: dict[str, Progress] = field(default_factory=dict)
+    _blob_locks: dict[str, threading.Lock] = field(default_factory=dict)
+    _threads: CapacityLimiter = field(default_factory=lambda: CapacityLimiter(DOWNLOAD_THREADS))
+    _swept: bool = False
+    _sweep_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def blobs(self) -> Path:
+        return self.root / "blobs"
+
+    async def stage(self, source: ModelSource, report: Callable[[str], None]) -> Path:
+        """The local path of `source`'s weights, staged first if need be; `report` hears the progress."""
+        if source.kind == "file":
+            if not await anyio.to_thread.run_sync(os.path.exists, source.path):
+                raise WeightsError(f"model file not found: {source.path}", retryable=False)
+            return Path(source.path)
+        key = str(source)
+        lock = self._locks.setdefault(key, anyio.Lock())
+        progress = self._progress.setdefault(key, Progress(label=source.name))
+        outcome: list[Path | WeightsError] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._report, progress, report)
+            try:
+                async with lock:
+                    outcome.append(await self._stage(source, progress))
+            except WeightsError as exc:  # raised here, not as a group: the runner reads its flag
+                outcome.append(exc)
+            tg.cancel_scope.cancel()
+        if isinstance(outcome[0], WeightsError):
+            raise outcome[0]
+        return outcome[0]
+
+    async def _report(self, progress: Progress, report: Callable[[str], None]) -> None:
+        """The progress, when it changed, at most once an interval: a download of many GB must not
+        write the status bucket at the rate its chunks arrive."""
+        last = ""
+        while True:
+            words = progress.words()
+            if words != last:
+                report(words)
+                last = words
+            await anyio.sleep(self.progress_interval_s)
+
+    async def _stage(self, source: ModelSource, progress: Progress) -> Path:
+        stop = threading.Event()
+        try:
+            return await anyio.to_thread.run_sync(
+                self._stage_sync, source, progress, stop, abandon_on_cancel=True, limiter=self._threads
+            )
+        finally:
+            # A cancelled attempt's thread stops at its next chunk; the `.partial` stays for the next.
+            stop.set()
+
+    # --- in a thread of its own -------------------------------------------------------------------
+
+    def _stage_sync(self, source: ModelSource, progress: Progress, stop: threading.Event) -> Path:
+        self._sweep()
+        staged = self._already_staged(source)
+        if staged is not None:
+            return staged
+        progress.label, progress.phase, progress.file = source.name, "resolving", ""
+        progress.done = progress.total = 0
+        try:
+            plan = resolve(source, self.root, self.environ, self.timeout_s)
+        except WeightsError as exc:
+            # The hub is away: a branch staged before is still what this node last verified.
+            fallback = self._by_ref(source) if exc.retryable else None
+            if fallback is None:
+                raise
+            log.warning("%s; using %s, staged when the hub last answered", exc.reason, fallback)
+            return fallback
+        progress.label = plan.label
+        if not plan.view.exists():
+            self._check_disk(plan)
+            self._download(plan, progress, stop)
+            progress.phase, progress.file = "committing", ""
+            self._commit(plan)
+        if plan.ref is not None:
+            _write_atomic(plan.ref, plan.commit.encode())
+        return plan.view
+
+    def _sweep(self) -> None:
+        """Once per launcher, before its first commit: what a launcher that died mid-commit left
+        (a half-linked snapshot in `.staging`, a link not yet renamed) goes. `.partial` downloads
+        stay: they are resumed."""
+        with self._sweep_lock:
+            if self._swept:
+                return
+            self._swept = True
+            shutil.rmtree(self.root / ".staging", ignore_errors=True)
+            for tmp in self.root.glob("*/**/.*.tmp"):
+                tmp.unlink(missing_ok=True)
+
+    def _already_staged(self, source: ModelSource) -> Path | None:
+        """A pinned source (a commit, a sha256) staged before: no need to ask anyone."""
+        if source.kind == "url":
+            view = url_view(self.root, source)
+            return view if view.exists() else None
+        if source.pinned:
+            view = hf_view(self.root, source, source.revision)
+            return view if view.exists() else None
+        return None
+
+    def _by_ref(self, source: ModelSource) -> Path | None:
+        if source.kind != "hf":
+            return None
+        try:
+            commit = (hf_dir(self.root, source) / "refs" / source.revision).read_text().strip()
+        except OSError:
+            return None
+        view = hf_view(self.root, source, commit)
+        return view if commit and view.exists() else None
+
+    def _check_disk(self, plan: Plan) -> None:
+        """Refuse before the first byte when the rest of the download cannot fit."""
+        need = 0
+        for want in plan.files:
+            if (self.blobs / want.blob).exists():
+                continue
+            need += want.size - _size(self.blobs / f"{want.blob}.partial")
+        if need <= 0:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        free = self.free(self.root)
+        if need > free:
+            raise WeightsError(
+                f"weights {plan.label}: needs {size_words(need)}, {size_words(free)} free on {self.root}; "
+                "free space there (or stage the model elsewhere and use file://)"
+            )
+        if self.budget_bytes > 0:
+            left = self.budget_bytes - _tree_size(self.root)
+            if need > left:
+                raise WeightsError(
+                    f"weights {plan.label}: needs {size_words(need)}, {size_words(max(0, left))} left "
+                    f"of the node's {size_words(self.budget_bytes)} for weights on {self.root}; "
+                    "raise models_budget_bytes or remove staged models"
+                )
+
+    def _download(self, plan: Plan, progress: Progress, stop: threading.Event) -> None:
+        self.blobs.mkdir(parents=True, exist_ok=True)
+        progress.total = sum(w.size for w in plan.files)
+        progress.done = 0
+        for want in plan.files:
+            progress.file = want.name
+            lock = self._blob_locks.setdefault(want.blob, threading.Lock())
+            with lock:
+                if (self.blobs / want.blob).exists():
+                    progress.done += want.size
+                    continue
+                progress.phase = "downloading"
+                fetch(want, self.blobs, plan.label, progress, stop, self.timeout_s)
+
+    def _commit(self, plan: Plan) -> None:
+        """The view appears whole, by one rename, or not at all."""
+        view = plan.view
+        view.parent.mkdir(parents=True, exist_ok=True)
+        if not plan.snapshot:
+            tmp = view.parent / f".{view.name}.{uuid.uuid4().hex}.tmp"
+            os.link(self.blobs / plan.files[0].blob, tmp)
+            os.replace(tmp, view)
+            _fsync_dir(view.parent)
+            return
+        staging = self.root / ".staging" / uuid.uuid4().hex
+        try:
+            for want in plan.files:
+                target = staging / want.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.link(self.blobs / want.blob, target)
+            for d in sorted({(staging / w.name).parent for w in plan.files}, reverse=True):
+                _fsync_dir(d)
+            try:
+                os.rename(staging, view)
+            except OSError:
+                if not view.exists():
+                    raise
+            _fsync_dir(view.parent)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+# --- asking the hub ----------------------------------------------------------------------------
+
+
+def resolve(source: ModelSource, root: Path, environ: dict[str, str], timeout_s: float) -> Plan:
+    """The files `source` stands for, each with its size and digest (a network call for the hub)."""
+    if source.kind == "url":
+        size = _url_size(source, timeout_s)
+        want = Want(name=source.name, url=source.url, size=size, algo="sha256", digest=source.sha256)
+        return Plan(
+            label=f"{source.name}@{source.sha256[:6]}",
+            view=url_view(root, source),
+            files=(want,),
+            snapshot=False,
+        )
+    return _resolve_hf(source, root, environ, timeout_s)
+
+
+def hub_endpoint(environ: dict[str, str]) -> str:
+    from huggingface_hub import constants
+
+    return (environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def _resolve_hf(source: ModelSource, root: Path, environ: dict[str, str], timeout_s: float) -> Plan:
+    from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers  # type: ignore[attr-defined]  # exported lazily
+
+    endpoint = hub_endpoint(environ)
+    token: str | None = environ.get("HF_TOKEN") or None
+    headers = tuple(build_hf_headers(token=token, library_name="llmgw").items())
+    # The hub's host, never the whole endpoint: a mirror's URL may carry credentials.
+    where = f"weights {source.name}: {source.repo}@{source.revision} on {_host(endpoint)}"
+    try:
+        if source.file:
+            url = hf_hub_url(source.repo, source.file, revision=source.revision, endpoint=endpoint)
+            meta = get_hf_file_metadata(url, token=token, timeout=timeout_s, endpoint=endpoint)
+            commit = meta.commit_hash or ""
+            files = [(source.file, meta.size, meta.etag or "", "")]
+        else:
+            info = HfApi(endpoint=endpoint, token=token).model_info(
+                source.repo, revision=source.revision, files_metadata=True, timeout=timeout_s
+            )
+            commit = info.sha or ""
+            files = [
+                (s.rfilename, s.size, s.blob_id or "", s.lfs.sha256 if s.lfs else "")
+                for s in info.siblings or []
+            ]
+    except Exception as exc:
+        raise _hub_error(exc, source, where, timeout_s) from exc
+    if not commit:
+        raise WeightsError(f"{where}: the hub named no commit for this revision (no X-Repo-Commit)")
+    label = f"{source.name}@{commit[:6]}"
+    wants: list[Want] = []
+    for name, size, etag, lfs_sha in files:
+        algo, digest = _digest_of(etag, lfs_sha)
+        if size is None or not digest:
+            raise WeightsError(
+                f"weights {label}: the hub gave no size or checksum for {name} (etag {etag!r}); "
+                "it cannot be verified, so it is not staged",
+                retryable=False,
+            )
+        url = hf_hub_url(source.repo, name, revision=commit, endpoint=endpoint)
+        wants.append(Want(name=name, url=url, size=size, algo=algo, digest=digest, headers=headers))
+    if not wants:
+        raise WeightsError(f"{where}: the repository has no files", retryable=False)
+    return Plan(
+        label=label,
+        view=hf_view(root, source, commit),
+        files=tuple(wants),
+        snapshot=not source.file,
+        ref=None if source.pinned else hf_dir(root, source) / "refs" / source.revision,
+        commit=commit,
+    )
+
+
+def _host(url: str) -> str:
+    split = urlsplit(url)
+    return f"{split.hostname}:{split.port}" if split.port else str(split.hostname)
+
+
+def _digest_of(etag: str, lfs_sha: str) -> tuple[Algo, str]:
+    """An LFS file's etag is its sha256; a small file's is its git blob id (sha1 of "blob N\\0" + bytes)."""
+    etag = etag.strip().strip('"').removeprefix("W/").strip('"').lower()
+    if lfs_sha:
+        return "sha256", lfs_sha.lower()
+    if len(etag) == 64 and all(c in "0123456789abcdef" for c in etag):
+        return "sha256", etag
+    if len(etag) == 40 and all(c in "0123456789abcdef" for c in etag):
+        return "gitsha1", etag
+    return "sha256", ""
+
+
+def _hub_error(exc: Exception, source: ModelSource, where: str, timeout_s: float) -> WeightsError:
+    from huggingface_hub import errors
+
+    token_hint = "set HF_TOKEN to a token that can read it"
+    if isinstance(exc, errors.GatedRepoError):
+        return WeightsError(
+            f"{where}: {source.repo} is gated; accept its terms on the hub and {token_hint}", retryable=False
+        )
+    if isinstance(exc, errors.RevisionNotFoundError):
+        return WeightsError(
+            f"{where}: revision {source.revision} not found in {source.repo}; name a branch, tag or commit "
+            "it has",
+            retryable=False,
+        )
+    if isinstance(exc, errors.RemoteEntryNotFoundError):
+        return WeightsError(f"{where}: file {source.file} not found in {source.repo}", retryable=False)
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        status = _status_of(exc)
+        return WeightsError(
+            f"{where}: repository {source.repo} not found (HTTP {status}); if it is private, {token_hint}",
+            retryable=False,
+        )
+    if isinstance(exc, errors.HfHubHTTPError):
+        status = _status_of(exc)
+        if status in (401, 403):
+            return WeightsError(f"{where}: HTTP {status}, not allowed; {token_hint}", retryable=False)
+        if status == 404:
+            return WeightsError(f"{where}: HTTP 404, not found", retryable=False)
+        return WeightsError(f"{where}: HTTP {status}: {_first_line(exc)}")
+    # huggingface_hub speaks HTTP through httpx2 (a fork of httpx): its errors are its own classes.
+    import httpx2
+
+    if isinstance(exc, httpx.TimeoutException | httpx2.TimeoutException):
+        return WeightsError(f"{where}: no answer within {timeout_s:g} s")
+    if isinstance(exc, httpx.HTTPError | httpx2.HTTPError | OSError):
+        return WeightsError(f"{where}: cannot reach the hub: {type(exc).__name__}: {exc}")
+    return WeightsError(f"{where}: {type(exc).__name__}: {_first_line(exc)}")
+
+
+def _status_of(exc: Exception) -> int:
+    response = getattr(exc, "response", None)
+    return int(getattr(response, "status_code", 0) or 0)
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
+
+
+def _url_size(source: ModelSource, timeout_s: float) -> int:
+    where = f"weights {source.name}@{source.sha256[:6]}: {source.url}"
+    try:
+        with httpx.Client(timeout=timeout_s, follow_redirects=True) as client:
+            r = client.head(source.url, headers={"Accept-Encoding": "identity"})
+    except httpx.TimeoutException as exc:
+        raise WeightsError(f"{where}: no answer within {timeout_s:g} s") from exc
+    except httpx.HTTPError as exc:
+        raise WeightsError(f"{where}: {type(exc).__name__}: {exc}") from exc
+    if r.status_code != 200:
+        raise _http_status(where, r.status_code)
+    try:
+        return int(r.headers["Content-Length"])
+    except (KeyError, ValueError) as exc:
+        raise WeightsError(f"{where}: the server states no Content-Length", retryable=False) from exc
+
+
+def _http_status(where: str, status: int) -> WeightsError:
+    if status in (401, 403):
+        return WeightsError(f"{where}: HTTP {status}, not allowed", retryable=False)
+    if status in (404, 410):
+        return WeightsError(f"{where}: HTTP {status}, not found", retryable=False)
+    return WeightsError(f"{where}: HTTP {status}")
+
+
+# --- fetching the bytes ------------------------------------------------------------------------
+
+
+def _hasher(want: Want) -> Any:
+    if want.algo == "gitsha1":
+        h = hashlib.sha1(usedforsecurity=False)
+        h.update(f"blob {want.size}\0".encode())
+        return h
+    return hashlib.sha256()
+
+
+def fetch(
+    want: Want, blobs: Path, label: str, progress: Progress, stop: threading.Event, timeout_s: float
+) -> Path:
+    """`want` into `blobs/<blob>`, resuming its `.partial`, hashed as it arrives; renamed only when whole."""
+    final = blobs / want.blob
+    partial = blobs / f"{want.blob}.partial"
+    base = progress.done
+    where = f"weights {label}: {want.name}"
+    hasher = _hasher(want)
+    have = _size(partial)
+    if have > want.size:
+        partial.unlink()
+        have = 0
+    if have:
+        with partial.open("rb") as f:
+            while block := f.read(CHUNK):
+                hasher.update(block)
+    progress.done = base + have
+    headers = dict(want.headers)
+    headers["Accept-Encoding"] = "identity"
+    if have:
+        headers["Range"] = f"bytes={have}-"
+    host = urlsplit(want.url).netloc
+    try:
+        with (
+            httpx.Client(timeout=timeout_s, follow_redirects=True) as client,
+            client.stream("GET", want.url, headers=headers) as r,
+        ):
+            if (r.status_code == 416 and have == want.size) or (r.status_code == 206 and have):
+                pass
+            elif r.status_code == 200:
+                if have:  # the server ignored the Range: start over
+                    hasher, have = _hasher(want), 0
+                    partial.unlink(missing_ok=True)
+            else:
+                raise _http_status(where, r.status_code)
+            with partial.open("ab") as out:
+                # As the bytes arrive, not in fixed chunks: a chunk still buffered when the
+                # connection drops would be lost, and the resume would start before it.
+                for chunk in r.iter_bytes():
+                    if stop.is_set():
+                        raise WeightsError(f"{where}: stopped", retryable=True)
+                    if have + len(chunk) > want.size:
+                        out.close()
+                        partial.unlink(missing_ok=True)
+                        raise WeightsError(
+                            f"{where}: {host} sent more than the {want.size} bytes the hub states; discarded"
+                        )
+                    out.write(chunk)
+                    hasher.update(chunk)
+                    have += len(chunk)
+                    progress.done = base + have
+                out.flush()
+                os.fsync(out.fileno())
+    except httpx.TimeoutException as exc:
+        raise WeightsError(
+            f"{where}: no data from {host} for {timeout_s:g} s at {amount(have, want.size)}; "
+            "the next attempt resumes from there"
+        ) from exc
+    except httpx.HTTPError as exc:
+        raise WeightsError(
+            f"{where}: the download broke off at {amount(have, want.size)} ({type(exc).__name__}: {exc}); "
+            "the next attempt resumes from there"
+        ) from exc
+    except OSError as exc:
+        raise WeightsError(f"{where}: cannot write {partial}: {exc.strerror or exc}") from exc
+    if have < want.size:
+        raise WeightsError(
+            f"{where}: the download ended at {amount(have, want.size)}; the next attempt resumes from there"
+        )
+    digest = hasher.hexdigest()
+    if digest != want.digest:
+        partial.unlink(missing_ok=True)
+        kind = "sha256" if want.algo == "sha256" else "git blob id"
+        raise WeightsError(
+            f"{where}: {kind} mismatch: expected {want.digest}, got {digest}; the download is discarded"
+        )
+    os.replace(partial, final)
+    _fsync_dir(blobs)
+    return final
+
+
+# --- files ---------------------------------------------------------------------------------------
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _tree_size(root: Path) -> int:
+    """Bytes the store holds: its blobs and partial downloads (views are links to blobs)."""
+    blobs = root / "blobs"
+    try:
+        return sum(p.stat().st_size for p in blobs.iterdir())
+    except OSError:
+        return 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
