@@ -140,6 +140,14 @@ async def ready_replicas(bus: Bus, deployment: str) -> list[str]:
     )
 
 
+async def all_ready(bus: Bus, n: int) -> dict[str, ReplicaRecord]:
+    """Every replica record, asserting there are `n` and each is ready with a URL (for `eventually`)."""
+    found = await replicas(bus)
+    assert len(found) == n, sorted(found)
+    assert all(r.state == "ready" and r.url for r in found.values()), found
+    return found
+
+
 async def dlq(bus: Bus, service: str = "placement") -> list[Msg]:
     """Every message in a service's DLQ so far."""
     sub = await bus.js.subscribe(bus.names.dlq(service), stream=bus.names.dlq_stream, ordered_consumer=True)

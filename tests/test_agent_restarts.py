@@ -13,18 +13,11 @@ from llmgw import ctl
 from llmgw_core.bus import Bus
 from llmgw_core.events import NodeStatus, ReplicaRecord
 from tests.cluster_support import Cluster, cluster, sim_catalog
-from tests.control_support import replicas
+from tests.control_support import all_ready, replicas
 from tests.test_gateway import running_gateway
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
-
-
-async def serving(bus: Bus, expected: int) -> dict[str, ReplicaRecord]:
-    found = await replicas(bus)
-    assert len(found) == expected, sorted(found)
-    assert all(r.state == "ready" and r.url for r in found.values()), found
-    return found
 
 
 async def nodes_that_run_sim(bus: Bus, n: int) -> bool:
@@ -44,7 +37,7 @@ async def launcher_back(c: Cluster, bus: Bus, node: str, before: dict[str, Repli
     adopted = c.log(f"launcher-{node}").count(": adopted pids ")
     on_node = sum(1 for r in before.values() for m in r.members if m.node == node)
     assert adopted >= on_node, (node, adopted, on_node)
-    now = await serving(bus, len(before))
+    now = await all_ready(bus, len(before))
     assert {k: r.url for k, r in now.items()} == {k: r.url for k, r in before.items()}
     return True
 
@@ -71,7 +64,7 @@ async def test_an_agent_upgrade_on_every_node_in_turn_costs_no_request(
             ],
         )
         async with running_gateway(c) as (url, _):
-            before = await eventually(lambda: serving(bus, 3), timeout=90, interval=0.3)
+            before = await eventually(lambda: all_ready(bus, 3), timeout=90, interval=0.3)
             assert {m.node for k, r in before.items() if k.startswith("chat.") for m in r.members} == {
                 "n1",
                 "n2",
@@ -132,5 +125,5 @@ async def test_an_agent_upgrade_on_every_node_in_turn_costs_no_request(
             assert failed == [], failed[:5]
             assert len(outcomes) >= 40
             assert {m for m, _, _ in outcomes} == {"chat", "solo"}
-            assert set(await serving(bus, 3)) == set(before), "no replica was placed again"
+            assert set(await all_ready(bus, 3)) == set(before), "no replica was placed again"
             assert {node: c.engine_pids(node) for node in ("n1", "n2")} == pids, "no engine restarted"

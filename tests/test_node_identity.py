@@ -15,22 +15,14 @@ from llmgw_core.events import (
     Deployment,
     DeploymentStatus,
     NodeStatus,
-    ReplicaRecord,
     ReplicaStatus,
     ShardStatus,
 )
 from tests.cluster_support import cluster, sim_catalog
-from tests.control_support import replicas
+from tests.control_support import all_ready, replicas
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
-
-
-async def ready(bus: Bus, n: int) -> dict[str, ReplicaRecord]:
-    found = await replicas(bus)
-    assert len(found) == n, sorted(found)
-    assert all(r.state == "ready" and r.url for r in found.values()), found
-    return found
 
 
 async def last_status(bus: Bus, deployment: str) -> DeploymentStatus:
@@ -54,7 +46,7 @@ async def test_a_second_machine_with_a_live_node_id_stands_by_is_said_everywhere
     with cluster(tmp_path, nats_url, prefix) as c:
         c.start_node("n1", gpus=2)
         c.start_placement("p1", [sim_catalog()], [{"name": "chat", "profile": "tiny", "replicas": 1}])
-        (r0,) = (await eventually(lambda: ready(bus, 1), timeout=60, interval=0.3)).values()
+        (r0,) = (await eventually(lambda: all_ready(bus, 1), timeout=60, interval=0.3)).values()
         engines = c.engine_pids("n1")
         status = await bus.get(bus.names.nodes_bucket, "n1", NodeStatus)
         assert status is not None
@@ -103,7 +95,7 @@ async def test_a_second_machine_with_a_live_node_id_stands_by_is_said_everywhere
             return last
 
         await eventually(refused, timeout=30, interval=0.3)
-        assert (await ready(bus, 1)) == {"chat.r0": r0}
+        assert (await all_ready(bus, 1)) == {"chat.r0": r0}
         assert c.engine_pids("n1") == engines
         assert c.engine_pids("n1@b") == [], "the second machine ran nothing"
         status = await bus.get(bus.names.nodes_bucket, "n1", NodeStatus)
@@ -113,7 +105,7 @@ async def test_a_second_machine_with_a_live_node_id_stands_by_is_said_everywhere
         # The second machine goes: the node is one machine's again, and the replica is placed.
         c.kill("launcher-n1@b")
         c.kill("installer-n1@b")
-        await eventually(lambda: ready(bus, 2), timeout=60, interval=0.3)
+        await eventually(lambda: all_ready(bus, 2), timeout=60, interval=0.3)
         judged = await ctl.liveness(bus)
         assert judged is not None
         assert [n.claimed for n in judged.nodes] == [""]
@@ -158,7 +150,7 @@ async def test_a_replacement_machine_with_fewer_gpus_gets_its_replicas_placed_ag
         c.node_timeout_s = 60.0
         c.start_node("n1", gpus=2)
         c.start_placement("p1", [sim_catalog()], [{"name": "chat", "profile": "tiny", "replicas": 2}])
-        before = await eventually(lambda: ready(bus, 2), timeout=60, interval=0.3)
+        before = await eventually(lambda: all_ready(bus, 2), timeout=60, interval=0.3)
         specs = {
             k: c.value
             for k, c in (await bus.entries(bus.names.shards_bucket, ShardSpec)).items()
@@ -179,7 +171,7 @@ async def test_a_replacement_machine_with_fewer_gpus_gets_its_replicas_placed_ag
             return last
 
         await eventually(replaced, timeout=90, interval=0.3)
-        kept = await ready(bus, 1)
+        kept = await all_ready(bus, 1)
         assert set(kept) == {on_gpu[(0,)]}, "the replica on the GPU it still has stays"
         assert set(kept) <= set(before)
         gone = on_gpu[(1,)]
