@@ -15,6 +15,7 @@ from ._registry import (
     extra_ports_needed,
 )
 from ._types import (
+    BASE_API_PATHS,
     Address,
     Command,
     Engine,
@@ -30,6 +31,7 @@ from .sim import Sim, SimConfig
 from .vllm import VLLM, VLLMConfig
 
 __all__ = [
+    "BASE_API_PATHS",
     "MIN_CAPABILITY",
     "TOKEN_PATTERN",
     "VLLM",
