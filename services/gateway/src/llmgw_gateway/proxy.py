@@ -389,9 +389,10 @@ class Proxy:
         return path in BASE_API_PATHS or paths is None or path in paths
 
     def _served_paths(self, engines: list[str]) -> list[str]:
-        paths: set[str] = set(BASE_API_PATHS) - {"/v1/models"}
+        """The routed paths every one of `engines` serves."""
+        paths = set(ROUTED)
         for engine in engines:
-            paths &= self._engines.api_paths(engine) or frozenset()
+            paths &= self._engines.api_paths(engine) or BASE_API_PATHS
         return sorted(paths)
 
     async def _served_name(self, record: ReplicaRecord) -> str | None:
