@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from llmgw_core.bus import Bus
-from llmgw_core.events import ReplicaRecord
+from llmgw_core.events import Deployment, ReplicaRecord
 from llmgw_gateway import Proxy, Table
 from llmgw_gateway.web import serve_app
 from tests.cluster_support import cluster, sim_catalog
@@ -261,3 +261,17 @@ async def test_the_openai_client_raises_on_a_stream_broken_off() -> None:
                 await read_all()
             assert len(got) == 2
             assert "broke off its answer" in broken.value.message
+
+
+async def test_a_deployment_with_no_replica_placed_names_the_command_that_says_why() -> None:
+    async with proxy_over([]) as (base, proxy), httpx.AsyncClient(timeout=30) as raw:
+        proxy.table.set_deployment("big", Deployment(name="big", profile="huge", replicas=2))
+        r = await raw.post(f"{base}/v1/embeddings", json={"model": "big", "input": "hi"})
+        assert r.status_code == 503
+        assert r.json()["error"] == {
+            "message": "deployment big has 0 ready replicas: none placed yet "
+            "(`llmgw ctl explain big` shows placement's reason)",
+            "type": "service_unavailable",
+            "param": None,
+            "code": "no_ready_replica",
+        }
