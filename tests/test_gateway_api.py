@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import anthropic
 import anyio
+import anyio.abc
 import httpx
 import openai
 import pytest
@@ -275,3 +277,86 @@ async def test_a_deployment_with_no_replica_placed_names_the_command_that_says_w
             "param": None,
             "code": "no_ready_replica",
         }
+
+
+@contextlib.asynccontextmanager
+async def breaking_engine(events: list[bytes], tail: bytes) -> AsyncIterator[str]:
+    """An HTTP server that answers any request with a chunked event stream: each of `events`
+    in a chunk of its own, then `tail` (a partial event) and the connection closed mid-body."""
+
+    async def answer(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += await stream.receive()
+            headers, _, body = head.partition(b"\r\n\r\n")
+            if headers.startswith(b"GET"):
+                await stream.send(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                return
+            length = int(re.search(rb"content-length: *(\d+)", headers, re.IGNORECASE)[1])  # type: ignore[index]
+            while len(body) < length:
+                body += await stream.receive()
+            await stream.send(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
+            for part in [*events, tail]:
+                await stream.send(b"%x\r\n%s\r\n" % (len(part), part))
+                await anyio.sleep(0.05)  # each in a packet of its own
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, answer)
+        yield f"http://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
+        tg.cancel_scope.cancel()
+
+
+async def test_an_event_cut_in_half_is_dropped_and_the_stream_still_ends_well_formed() -> None:
+    first = b'data: {"id": "1", "object": "chat.completion.chunk", "created": 0, "model": "tiny", '
+    first += b'"choices": [{"index": 0, "delta": {"content": "hel"}, "finish_reason": null}]}\n\n'
+    async with (
+        breaking_engine([first], b'data: {"id": "1", "obj') as engine,
+        proxy_over([engine], engine="vllm") as (base, _),
+    ):
+        async with httpx.AsyncClient(timeout=30) as raw:
+            body = {"model": "chat", "messages": CHAT, "stream": True}
+            async with raw.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+                sse = b"".join([chunk async for chunk in r.aiter_raw()])
+        events = sse.split(b"\n\n")
+        assert events[0] + b"\n\n" == first
+        assert json.loads(events[1].removeprefix(b"data: "))["error"]["code"] == "replica_failed"
+        assert events[2:] == [b"data: [DONE]", b""]
+
+
+async def test_an_anthropic_stream_broken_off_ends_with_its_error_event() -> None:
+    start = {
+        "type": "message_start",
+        "message": {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": "tiny",
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 1, "output_tokens": 0},
+        },
+    }
+    started = b"event: message_start\ndata: " + json.dumps(start).encode() + b"\n\n"
+    async with (
+        breaking_engine([started], b"event: content_block_start\nda") as engine,
+        proxy_over([engine], engine="vllm") as (base, _),
+        anthropic.AsyncAnthropic(base_url=base, api_key="unused", max_retries=0) as claude,
+    ):
+        stream = await claude.messages.create(
+            model="chat", max_tokens=8, messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        seen: list[str] = []
+
+        async def read_all() -> None:
+            async for event in stream:
+                seen.append(event.type)
+
+        with pytest.raises(anthropic.APIError) as broken:
+            await read_all()
+        assert seen == ["message_start"]
+        assert "broke off its answer" in broken.value.message

@@ -86,10 +86,14 @@ def _error(status: int, message: str, kind: str, code: str) -> JSONResponse:
     return JSONResponse(error_body(message, kind, code), status_code=status)
 
 
-def _sse_error(message: str) -> bytes:
-    """The end of a stream broken off: an error event, as OpenAI sends one, and `[DONE]`."""
-    event = error_body(message, "upstream_error", "replica_failed")
-    return b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
+def _sse_error(message: str, path: str) -> bytes:
+    """The end of a stream broken off: an error event, as OpenAI sends one, and `[DONE]`; on
+    Anthropic's `/v1/messages`, its `error` event (its clients read no other)."""
+    if path == "/v1/messages":
+        event = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
+    body = error_body(message, "upstream_error", "replica_failed")
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
@@ -490,7 +494,7 @@ class Proxy:
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_OUT}
         sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(
-            self._relay(upstream, key, deployment, span, arrived, sse=sse),
+            self._relay(upstream, key, deployment, span, arrived, sse=request.url.path if sse else ""),
             status_code=upstream.status_code,
             headers=out_headers,
         )
@@ -509,11 +513,12 @@ class Proxy:
         span: trace.Span,
         arrived: float,
         *,
-        sse: bool = False,
+        sse: str = "",
     ) -> AsyncIterator[bytes]:
         first = True
-        # Server-sent events: passed on whole (up to the last blank line of each chunk), so that
-        # a stream broken off mid-event can still end with a well-formed error event.
+        # Server-sent events (`sse` is the request's path): passed on whole, up to the last
+        # blank line of each chunk, so that a stream broken off mid-event can still end with a
+        # well-formed error event.
         pending = b""
         try:
             async for chunk in upstream.aiter_raw():
@@ -522,7 +527,8 @@ class Proxy:
                     self.metrics.ttfb.labels(deployment).observe(time.monotonic() - arrived)
                 if sse:
                     chunk = pending + chunk
-                    end = chunk.rfind(b"\n\n") + 2
+                    end = chunk.rfind(b"\n\n")
+                    end = end + 2 if end >= 0 else 0
                     chunk, pending = chunk[:end], chunk[end:]
                     if not chunk:
                         continue
@@ -541,7 +547,8 @@ class Proxy:
                 where = f"replica {record.replica} at {record.url}" if record else f"replica {key}"
                 yield _sse_error(
                     f"{where} of deployment {deployment} broke off its answer: {failure}; "
-                    "the answer is incomplete and was not retried"
+                    "the answer is incomplete and was not retried",
+                    sse,
                 )
             else:
                 self.metrics.errors.labels(deployment, "upstream").inc()
