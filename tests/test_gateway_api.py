@@ -280,9 +280,12 @@ async def test_a_deployment_with_no_replica_placed_names_the_command_that_says_w
 
 
 @contextlib.asynccontextmanager
-async def breaking_engine(events: list[bytes], tail: bytes) -> AsyncIterator[str]:
-    """An HTTP server that answers any request with a chunked event stream: each of `events`
-    in a chunk of its own, then `tail` (a partial event) and the connection closed mid-body."""
+async def breaking_engine(
+    events: list[bytes], tail: bytes, content_type: bytes = b"text/event-stream"
+) -> AsyncIterator[str]:
+    """An HTTP server that answers any POST with a chunked body (an event stream by default):
+    each of `events` in a chunk of its own, then `tail` (a partial event) and the connection
+    closed mid-body."""
 
     async def answer(stream: anyio.abc.SocketStream) -> None:
         async with stream:
@@ -297,7 +300,7 @@ async def breaking_engine(events: list[bytes], tail: bytes) -> AsyncIterator[str
             while len(body) < length:
                 body += await stream.receive()
             await stream.send(
-                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n\r\n" % content_type
             )
             for part in [*events, tail]:
                 await stream.send(b"%x\r\n%s\r\n" % (len(part), part))
@@ -360,3 +363,15 @@ async def test_an_anthropic_stream_broken_off_ends_with_its_error_event() -> Non
             await read_all()
         assert seen == ["message_start"]
         assert "broke off its answer" in broken.value.message
+
+
+async def test_an_answer_not_streamed_broken_off_is_seen_incomplete_by_the_client() -> None:
+    first, tail = b'{"id": "1", "object": "chat.completion", ', b'"choices": ['
+    async with (
+        breaking_engine([first], tail, b"application/json") as engine,
+        proxy_over([engine], engine="vllm") as (base, _),
+        httpx.AsyncClient(timeout=30) as raw,
+    ):
+        body = {"model": "chat", "messages": CHAT}
+        with pytest.raises(httpx.RemoteProtocolError):
+            await raw.post(f"{base}/v1/chat/completions", json=body)

@@ -86,6 +86,10 @@ def _error(status: int, message: str, kind: str, code: str) -> JSONResponse:
     return JSONResponse(error_body(message, kind, code), status_code=status)
 
 
+class BrokenAnswer(Exception):
+    """A replica's answer broke off after the gateway had begun passing it on."""
+
+
 def _sse_error(message: str, path: str) -> bytes:
     """The end of a stream broken off: an error event, as OpenAI sends one, and `[DONE]`; on
     Anthropic's `/v1/messages`, its `error` event (its clients read no other)."""
@@ -537,7 +541,9 @@ class Proxy:
                 yield pending
         except httpx.HTTPError as exc:
             # Mid-answer: never retried (the replica had the request). A streamed answer ends
-            # with an error event and [DONE]; any other the client sees end early.
+            # with an error event and [DONE]; any other is cut off without its last chunk
+            # (raised to the server, which closes the connection), so the client sees it
+            # incomplete rather than taking what came for the whole answer.
             failure = f"{exc or type(exc).__name__}"
             span.set_status(trace.StatusCode.ERROR, failure)
             log.warning("%s: %s broke off its answer: %s", deployment, key, failure)
@@ -552,6 +558,7 @@ class Proxy:
                 )
             else:
                 self.metrics.errors.labels(deployment, "upstream").inc()
+                raise BrokenAnswer(f"{deployment}: {key} broke off its answer: {failure}") from exc
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
