@@ -320,6 +320,8 @@ class ReplicaRecord(Message, frozen=True):
     # replica is ready again), as its shards' launchers reported them.
     restarts: int = 0
     last_failure: str = ""
+    # Its profile's engine (`vllm`, `llamacpp`, …): which API paths the gateway may send it.
+    engine: str = ""
 
 
 class ReplicaStatus(Message, frozen=True):

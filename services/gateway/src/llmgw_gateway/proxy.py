@@ -1,13 +1,19 @@
-"""The OpenAI-compatible HTTP surface: `/v1/models`, `/v1/chat/completions`,
-`/v1/completions` (streamed or not), `/healthz` and `/metrics`.
+"""The OpenAI-compatible HTTP surface: `/v1/models` and `/v1/models/{id}`,
+`/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/responses`
+and Anthropic's `/v1/messages` (streamed or not), `/healthz` and `/metrics`.
+Every error the gateway answers itself, unknown paths included, is OpenAI's
+error object.
 
-A completion is routed by its `model` (a deployment's name or alias) to the
-ready replica with the fewest requests in flight. When a replica refuses the
-connection (it died, and placement has not said so yet) the request goes to
-another: nothing was sent, so nothing can be done twice. Once a replica has
-the request, its answer (status, headers, body) is passed through byte for
-byte, server-sent events included; a failure after that is the client's to
-see, never retried behind its back.
+A request is routed by its `model` (a deployment's name or alias) to the
+ready replica with the fewest requests in flight, among those whose engine
+serves the path (each engine adapter's `api_paths`); where none does, a 400
+names the engine. When a replica fails before any byte of answer (it refused
+the connection, or closed or reset it before answering: it died, and
+placement has not said so yet) the request goes to another. Once a replica's
+answer has begun, it is passed through (status, headers less the hop-by-hop
+ones and its `Date`, body byte for byte, server-sent events included) and
+never retried: a stream broken off after that ends with an SSE error event
+and `data: [DONE]`, never silently truncated.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from llmgw_core.engines import BASE_API_PATHS, default_registry
 from llmgw_core.events import ReplicaRecord
 from llmgw_core.metrics import exposition, new_registry
 
@@ -52,6 +59,19 @@ _HOP = frozenset(
         "authorization",
     }
 )
+# Also dropped from a replica's answer: the gateway's HTTP server sets its own `Date`.
+_HOP_OUT = _HOP | {"date"}
+# The proxied paths (POST, routed by the body's `model`).
+ROUTED = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/messages",
+)
+# Failures of a replica before any byte of its answer: the request goes to another. Not a
+# timeout: a replica that is slow to answer may be working on it.
+_BEFORE_ANSWER = (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
 UNKNOWN = "(unknown)"
 # How long a request waits for a starting gateway's first snapshot of the buckets.
 LOAD_WAIT_S = 10.0
@@ -64,6 +84,52 @@ def error_body(message: str, kind: str, code: str) -> dict[str, Any]:
 
 def _error(status: int, message: str, kind: str, code: str) -> JSONResponse:
     return JSONResponse(error_body(message, kind, code), status_code=status)
+
+
+class BrokenAnswer(Exception):
+    """A replica's answer broke off after the gateway had begun passing it on."""
+
+
+def _sse_error(message: str, path: str) -> bytes:
+    """The end of a stream broken off: an error event, as OpenAI sends one, and `[DONE]`; on
+    Anthropic's `/v1/messages`, its `error` event (its clients read no other)."""
+    if path == "/v1/messages":
+        event = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
+    body = error_body(message, "upstream_error", "replica_failed")
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    paths = ", ".join(["/v1/models", "/v1/models/{model}", *ROUTED])
+    return _error(
+        404,
+        f"unknown path {shown(request.url.path)}: the gateway serves {paths}",
+        "invalid_request_error",
+        "unknown_path",
+    )
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    allow = (getattr(exc, "headers", None) or {}).get("Allow", "")
+    response = _error(
+        405,
+        f"method {request.method} is not allowed on {shown(request.url.path)}: use {allow or 'another'}",
+        "invalid_request_error",
+        "method_not_allowed",
+    )
+    if allow:
+        response.headers["Allow"] = allow
+    return response
+
+
+async def _internal(request: Request, exc: Exception) -> Response:
+    return _error(
+        500,
+        f"the gateway failed on {shown(request.url.path)}: {type(exc).__name__}; its log says more",
+        "server_error",
+        "internal_error",
+    )
 
 
 class Metrics:
@@ -79,8 +145,11 @@ class Metrics:
             "llmgw_gateway_errors",
             "Requests the gateway answered with an error, or whose replica failed, by reason class: "
             "bad_request, unauthorized, gateway_starting, unknown_model, no_ready_replica, "
+            "unsupported_path (the deployment's engine does not serve the path), "
             "connect (a replica refused, retried elsewhere), "
+            "reset (a replica closed the connection before answering, retried elsewhere), "
             "upstream (the replica failed after it had the request), "
+            "upstream_stream (a streamed answer broke off; the client got an SSE error event), "
             "upstream_status (the replica answered 5xx).",
             ["deployment", "reason"],
             registry=self.registry,
@@ -125,14 +194,16 @@ class Proxy:
         # /v1/models). The fingerprint: a changed profile restarted on the same port may serve
         # another name.
         self._served: dict[tuple[str, str], str] = {}
+        self._engines = default_registry()
         self.app = Starlette(
             routes=[
                 Route("/healthz", self.healthz, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
-                Route("/v1/chat/completions", self.complete, methods=["POST"]),
-                Route("/v1/completions", self.complete, methods=["POST"]),
-            ]
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+                *(Route(path, self.complete, methods=["POST"]) for path in ROUTED),
+            ],
+            exception_handlers={404: _not_found, 405: _not_allowed, Exception: _internal},
         )
 
     # --- plain endpoints ------------------------------------------------------
@@ -189,18 +260,38 @@ class Proxy:
         refused = self._unauthorized(request) or await self._not_loaded()
         if refused is not None:
             return refused
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "llmgw",
-                "aliases": list(self.table.aliases(name)),
-                "ready_replicas": len(self.table.ready(name)),
-            }
-            for name in self.table.known()
-        ]
+        data = [self._model_object(name) for name in self.table.known()]
         return JSONResponse({"object": "list", "data": data})
+
+    def _model_object(self, name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "llmgw",
+            "aliases": list(self.table.aliases(name)),
+            "ready_replicas": len(self.table.ready(name)),
+        }
+
+    async def model(self, request: Request) -> Response:
+        """One model, by a deployment's name or alias, as OpenAI's `GET /v1/models/{model}`."""
+        refused = self._unauthorized(request) or await self._not_loaded()
+        if refused is not None:
+            return refused
+        model = request.path_params["model"]
+        deployment = self.table.resolve(model)
+        if deployment is None:
+            self.metrics.errors.labels(UNKNOWN, "unknown_model").inc()
+            return self._unknown_model(model)
+        return JSONResponse(self._model_object(deployment))
+
+    def _unknown_model(self, model: str) -> JSONResponse:
+        return _error(
+            404,
+            f"model {shown(model)} is not served here; known models: {self.table.describe_known()}",
+            "invalid_request_error",
+            "model_not_found",
+        )
 
     # --- completions ------------------------------------------------------------
 
@@ -225,7 +316,12 @@ class Proxy:
             # The connection closed before the body was in (the client went, or the gateway
             # closed it at http: body_timeout_s): nobody is left to read an answer.
             self.metrics.errors.labels(UNKNOWN, "bad_request").inc()
-            return Response(status_code=400)
+            return _error(
+                400,
+                "the connection closed before the body was in",
+                "invalid_request_error",
+                "incomplete_body",
+            )
         if body is None:
             self.metrics.errors.labels(UNKNOWN, "bad_request").inc()
             return _error(
@@ -264,11 +360,21 @@ class Proxy:
         deployment = self.table.resolve(model)
         if deployment is None:
             self.metrics.errors.labels(UNKNOWN, "unknown_model").inc()
+            return self._unknown_model(model)
+        path = request.url.path
+        # Replicas whose engine does not serve the path.
+        unserved = frozenset(k for k, r in self.table.of(deployment) if not self._serves(r.engine, path))
+        candidates = {k for k, _ in [*self.table.ready(deployment), *self.table.unknown(deployment)]}
+        if candidates and candidates <= unserved:
+            engines = sorted({r.engine for k, r in self.table.of(deployment) if k in candidates})
+            self.metrics.errors.labels(deployment, "unsupported_path").inc()
+            plural = "s" if len(engines) > 1 else ""
             return _error(
-                404,
-                f"model {shown(model)} is not served here; known models: {self.table.describe_known()}",
+                400,
+                f"deployment {deployment} runs on engine{plural} {', '.join(engines)}, which does not "
+                f"serve {path}; it serves {', '.join(self._served_paths(engines))}",
                 "invalid_request_error",
-                "model_not_found",
+                "unsupported_endpoint",
             )
         self.metrics.requests.labels(deployment).inc()
         span = self.tracer.start_span(
@@ -277,12 +383,25 @@ class Proxy:
             attributes={"llmgw.deployment": deployment, "llmgw.model": model[:256]},
         )
         try:
-            return await self._forward(request, payload, body, model, deployment, span, arrived)
+            return await self._forward(request, payload, body, model, deployment, span, arrived, unserved)
         except BaseException as exc:
             span.record_exception(exc)
             span.set_status(trace.StatusCode.ERROR, str(exc))
             span.end()
             raise
+
+    def _serves(self, engine: str, path: str) -> bool:
+        """Whether `engine`'s server answers `path`; an engine not named (by an older placement)
+        or not known here is sent the request, and answers for itself."""
+        paths = self._engines.api_paths(engine)
+        return path in BASE_API_PATHS or paths is None or path in paths
+
+    def _served_paths(self, engines: list[str]) -> list[str]:
+        """The routed paths every one of `engines` serves."""
+        paths = set(ROUTED)
+        for engine in engines:
+            paths &= self._engines.api_paths(engine) or BASE_API_PATHS
+        return sorted(paths)
 
     async def _served_name(self, record: ReplicaRecord) -> str | None:
         """The model name the replica's engine answers to (engines refuse any other)."""
@@ -311,19 +430,21 @@ class Proxy:
         deployment: str,
         span: trace.Span,
         arrived: float,
+        unserved: frozenset[str] = frozenset(),
     ) -> Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         with trace.use_span(span, end_on_exit=False):
             propagate.inject(headers)
-        tried: set[str] = set()
+        tried: set[str] = set(unserved)
         failures: list[str] = []
         while True:
             chosen = self.table.pick(deployment, frozenset(tried))
             if chosen is None:
                 if failures:
-                    plural = "" if len(tried) == 1 else "s"
+                    attempts = len(tried - unserved)
+                    plural = "" if attempts == 1 else "s"
                     reason = (
-                        f"deployment {deployment} has {len(tried)} ready replica{plural} but none "
+                        f"deployment {deployment} has {attempts} ready replica{plural} but none "
                         f"accepted the request: {'; '.join(failures)}"
                     )
                 else:
@@ -347,13 +468,16 @@ class Proxy:
                     request.method, record.url + request.url.path, content=content, headers=headers
                 )
                 upstream = await self.client.send(upstream_request, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                # Nothing reached the replica: another one may take the request.
+            except _BEFORE_ANSWER as exc:
+                # No byte of answer came: the replica refused the connection, or closed or reset
+                # it before answering (it died with the request). Another one may take it.
                 self._release(key, deployment)
                 self._served.pop((record.url, record.profile_fp), None)
-                self.metrics.errors.labels(deployment, "connect").inc()
+                refused = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+                self.metrics.errors.labels(deployment, "connect" if refused else "reset").inc()
                 failures.append(f"{record.replica} at {record.url}: {exc or type(exc).__name__}")
-                log.warning("%s: %s refused the connection (%s); trying another", deployment, key, exc)
+                what = "refused the connection" if refused else "failed before answering"
+                log.warning("%s: %s %s (%s); trying another", deployment, key, what, exc)
                 continue
             except BaseException as exc:
                 self._release(key, deployment)
@@ -371,9 +495,10 @@ class Proxy:
         span.set_attribute("http.status_code", upstream.status_code)
         if upstream.status_code >= 500:
             self.metrics.errors.labels(deployment, "upstream_status").inc()
-        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
+        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_OUT}
+        sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(
-            self._relay(upstream, key, deployment, span, arrived),
+            self._relay(upstream, key, deployment, span, arrived, sse=request.url.path if sse else ""),
             status_code=upstream.status_code,
             headers=out_headers,
         )
@@ -385,20 +510,55 @@ class Proxy:
         self.metrics.outstanding.labels(deployment).dec()
 
     async def _relay(
-        self, upstream: httpx.Response, key: str, deployment: str, span: trace.Span, arrived: float
+        self,
+        upstream: httpx.Response,
+        key: str,
+        deployment: str,
+        span: trace.Span,
+        arrived: float,
+        *,
+        sse: str = "",
     ) -> AsyncIterator[bytes]:
         first = True
+        # Server-sent events (`sse` is the request's path): passed on whole, up to the last
+        # blank line of each chunk, so that a stream broken off mid-event can still end with a
+        # well-formed error event.
+        pending = b""
         try:
             async for chunk in upstream.aiter_raw():
                 if first:
                     first = False
                     self.metrics.ttfb.labels(deployment).observe(time.monotonic() - arrived)
+                if sse:
+                    chunk = pending + chunk
+                    end = chunk.rfind(b"\n\n")
+                    end = end + 2 if end >= 0 else 0
+                    chunk, pending = chunk[:end], chunk[end:]
+                    if not chunk:
+                        continue
                 yield chunk
+            if pending:
+                yield pending
         except httpx.HTTPError as exc:
-            # Mid-answer: the client sees its stream end early; it is not retried.
-            self.metrics.errors.labels(deployment, "upstream").inc()
-            span.set_status(trace.StatusCode.ERROR, f"{exc or type(exc).__name__}")
-            log.warning("%s: %s broke off its answer: %s", deployment, key, exc)
+            # Mid-answer: never retried (the replica had the request). A streamed answer ends
+            # with an error event and [DONE]; any other is cut off without its last chunk
+            # (raised to the server, which closes the connection), so the client sees it
+            # incomplete rather than taking what came for the whole answer.
+            failure = f"{exc or type(exc).__name__}"
+            span.set_status(trace.StatusCode.ERROR, failure)
+            log.warning("%s: %s broke off its answer: %s", deployment, key, failure)
+            if sse:
+                self.metrics.errors.labels(deployment, "upstream_stream").inc()
+                record = self.table.replicas.get(key)
+                where = f"replica {record.replica} at {record.url}" if record else f"replica {key}"
+                yield _sse_error(
+                    f"{where} of deployment {deployment} broke off its answer: {failure}; "
+                    "the answer is incomplete and was not retried",
+                    sse,
+                )
+            else:
+                self.metrics.errors.labels(deployment, "upstream").inc()
+                raise BrokenAnswer(f"{deployment}: {key} broke off its answer: {failure}") from exc
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()

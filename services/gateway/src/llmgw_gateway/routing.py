@@ -113,7 +113,12 @@ class Table:
         if not records:
             if d is not None and d.replicas == 0:
                 return f"deployment {deployment} has 0 ready replicas: it is scaled to 0"
-            return f"deployment {deployment} has 0 ready replicas: none placed yet"
+            # Placement's reason for a refusal is in its deployment events, which the gateway
+            # does not read: the operator's command that shows it is named instead.
+            return (
+                f"deployment {deployment} has 0 ready replicas: none placed yet "
+                f"(`llmgw ctl explain {deployment}` shows placement's reason)"
+            )
         parts = []
         for _, r in records:
             part = f"{r.replica} {r.state}"

@@ -779,6 +779,7 @@ class Controller:
             profile=profile.name,
             profile_fp=fp,
             state="placing",
+            engine=profile.engine,
             members=tuple(Member(node=a.node, addr=a.addr, port=a.port) for a in p.members),
             shards=tuple(self.bus.names.shard_key(s.node, s.shard) for s in specs),
             fabric=p.fabric,

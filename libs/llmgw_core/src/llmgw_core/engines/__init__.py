@@ -16,6 +16,7 @@ from ._registry import (
 )
 from ._source import ModelSource, SourceError, is_source, parse_source, weights_key
 from ._types import (
+    BASE_API_PATHS,
     Address,
     Command,
     Engine,
@@ -31,6 +32,7 @@ from .sim import Sim, SimConfig
 from .vllm import VLLM, VLLMConfig
 
 __all__ = [
+    "BASE_API_PATHS",
     "MIN_CAPABILITY",
     "TOKEN_PATTERN",
     "VLLM",

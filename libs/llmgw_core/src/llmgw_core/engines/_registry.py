@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from ._types import Engine, ShardSpec
+from ._types import BASE_API_PATHS, Engine, ShardSpec
 
 
 class UnknownEngineError(KeyError):
@@ -44,6 +44,13 @@ class Registry:
         except KeyError:
             known = ", ".join(self.names()) or "none"
             raise UnknownEngineError(f"unknown engine {name!r}; known engines: {known}") from None
+
+    def api_paths(self, name: str) -> frozenset[str] | None:
+        """The HTTP API paths engine `name`'s server answers; None for an engine not known here."""
+        engine = self._engines.get(name)
+        if engine is None:
+            return None
+        return frozenset(getattr(engine, "api_paths", BASE_API_PATHS))
 
     def names(self) -> list[str]:
         return sorted(self._engines)

@@ -186,6 +186,11 @@ class Command(Struct, frozen=True, kw_only=True):
         return dict(self.env)
 
 
+# The OpenAI-style paths every engine serves; each adapter's `api_paths` names what its
+# server answers beyond them, and the gateway refuses the rest with a 400 naming the engine.
+BASE_API_PATHS = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions"})
+
+
 class Engine(Protocol):
     """What an engine adapter provides. Adapters build data; they never start a process."""
 

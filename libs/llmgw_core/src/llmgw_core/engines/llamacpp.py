@@ -7,7 +7,7 @@ import os
 from msgspec import Struct
 
 from ._env import generated_env, materialise
-from ._types import Address, Command, GPUInfo, Profile, ShardSpec
+from ._types import BASE_API_PATHS, Address, Command, GPUInfo, Profile, ShardSpec
 from ._validate import validate_profile
 
 # The RPC server was renamed; an install has one or the other.
@@ -43,6 +43,8 @@ class LlamaCpp:
     name = "llamacpp"
     health_path = "/health"
     metrics_path = "/metrics"
+    # llama-server: /v1/embeddings answers where the profile passes --embeddings.
+    api_paths = BASE_API_PATHS | {"/v1/embeddings", "/v1/messages"}
 
     def __init__(self, config: LlamaCppConfig | None = None) -> None:
         self.config = config or LlamaCppConfig()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from msgspec import Struct
 
 from ._env import generated_env, materialise
-from ._types import Command, GPUInfo, Profile, ShardSpec
+from ._types import BASE_API_PATHS, Command, GPUInfo, Profile, ShardSpec
 from ._validate import validate_profile
 
 
@@ -18,6 +18,7 @@ class SGLang:
     name = "sglang"
     health_path = "/health"
     metrics_path = "/metrics"
+    api_paths = BASE_API_PATHS | {"/v1/embeddings", "/v1/responses"}
 
     def __init__(self, config: SGLangConfig | None = None) -> None:
         self.config = config or SGLangConfig()

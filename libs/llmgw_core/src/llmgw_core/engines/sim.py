@@ -7,7 +7,7 @@ import sys
 from msgspec import Struct
 
 from ._env import generated_env, materialise
-from ._types import Address, Command, GPUInfo, Profile, ShardSpec
+from ._types import BASE_API_PATHS, Address, Command, GPUInfo, Profile, ShardSpec
 from ._validate import validate_profile
 
 
@@ -20,6 +20,7 @@ class Sim:
     name = "sim"
     health_path = "/health"
     metrics_path = "/metrics"
+    api_paths = BASE_API_PATHS | {"/v1/embeddings", "/v1/messages"}
 
     def __init__(self, config: SimConfig | None = None) -> None:
         self.config = config or SimConfig()

@@ -17,7 +17,7 @@ from typing import Literal
 from msgspec import Struct
 
 from ._env import generated_env, materialise
-from ._types import Address, Command, GPUInfo, Profile, ShardSpec
+from ._types import BASE_API_PATHS, Address, Command, GPUInfo, Profile, ShardSpec
 from ._validate import validate_profile
 
 # The distributions that install the `vllm` package, in the order they are looked for.
@@ -112,6 +112,8 @@ class VLLM:
     name = "vllm"
     health_path = "/health"
     metrics_path = "/metrics"
+    # Anthropic's /v1/messages in recent vLLM; an older build answers it 404 itself.
+    api_paths = BASE_API_PATHS | {"/v1/embeddings", "/v1/responses", "/v1/messages"}
 
     def __init__(self, config: VLLMConfig | None = None) -> None:
         self.config = config or VLLMConfig()

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import json
+import os
 import signal
+import struct
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -48,6 +51,9 @@ WORDS = [
     "gpus",
 ]
 
+# Floats in each embedding.
+EMBEDDING_DIM = 16
+
 
 @dataclass(frozen=True)
 class SimOptions:
@@ -67,6 +73,9 @@ class SimOptions:
     listen_after: float = 0.0
     # Tokens of KV cache: what the kv-cache-usage gauge is a fraction of.
     kv_tokens: int = 4096
+    # Exit abruptly after sending this many chunks of a streamed answer (0: on reading a
+    # request, before any byte of answer), as an engine that crashes mid-request.
+    die_after_chunks: int | None = None
 
 
 def parse_args(argv: list[str]) -> SimOptions:
@@ -91,6 +100,12 @@ def parse_args(argv: list[str]) -> SimOptions:
         help="seconds before the port is bound (an engine that loads its weights first)",
     )
     p.add_argument("--kv-tokens", type=int, default=4096, help="KV cache size, in tokens")
+    p.add_argument(
+        "--die-after-chunks",
+        type=int,
+        default=None,
+        help="exit at once after N chunks of a streamed answer (0: before answering a request)",
+    )
     ns = p.parse_args(argv)
     return SimOptions(**vars(ns))
 
@@ -128,6 +143,8 @@ class SimEngine:
                 Route("/v1/models", self.models),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+                Route("/v1/messages", self.messages, methods=["POST"]),
             ],
             exception_handlers={404: _no_route, 405: _no_route},
             max_body_size=web.MAX_BODY,
@@ -192,7 +209,7 @@ class SimEngine:
     async def completions(self, req: Request) -> Response:
         return await self._completion(req, chat=False)
 
-    async def _completion(self, req: Request, chat: bool) -> Response:
+    async def _json_body(self, req: Request) -> dict[str, Any] | Response:
         if self.loading():
             return json_response({"error": {"message": "model is loading"}}, 503)
         try:
@@ -201,7 +218,74 @@ class SimEngine:
             return json_response({"error": {"message": f"invalid JSON body: {exc}"}}, 400)
         if not isinstance(body, dict):
             return json_response({"error": {"message": "body must be a JSON object"}}, 400)
+        if self.opts.die_after_chunks == 0:
+            _die("before answering a request")
+        return body
+
+    async def _completion(self, req: Request, chat: bool) -> Response:
+        body = await self._json_body(req)
+        if isinstance(body, Response):
+            return body
         return self._complete(body, chat=chat)
+
+    async def embeddings(self, req: Request) -> Response:
+        """OpenAI's embeddings: a deterministic unit-free vector per input, as floats or base64."""
+        body = await self._json_body(req)
+        if isinstance(body, Response):
+            return body
+        raw = body.get("input")
+        inputs = [raw] if isinstance(raw, str) else raw
+        if not isinstance(inputs, list) or not inputs or not all(isinstance(x, str) for x in inputs):
+            return json_response({"error": {"message": "input must be a string or a list of strings"}}, 400)
+        data = []
+        for i, text in enumerate(inputs):
+            digest = hashlib.sha256(text.encode()).digest()
+            vector = [(b - 128) / 128 for b in digest[:EMBEDDING_DIM]]
+            value: object = vector
+            if body.get("encoding_format") == "base64":
+                value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        tokens = sum(len(x.split()) for x in inputs)
+        self.requests += 1
+        return json_response(
+            {
+                "object": "list",
+                "data": data,
+                "model": self.opts.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
+
+    async def messages(self, req: Request) -> Response:
+        """Anthropic's Messages API, not streamed."""
+        body = await self._json_body(req)
+        if isinstance(body, Response):
+            return body
+        prompt = json.dumps(body.get("messages") or [], sort_keys=True)
+        raw_max = body.get("max_tokens")
+        if not isinstance(raw_max, int) or raw_max < 1:
+            return json_response(
+                {
+                    "type": "error",
+                    "error": {"type": "invalid_request_error", "message": "max_tokens: required"},
+                },
+                400,
+            )
+        words = _tokens(prompt, min(raw_max, 4096))
+        self.requests += 1
+        self.tokens += len(words)
+        return json_response(
+            {
+                "id": "msg_" + hashlib.sha256(prompt.encode()).hexdigest()[:12],
+                "type": "message",
+                "role": "assistant",
+                "model": self.opts.model,
+                "content": [{"type": "text", "text": " ".join(words)}],
+                "stop_reason": "max_tokens",
+                "stop_sequence": None,
+                "usage": {"input_tokens": len(prompt.split()), "output_tokens": len(words)},
+            }
+        )
 
     def _complete(self, body: dict[str, object], chat: bool) -> Response:
         if chat:
@@ -247,6 +331,8 @@ class SimEngine:
         held = 0  # each chunk sent stands for a token held in the cache until the request ends
         try:
             async for chunk in self._chunks(rid, created, words, chat):
+                if held == self.opts.die_after_chunks:
+                    _die(f"after {held} chunks of an answer")
                 held += 1
                 self.kv_used += 1
                 yield chunk
@@ -287,6 +373,11 @@ class SimEngine:
         }
         yield b"data: " + json.dumps(final).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
+
+
+def _die(when: str) -> None:
+    print(f"llmgw-sim: dying {when} (--die-after-chunks)", flush=True)
+    os._exit(3)
 
 
 async def _no_route(request: Request, exc: Exception) -> Response:
