@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llmgw_core.errors import LlmgwError
 
@@ -150,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_completion = sub.add_parser(
         "completion",
         help="print a shell completion script",
-        description="Print a completion script for SHELL: `eval \"$(llmgw completion bash)\"` in ~/.bashrc, "
-        "or `llmgw completion zsh > \"${fpath[1]}/_llmgw\"`.",
+        description='Print a completion script for SHELL: `eval "$(llmgw completion bash)"` in ~/.bashrc, '
+        'or `llmgw completion zsh > "${fpath[1]}/_llmgw"`.',
     )
     from .completion import SHELLS
 
@@ -219,7 +219,7 @@ def _main(argv: list[str] | None) -> int:
         return 2
 
 
-def _onboard_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _onboard_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p_node = sub.add_parser("node", help="manage the machines of a cluster")
     node_sub = p_node.add_subparsers(dest="node_command", required=True)
     p = node_sub.add_parser(

@@ -60,7 +60,7 @@ def bash(parser: argparse.ArgumentParser) -> str:
     fn = f"_{prog.replace('-', '_')}"
     return "\n".join(
         [
-            f"# {prog} completion for bash: eval \"$({prog} completion bash)\"",
+            f'# {prog} completion for bash: eval "$({prog} completion bash)"',
             f"{fn}() {{",
             '    local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}"',
             '    local path="" next words="" i',
@@ -91,7 +91,7 @@ def zsh(parser: argparse.ArgumentParser) -> str:
     return "\n".join(
         [
             f"#compdef {parser.prog}",
-            f"# {parser.prog} completion for zsh: eval \"$({parser.prog} completion zsh)\"",
+            f'# {parser.prog} completion for zsh: eval "$({parser.prog} completion zsh)"',
             "autoload -U +X compinit && compinit",
             "autoload -U +X bashcompinit && bashcompinit",
             bash(parser).split("\n", 1)[1],
