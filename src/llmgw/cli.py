@@ -161,10 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        code = _main(argv)
-        # Flushed here, so a reader that went away is met by the handler below.
-        sys.stdout.flush()
-        return code
+        try:
+            return _main(argv)
+        finally:
+            # Flushed here (after --help and usage errors too), so that a reader that went away
+            # is met by the handler below rather than by the interpreter's own flush at exit.
+            sys.stdout.flush()
     except BrokenPipeError:
         return stdout_closed()
 

@@ -16,6 +16,8 @@ class Level:
     words: list[str] = field(default_factory=list)
     # A flag that takes one of fixed choices: the choices, completed after it.
     flag_choices: dict[str, list[str]] = field(default_factory=dict)
+    # A flag that takes a free value (a file, a name): nothing offered, so bash offers file names.
+    value_flags: list[str] = field(default_factory=list)
 
 
 def levels(parser: argparse.ArgumentParser, path: str = "") -> dict[str, Level]:
@@ -36,6 +38,8 @@ def levels(parser: argparse.ArgumentParser, path: str = "") -> dict[str, Level]:
             if action.choices is not None:
                 for flag in action.option_strings:
                     level.flag_choices[flag] = [str(c) for c in action.choices]
+            elif action.nargs != 0:
+                level.value_flags += action.option_strings
         elif action.choices is not None:
             level.words += [str(c) for c in action.choices]
     for name, sub in subcommands:
@@ -56,14 +60,19 @@ def bash(parser: argparse.ArgumentParser) -> str:
     for path, level in found.items():
         for flag, choices in level.flag_choices.items():
             choice_cases.append(f'        "{path}:{flag}") words="{_words(choices)}" ;;')
-        word_cases.append(f'        "{path}") words="{_words(level.words)}" ;;')
+        if level.value_flags:
+            cases = " | ".join(f'"{path}:{flag}"' for flag in level.value_flags)
+            choice_cases.append(f"        {cases}) COMPREPLY=(); return 0 ;;")
+        flags = [w for w in level.words if w.startswith("-")]
+        others = [w for w in level.words if not w.startswith("-")]
+        word_cases.append(f'        "{path}") words="{_words(others)}" flags="{_words(flags)}" ;;')
     fn = f"_{prog.replace('-', '_')}"
     return "\n".join(
         [
             f'# {prog} completion for bash: eval "$({prog} completion bash)"',
             f"{fn}() {{",
             '    local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}"',
-            '    local path="" next words="" i',
+            '    local path="" next words="" flags="" i',
             "    for ((i = 1; i < COMP_CWORD; i++)); do",
             '        next="${path:+$path }${COMP_WORDS[i]}"',
             '        case "$next" in',
@@ -77,10 +86,13 @@ def bash(parser: argparse.ArgumentParser) -> str:
             '        case "$path" in',
             *("    " + c for c in word_cases),
             "        esac",
+            "        # Flags once a word starts with '-', as git's and kubectl's completions offer them.",
+            '        if [[ "$cur" == -* || -z "$words" ]]; then words="$flags"; fi',
             "    fi",
             '    COMPREPLY=($(compgen -W "$words" -- "$cur"))',
             "}",
-            f"complete -F {fn} {prog}",
+            # -o default: where nothing is offered (a flag's file or value), bash offers file names.
+            f"complete -o default -F {fn} {prog}",
             "",
         ]
     )
