@@ -215,3 +215,64 @@ async def test_ctl_names_each_object_one_way_and_answers_to_short_kinds(
             ["NODE", "STATE", "GPUS", "ENGINES", "INSTALL", "WARNINGS"],
             "",
         )
+
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECTS = [
+    ROOT / "pyproject.toml",
+    *sorted(ROOT.glob("libs/*/pyproject.toml")),
+    *sorted(ROOT.glob("services/*/pyproject.toml")),
+]
+
+
+def test_every_package_states_ranges_a_license_a_readme_and_classifiers_and_no_pip() -> None:
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    assert len(PYPROJECTS) == 6
+    for path in PYPROJECTS:
+        project = tomllib.loads(path.read_text())["project"]
+        where = path.relative_to(ROOT)
+        for dep in project["dependencies"]:
+            req = Requirement(dep)
+            if req.name.startswith("llmgw-"):
+                assert not req.specifier, (where, dep)
+                continue
+            # A range up to the next major version: the lock file pins, the package does not.
+            ops = sorted(s.operator for s in req.specifier)
+            assert ops == ["<", ">="], (where, dep)
+            assert req.name != "pip", where
+        assert project["license"] == {"text": "Proprietary"}, where
+        assert "License :: Other/Proprietary License" in project["classifiers"], where
+        assert "Private :: Do Not Upload" in project["classifiers"], where
+        assert project["readme"], where
+        assert project["description"], where
+    root = tomllib.loads(PYPROJECTS[0].read_text())["project"]
+    assert root["readme"] == "README.md"
+    # Only `llmgw node onboard` runs pip (to download a node's wheels): an extra.
+    assert root["optional-dependencies"] == {"onboard": ["pip>=26.3,<27"]}
+
+
+def test_the_lock_file_still_matches_every_pyproject() -> None:
+    uv = ROOT / ".tools" / "bin" / "uv"
+    if not uv.exists():
+        pytest.skip(f"{uv} not installed (./dev installs it)")
+    env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never", "UV_PYTHON_PREFERENCE": "only-system"}
+    done = subprocess.run(
+        [str(uv), "lock", "--check", "--offline"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_traces_carry_the_version_that_version_prints() -> None:
+    from llmgw_core.telemetry import resource_attributes
+
+    attributes = resource_attributes("llmgw-placement", "n1")
+    assert attributes["service.version"] == llmgw_version()
+    assert llmgw("--version").stdout == f"llmgw {attributes['service.version']}\n"
