@@ -9,16 +9,19 @@ EXAMPLES = """\
 examples:
   llmgw ctl get nodes                       every node: alive, GPUs, engines, install progress
   llmgw ctl get replicas -o json            replica records, for scripts
+  llmgw ctl get deploy -o name              deployment/chat, one a line (kinds: no, deploy, rs, …)
+  llmgw ctl describe profile tiny           a profile of the catalog and the deployments using it
   llmgw ctl get shards --watch              the table, then each changed row as it changes
   llmgw ctl describe deployment chat        desired vs ready, replicas, last failure, refusal, events
   llmgw ctl deploy chat --profile tiny --replicas 2
   llmgw ctl scale chat --replicas 5
-  llmgw ctl logs chat-r0-0 --tail 50 --follow
+  llmgw ctl logs node-1/chat-r0-0 --tail 50 --follow
   llmgw ctl events --deployment chat --follow
   llmgw ctl apply -f server.yaml --dry-run   what would change, written nowhere
   llmgw ctl delete deployment chat
 
-exit codes: 0 done, 2 usage, 3 not found, 4 refused, 5 cannot reach NATS (3 s) or the launcher asked.
+exit codes: 0 done, 2 usage, 3 not found, 4 refused, 5 cannot reach NATS (3 s) or the launcher asked;
+141 when stdout's reader went away (`| head`).
 The connection: --nats-url or LLMGW_NATS_URL, --nkey or LLMGW_NATS_NKEY. Output fields: docs/ctl.md.
 """
 
@@ -55,7 +58,9 @@ def _connection(p: argparse.ArgumentParser, *, suppress: bool) -> None:
         metavar="URL",
         help="the cluster's NATS (default: LLMGW_NATS_URL, else nats://127.0.0.1:4222)",
     )
-    p.add_argument("--prefix", default=default("llmgw"), help="subject prefix of the cluster")
+    p.add_argument(
+        "--prefix", default=default("llmgw"), help="subject prefix of the cluster (default: llmgw)"
+    )
     p.add_argument(
         "--nkey",
         default=default(""),
@@ -106,6 +111,7 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
     p_get.add_argument("kind", choices=KINDS, metavar="KIND", help=f"one of {', '.join(KINDS)}")
     p_get.add_argument(
         "name",
+        metavar="NAME",
         nargs="?",
         default="",
         help="one of them: a replica DEPLOYMENT/rN, a shard NODE/SHARD (or SHARD); "
