@@ -38,7 +38,17 @@ def test_server_yaml_errors_and_unknown_keys(tmp_path: Path) -> None:
     path.write_text("pools: [\n")
     with pytest.raises(ConfigError) as err:
         load(path, ServerConfig)
-    assert str(err.value).startswith(f"{path}: not valid YAML: ")
+    # The file, line and column (msgspec's own message names `"<byte string>"`).
+    assert str(err.value) == (
+        f"{path}:2:1: not valid YAML: expected the node content, but found '<stream end>'"
+    )
+    path.write_text("catalog:\n  - name: tiny\n    engine: sim\n  model_path: x\n")
+    with pytest.raises(ConfigError) as err:
+        load(path, ServerConfig)
+    assert str(err.value) == (
+        f"{path}:4:3: not valid YAML: expected <block end>, but found '?' "
+        "(while parsing a block collection at line 2, column 3)"
+    )
 
 
 def test_missing_file(tmp_path: Path) -> None:

@@ -79,8 +79,8 @@ async def test_ctl_reads_writes_and_fails_as_a_script_expects(
         assert (one["deployment"], one["replica"], one["state"]) == ("chat", "r0", "ready")
         table = ok(c, "get", "replicas").splitlines()
         assert table[0].split() == ["REPLICA", "STATE", "NODES", "SINCE", "RESTARTS", "REASON"]
-        assert table[1].split()[:3] == ["chat.r0", "ready", "node-1"] or any(
-            line.split()[:3] == ["chat.r0", "ready", "node-1"] for line in table[1:]
+        assert table[1].split()[:3] == ["chat/r0", "ready", "node-1"] or any(
+            line.split()[:3] == ["chat/r0", "ready", "node-1"] for line in table[1:]
         )
         deployments = as_json(c, "get", "deployments")
         assert [d["name"] for d in deployments] == ["chat", "crashy"]
@@ -211,11 +211,11 @@ async def test_get_watch_prints_a_changed_row_within_a_second(
             assert watcher.stdout is not None
             tg.start_soon(read_lines, watcher.stdout)
             tg.start_soon(note_changes)
-            await eventually(lambda: any(line.startswith("chat.r0") for _, line in printed), timeout=30)
+            await eventually(lambda: any(line.startswith("chat/r0") for _, line in printed), timeout=30)
             assert printed[0][1].split() == ["REPLICA", "STATE", "NODES", "SINCE", "RESTARTS", "REASON"]
             ok(c, "scale", "chat", "--replicas", "2")
             ready = await eventually(
-                lambda: [t for t, line in printed if line.split()[:2] == ["chat.r1", "ready"]], timeout=60
+                lambda: [t for t, line in printed if line.split()[:2] == ["chat/r1", "ready"]], timeout=60
             )
             seen = changed["chat.r1@ready"]
             assert ready[0] - seen < 1.0, f"printed {ready[0] - seen:.2f}s after the change"

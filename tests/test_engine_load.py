@@ -100,7 +100,7 @@ async def test_a_sim_engine_under_load_shows_its_running_requests_in_ctl(
 
         async def engine_url() -> str | None:
             for line in ctl(c, "get", "replicas", "-o", "wide").splitlines()[1:]:
-                if line.split()[:2] == ["chat.r0", "ready"]:
+                if line.split()[:2] == ["chat/r0", "ready"]:
                     return next(w for w in line.split() if w.startswith("http://"))
             return None
 
@@ -117,7 +117,7 @@ async def test_a_sim_engine_under_load_shows_its_running_requests_in_ctl(
             tg.start_soon(stream)
 
             def loaded(text: str) -> str | None:
-                line = next((x for x in text.splitlines() if x.startswith("chat.r0 ") or " r0 " in x), "")
+                line = next((x for x in text.splitlines() if x.startswith("chat/r0 ") or " r0 " in x), "")
                 return line if "2 running, 0 waiting, KV " in line else None
 
             # The launcher reads the engine every 5 s (the default): within two reads.

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llmgw_core.errors import LlmgwError
+
+from ._parser import Parser, stdout_closed
 
 if TYPE_CHECKING:
     from llmgw_core.bus import BusOptions
@@ -46,27 +48,49 @@ def bus_options(args: argparse.Namespace) -> BusOptions:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="llmgw", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_up = sub.add_parser("up", help="start a local cluster (NATS, placement, one node) until Ctrl-C")
-    p_up.add_argument("--data-dir", default=".llmgw", help="where the local cluster keeps its state")
-    p_up.add_argument("--port", type=int, default=4222, help="NATS client port")
-    p_up.add_argument("--api-port", type=int, default=8080, help="placement's HTTP API port")
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (building it imports nothing heavy): `main` parses with it and
+    `llmgw completion` writes its script from it."""
+    from llmgw_core.version import llmgw_version
+
+    parser = Parser(prog="llmgw", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"llmgw {llmgw_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p_up = sub.add_parser(
+        "up",
+        help="start a local cluster (NATS, placement, one node) until Ctrl-C",
+        description="Run a whole cluster on this machine: nats-server, placement and its API, "
+        "the gateway and simulated nodes, until Ctrl-C.",
+    )
+    p_up.add_argument(
+        "--data-dir", default=".llmgw", help="where the local cluster keeps its state (default: %(default)s)"
+    )
+    p_up.add_argument("--port", type=int, default=4222, help="NATS client port (default: %(default)s)")
+    p_up.add_argument(
+        "--api-port",
+        type=int,
+        default=8080,
+        help="placement's HTTP API and the cluster page (default: %(default)s)",
+    )
     p_up.add_argument(
         "--insecure",
         action="store_true",
         help="run NATS and the API without authentication (anyone who reaches them controls the cluster)",
     )
     p_up.add_argument(
-        "--gateway-port", type=int, default=8000, help="the gateway's port: the cluster's OpenAI endpoint"
+        "--gateway-port",
+        type=int,
+        default=8000,
+        help="the gateway's port: the cluster's OpenAI endpoint (default: %(default)s)",
     )
-    p_up.add_argument("--nodes", type=int, default=1, help="how many simulated nodes to run here")
+    p_up.add_argument(
+        "--nodes", type=int, default=1, help="how many simulated nodes to run here (default: %(default)s)"
+    )
     p_up.add_argument(
         "--engine-ports",
         default="28000-28999",
         metavar="LOW-HIGH",
-        help="ports the engines may take (shared out among the nodes)",
+        help="ports the engines may take, shared out among the nodes (default: %(default)s)",
     )
     p_gateway = sub.add_parser(
         "gateway", help="serve one OpenAI-compatible endpoint for every deployment's ready replicas"
@@ -100,22 +124,62 @@ def main(argv: list[str] | None = None) -> int:
     p_fleet = sub.add_parser(
         "fleet", help="run thousands of simulated node agents against a cluster (scale tests)"
     )
-    p_fleet.add_argument("--nodes", type=int, default=1000)
-    p_fleet.add_argument("--gpus", type=int, default=8, help="simulated H100s per node")
-    p_fleet.add_argument("--name", default="sim", help="node ids are <name>-00000, <name>-00001, …")
-    p_fleet.add_argument("--prefix", default="llmgw", help="subject prefix of the cluster")
+    p_fleet.add_argument(
+        "--nodes", type=int, default=1000, help="how many simulated nodes (default: %(default)s)"
+    )
+    p_fleet.add_argument(
+        "--gpus", type=int, default=8, help="simulated H100s per node (default: %(default)s)"
+    )
+    p_fleet.add_argument(
+        "--name", default="sim", help="node ids are <name>-00000, <name>-00001, … (default: %(default)s)"
+    )
+    p_fleet.add_argument(
+        "--prefix", default="llmgw", help="subject prefix of the cluster (default: %(default)s)"
+    )
     p_fleet.add_argument(
         "--shard",
         default="0/1",
-        help="I/N: run the I-th of N equal parts of the fleet (several processes share a big fleet)",
+        help="I/N: run the I-th of N equal parts of the fleet (several processes share a big fleet; "
+        "default: %(default)s)",
     )
     _identity_flags(p_fleet)
     from .ctl._args import add_parser as add_ctl_parser
 
     add_ctl_parser(sub)
     _onboard_parser(sub)
+    p_completion = sub.add_parser(
+        "completion",
+        help="print a shell completion script",
+        description='Print a completion script for SHELL: `eval "$(llmgw completion bash)"` in ~/.bashrc, '
+        'or `llmgw completion zsh > "${fpath[1]}/_llmgw"`.',
+    )
+    from .completion import SHELLS
+
+    p_completion.add_argument("shell", choices=SHELLS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # Flushed here (after --help and usage errors too), so that a reader that went away
+            # is met by the handler below rather than by the interpreter's own flush at exit.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return stdout_closed()
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if args.command == "completion":
+            from .completion import script
+
+            print(script(parser, args.shell), end="")
+            return 0
         if args.command == "node":
             from . import onboard
 
@@ -157,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _onboard_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _onboard_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p_node = sub.add_parser("node", help="manage the machines of a cluster")
     node_sub = p_node.add_subparsers(dest="node_command", required=True)
     p = node_sub.add_parser(

@@ -437,6 +437,15 @@ async def build_wheelhouse(
     root: Path, uv: str, host: Host, requirements: str, dest: Path, env: Mapping[str, str]
 ) -> list[Path]:
     """llmgw's wheels and every dependency's wheel for `host`, and a requirements.txt pinning each by hash."""
+    import importlib.util
+
+    # pip downloads the host's wheels (uv has no `download`); it is the `onboard` extra, not a
+    # dependency of every install: one would replace the pip of the environment llmgw goes into.
+    if importlib.util.find_spec("pip") is None:
+        raise OnboardError(
+            f"pip is not installed in {sys.prefix}, and onboarding downloads the node's wheels with it: "
+            "install llmgw's `onboard` extra (`pip install 'llmgw[onboard]'`, `uv sync --extra onboard`)"
+        )
     dest.mkdir(parents=True, exist_ok=True)
     for package in NODE_PACKAGES:
         await _local(

@@ -3,33 +3,46 @@
 from __future__ import annotations
 
 import argparse
-from importlib import metadata
+from typing import Any
 
 EXAMPLES = """\
 examples:
   llmgw ctl get nodes                       every node: alive, GPUs, engines, install progress
   llmgw ctl get replicas -o json            replica records, for scripts
+  llmgw ctl get deploy -o name              deployment/chat, one a line (kinds: no, deploy, rs, …)
+  llmgw ctl describe profile tiny           a profile of the catalog and the deployments using it
   llmgw ctl get shards --watch              the table, then each changed row as it changes
   llmgw ctl describe deployment chat        desired vs ready, replicas, last failure, refusal, events
   llmgw ctl deploy chat --profile tiny --replicas 2
   llmgw ctl scale chat --replicas 5
-  llmgw ctl logs chat-r0-0 --tail 50 --follow
+  llmgw ctl logs node-1/chat-r0-0 --tail 50 --follow
   llmgw ctl events --deployment chat --follow
   llmgw ctl apply -f server.yaml --dry-run   what would change, written nowhere
   llmgw ctl delete deployment chat
 
-exit codes: 0 done, 2 usage, 3 not found, 4 refused, 5 cannot reach NATS (3 s) or the launcher asked.
+exit codes: 0 done, 2 usage, 3 not found, 4 refused, 5 cannot reach NATS (3 s) or the launcher asked;
+141 when stdout's reader went away (`| head`).
 The connection: --nats-url or LLMGW_NATS_URL, --nkey or LLMGW_NATS_NKEY. Output fields: docs/ctl.md.
 """
 
-KINDS = ["nodes", "node", "deployments", "deployment", "replicas", "replica", "shards", "shard"]
-
-
-def _version() -> str:
-    try:
-        return metadata.version("llmgw")
-    except metadata.PackageNotFoundError:
-        return "unknown"
+# Every name a kind answers to, as kubectl's habits have them (`get no`, `get deploy`, `get rs`).
+KINDS = {
+    "nodes": "node",
+    "node": "node",
+    "no": "node",
+    "deployments": "deployment",
+    "deployment": "deployment",
+    "deploy": "deployment",
+    "replicas": "replica",
+    "replica": "replica",
+    "rs": "replica",
+    "shards": "shard",
+    "shard": "shard",
+    "profiles": "profile",
+    "profile": "profile",
+}
+DESCRIBED = {name: kind for name, kind in KINDS.items() if kind in ("deployment", "node", "profile")}
+OUTPUTS = ["wide", "json", "yaml", "name"]
 
 
 def _connection(p: argparse.ArgumentParser, *, suppress: bool) -> None:
@@ -45,7 +58,9 @@ def _connection(p: argparse.ArgumentParser, *, suppress: bool) -> None:
         metavar="URL",
         help="the cluster's NATS (default: LLMGW_NATS_URL, else nats://127.0.0.1:4222)",
     )
-    p.add_argument("--prefix", default=default("llmgw"), help="subject prefix of the cluster")
+    p.add_argument(
+        "--prefix", default=default("llmgw"), help="subject prefix of the cluster (default: llmgw)"
+    )
     p.add_argument(
         "--nkey",
         default=default(""),
@@ -65,15 +80,17 @@ def _connection(p: argparse.ArgumentParser, *, suppress: bool) -> None:
     p.add_argument("--tls-key", default=default(""), help="the client certificate's key")
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    p_ctl = sub.add_parser(
+def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
+    p_ctl: argparse.ArgumentParser = sub.add_parser(
         "ctl",
         help="inspect and change a running cluster (LLMGW_NATS_URL, LLMGW_NATS_NKEY)",
         description="Read the cluster's state from where it is kept and change what the operator owns.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p_ctl.add_argument("--version", action="version", version=f"llmgw {_version()}")
+    from llmgw_core.version import llmgw_version
+
+    p_ctl.add_argument("--version", action="version", version=f"llmgw {llmgw_version()}")
     _connection(p_ctl, suppress=False)
     common = argparse.ArgumentParser(add_help=False)
     _connection(common, suppress=True)
@@ -90,13 +107,26 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
             **kw,  # type: ignore[arg-type]
         )
 
-    p_get = add("get", "list nodes, deployments, replicas or shards (one, with NAME)")
-    p_get.add_argument("kind", choices=KINDS)
-    p_get.add_argument("name", nargs="?", default="", help="one of them (a replica: DEPLOYMENT.REPLICA)")
-    p_get.add_argument("-o", "--output", choices=["wide", "json", "yaml"], default="", help="output format")
+    p_get = add("get", "list nodes, deployments, replicas, shards or profiles (one, with NAME)")
+    p_get.add_argument("kind", choices=KINDS, metavar="KIND", help=f"one of {', '.join(KINDS)}")
+    p_get.add_argument(
+        "name",
+        metavar="NAME",
+        nargs="?",
+        default="",
+        help="one of them: a replica DEPLOYMENT/rN, a shard NODE/SHARD (or SHARD); "
+        "a deployment's name lists its replicas or shards",
+    )
+    p_get.add_argument(
+        "-o",
+        "--output",
+        choices=OUTPUTS,
+        default="",
+        help="wide (more columns), json, yaml, or name (KIND/NAME a line); default: a table",
+    )
     p_get.add_argument("-w", "--watch", action="store_true", help="then print each row as it changes")
-    p_describe = add("describe", "the full story of a deployment or a node")
-    p_describe.add_argument("kind", choices=["deployment", "node"])
+    p_describe = add("describe", "the full story of a deployment, a node or a profile")
+    p_describe.add_argument("kind", choices=DESCRIBED, metavar="KIND", help=f"one of {', '.join(DESCRIBED)}")
     p_describe.add_argument("name")
     add("nodes", "every node: alive, GPUs, engines, install progress (= get nodes)")
     p_explain = add("explain", "why a deployment stands as it does: ready of desired, every node's reason")
@@ -104,12 +134,22 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     p_deploy = add("deploy", "create or change a deployment")
     p_deploy.add_argument("name")
     p_deploy.add_argument("--profile", required=True, help="a profile of the catalog")
-    p_deploy.add_argument("--replicas", type=int, default=1)
-    p_deploy.add_argument("--pool", default="")
-    p_deploy.add_argument("--strategy", choices=["binpack", "spread"], default="binpack")
+    p_deploy.add_argument(
+        "--replicas", type=int, default=1, help="how many copies of the model serve (default: %(default)s)"
+    )
+    p_deploy.add_argument(
+        "--pool", default="", help="only the nodes of this pool (server.yaml's `pools:`; default: any node)"
+    )
+    p_deploy.add_argument(
+        "--strategy",
+        choices=["binpack", "spread"],
+        default="binpack",
+        help="binpack fills the fullest nodes first; spread prefers the nodes with the fewest of "
+        "this deployment's replicas (default: %(default)s)",
+    )
     p_scale = add("scale", "change a deployment's replica count")
     p_scale.add_argument("name", help="the deployment")
-    p_scale.add_argument("--replicas", type=int, required=True)
+    p_scale.add_argument("--replicas", type=int, required=True, help="the new replica count")
     p_apply = add(
         "apply",
         "write the sections a server.yaml names (engines, catalog, deployments); "
@@ -128,7 +168,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     p_delete.add_argument("kind", choices=["deployment"])
     p_delete.add_argument("name")
     p_logs = add("logs", "a shard's log lines, from its node's launcher")
-    p_logs.add_argument("shard", help="a shard id (`get shards`), or NODE.SHARD")
+    p_logs.add_argument("shard", help="a shard: NODE/SHARD as `get shards` names it, or SHARD")
     p_logs.add_argument("--tail", type=int, default=100, help="the last N lines (0: all that fit 1 MB)")
     p_logs.add_argument("-f", "--follow", action="store_true", help="then print new lines as they come")
     p_logs.add_argument("--process", default="", help="one of the shard's processes (default: the engine)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import re
 import sys
@@ -30,8 +31,10 @@ from llmgw_core.events import (
 from llmgw_core.limits import NAME_MAX, name_problem, profile_problem, shown
 from llmgw_core.telemetry import current_traceparent
 
+from .._parser import stdout_closed
 from . import _read as read
 from . import _views as views
+from ._args import KINDS
 from ._errors import CannotStore, CtlError, NotFound, Refused, Unreachable, UsageError
 
 tracer = trace.get_tracer("llmgw.ctl")
@@ -43,8 +46,16 @@ COMMAND_TIMEOUT_S = 30.0
 DEPLOY_STATUS_WAIT_S = 3.0
 
 
+class StdoutClosed(Exception):
+    """Stdout's reader went away (`llmgw ctl get nodes | head`): told apart from a NATS socket's
+    broken pipe, which is a fault of the connection."""
+
+
 def out(text: str) -> None:
-    print(text, flush=True)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError as exc:
+        raise StdoutClosed() from exc
 
 
 def warn(text: str) -> None:
@@ -299,25 +310,48 @@ async def _capacity_shortfall(bus: Bus, dep: Deployment, profile: Profile) -> st
 
 # --- get --------------------------------------------------------------------------------------
 
-KINDS = {
-    "nodes": "node",
-    "node": "node",
-    "deployments": "deployment",
-    "deployment": "deployment",
-    "replicas": "replica",
-    "replica": "replica",
-    "shards": "shard",
-    "shard": "shard",
-}
+
+def replica_key(name: str) -> str:
+    """The replicas bucket's key for `chat/r0` (or the older spelling `chat.r0`, kept as it is)."""
+    return name.replace("/", ".", 1)
 
 
-def _pick(items: dict[str, Any], name: str, what: str, match: Callable[[Any], bool]) -> list[Any]:
+def shard_key(name: str) -> str:
+    """The shard statuses' key for `node-1/chat-r0-0` (or `node-1.chat-r0-0`); a bare shard id
+    is returned as it is and matched against the shards' own ids."""
+    return name.replace("/", ".", 1)
+
+
+def _close(name: str, known: Any) -> str:
+    close = difflib.get_close_matches(name, [str(k) for k in known], n=1)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _pick(
+    items: dict[str, Any], name: str, what: str, match: Callable[[Any], bool], *, shown: Any = None
+) -> list[Any]:
     if name in items:
         return [items[name]]
     found = [v for v in items.values() if match(v)]
     if not found:
-        raise NotFound(f"no {what} {name} (`llmgw ctl get {what}s` lists them)")
+        raise NotFound(
+            f"no {what} {name}{_close(name, shown if shown is not None else items)} "
+            f"(`llmgw ctl get {what}s` lists them)"
+        )
     return found
+
+
+def _names(kind: str, items: list[Any]) -> str:
+    """`-o name`: KIND/NAME a line, as kubectl prints them, for `xargs` and `while read`."""
+    if kind == "node":
+        names = [v.node for v in items]
+    elif kind in ("deployment", "profile"):
+        names = [v.name for v in items]
+    elif kind == "replica":
+        names = [views.replica_name(r.deployment, r.replica) for r in items]
+    else:
+        names = [views.shard_name(s.node, s.shard) for s in items]
+    return "\n".join(f"{kind}/{n}" for n in names)
 
 
 async def get(bus: Bus, kind: str, name: str, output: str) -> str:
@@ -342,21 +376,39 @@ async def get(bus: Bus, kind: str, name: str, output: str) -> str:
         records = {k: views.replica_view(r, c.shards) for k, r in c.replicas.items()}
         items = list(records.values())
         if name:
-            items = _pick(records, name, "replica", lambda r: r.deployment == name)
+            items = _pick(
+                records,
+                replica_key(name),
+                "replica",
+                lambda r: r.deployment == name,
+                shown=[views.replica_name(r.deployment, r.replica) for r in items]
+                + sorted({r.deployment for r in items}),
+            )
         headers = views.REPLICA_HEADERS + (views.REPLICA_WIDE if wide else [])
         rows = [views.replica_row(r, wide=wide, now=now, shards=c.shards) for r in items]
+    elif kind == "profile":
+        c = await read.cluster(bus, what=frozenset({"catalog", "deployments"}))
+        items = list(c.catalog.values())
+        if name:
+            items = _pick(c.catalog, name, "profile", lambda _: False)
+        headers = views.PROFILE_HEADERS + (views.PROFILE_WIDE if wide else [])
+        rows = [views.profile_row(p, wide=wide, deployments=c.deployments) for p in items]
     else:
         c = await read.cluster(bus, what=frozenset({"shards"}))
         items = list(c.shards.values())
         if name:
+            key = replica_key(name)
             items = _pick(
                 c.shards,
-                name,
+                shard_key(name),
                 "shard",
-                lambda s: name in (s.shard, s.deployment, f"{s.deployment}.{s.replica}"),
+                lambda s: name == s.shard or s.deployment == name or key == f"{s.deployment}.{s.replica}",
+                shown=[views.shard_name(s.node, s.shard) for s in items],
             )
         headers = views.SHARD_HEADERS + (views.SHARD_WIDE if wide else [])
         rows = [views.shard_row(s, wide=wide, now=now) for s in items]
+    if output == "name":
+        return _names(kind, items)
     if output in ("json", "yaml"):
         single = name and len(items) == 1 and _exact(kind, name, items[0])
         return views.render_data(items[0] if single else items, output)
@@ -367,11 +419,11 @@ def _exact(kind: str, name: str, item: Any) -> bool:
     """Whether NAME named this one item (its key), not a group it belongs to."""
     if kind == "node":
         return bool(item.node == name)
-    if kind == "deployment":
+    if kind in ("deployment", "profile"):
         return bool(item.name == name)
     if kind == "replica":
-        return bool(f"{item.deployment}.{item.replica}" == name)
-    return bool(name in (item.shard, f"{item.node}.{item.shard}"))
+        return bool(f"{item.deployment}.{item.replica}" == replica_key(name))
+    return bool(name == item.shard or shard_key(name) == f"{item.node}.{item.shard}")
 
 
 async def watch(bus: Bus, kind: str, name: str, output: str) -> None:
@@ -383,7 +435,7 @@ async def watch(bus: Bus, kind: str, name: str, output: str) -> None:
         first = await get(bus, kind, name, output)
     if first:
         out(first)
-    header_line = "" if output in ("json", "yaml") else first.splitlines()[0]
+    header_line = "" if output in ("json", "yaml", "name") or not first else first.splitlines()[0]
     widths = _widths(header_line)
     wide = output == "wide"
     n = bus.names
@@ -394,6 +446,7 @@ async def watch(bus: Bus, kind: str, name: str, output: str) -> None:
         "deployment": (n.deployments_bucket, Deployment),
         "replica": (n.replicas_bucket, ReplicaRecord),
         "shard": (n.shard_status_bucket, ShardStatus),
+        "profile": (n.catalog_bucket, Profile),
     }[kind]
     revisions = {k: ch.revision for k, ch in (await bus.entries(bucket, value_type)).items()}
     statuses: dict[str, DeploymentStatus] = {}
@@ -405,14 +458,19 @@ async def watch(bus: Bus, kind: str, name: str, output: str) -> None:
             data = {"key": key, "deleted": True} if deleted else views.to_builtins(item)
             out(msgspec.json.encode(data).decode())
             return
+        if output == "name":
+            out(f"{kind}/{_shown_key(kind, key)}")
+            return
         if deleted:
-            row = [key, "deleted"]
+            row = [_shown_key(kind, key), "deleted"]
         elif kind == "node":
             row = views.node_row(item, wide=wide)
         elif kind == "deployment":
             row = views.deployment_row(item, wide=wide)
         elif kind == "replica":
             row = views.replica_row(item, wide=wide)
+        elif kind == "profile":
+            row = views.profile_row(item, wide=wide)
         else:
             row = views.shard_row(item, wide=wide)
         out("  ".join(c.ljust(w) for c, w in zip(row, widths + [0] * len(row), strict=False)).rstrip())
@@ -469,13 +527,20 @@ def _widths(header: str) -> list[int]:
     return [len(m.group(0)) for m in re.finditer(r"\S+(?: \S+)*\s*", header)] if header else []
 
 
+def _shown_key(kind: str, key: str) -> str:
+    """A bucket key as ctl names the object: `chat.r0` is `chat/r0`, `n1.chat-r0-0` is `n1/chat-r0-0`."""
+    return key.replace(".", "/", 1) if kind in ("replica", "shard") else key
+
+
 def _matches(kind: str, name: str, key: str, item: Any) -> bool:
-    if key == name:
+    if key == name or (kind in ("replica", "shard") and key == replica_key(name)):
         return True
     if kind == "replica":
         return key.split(".", 1)[0] == name
     if kind == "shard":
-        return key.split(".", 1)[-1] == name or bool(item is not None and item.deployment == name)
+        if key.split(".", 1)[-1] == name or bool(item is not None and item.deployment == name):
+            return True
+        return bool(item is not None and f"{item.deployment}.{item.replica}" == replica_key(name))
     return False
 
 
@@ -484,11 +549,21 @@ def _matches(kind: str, name: str, key: str, item: Any) -> bool:
 
 async def describe(bus: Bus, kind: str, name: str) -> str:
     n = bus.names
+    if kind == "profile":
+        check_name("profile", name)
+        c = await read.cluster(bus, what=frozenset({"catalog", "deployments"}))
+        if name not in c.catalog:
+            raise NotFound(
+                f"no profile {name}{_close(name, c.catalog)} (`llmgw ctl get profiles` lists them)"
+            )
+        return views.describe_profile(c.catalog[name], c.deployments)
     if kind == "deployment":
         check_name("deployment", name)
         c = await read.cluster(bus, what=frozenset({"deployments", "replicas", "shards", "catalog", "nodes"}))
         if name not in c.deployments:
-            raise NotFound(f"no deployment {name} (`llmgw ctl get deployments` lists them)")
+            raise NotFound(
+                f"no deployment {name}{_close(name, c.deployments)} (`llmgw ctl get deployments` lists them)"
+            )
         shard_keys = {k for r in c.replicas.values() if r.deployment == name for k in r.shards}
         subjects = [
             f"{n.prefix}.events.replica.{name}.>",
@@ -502,7 +577,7 @@ async def describe(bus: Bus, kind: str, name: str) -> str:
     c = await read.cluster(bus, what=frozenset({"nodes", "shards"}))
     found = [v for v in views.node_views(c) if v.node == name]
     if not found:
-        raise NotFound(f"no node {name} (`llmgw ctl get nodes` lists them)")
+        raise NotFound(f"no node {name}{_close(name, c.nodes)} (`llmgw ctl get nodes` lists them)")
     history = await _history(bus, [f"{n.prefix}.events.node.{name}.>", f"{n.prefix}.events.shard.{name}.>"])
     return views.describe_node(found[0], c, history)
 
@@ -549,9 +624,10 @@ async def logs(bus: Bus, shard: str, *, tail: int, follow: bool, process: str) -
     if tail < 0:
         raise UsageError(f"--tail {tail}: a line count is 0 (all that fit) or more")
     statuses = await read.values(bus, bus.names.shard_status_bucket, ShardStatus)
-    found = [s for k, s in statuses.items() if shard in (k, s.shard)]
+    found = [s for k, s in statuses.items() if shard_key(shard) == k or shard == s.shard]
     if not found:
-        raise NotFound(f"no shard {shard} (`llmgw ctl get shards` lists them)")
+        known = [views.shard_name(s.node, s.shard) for s in statuses.values()]
+        raise NotFound(f"no shard {shard}{_close(shard, known)} (`llmgw ctl get shards` lists them)")
     status = found[0]
     reply = await read.shard_logs(
         bus, status.node, ShardLogsRequest(shard=status.shard, tail=tail, process=process)
@@ -667,12 +743,17 @@ def run(args: argparse.Namespace) -> int:
         exc: BaseException = raised
         while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
             exc = exc.exceptions[0]
+        if isinstance(exc, StdoutClosed):
+            return stdout_closed()
         code = _exit_code(exc)
         if code is None:
             raise
         return code
     if text is not None:
-        out(text)
+        try:
+            out(text)
+        except StdoutClosed:
+            return stdout_closed()
     return 0
 
 

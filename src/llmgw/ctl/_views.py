@@ -50,6 +50,16 @@ class DeploymentView(msgspec.Struct, frozen=True, kw_only=True):
     status: DeploymentStatus | None = None
 
 
+def replica_name(deployment: str, replica: str) -> str:
+    """A replica as ctl, the page and the API name it: `chat/r0` (the bucket's key is `chat.r0`)."""
+    return f"{deployment}/{replica}"
+
+
+def shard_name(node: str, shard: str) -> str:
+    """A shard as ctl, the page and the API name it: `node-1/chat-r0-0` (key `node-1.chat-r0-0`)."""
+    return f"{node}/{shard}"
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     # One format per table and one call per row: `ctl get nodes` prints 10,000 rows.
     widths = [max(map(len, column)) for column in zip(headers, *rows, strict=True)]
@@ -229,7 +239,7 @@ def replica_row(
 ) -> list[str]:
     now = now or time.time()
     row = [
-        f"{r.deployment}.{r.replica}",
+        replica_name(r.deployment, r.replica),
         r.state,
         replica_nodes(r),
         age(r.since, now),
@@ -250,10 +260,10 @@ SHARD_WIDE = ["PIDS", "URL", "LOAD", "LAST FAILURE"]
 
 def shard_row(s: ShardStatus, *, wide: bool = False, now: float | None = None) -> list[str]:
     row = [
-        s.shard,
+        shard_name(s.node, s.shard),
         s.node,
         s.state,
-        f"{s.deployment}.{s.replica}" if s.deployment else s.replica,
+        replica_name(s.deployment, s.replica) if s.deployment else s.replica,
         str(s.restarts),
         age(s.at, now or time.time()),
         headline(s.reason) or "-",
@@ -262,6 +272,48 @@ def shard_row(s: ShardStatus, *, wide: bool = False, now: float | None = None) -
         load = s.load.summary if s.load is not None else "-"
         row += [",".join(map(str, s.pids)) or "-", s.url or "-", load, headline(s.last_failure) or "-"]
     return row
+
+
+# --- profiles -----------------------------------------------------------------------------------
+
+PROFILE_HEADERS = ["NAME", "ENGINE", "MODEL", "CLASS", "GPUS", "NODES"]
+PROFILE_WIDE = ["TP", "PP", "SERVED AS", "DEPLOYMENTS"]
+
+
+def profile_gpus(p: Profile) -> str:
+    """GPUs one replica holds: per node, times nodes where it spans several."""
+    per = p.per_node_gpus
+    return f"{per}x{p.nodes}" if p.nodes > 1 else str(per)
+
+
+def profile_row(
+    p: Profile, *, wide: bool = False, deployments: Mapping[str, Deployment] | None = None
+) -> list[str]:
+    row = [p.name, p.engine, p.model or p.model_path, p.gpu_class or "any", profile_gpus(p), str(p.nodes)]
+    if wide:
+        using = sorted(n for n, d in (deployments or {}).items() if d.profile == p.name)
+        row += [str(p.tp), str(p.pp), p.served_name, ",".join(using) or "-"]
+    return row
+
+
+def describe_profile(p: Profile, deployments: Mapping[str, Deployment]) -> str:
+    using = sorted(n for n, d in deployments.items() if d.profile == p.name)
+    lines = [
+        f"Name:         {p.name}",
+        f"Engine:       {p.engine}",
+        f"Model:        {p.model or '-'}",
+        f"Model path:   {p.model_path or '-'}",
+        f"Served as:    {p.served_name}",
+        f"GPU class:    {p.gpu_class or '(any)'}",
+        f"Parallelism:  tp {p.tp}, pp {p.pp}, {p.nodes} node{'s' if p.nodes > 1 else ''}, "
+        f"{p.per_node_gpus} GPU{'' if p.per_node_gpus == 1 else 's'} a node",
+        f"Args:         {' '.join(p.args) or '-'}",
+        # Names only: a value may be a token (`-o yaml` shows them).
+        f"Env:          {', '.join(sorted(p.env)) or '-'}",
+        f"Health wait:  {p.health_timeout_s:g} s",
+        f"Deployments:  {', '.join(using) or '(none)'}",
+    ]
+    return "\n".join(lines)
 
 
 # --- describe -----------------------------------------------------------------------------------
@@ -408,18 +460,18 @@ def event_text(e: object) -> tuple[str, str, str]:
     """What happened, in one line: (kind, object, message)."""
     if isinstance(e, ShardStatus):
         text = e.state + (f": {headline(e.reason)}" if e.reason else "")
-        return "shard", f"{e.node}.{e.shard}", text
+        return "shard", shard_name(e.node, e.shard), text
     if isinstance(e, ReplicaStatus):
         return (
             "replica",
-            f"{e.deployment}.{e.replica}",
+            replica_name(e.deployment, e.replica),
             e.state + (f": {headline(e.reason)}" if e.reason else ""),
         )
     if isinstance(e, PlacementDecision):
         if e.outcome == "placed":
-            return "placement", f"{e.deployment}.{e.replica}", f"placed on {', '.join(e.nodes)}"
+            return "placement", replica_name(e.deployment, e.replica), f"placed on {', '.join(e.nodes)}"
         reasons = "; ".join(f"{r.node}: {r.reason}" for r in e.reasons)
-        return "placement", f"{e.deployment}.{e.replica}", f"refused: {reasons or 'no nodes'}"
+        return "placement", replica_name(e.deployment, e.replica), f"refused: {reasons or 'no nodes'}"
     if isinstance(e, DeploymentStatus):
         text = e.summary or f"{e.ready} of {e.desired} ready"
         return "deployment", e.deployment, text

@@ -131,4 +131,29 @@ def loads(raw: bytes | str, kind: type[T], *, source: str = "<config>") -> T:
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {exc}") from exc
     except msgspec.DecodeError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+        raise ConfigError(_syntax_error(raw, source, exc)) from exc
+
+
+def _syntax_error(raw: bytes | str, source: str, exc: msgspec.DecodeError) -> str:
+    """`server.yaml:2:6: not valid YAML: mapping values are not allowed here`: the file, line
+    and column, where msgspec's own message names only `"<byte string>"`."""
+    import yaml
+
+    try:
+        yaml.safe_load(raw)
+    except yaml.MarkedYAMLError as marked:
+        mark = marked.problem_mark
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
+        context = ""
+        at = marked.context_mark
+        if (
+            marked.context
+            and at is not None
+            and (mark is None or (at.line, at.column) != (mark.line, mark.column))
+        ):
+            context = f" ({marked.context} at line {at.line + 1}, column {at.column + 1})"
+        return f"{where}: not valid YAML: {marked.problem}{context}"
+    except yaml.YAMLError:
+        pass
+    said = str(exc).replace('"<byte string>"', source).replace('"<unicode string>"', source)
+    return f"{source}: not valid YAML: {said}"

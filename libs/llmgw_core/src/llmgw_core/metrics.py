@@ -14,7 +14,6 @@ that state, rather than copied into gauges on every change; what happens
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 import anyio
@@ -29,6 +28,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from . import web
+from .version import llmgw_version
 
 if TYPE_CHECKING:
     from .bus import Bus
@@ -37,13 +37,6 @@ if TYPE_CHECKING:
 # minutes (an install, a replica that loads a large model).
 FAST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 SLOW_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
-
-
-def llmgw_version() -> str:
-    try:
-        return version("llmgw-core")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def new_registry(service: str) -> CollectorRegistry:

@@ -18,6 +18,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from .version import llmgw_version
+
 
 class _TraceIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
@@ -52,7 +54,7 @@ def setup(service: str, *, node: str = "", level: str | None = None) -> None:
 
 
 def resource_attributes(service: str, node: str = "") -> dict[str, str]:
-    attributes = {"service.name": service, "service.namespace": "llmgw"}
+    attributes = {"service.name": service, "service.namespace": "llmgw", "service.version": llmgw_version()}
     if node:
         attributes |= {"service.instance.id": node, "llmgw.node": node}
     return attributes
