@@ -118,7 +118,7 @@ async def test_engines_a_dead_launcher_left_are_stopped_and_a_recycled_pid_is_ne
         f"{state / 'shards' / 'local-1.d.json'}: unreadable shard record (JSON is malformed: "
         "object keys must be strings (byte 1)); ignored",
         "stopping 2 engine process groups left running without a launcher: "
-        f"local-1.a's sim (pid {engine.pid}), local-1.b's leader (pid {leader.pid})",
+        f"local-1/a's sim (pid {engine.pid}), local-1/b's leader (pid {leader.pid})",
     ]
     # Nothing is left for the next `up`'s launcher to adopt.
     assert not ours.exists()

@@ -431,7 +431,7 @@ async def test_up_stops_the_engine_of_a_launcher_that_died_and_exits_naming_its_
         # The launcher is gone, so `up` stops the engine it recorded, and exits naming the cause.
         assert (
             "llmgw: stopping 1 engine process group left running without a launcher: "
-            f"local-1.chat-r0-0's sim (pid {engine})\n"
+            f"local-1/chat-r0-0's sim (pid {engine})\n"
         ) in said
         assert re.search(rf"^llmgw: stopped\n(.*\n)?llmgw: {why}$", said, re.MULTILINE), said[-3000:]
         assert procs.start_time(engine) != engine_started

@@ -289,7 +289,9 @@ def recorded_groups(state_dir: Path) -> tuple[list[Group], list[Path], list[str]
             # A start time of 0 was never known (the process was gone when it was recorded):
             # there is nothing to prove the pid is still that engine's.
             if p.start_time and procs.group_alive(p.pid, p.start_time):
-                groups.append(Group(f"{key}'s {p.name} (pid {p.pid})", p.pid, p.start_time))
+                groups.append(
+                    Group(f"{key.replace('.', '/', 1)}'s {p.name} (pid {p.pid})", p.pid, p.start_time)
+                )
     return groups, [records.path(k) for k in sorted(found)], problems
 
 
