@@ -42,6 +42,8 @@ class Lease:
         self.revision = 0
         # When this holder last proved it held the lease (time.monotonic()).
         self.proved_at = 0.0
+        # The last renewal NATS refused for space (see `renew`): it proves as much as a renewal.
+        self.refused_for_space_at = 0.0
         # Who held the lease when this process last read it ("" while none did).
         self.seen_holder = ""
         self._lock = anyio.Lock()
@@ -136,6 +138,11 @@ class Lease:
                     self._failing_since is not None and time.monotonic() - self._failing_since > self.timeout
                 )
                 full = await self.bus.refusal(stream, "renewing the placement lease", exc, unanswered=failing)
+                if full is not None:
+                    # NATS answered, and refuses this write for space: it refuses every other
+                    # placement's take-over the same way, so this one still leads (and every
+                    # placing write still renews first, so it cannot write past a successor).
+                    self.refused_for_space_at = time.monotonic()
                 self._outage("renewing the lease", full or exc)
                 raise full or BusError(f"lease renewal failed: {exc or type(exc).__name__}") from exc
             except BusError as exc:
@@ -163,7 +170,7 @@ class Lease:
 
     def proven(self) -> bool:
         """Whether this holder proved its lease recently enough that no standby can have taken it."""
-        return time.monotonic() - self.proved_at < self.timeout
+        return time.monotonic() - max(self.proved_at, self.refused_for_space_at) < self.timeout
 
     async def hold(self) -> None:
         """Renew every interval until cancelled; raises LeaseLost only if another process took it."""
