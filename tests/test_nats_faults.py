@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
+import nats.errors
 import pytest
 
 from llmgw_core.bus import Bus, BusOptions
@@ -123,7 +124,12 @@ async def test_killing_each_member_of_a_3_server_cluster_during_a_deployment(
                 )
 
                 async def leader_of(bucket: str) -> str:
-                    info = await bus.js.stream_info(f"KV_{bucket}")
+                    # Asked while a member was just killed, the question itself can time out
+                    # (the test's own request, not llmgw's): that is an answer still to come.
+                    try:
+                        info = await bus.js.stream_info(f"KV_{bucket}")
+                    except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+                        raise AssertionError(f"no answer about KV_{bucket} yet: {exc}") from exc
                     assert info.cluster is not None
                     assert info.cluster.leader
                     return info.cluster.leader

@@ -137,12 +137,16 @@ class Lease:
                 failing = (
                     self._failing_since is not None and time.monotonic() - self._failing_since > self.timeout
                 )
-                full = await self.bus.refusal(stream, "renewing the placement lease", exc, unanswered=failing)
+                what = "renewing the placement lease"
+                full = await self.bus.refusal(stream, what, exc)
                 if full is not None:
                     # NATS answered, and refuses this write for space: it refuses every other
                     # placement's take-over the same way, so this one still leads (and every
                     # placing write still renews first, so it cannot write past a successor).
+                    # A renewal that got no answer at all proves nothing, whatever it is said as.
                     self.refused_for_space_at = time.monotonic()
+                elif failing:
+                    full = await self.bus.refusal(stream, what, exc, unanswered=True)
                 self._outage("renewing the lease", full or exc)
                 raise full or BusError(f"lease renewal failed: {exc or type(exc).__name__}") from exc
             except BusError as exc:
