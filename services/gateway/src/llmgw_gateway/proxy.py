@@ -305,6 +305,11 @@ class Proxy:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    def _bad_request(self, status: int, message: str, code: str) -> JSONResponse:
+        """A request refused before any deployment is known: counted, then answered."""
+        self.metrics.errors.labels(UNKNOWN, "bad_request").inc()
+        return _error(status, message, "invalid_request_error", code)
+
     async def complete(self, request: Request) -> Response:
         arrived = time.monotonic()
         refused = self._unauthorized(request)
@@ -315,42 +320,33 @@ class Proxy:
         except ClientDisconnect:
             # The connection closed before the body was in (the client went, or the gateway
             # closed it at http: body_timeout_s): nobody is left to read an answer.
-            self.metrics.errors.labels(UNKNOWN, "bad_request").inc()
-            return _error(
+            return self._bad_request(
                 400,
                 "the connection closed before the body was in",
-                "invalid_request_error",
                 "incomplete_body",
             )
         if body is None:
-            self.metrics.errors.labels(UNKNOWN, "bad_request").inc()
-            return _error(
+            return self._bad_request(
                 413,
                 f"request body over {self.max_body_bytes} bytes (the gateway's max_body_bytes)",
-                "invalid_request_error",
                 "request_too_large",
             )
         if json_nests_deeper(body, self.max_json_depth):
-            self.metrics.errors.labels(UNKNOWN, "bad_request").inc()
-            return _error(
+            return self._bad_request(
                 400,
                 f"the body's JSON nests arrays and objects more than {self.max_json_depth} deep "
                 "(the gateway's max_json_depth)",
-                "invalid_request_error",
                 "json_too_deep",
             )
         try:
             payload = json.loads(body)
         except ValueError as exc:
-            self.metrics.errors.labels(UNKNOWN, "bad_request").inc()
-            return _error(400, f"the body is not JSON: {exc}", "invalid_request_error", "invalid_json")
+            return self._bad_request(400, f"the body is not JSON: {exc}", "invalid_json")
         model = payload.get("model") if isinstance(payload, dict) else None
         if not isinstance(model, str) or not model:
-            self.metrics.errors.labels(UNKNOWN, "bad_request").inc()
-            return _error(
+            return self._bad_request(
                 400,
                 "the body must be a JSON object with a `model` (a deployment's name or alias)",
-                "invalid_request_error",
                 "missing_model",
             )
         starting = await self._not_loaded()
