@@ -81,7 +81,7 @@ async def while_connected(bus: Bus) -> AsyncIterator[None]:
     subscription and consumer, and one that was not made again would leave a service up
     but deaf in part (a placement that answers no liveness request, a launcher that no
     longer hears its shards). A restart makes all of them again, by the path every start
-    takes, and each service is built to be restarted (see docs/decisions.md).
+    takes, and each service is built to be restarted (see docs/bus.md, Connections).
     """
     failed: Exception | None = None
     async with anyio.create_task_group() as tg:

@@ -54,7 +54,7 @@ from .retry import backoff
 log = logging.getLogger("llmgw.installer")
 tracer = trace.get_tracer("llmgw.installer")
 
-# Placement refuses CPU profiles here for the same reason (docs/decisions.md, "No AVX2").
+# Placement refuses CPU profiles here for the same reason (docs/placement.md, "No AVX2").
 NO_AVX2 = (
     "no AVX2: llama.cpp's CPU build would run several times slower here; "
     "placement sends this node no CPU profiles (GPU profiles still run)"

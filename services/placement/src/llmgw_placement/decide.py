@@ -420,7 +420,7 @@ def unfit(
             return problems[0].split(": ", 1)[1]
     elif not node.avx2 and profile.engine != "sim":
         # Refused, not only warned: a CPU replica there looks as healthy as any other
-        # and answers several times slower (docs/decisions.md, "No AVX2").
+        # and answers several times slower (docs/placement.md, "No AVX2").
         name = ENGINE_NAMES.get(profile.engine, profile.engine)
         return (
             f"no AVX2: {name}'s CPU build would run several times slower here; "
