@@ -87,8 +87,28 @@ def main() -> int:
     )
     text = header + "\n" + "\n".join(sections)
     print(text)
-    path.write_text(text)
+    kept = kept_sections(path.read_text() if path.exists() else "", sections)
+    path.write_text(text.rstrip("\n") + "\n" + "".join("\n" + s for s in kept))
     return 0
+
+
+KEPT = "Not written by the run named at the top: kept from an earlier BENCHMARKS.md."
+
+
+def kept_sections(old: str, written: list[str]) -> list[str]:
+    """The sections of the previous BENCHMARKS.md that no benchmark of this run wrote (figures
+    measured by hand, before/after comparisons): a full run must not lose them."""
+    titles = {section.partition("\n")[0] for section in written}
+    kept = []
+    for chunk in ("\n" + old).split("\n## ")[1:]:
+        section = "## " + chunk.rstrip("\n") + "\n"
+        title, _, body = section.partition("\n")
+        if title in titles:
+            continue
+        if KEPT not in body:
+            body = f"\n{KEPT}\n{body}"
+        kept.append(f"{title}\n{body}")
+    return kept
 
 
 def replace_section(text: str, title: str, section: str) -> str:

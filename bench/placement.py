@@ -15,7 +15,7 @@ from llmgw_placement.decide import NodeIndex, NodeView, Placement, decide
 VLLM = {"vllm": EngineState(name="vllm", state="configured", version="0.11.1")}
 SGLANG = {"sglang": EngineState(name="sglang", state="configured", version="0.5.0")}
 
-# decisions/s with the prebuilt index at 5,000 nodes (the scale issue's target 3).
+# decisions/s with the prebuilt index at 5,000 nodes (the scale target).
 TARGETS = {"TP=4 one node": 10_000, "TP=8 over 2 nodes": 1_000}
 
 
@@ -122,7 +122,7 @@ def run(quick: bool = False) -> str:
         "H100 nodes running vLLM, the profile's engine and class; fabrics of 64 nodes), mean of "
         "repeated calls. Baseline: the same call given a plain list of views, which it must index "
         "first (every node examined). The controller keeps its index across control steps and "
-        "updates it as replicas are placed. Target (scale issue, target 3), with the prebuilt "
+        "updates it as replicas are placed. Target, with the prebuilt "
         f"index at 5,000 nodes: {TARGETS['TP=4 one node']:,} decisions/s for one-node profiles, "
         f"{TARGETS['TP=8 over 2 nodes']:,} decisions/s for two-node TP=8. *Same*: both ways "
         "decided the same.",
