@@ -112,6 +112,7 @@ class Connection:
                 retryable=not refused,
             ) from exc
         conn._errors = []
+        conn.connected_since = time.monotonic()
         return conn
 
     def _allowed(self) -> None:
