@@ -65,7 +65,7 @@ from nats.js import JetStreamContext, JetStreamManager, api
 
 from .errors import BusError, ConfigError
 from .subjects import Names
-from .topology import all_streams, kv_stream
+from .topology import Needs, kv_stream, needs
 
 log = logging.getLogger("llmgw.access")
 
@@ -128,8 +128,8 @@ def _read_filtered(stream: str, subject_filter: str) -> list[str]:
     ]
 
 
-def _node_publish(names: Names, node: str) -> list[str]:
-    """A node's writes; `node` is a node id, or `*` for the simulated fleet."""
+def _node_publish(names: Names, node: str, need: Needs) -> list[str]:
+    """A node's writes and reads; `node` is a node id, or `*` for the simulated fleet."""
     p = names.prefix
     return [
         f"$KV.{names.nodes_bucket}.{node}",
@@ -137,24 +137,23 @@ def _node_publish(names: Names, node: str) -> list[str]:
         f"{p}.heartbeat.{node}.*",
         f"{p}.events.node.{node}.>",
         f"{p}.events.shard.{node}.>",
-        f"$JS.API.STREAM.INFO.{names.events_stream}",
-        f"$JS.API.STREAM.INFO.{names.dlq_stream}",
-        f"$JS.API.STREAM.INFO.{kv_stream(names.nodes_bucket)}",
-        f"$JS.API.STREAM.INFO.{kv_stream(names.shard_status_bucket)}",
-        *_read_all(kv_stream(names.config_bucket)),
+        # It waits for the streams it uses (`bus.require_streams`).
+        *(f"$JS.API.STREAM.INFO.{s}" for s in need.requires if s not in need.reads),
+        *(rule for s in need.reads for rule in _read_all(s)),
     ]
 
 
 def permissions(role: str, names: Names, public_key: str) -> Permissions:
     """nats-server permissions of one identity; `role` is one of ROLES or `node-<id>`."""
     p = names.prefix
+    need = needs(names)
     inbox = f"{inbox_prefix(public_key)}.>"
     heartbeats = names.heartbeat_all
     if role.startswith(NODE_ROLE_PREFIX):
         node = role.removeprefix(NODE_ROLE_PREFIX)
         shards = kv_stream(names.shards_bucket)
         publish = [
-            *_node_publish(names, node),
+            *_node_publish(names, node, need["node"]),
             f"{p}.dlq.installer-{node}",
             f"{p}.dlq.launcher-{node}",
             *_read_filtered(shards, f"$KV.{names.shards_bucket}.{node}.*"),
@@ -166,40 +165,32 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
         # Its launcher answers requests for its shards' logs (and only for its own); its
         # agents hear their node's heartbeats, so a second machine with its id stands by.
         own = (inbox, names.launcher_logs(node), names.heartbeat(node, "*"))
-        return Permissions(tuple(publish), own, allow_responses=True)
+        # Each rule once: a filtered read grants its stream's info too.
+        return Permissions(tuple(dict.fromkeys(publish)), own, allow_responses=True)
     if role == "fleet":
-        publish = [
-            *_node_publish(names, "*"),
-            f"{p}.dlq.llmgw-fleet",
-            *_read_all(kv_stream(names.shards_bucket)),
-        ]
+        publish = [*_node_publish(names, "*", need["fleet"]), f"{p}.dlq.llmgw-fleet"]
         return Permissions(tuple(publish), (inbox,))
     if role == "placement":
-        writes = [
-            names.config_bucket,
-            names.catalog_bucket,
-            names.deployments_bucket,
-            names.shards_bucket,
-            names.replicas_bucket,
-            names.leases_bucket,
-        ]
         publish = [
-            *(f"$KV.{b}.>" for b in writes),
+            *(f"$KV.{b}.>" for b in need["placement"].writes),
             f"{p}.events.replica.>",
             f"{p}.events.placement.>",
             f"{p}.events.deployment.>",
             f"{p}.dlq.placement",
             names.placement_file,
-            *(f"$JS.API.STREAM.{op}.{s}" for s in all_streams(names) for op in ("CREATE", "UPDATE", "INFO")),
-            *(rule for b in names.buckets() for rule in _read_all(kv_stream(b))),
+            *(
+                f"$JS.API.STREAM.{op}.{s}"
+                for s in need["placement"].manages
+                for op in ("CREATE", "UPDATE", "INFO")
+            ),
+            *(rule for s in need["placement"].reads for rule in _read_all(s)),
         ]
         # The cluster page shows the events as they happen.
         subscribe = (inbox, heartbeats, names.liveness_request, names.placement_file, names.events_all)
         return Permissions(tuple(publish), subscribe, allow_responses=True)
     if role == "ctl":
         publish = [
-            f"$KV.{names.deployments_bucket}.>",
-            f"$KV.{names.catalog_bucket}.>",
+            *(f"$KV.{b}.>" for b in need["ctl"].writes),
             # The desired engines are the operator's too (`llmgw ctl apply -f server.yaml`).
             f"$KV.{names.config_bucket}.engines",
             names.liveness_request,
@@ -207,22 +198,14 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             names.launcher_logs("*"),
             f"{p}.dlq.llmgw-ctl",
             f"{p}.dlq.llmgw-up",
-            *(rule for s in all_streams(names) for rule in _read_all(s)),
+            *(rule for s in need["ctl"].reads for rule in _read_all(s)),
         ]
         return Permissions(tuple(publish), (inbox, heartbeats, names.events_all))
     if role == "observer":
-        readable = [
-            names.events_stream,
-            kv_stream(names.nodes_bucket),
-            kv_stream(names.shard_status_bucket),
-            kv_stream(names.replicas_bucket),
-        ]
-        publish = [names.liveness_request, *(rule for s in readable for rule in _read_all(s))]
+        publish = [names.liveness_request, *(rule for s in need["observer"].reads for rule in _read_all(s))]
         return Permissions(tuple(publish), (inbox, heartbeats, names.events_all))
     if role == "gateway":
-        # Deployments too: their aliases, and a deployment with no replica yet is known, not unknown.
-        readable = [kv_stream(names.replicas_bucket), kv_stream(names.deployments_bucket)]
-        return Permissions(tuple(rule for s in readable for rule in _read_all(s)), (inbox,))
+        return Permissions(tuple(rule for s in need["gateway"].reads for rule in _read_all(s)), (inbox,))
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)} or node-<node id>")
 
 

@@ -1,5 +1,5 @@
-"""llmgw's streams and buckets: their names, their settings and limits, and which ones
-each kind of service needs before it starts.
+"""llmgw's streams and buckets: their names, their settings and limits, and what each
+kind of identity needs of them.
 
     <PREFIX>_EVENTS   every event (`<prefix>.events.>`); oldest dropped at its limits;
                       deduplicated by message id; takes atomic batches
@@ -7,14 +7,15 @@ each kind of service needs before it starts.
     KV_<bucket>       one per bucket (`store.BUCKETS`): HISTORY revisions per key, a byte
                       and a value-size limit (`store.stream_limits`), atomic batches
 
-Pure: the bus creates what this says (`bus.streams.ensure`), and the permissions
-(`access.permissions`) name the same streams; neither imports the other for it.
-A new bucket is a name in `store.BUCKETS` (with its budget) and in `Names.buckets`;
-everything here follows from those.
+Pure: the bus creates what this says (`bus.streams`), and the permissions
+(`access.permissions`) grant what `needs` says; neither imports the other for it.
+A new bucket is a name in `store.BUCKETS` (with its budget) and in `Names.buckets`,
+and a line in `needs` for each identity that reads or writes it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nats.js import api
@@ -98,3 +99,59 @@ def stream_of(names: Names, subject: str) -> str:
     if subject.startswith("$KV."):
         return kv_stream(subject.split(".", 2)[1])
     return names.events_stream
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What one kind of identity needs of the streams and buckets. `access.permissions`
+    turns it into nats-server's rules, and adds what is narrower than a whole stream: a
+    node's own keys and the subjects each identity publishes on."""
+
+    # Streams it reads whole: gets, watches, snapshots, consumers.
+    reads: tuple[str, ...] = ()
+    # Buckets it writes, every key.
+    writes: tuple[str, ...] = ()
+    # Streams it creates and updates (`Bus.ensure`); only placement does.
+    manages: tuple[str, ...] = ()
+    # Streams that must exist before it works (`bus.require_streams`).
+    requires: tuple[str, ...] = ()
+
+
+def needs(names: Names) -> dict[str, Needs]:
+    """Each kind of identity (`access.ROLES`, and `node` for every `node-<id>`) and its needs."""
+    n = names
+    return {
+        # Seeds the catalog and deployments, writes specs, replicas, the lease and the engines.
+        "placement": Needs(
+            reads=tuple(kv_stream(b) for b in n.buckets()),
+            writes=(
+                n.config_bucket,
+                n.catalog_bucket,
+                n.deployments_bucket,
+                n.shards_bucket,
+                n.replicas_bucket,
+                n.leases_bucket,
+            ),
+            manages=tuple(all_streams(n)),
+        ),
+        # The operator: reads everything; the desired engines (one key of config) besides.
+        "ctl": Needs(reads=tuple(all_streams(n)), writes=(n.deployments_bucket, n.catalog_bucket)),
+        # Never the shard specs: they carry environments.
+        "observer": Needs(
+            reads=(
+                n.events_stream,
+                kv_stream(n.nodes_bucket),
+                kv_stream(n.shard_status_bucket),
+                kv_stream(n.replicas_bucket),
+            )
+        ),
+        # Deployments too: their aliases, and a deployment with no replica yet is known.
+        "gateway": Needs(reads=(kv_stream(n.replicas_bucket), kv_stream(n.deployments_bucket))),
+        # Besides: its own status and shard statuses (written), its own shard specs and
+        # shard statuses (read).
+        "node": Needs(reads=(kv_stream(n.config_bucket),), requires=tuple(node_streams(n))),
+        # `llmgw fleet`'s simulated nodes: every node's needs at once, every shard spec.
+        "fleet": Needs(
+            reads=(kv_stream(n.config_bucket), kv_stream(n.shards_bucket)), requires=tuple(node_streams(n))
+        ),
+    }
