@@ -14,8 +14,7 @@ import anyio
 import msgspec
 from nats.aio.msg import Msg
 
-from llmgw_core.access import prepare_node
-from llmgw_core.bus import Bus
+from llmgw_core.bus import Bus, prepare_node
 from llmgw_core.config import AgentConfig, NatsConfig
 from llmgw_core.engines import GPUInfo, Member, Profile, ShardSpec
 from llmgw_core.events import ShardStatus, decoder

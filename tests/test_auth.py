@@ -16,8 +16,8 @@ import pytest
 from nats.aio.msg import Msg
 
 from llmgw.auth import AuthDir
-from llmgw_core.access import PermissionDenied, prepare_node, require_streams
-from llmgw_core.bus import Bus, BusOptions
+from llmgw_core.access import PermissionDenied
+from llmgw_core.bus import Bus, BusOptions, prepare_node, require_streams
 from llmgw_core.engines import ShardSpec
 from llmgw_core.errors import BusError, ConfigError
 from llmgw_core.events import Deployment, Heartbeat, InstallProgress, NodeStatus, ShardStatus, now

@@ -9,6 +9,7 @@ from llmgw_core.bus import ATOMIC_MAX, Bus, BusOptions, KVChange, Writes, _Write
 from llmgw_core.errors import BusError
 from llmgw_core.events import InstallProgress, encode
 from llmgw_core.natsd import NatsServer
+from tests.bus_support import consume
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -35,8 +36,8 @@ async def test_bad_messages_go_to_the_dlq_and_the_consumer_keeps_consuming(bus: 
 
     async with anyio.create_task_group() as tg:
         await tg.start(
-            lambda task_status: bus.consume(
-                subject, InstallProgress, handler, durable="t1", task_status=task_status
+            lambda task_status: consume(
+                bus, subject, InstallProgress, handler, durable="t1", task_status=task_status
             )
         )
         await bus.js.publish(subject, b"\x00not json{")
@@ -72,8 +73,8 @@ async def test_a_bad_message_is_not_redelivered(bus: Bus) -> None:
     await bus.publish(subject, progress("done"))
     async with anyio.create_task_group() as tg:
         await tg.start(
-            lambda task_status: bus.consume(
-                subject, InstallProgress, handler, durable="t2", task_status=task_status
+            lambda task_status: consume(
+                bus, subject, InstallProgress, handler, durable="t2", task_status=task_status
             )
         )
         await eventually(lambda: handled == ["done"])
@@ -219,8 +220,8 @@ async def test_commit_writes_puts_deletes_and_events_as_atomic_batches(bus: Bus)
     writes.publish(
         names.node_install("gpu-01"), progress("event"), traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01"
     )
-    assert await bus._atomic_allowed(f"KV_{bucket}")
-    assert await bus._atomic_allowed(names.events_stream)
+    assert await bus.batches.atomic_allowed(f"KV_{bucket}")
+    assert await bus.batches.atomic_allowed(names.events_stream)
     await bus.commit(writes)
     found = await bus.entries(bucket, InstallProgress)
     assert found["k0"].value == progress("s0")
@@ -235,12 +236,12 @@ async def test_commit_writes_one_by_one_where_a_stream_takes_no_batches(bus: Bus
     config = (await bus.js.stream_info(stream)).config
     config.allow_atomic = False
     await bus.js.update_stream(config)
-    bus._atomic.pop(stream, None)
+    bus.batches.atomic.pop(stream, None)
     writes = Writes()
     for i in range(5):
         writes.put(bus.names.nodes_bucket, f"n{i}", progress(f"s{i}"))
     await bus.commit(writes)
-    assert bus._atomic[stream] is False
+    assert bus.batches.atomic[stream] is False
     assert sorted(await bus.entries(bus.names.nodes_bucket, InstallProgress)) == [f"n{i}" for i in range(5)]
 
 
@@ -265,7 +266,7 @@ async def test_a_bucket_created_by_another_service_meanwhile_is_used(own_nats: N
     late = await Bus.connect(options, service="node")
     try:
         await first.ensure()
-        assert await first._atomic_allowed(f"KV_{first.names.replicas_bucket}")
+        assert await first.batches.atomic_allowed(f"KV_{first.names.replicas_bucket}")
         lookup = late.js.key_value
         missed: list[str] = []
 

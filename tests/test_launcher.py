@@ -15,8 +15,7 @@ import httpx
 import msgspec
 import pytest
 
-from llmgw_core.access import prepare_node
-from llmgw_core.bus import Bus
+from llmgw_core.bus import Bus, prepare_node
 from llmgw_core.events import ShardStatus
 from llmgw_launcher import diff
 from llmgw_launcher.procs import autogroup

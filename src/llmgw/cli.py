@@ -6,46 +6,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llmgw_core.errors import LlmgwError
 
+from ._bus_flags import add_bus_flags, bus_options
 from ._parser import Parser, stdout_closed
-
-if TYPE_CHECKING:
-    from llmgw_core.bus import BusOptions
-
-
-def _identity_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--nkey",
-        default="",
-        metavar="SEED_FILE",
-        help="the identity's nkey seed file (default: LLMGW_NATS_NKEY)",
-    )
-    p.add_argument(
-        "--insecure",
-        action="store_true",
-        help="connect without credentials, to a cluster that runs without authentication "
-        "(LLMGW_NATS_INSECURE=1 does the same)",
-    )
-    p.add_argument("--tls-ca", default="", help="CA of the NATS server's certificate")
-    p.add_argument("--tls-cert", default="", help="client certificate, where the server asks for one")
-    p.add_argument("--tls-key", default="", help="the client certificate's key")
-
-
-def bus_options(args: argparse.Namespace) -> BusOptions:
-    """The NATS connection that `ctl` and `fleet` flags (and LLMGW_NATS_* variables) describe."""
-    from llmgw_core.bus import BusOptions
-
-    return BusOptions(
-        prefix=args.prefix,
-        nkey_seed_file=args.nkey,
-        insecure=args.insecure,
-        tls_ca=args.tls_ca,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,15 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--name", default="sim", help="node ids are <name>-00000, <name>-00001, … (default: %(default)s)"
     )
     p_fleet.add_argument(
-        "--prefix", default="llmgw", help="subject prefix of the cluster (default: %(default)s)"
-    )
-    p_fleet.add_argument(
         "--shard",
         default="0/1",
         help="I/N: run the I-th of N equal parts of the fleet (several processes share a big fleet; "
         "default: %(default)s)",
     )
-    _identity_flags(p_fleet)
+    add_bus_flags(p_fleet)
     from .ctl._args import add_parser as add_ctl_parser
 
     add_ctl_parser(sub)

@@ -177,7 +177,7 @@ def shard_of(names: list[str], shard: str) -> list[str]:
 def main(nodes: int, gpus: int, name: str, options: BusOptions, *, shard: str = "0/1") -> int:
     """Run the fleet until Ctrl-C, against the cluster at LLMGW_NATS_URL, as the `fleet` identity
     (`llmgw auth init --fleet`)."""
-    from llmgw_core.access import prepare_node
+    from llmgw_core.bus import prepare_node
     from llmgw_core.lifecycle import cancel_on_signal
     from llmgw_core.limits import name_problem
 

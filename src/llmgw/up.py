@@ -42,12 +42,12 @@ import nats.errors
 import nats.js.errors
 
 from llmgw_core import telemetry
-from llmgw_core.access import all_streams, require_streams
-from llmgw_core.bus import Bus, BusOptions
+from llmgw_core.bus import Bus, BusOptions, require_streams
 from llmgw_core.config import AgentConfig
 from llmgw_core.errors import BusError
 from llmgw_core.events import NodeStatus, ReplicaRecord, ShardStatus
 from llmgw_core.natsd import NatsServer
+from llmgw_core.topology import all_streams
 from llmgw_gateway.config import GatewayConfig
 from llmgw_placement.config import ServerConfig
 

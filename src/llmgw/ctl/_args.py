@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .._bus_flags import add_bus_flags
+
 EXAMPLES = """\
 examples:
   llmgw ctl get nodes                       every node: alive, GPUs, engines, install progress
@@ -45,41 +47,6 @@ DESCRIBED = {name: kind for name, kind in KINDS.items() if kind in ("deployment"
 OUTPUTS = ["wide", "json", "yaml", "name"]
 
 
-def _connection(p: argparse.ArgumentParser, *, suppress: bool) -> None:
-    """The connection flags; on each subcommand too (defaults suppressed there), so that
-    `llmgw ctl get nodes --prefix x` works as well as `llmgw ctl --prefix x get nodes`."""
-
-    def default(value: object) -> object:
-        return argparse.SUPPRESS if suppress else value
-
-    p.add_argument(
-        "--nats-url",
-        default=default(""),
-        metavar="URL",
-        help="the cluster's NATS (default: LLMGW_NATS_URL, else nats://127.0.0.1:4222)",
-    )
-    p.add_argument(
-        "--prefix", default=default("llmgw"), help="subject prefix of the cluster (default: llmgw)"
-    )
-    p.add_argument(
-        "--nkey",
-        default=default(""),
-        metavar="SEED_FILE",
-        help="the ctl identity's nkey seed (LLMGW_NATS_NKEY)",
-    )
-    p.add_argument(
-        "--insecure",
-        action="store_true",
-        default=default(False),
-        help="connect without credentials (LLMGW_NATS_INSECURE=1 does the same)",
-    )
-    p.add_argument("--tls-ca", default=default(""), help="CA of the NATS server's certificate")
-    p.add_argument(
-        "--tls-cert", default=default(""), help="client certificate, where the server asks for one"
-    )
-    p.add_argument("--tls-key", default=default(""), help="the client certificate's key")
-
-
 def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
     p_ctl: argparse.ArgumentParser = sub.add_parser(
         "ctl",
@@ -91,9 +58,9 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
     from llmgw_core.version import llmgw_version
 
     p_ctl.add_argument("--version", action="version", version=f"llmgw {llmgw_version()}")
-    _connection(p_ctl, suppress=False)
+    add_bus_flags(p_ctl)
     common = argparse.ArgumentParser(add_help=False)
-    _connection(common, suppress=True)
+    add_bus_flags(common, suppress=True)
     ctl_sub = p_ctl.add_subparsers(dest="ctl", required=True, metavar="COMMAND")
 
     def add(name: str, help_text: str, **kw: object) -> argparse.ArgumentParser:

@@ -31,6 +31,7 @@ from llmgw_core.events import (
 from llmgw_core.limits import NAME_MAX, name_problem, profile_problem, shown
 from llmgw_core.telemetry import current_traceparent
 
+from .._bus_flags import bus_options
 from .._parser import stdout_closed
 from . import _read as read
 from . import _views as views
@@ -647,11 +648,7 @@ async def logs(bus: Bus, shard: str, *, tail: int, follow: bool, process: str) -
 
 
 async def connect(args: argparse.Namespace) -> Bus:
-    from ..cli import bus_options
-
-    options = msgspec.structs.replace(
-        bus_options(args), url=getattr(args, "nats_url", "") or "", connect_timeout_s=CONNECT_TIMEOUT_S
-    )
+    options = msgspec.structs.replace(bus_options(args), connect_timeout_s=CONNECT_TIMEOUT_S)
     try:
         return await Bus.connect(options, service="llmgw-ctl")
     except BusError as exc:

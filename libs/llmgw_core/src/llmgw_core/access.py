@@ -51,14 +51,12 @@ import asyncio
 import contextlib
 import logging
 import re
-import time
 import uuid
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import anyio
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
@@ -67,9 +65,7 @@ from nats.js import JetStreamContext, JetStreamManager, api
 
 from .errors import BusError, ConfigError
 from .subjects import Names
-
-if TYPE_CHECKING:
-    from .bus import Bus
+from .topology import Needs, kv_stream, needs
 
 log = logging.getLogger("llmgw.access")
 
@@ -97,10 +93,6 @@ class Permissions:
 def inbox_prefix(public_key: str) -> str:
     """The identity's private inbox: replies to its requests and its consumers' deliveries."""
     return f"_INBOX.{public_key}"
-
-
-def _kv_stream(bucket: str) -> str:
-    return f"KV_{bucket}"
 
 
 def _read_all(stream: str) -> list[str]:
@@ -136,12 +128,8 @@ def _read_filtered(stream: str, subject_filter: str) -> list[str]:
     ]
 
 
-def all_streams(names: Names) -> list[str]:
-    return [names.events_stream, names.dlq_stream, *(_kv_stream(b) for b in names.buckets())]
-
-
-def _node_publish(names: Names, node: str) -> list[str]:
-    """A node's writes; `node` is a node id, or `*` for the simulated fleet."""
+def _node_publish(names: Names, node: str, need: Needs) -> list[str]:
+    """A node's writes and reads; `node` is a node id, or `*` for the simulated fleet."""
     p = names.prefix
     return [
         f"$KV.{names.nodes_bucket}.{node}",
@@ -149,69 +137,60 @@ def _node_publish(names: Names, node: str) -> list[str]:
         f"{p}.heartbeat.{node}.*",
         f"{p}.events.node.{node}.>",
         f"{p}.events.shard.{node}.>",
-        f"$JS.API.STREAM.INFO.{names.events_stream}",
-        f"$JS.API.STREAM.INFO.{names.dlq_stream}",
-        f"$JS.API.STREAM.INFO.{_kv_stream(names.nodes_bucket)}",
-        f"$JS.API.STREAM.INFO.{_kv_stream(names.shard_status_bucket)}",
-        *_read_all(_kv_stream(names.config_bucket)),
+        # It waits for the streams it uses (`bus.require_streams`).
+        *(f"$JS.API.STREAM.INFO.{s}" for s in need.requires if s not in need.reads),
+        *(rule for s in need.reads for rule in _read_all(s)),
     ]
 
 
 def permissions(role: str, names: Names, public_key: str) -> Permissions:
     """nats-server permissions of one identity; `role` is one of ROLES or `node-<id>`."""
     p = names.prefix
+    need = needs(names)
     inbox = f"{inbox_prefix(public_key)}.>"
     heartbeats = names.heartbeat_all
     if role.startswith(NODE_ROLE_PREFIX):
         node = role.removeprefix(NODE_ROLE_PREFIX)
-        shards = _kv_stream(names.shards_bucket)
+        shards = kv_stream(names.shards_bucket)
         publish = [
-            *_node_publish(names, node),
+            *_node_publish(names, node, need["node"]),
             f"{p}.dlq.installer-{node}",
             f"{p}.dlq.launcher-{node}",
             *_read_filtered(shards, f"$KV.{names.shards_bucket}.{node}.*"),
             # Its launcher reads back its own shard statuses, to correct what it does not run.
             *_read_filtered(
-                _kv_stream(names.shard_status_bucket), f"$KV.{names.shard_status_bucket}.{node}.*"
+                kv_stream(names.shard_status_bucket), f"$KV.{names.shard_status_bucket}.{node}.*"
             ),
         ]
         # Its launcher answers requests for its shards' logs (and only for its own); its
         # agents hear their node's heartbeats, so a second machine with its id stands by.
         own = (inbox, names.launcher_logs(node), names.heartbeat(node, "*"))
-        return Permissions(tuple(publish), own, allow_responses=True)
+        # Each rule once: a filtered read grants its stream's info too.
+        return Permissions(tuple(dict.fromkeys(publish)), own, allow_responses=True)
     if role == "fleet":
-        publish = [
-            *_node_publish(names, "*"),
-            f"{p}.dlq.llmgw-fleet",
-            *_read_all(_kv_stream(names.shards_bucket)),
-        ]
+        publish = [*_node_publish(names, "*", need["fleet"]), f"{p}.dlq.llmgw-fleet"]
         return Permissions(tuple(publish), (inbox,))
     if role == "placement":
-        writes = [
-            names.config_bucket,
-            names.catalog_bucket,
-            names.deployments_bucket,
-            names.shards_bucket,
-            names.replicas_bucket,
-            names.leases_bucket,
-        ]
         publish = [
-            *(f"$KV.{b}.>" for b in writes),
+            *(f"$KV.{b}.>" for b in need["placement"].writes),
             f"{p}.events.replica.>",
             f"{p}.events.placement.>",
             f"{p}.events.deployment.>",
             f"{p}.dlq.placement",
             names.placement_file,
-            *(f"$JS.API.STREAM.{op}.{s}" for s in all_streams(names) for op in ("CREATE", "UPDATE", "INFO")),
-            *(rule for b in names.buckets() for rule in _read_all(_kv_stream(b))),
+            *(
+                f"$JS.API.STREAM.{op}.{s}"
+                for s in need["placement"].manages
+                for op in ("CREATE", "UPDATE", "INFO")
+            ),
+            *(rule for s in need["placement"].reads for rule in _read_all(s)),
         ]
         # The cluster page shows the events as they happen.
         subscribe = (inbox, heartbeats, names.liveness_request, names.placement_file, names.events_all)
         return Permissions(tuple(publish), subscribe, allow_responses=True)
     if role == "ctl":
         publish = [
-            f"$KV.{names.deployments_bucket}.>",
-            f"$KV.{names.catalog_bucket}.>",
+            *(f"$KV.{b}.>" for b in need["ctl"].writes),
             # The desired engines are the operator's too (`llmgw ctl apply -f server.yaml`).
             f"$KV.{names.config_bucket}.engines",
             names.liveness_request,
@@ -219,22 +198,14 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             names.launcher_logs("*"),
             f"{p}.dlq.llmgw-ctl",
             f"{p}.dlq.llmgw-up",
-            *(rule for s in all_streams(names) for rule in _read_all(s)),
+            *(rule for s in need["ctl"].reads for rule in _read_all(s)),
         ]
         return Permissions(tuple(publish), (inbox, heartbeats, names.events_all))
     if role == "observer":
-        readable = [
-            names.events_stream,
-            _kv_stream(names.nodes_bucket),
-            _kv_stream(names.shard_status_bucket),
-            _kv_stream(names.replicas_bucket),
-        ]
-        publish = [names.liveness_request, *(rule for s in readable for rule in _read_all(s))]
+        publish = [names.liveness_request, *(rule for s in need["observer"].reads for rule in _read_all(s))]
         return Permissions(tuple(publish), (inbox, heartbeats, names.events_all))
     if role == "gateway":
-        # Deployments too: their aliases, and a deployment with no replica yet is known, not unknown.
-        readable = [_kv_stream(names.replicas_bucket), _kv_stream(names.deployments_bucket)]
-        return Permissions(tuple(rule for s in readable for rule in _read_all(s)), (inbox,))
+        return Permissions(tuple(rule for s in need["gateway"].reads for rule in _read_all(s)), (inbox,))
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)} or node-<node id>")
 
 
@@ -469,96 +440,3 @@ class GuardedClient(Client):
                 if not waiter.done():
                     waiter.set_exception(denied)
         return True
-
-
-# --- streams and buckets exist before node services use them -------------------------
-
-
-async def require_streams(bus: Bus, streams: list[str], *, timeout: float | None = None) -> None:
-    """Wait until every stream exists; fail with what is missing, or which permission is.
-
-    Placement creates llmgw's streams and buckets (only it may), and waits for NATS as
-    long as it takes. Node services started with it, or before it, wait for the streams
-    as long (without a `timeout`, for ever): on a fresh 3-server cluster creating the
-    replicated streams took over a minute, and agents that gave up at 30 s needed a
-    restart. The wait is said once, and so is its end.
-    """
-    waiting: list[str] = []
-    since: float | None = None
-    with anyio.move_on_after(timeout):
-        while True:
-            waiting = []
-            for stream in streams:
-                try:
-                    await bus.js.stream_info(stream)
-                except nats.js.errors.NotFoundError:
-                    waiting.append(stream)
-                except PermissionDenied as exc:
-                    raise BusError(f"{bus.service}: cannot check that {stream} exists: {exc}") from exc
-                except nats.errors.Error as exc:
-                    bus.raise_if_final(exc)
-                    log.warning("%s: cannot check that %s exists yet: %s", bus.service, stream, exc)
-                    waiting.append(stream)
-            if not waiting:
-                if since is not None:
-                    log.warning(
-                        "%s: the streams are there after %.0f s; starting",
-                        bus.service,
-                        time.monotonic() - since,
-                    )
-                return
-            if since is None:
-                since = time.monotonic()
-                log.warning(
-                    "%s: waiting for placement to create streams %s (it creates llmgw's streams and "
-                    "buckets when it starts, with the same nats prefix %r)",
-                    bus.service,
-                    ", ".join(waiting),
-                    bus.names.prefix,
-                )
-            await anyio.sleep(0.5)
-    raise BusError(
-        f"{bus.service}: {', '.join(waiting)} still missing after {timeout:g}s at "
-        f"{bus.options.resolved_url()} (prefix {bus.names.prefix!r}); placement creates llmgw's streams and "
-        "buckets when it starts: start it first, with the same nats prefix"
-    )
-
-
-def node_streams(names: Names) -> list[str]:
-    """What a node's installer and launcher use."""
-    return [
-        names.events_stream,
-        names.dlq_stream,
-        *(
-            _kv_stream(b)
-            for b in (names.config_bucket, names.nodes_bucket, names.shards_bucket, names.shard_status_bucket)
-        ),
-    ]
-
-
-async def prepare_node(bus: Bus, *, timeout: float | None = None) -> None:
-    """A node service's start: create the streams on an unauthenticated bus (as before
-    identities existed), otherwise wait for placement to have created them; either way
-    for as long as it takes, or `timeout` seconds."""
-    if bus.options.authenticated():
-        await require_streams(bus, node_streams(bus.names), timeout=timeout)
-        return
-    started = time.monotonic()
-    delay = 0.5
-    told = False
-    while True:
-        try:
-            await bus.ensure()
-            break
-        except BusError as exc:
-            # A cluster still electing its stream leaders, or short of space: waiting can cure it.
-            if not exc.retryable or (timeout is not None and time.monotonic() - started + delay > timeout):
-                raise
-            if not told:
-                log.warning("%s: %s; waiting for NATS", bus.service, exc)
-                told = True
-        await anyio.sleep(delay)
-        delay = min(5.0, delay * 2)
-    if told:
-        waited = time.monotonic() - started
-        log.warning("%s: the streams are there after %.0f s; starting", bus.service, waited)

@@ -24,6 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
@@ -31,8 +32,10 @@ import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
-from .bus import Bus
 from .events import Heartbeat, decoder, now
+
+if TYPE_CHECKING:
+    from .bus import Bus
 
 log = logging.getLogger("llmgw.claims")
 

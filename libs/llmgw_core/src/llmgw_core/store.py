@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from .bus import BusOptions
     from .subjects import Names
 
 KiB = 1 << 10
@@ -40,6 +39,24 @@ FLOOR_BYTES = 1 * MiB
 BUCKETS = ("config", "catalog", "deployments", "nodes", "shards", "shard-status", "replicas", "leases")
 # The DLQ holds copies of bad messages: a quarter of the events stream, at most this.
 DLQ_MAX_BYTES = 64 * MiB
+
+
+class Sizing(Protocol):
+    """What the limits are sized from: the `nats:` section (`bus.BusOptions`)."""
+
+    @property
+    def max_nodes(self) -> int: ...
+    @property
+    def max_shards(self) -> int: ...
+    @property
+    def max_deployments(self) -> int: ...
+    @property
+    def max_value_bytes(self) -> int: ...
+    @property
+    def events_max_bytes(self) -> int: ...
+    @property
+    def bucket_max_bytes(self) -> dict[str, int]: ...
+
 
 # nats-server's error codes for a write refused for space (server/errors.json).
 INSUFFICIENT_RESOURCES = 10023  # the server's JetStream store is at its limit (503)
@@ -61,7 +78,7 @@ class Budget:
     why: str
 
 
-def budgets(options: BusOptions) -> dict[str, Budget]:
+def budgets(options: Sizing) -> dict[str, Budget]:
     """Each bucket (its name without the prefix) and what it is sized for."""
     o = options
     return {
@@ -76,7 +93,7 @@ def budgets(options: BusOptions) -> dict[str, Budget]:
     }
 
 
-def bucket_bytes(options: BusOptions, bucket: str) -> int:
+def bucket_bytes(options: Sizing, bucket: str) -> int:
     """The byte limit of a bucket (named without the prefix): the override, or the formula."""
     override = options.bucket_max_bytes.get(bucket)
     if override is not None:
@@ -93,7 +110,7 @@ class Limits:
     max_msg_size: int = -1
 
 
-def stream_limits(options: BusOptions, names: Names) -> dict[str, Limits]:
+def stream_limits(options: Sizing, names: Names) -> dict[str, Limits]:
     """Every llmgw stream (a bucket's is `KV_<bucket>`) and its limits."""
     out = {
         names.events_stream: Limits(options.events_max_bytes),
@@ -106,11 +123,11 @@ def stream_limits(options: BusOptions, names: Names) -> dict[str, Limits]:
     return out
 
 
-def dlq_bytes(options: BusOptions) -> int:
+def dlq_bytes(options: Sizing) -> int:
     return min(options.events_max_bytes, DLQ_MAX_BYTES)
 
 
-def total_bytes(options: BusOptions, names: Names) -> int:
+def total_bytes(options: Sizing, names: Names) -> int:
     """What llmgw's streams reserve on each NATS server that holds a replica of them."""
     return sum(limits.max_bytes for limits in stream_limits(options, names).values())
 

@@ -2,7 +2,7 @@
 
 Traces go over OTLP/HTTP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set (Jaeger in
 compose.yaml listens on :4318); the trace context crosses services in message
-headers (see bus.py). Log lines carry the current trace id so a log line and
+headers (see bus/tracing.py). Log lines carry the current trace id so a log line and
 a span can be matched.
 """
 

@@ -17,8 +17,7 @@ import anyio
 import msgspec
 
 from llmgw_core import telemetry
-from llmgw_core.access import prepare_node
-from llmgw_core.bus import Bus
+from llmgw_core.bus import Bus, prepare_node
 from llmgw_core.config import AgentConfig, load
 from llmgw_core.errors import ConfigError, LlmgwError
 from llmgw_core.lifecycle import cancel_on_signal, connect_service, while_connected

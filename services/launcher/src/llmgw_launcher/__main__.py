@@ -13,7 +13,7 @@ import sys
 import anyio
 
 from llmgw_core import telemetry
-from llmgw_core.access import prepare_node
+from llmgw_core.bus import prepare_node
 from llmgw_core.config import AgentConfig, load
 from llmgw_core.errors import LlmgwError
 from llmgw_core.lifecycle import connect_service, while_connected

@@ -1,0 +1,189 @@
+"""Reading as things happen: KV watches that survive reconnects, plain NATS subscriptions
+(heartbeats), and the events still in the events stream."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import msgspec
+import nats.errors
+from nats.aio.msg import Msg
+
+from ..access import PermissionDenied
+from ..errors import BusError
+from ..events import decoder
+from .connection import Connection
+from .deadletter import DeadLetters
+from .kv import KV, KVChange, deletes
+
+log = logging.getLogger("llmgw.bus")
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+# A watch lets its caller's other tasks turn after this many messages taken in one run.
+WATCH_TURN_EVERY = 64
+
+
+class Watches:
+    def __init__(self, conn: Connection, kv: KV, dlq: DeadLetters) -> None:
+        self.conn = conn
+        self.kv = kv
+        self.dlq = dlq
+
+    async def history(self, subject: str, kind: type[T], *, idle_s: float = 1.0) -> list[T]:
+        """Every event on `subject` (wildcards allowed) still in the events stream, oldest first:
+        read until none has come for `idle_s`. Values that do not decode are skipped."""
+        self.conn.check(subject)
+        dec = decoder(kind)
+        out: list[T] = []
+        try:
+            sub = await self.conn.js.subscribe(
+                subject, stream=self.conn.names.events_stream, ordered_consumer=True
+            )
+        except (nats.errors.Error, OSError) as exc:
+            self.conn.raise_if_final(exc)
+            raise BusError(f"cannot read {subject}: {exc or type(exc).__name__}") from exc
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=idle_s)
+                except nats.errors.TimeoutError:
+                    return out
+                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                    out.append(dec.decode(msg.data))
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(nats.errors.Error, OSError):
+                await sub.unsubscribe()
+
+    async def subscribe_core(
+        self,
+        subject: str,
+        kind: type[T],
+        handler: Callable[[T, str], Awaitable[None]],
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Handle plain NATS messages (heartbeats) until cancelled; bad ones go to the DLQ.
+
+        The handler runs in the subscription's own callback, one message at a
+        time, with no queue of llmgw's in between: a heartbeat handler only
+        records a time, and a queue that a burst overflows would turn a busy
+        judge into a cluster of "lost" nodes.
+        """
+        self.conn.check(subject)
+        dec = decoder(kind)
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                value = dec.decode(msg.data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                await self.dlq.dead_letter(msg.subject, msg.data, str(exc))
+                return
+            try:
+                await handler(value, msg.subject)
+            except Exception as exc:  # a handler's fault costs that message, never the subscription
+                log.exception("%s: handler for %s failed: %s", self.conn.service, msg.subject, exc)
+
+        try:
+            sub = await self.conn.nc.subscribe(subject, cb=on_msg)
+        except (nats.errors.Error, OSError) as exc:
+            self.conn.raise_if_final(exc)
+            raise BusError(f"cannot subscribe to {subject}: {exc or type(exc).__name__}") from exc
+        task_status.started()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                with contextlib.suppress(nats.errors.Error, OSError):
+                    await sub.unsubscribe()
+
+    async def watch(
+        self, bucket: str, kind: type[T], keys: str = ">", *, undecodable: bool = False
+    ) -> AsyncIterator[KVChange[T]]:
+        """Every key's current value first, then each change, for as long as the caller iterates.
+
+        After a reconnect (a restarted server, a network cut) the watch is
+        opened again and every key whose revision moved past what was already
+        yielded comes out, deletes included, so nothing written while away is
+        missed. A value that does not decode goes to the DLQ and is skipped;
+        with `undecodable` it comes out too, as a change with no value and its
+        `error`, so that the caller can keep the key's last good value.
+
+        Messages that arrived together come out together, with no turn of the
+        event loop between them: the ordered consumer's callback only puts each
+        in an inbox, and a change is yielded straight from it. nats-py's own
+        `KeyValue.watch` (like `next_msg`) costs a task and a timed wait per
+        message, one turn of the loop or more each; with fifty engines starting
+        on two cores a turn takes a tenth of a second and more, and fifty shard
+        specs that reached a launcher at once came out of its watch over 9 s.
+        A caller that wants the same should not wait on the loop per change either.
+        After every WATCH_TURN_EVERY messages the loop turns once, so that a long run
+        (thousands of shard statuses) does not hold the caller's other tasks back.
+        """
+        self.conn.check(f"$KV.{bucket}.{keys}")
+        prefix = f"$KV.{bucket}."
+        seen: dict[str, int] = {}
+        taken = 0
+        while True:
+            epoch = self.conn.reconnects
+            inbox: deque[Msg] = deque()
+            arrived = [anyio.Event()]
+
+            async def on_msg(
+                msg: Msg, inbox: deque[Msg] = inbox, arrived: list[anyio.Event] = arrived
+            ) -> None:
+                inbox.append(msg)
+                arrived[0].set()
+
+            try:
+                await self.kv.kv(bucket)  # the bucket exists, and this identity may read it
+                sub = await self.kv.last_per_key(bucket, keys, on_msg)
+            except PermissionDenied as exc:  # a configuration error: retrying cannot help
+                raise BusError(f"{self.conn.service}: cannot watch {bucket} {keys}: {exc}") from exc
+            except (nats.errors.Error, OSError, BusError) as exc:
+                self.conn.raise_if_final(exc)
+                log.warning("%s: cannot watch %s yet: %s", self.conn.service, bucket, exc)
+                await anyio.sleep(0.5)
+                continue
+            try:
+                while True:
+                    if not inbox:
+                        arrived[0] = anyio.Event()
+                        with anyio.move_on_after(1.0):
+                            await arrived[0].wait()
+                        if not inbox:
+                            if self.conn.reconnects != epoch:
+                                break  # open it again: what changed meanwhile comes out then
+                            continue
+                    msg = inbox.popleft()
+                    taken += 1
+                    if taken % WATCH_TURN_EVERY == 0:
+                        # A long run of messages still lets the caller's other tasks turn.
+                        await anyio.lowlevel.checkpoint()
+                    key = msg.subject[len(prefix) :]
+                    rev = msg.metadata.sequence.stream
+                    if rev <= seen.get(key, 0):
+                        continue
+                    seen[key] = rev
+                    deleted = deletes(msg.headers)
+                    if deleted is None:
+                        continue  # a marker of a kind this client does not know
+                    if deleted:
+                        yield KVChange(key, None, rev)
+                        continue
+                    value = await self.kv.decoded(bucket, key, msg.data or b"", kind)
+                    if not isinstance(value, str):
+                        yield KVChange(key, value, rev)
+                    elif undecodable:
+                        yield KVChange(key, None, rev, error=value)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    with contextlib.suppress(nats.errors.Error, OSError):
+                        await sub.unsubscribe()
