@@ -7,11 +7,12 @@ whose rights nats-server itself enforces, subject by subject:
     placement   writes shard specs, replicas, the lease and the desired engines;
                 seeds the catalog and deployments (server.yaml, its token-checked
                 API); creates and updates llmgw's streams and buckets
-    ctl         the operator: writes deployments and the catalog; reads everything,
-                and asks launchers for their shards' logs
+    ctl         the operator: writes deployments, the catalog and client API keys;
+                reads everything, and asks launchers for their shards' logs
     observer    reads events, node status, shard status, replicas and heartbeats;
                 writes nothing (and never sees shard specs: they carry environments)
-    gateway     reads the replicas and deployments buckets
+    gateway     reads the replicas, deployments and keys buckets; reads and writes
+                the limits bucket (per-key counters, compare-and-set)
     node-<id>   one per node, shared by its installer and launcher: writes only its
                 own status, shard statuses, heartbeats and events; reads the desired
                 engines, only its own shard specs and shard statuses, and its own
@@ -137,7 +138,11 @@ def _read_filtered(stream: str, subject_filter: str) -> list[str]:
 
 
 def all_streams(names: Names) -> list[str]:
-    return [names.events_stream, names.dlq_stream, *(_kv_stream(b) for b in names.buckets())]
+    return [
+        names.events_stream,
+        names.dlq_stream,
+        *(_kv_stream(b) for b in names.buckets()),
+    ]
 
 
 def _node_publish(names: Names, node: str) -> list[str]:
@@ -212,6 +217,7 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
         publish = [
             f"$KV.{names.deployments_bucket}.>",
             f"$KV.{names.catalog_bucket}.>",
+            f"$KV.{names.keys_bucket}.>",
             # The desired engines are the operator's too (`llmgw ctl apply -f server.yaml`).
             f"$KV.{names.config_bucket}.engines",
             names.liveness_request,
@@ -233,8 +239,19 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
         return Permissions(tuple(publish), (inbox, heartbeats, names.events_all))
     if role == "gateway":
         # Deployments too: their aliases, and a deployment with no replica yet is known, not unknown.
-        readable = [_kv_stream(names.replicas_bucket), _kv_stream(names.deployments_bucket)]
-        return Permissions(tuple(rule for s in readable for rule in _read_all(s)), (inbox,))
+        # Keys: who may call, for which models, within which limits; limits: every gateway's
+        # claims on each key's minute (compare-and-set).
+        readable = [
+            _kv_stream(names.replicas_bucket),
+            _kv_stream(names.deployments_bucket),
+            _kv_stream(names.keys_bucket),
+            _kv_stream(names.limits_bucket),
+        ]
+        publish = [
+            *(rule for s in readable for rule in _read_all(s)),
+            f"$KV.{names.limits_bucket}.>",
+        ]
+        return Permissions(tuple(publish), (inbox,))
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)} or node-<node id>")
 
 

@@ -37,7 +37,21 @@ HISTORY = 5
 # No bucket gets less: a small cluster still has room for its rewrites.
 FLOOR_BYTES = 1 * MiB
 # Every bucket, by its name without the prefix (`Names.bucket`).
-BUCKETS = ("config", "catalog", "deployments", "nodes", "shards", "shard-status", "replicas", "leases")
+BUCKETS = (
+    "config",
+    "catalog",
+    "deployments",
+    "nodes",
+    "shards",
+    "shard-status",
+    "replicas",
+    "leases",
+    "keys",
+    "limits",
+)
+# Client API keys one cluster holds (the keys and limits buckets are sized for them).
+MAX_API_KEYS = 1024
+
 # The DLQ holds copies of bad messages: a quarter of the events stream, at most this.
 DLQ_MAX_BYTES = 64 * MiB
 
@@ -73,6 +87,8 @@ def budgets(options: BusOptions) -> dict[str, Budget]:
         "shard-status": Budget(o.max_shards, 8 * KiB, "one status per shard, its last failure's log lines"),
         "replicas": Budget(o.max_shards, 8 * KiB, "one record per replica (replicas ≤ shards)"),
         "leases": Budget(o.max_deployments + 16, 1 * KiB, "the placement lease, replica ids per deployment"),
+        "keys": Budget(MAX_API_KEYS, 1 * KiB, "one per client API key (a hash, models, limits)"),
+        "limits": Budget(MAX_API_KEYS, 256, "one minute's counts per API key with limits"),
     }
 
 

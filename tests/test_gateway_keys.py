@@ -1,0 +1,305 @@
+"""Client API keys as an operator makes them (`llmgw ctl keys`) and a client sees them through
+the gateway (the official `openai` client): models per key, expiry, revocation, and limits
+shared by two gateway processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+import openai
+import pytest
+
+from llmgw_core.bus import Bus
+from llmgw_core.events import Deployment, ReplicaRecord
+from llmgw_core.keys import WINDOW_S, ApiKey
+from llmgw_gateway import GatewayConfig
+from tests.cluster_support import Cluster, cluster
+from tests.test_ctl import CTL
+from tests.test_gateway import running_gateway
+from tests.test_gateway_api import sim_engines
+from tests.waiting import eventually
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
+
+CHAT = [{"role": "user", "content": "hello"}]
+# What the sim engine counts for CHAT: the words of its JSON, and max_tokens words back.
+PROMPT_TOKENS = 4
+
+
+def ctl(c: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CTL, "--prefix", c.prefix, *args],
+        env=c.ctl_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def ctl_json(c: Cluster, *args: str) -> Any:
+    done = ctl(c, *args, "-o", "json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def new_key(c: Cluster, name: str, *flags: str) -> str:
+    created = ctl_json(c, "keys", "create", name, *flags)
+    assert created["name"] == name
+    secret = created["secret"]
+    assert isinstance(secret, str)
+    assert secret.startswith("sk-llmgw-")
+    return secret
+
+
+async def serve_chat_and_other(bus: Bus, url: str) -> None:
+    """Deployments `chat` (alias gpt-4o) and `other`, each with a ready replica at `url`."""
+    for name, aliases in (("chat", ("gpt-4o",)), ("other", ())):
+        await bus.put(
+            bus.names.deployments_bucket, name, Deployment(name=name, profile="tiny", aliases=aliases)
+        )
+        record = ReplicaRecord(
+            deployment=name,
+            replica="r0",
+            profile="tiny",
+            profile_fp="x",
+            state="ready",
+            url=url,
+            engine="sim",
+        )
+        await bus.put(bus.names.replicas_bucket, f"{name}.r0", record)
+
+
+def client(url: str, secret: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=secret, max_retries=0, timeout=30)
+
+
+async def chat(url: str, secret: str, model: str = "chat", **more: Any) -> Any:
+    async with client(url, secret) as c:
+        return await c.chat.completions.create(model=model, messages=CHAT, **{"max_tokens": 5, **more})  # type: ignore[arg-type]
+
+
+async def refusal(url: str, secret: str) -> dict[str, Any]:
+    """The 401 body the gateway answers `secret` with; AssertionError while it serves it."""
+    try:
+        await chat(url, secret)
+    except openai.AuthenticationError as exc:
+        body: dict[str, Any] = exc.body  # type: ignore[assignment]
+        return body
+    raise AssertionError(f"{secret[:12]}… still served")
+
+
+async def test_a_key_sees_only_its_models_and_is_refused_once_expired_or_revoked(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    with cluster(tmp_path, nats_url, prefix) as c, sim_engines([]) as (engine,):
+        await serve_chat_and_other(bus, engine)
+        team = new_key(c, "team", "--models", "chat")
+        everything = new_key(c, "all")
+        brief = new_key(c, "brief", "--expires", "2s")
+        # The secret is stored only as its hash.
+        stored = await bus.get(bus.names.keys_bucket, "team", ApiKey)
+        assert stored is not None
+        assert team not in json.dumps(msgspec.to_builtins(stored[0]))
+        async with running_gateway(c, require_api_key=True) as (url, _):
+
+            async def served() -> bool:
+                return bool((await chat(url, team)).choices[0].message.content)
+
+            await eventually(served, timeout=30, interval=0.2)
+
+            # The key sees its model only, by name or alias; another is unknown to it, as one
+            # that does not exist (never a 403 that confirms its name).
+            async with client(url, team) as oc:
+                assert [m.id for m in (await oc.models.list()).data] == ["chat"]
+                assert (await oc.models.retrieve("gpt-4o")).id == "chat"
+                for model in ("other", "nope"):
+                    with pytest.raises(openai.NotFoundError) as hidden:
+                        await oc.chat.completions.create(model=model, messages=CHAT)  # type: ignore[arg-type]
+                    known = "chat (aliases: gpt-4o)"
+                    assert hidden.value.body == {
+                        "message": f"model '{model}' is not served here; known models: {known}",
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": "model_not_found",
+                    }
+                    with pytest.raises(openai.NotFoundError):
+                        await oc.models.retrieve(model)
+            async with client(url, everything) as oc:
+                assert [m.id for m in (await oc.models.list()).data] == ["chat", "other"]
+                done = await oc.chat.completions.create(model="other", messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+                assert done.choices[0].message.content
+
+            # No key, a wrong one, an expired one: 401 in OpenAI's shape.
+            async with httpx.AsyncClient(timeout=30) as raw:
+                r = await raw.get(f"{url}/v1/models")
+                assert r.status_code == 401
+                assert r.json()["error"]["code"] == "invalid_api_key"
+            with pytest.raises(openai.AuthenticationError) as wrong:
+                await chat(url, "sk-llmgw-not-a-key")
+            assert wrong.value.body["code"] == "invalid_api_key"  # type: ignore[index]
+
+            body = await eventually(partial(refusal, url, brief), timeout=30, interval=0.2)
+            assert body["code"] == "expired_api_key"
+            assert re.fullmatch(
+                r"API key 'brief' expired at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ; ask for a new key",
+                body["message"],
+            ), body
+
+            # Revoked while this gateway runs: refused as soon as it hears.
+            done = ctl(c, "keys", "revoke", "team")
+            assert done.returncode == 0, done.stderr
+            assert done.stdout == "key team revoked: every gateway refuses it (401) as soon as it hears\n"
+
+            revoked = await eventually(partial(refusal, url, team), timeout=30, interval=0.1)
+            assert revoked == {
+                "message": revoked["message"],
+                "type": "authentication_error",
+                "param": None,
+                "code": "revoked_api_key",
+            }
+            assert re.fullmatch(r"API key 'team' was revoked at \S+Z; ask for a new key", revoked["message"])
+            assert (await chat(url, everything)).choices[0].message.content
+
+        # What the operator sees: states, models, limits; never a secret.
+        listed = ctl_json(c, "keys", "list")
+        assert [(k["name"], k["state"], k["models"]) for k in listed] == [
+            ("all", "active", []),
+            ("brief", "expired", []),
+            ("team", "revoked", ["chat"]),
+        ]
+        text = ctl(c, "keys", "list").stdout
+        assert team not in text
+        assert everything not in text
+        assert ctl_json(c, "keys", "describe", "team")["fingerprint"] == stored[0].hash[:8]
+        again = ctl(c, "keys", "create", "team")
+        assert again.returncode == 4
+        assert again.stderr.startswith("llmgw: key team exists already")
+        missing = ctl(c, "keys", "revoke", "nobody")
+        assert (missing.returncode, missing.stderr) == (
+            3,
+            "llmgw: no key nobody (`llmgw ctl keys list` lists them)\n",
+        )
+        bad = ctl(c, "keys", "create", "x", "--expires", "soon")
+        assert (bad.returncode, bad.stderr) == (
+            2,
+            "llmgw: --expires 'soon': give a duration such as 30d, 12h, 90m, 45s or 2w\n",
+        )
+
+
+@contextlib.contextmanager
+def gateway_process(c: Cluster, root: Path) -> Iterator[str]:
+    """`llmgw-gateway` as a process of its own, keys required; yields its base URL."""
+    root.mkdir(parents=True, exist_ok=True)
+    config = msgspec.convert({"nats": c.nats("gateway"), "http": {"port": 0}}, GatewayConfig)
+    path = root / "gateway.yaml"
+    path.write_bytes(msgspec.yaml.encode(config))
+    log = root / "gateway.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmgw_gateway", "--config", str(path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            found = re.search(r"OpenAI endpoint on (http://\S+)/v1", log.read_text())
+            if found:
+                break
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        yield found.group(1)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def early_in_a_minute(margin: float = 40.0) -> None:
+    """Wait for a limit's minute (Unix time // 60) to have `margin` seconds left: a test of
+    one minute's budget must not straddle two."""
+    left = WINDOW_S - time.time() % WINDOW_S
+    if left < margin:
+        await anyio.sleep(left + 0.1)
+
+
+async def test_two_gateway_processes_share_one_key_budget(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    with (
+        cluster(tmp_path, nats_url, prefix) as c,
+        sim_engines([]) as (engine,),
+        gateway_process(c, tmp_path / "g1") as one,
+        gateway_process(c, tmp_path / "g2") as two,
+    ):
+        await serve_chat_and_other(bus, engine)
+        probe = new_key(c, "probe")
+        for url in (one, two):
+
+            async def up(url: str = url) -> bool:
+                return bool((await chat(url, probe)).choices)
+
+            await eventually(up, timeout=60, interval=0.2)
+
+        # Requests: 5 a minute in all, however the client spreads them over the two gateways.
+        secret = new_key(c, "rpm5", "--rpm", "5")
+        await early_in_a_minute()
+        answered: list[str] = []
+        refused: list[openai.RateLimitError] = []
+        for i in range(12):
+            try:
+                await chat(one if i % 2 else two, secret)
+                answered.append("ok")
+            except openai.RateLimitError as exc:
+                refused.append(exc)
+        assert len(answered) == 5, (answered, [str(r) for r in refused])
+        assert len(refused) == 7
+        first = refused[0]
+        assert first.status_code == 429
+        retry_after = int(first.response.headers["retry-after"])
+        assert 1 <= retry_after <= WINDOW_S
+        body: dict[str, Any] = first.body  # type: ignore[assignment]
+        assert body["type"] == "requests"
+        assert body["code"] == "rate_limit_exceeded"
+        assert re.fullmatch(
+            r"API key 'rpm5' is at its limit of 5 requests per minute; retry in \d+s", body["message"]
+        ), body
+
+        # Tokens: what one gateway's answers spent counts at the other.
+        secret = new_key(c, "tpm20", "--tpm", "20")
+        await early_in_a_minute()
+        spent = 0
+        over: openai.RateLimitError | None = None
+        while over is None and spent < 100:
+            try:
+                await chat(one, secret)
+                spent += PROMPT_TOKENS + 5
+            except openai.RateLimitError as exc:
+                over = exc
+        assert over is not None
+        assert over.body["type"] == "tokens"  # type: ignore[index]
+        assert 20 <= spent < 20 + 2 * (PROMPT_TOKENS + 5)
+
+        async def refused_at_two() -> bool:
+            with pytest.raises(openai.RateLimitError) as at_two:
+                await chat(two, secret)
+            return at_two.value.body["type"] == "tokens"  # type: ignore[index,no-any-return]
+
+        assert await eventually(refused_at_two, timeout=10, interval=0.1)
