@@ -1,6 +1,6 @@
 """Client API keys as an operator makes them (`llmgw ctl keys`) and a client sees them through
-the gateway (the official `openai` client): models per key, expiry, revocation, and limits
-shared by two gateway processes."""
+the gateway (the official `openai` client): models per key, expiry, revocation, limits shared
+by two gateway processes, and the usage each key spent (`llmgw ctl usage`, `/metrics`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from llmgw_core.keys import WINDOW_S, ApiKey
 from llmgw_gateway import GatewayConfig
 from tests.cluster_support import Cluster, cluster
 from tests.test_ctl import CTL
-from tests.test_gateway import running_gateway
+from tests.test_gateway import metric, running_gateway
 from tests.test_gateway_api import sim_engines
 from tests.waiting import eventually
 
@@ -303,3 +303,109 @@ async def test_two_gateway_processes_share_one_key_budget(
             return at_two.value.body["type"] == "tokens"  # type: ignore[index,no-any-return]
 
         assert await eventually(refused_at_two, timeout=10, interval=0.1)
+
+
+async def stream_text(url: str, secret: str, **more: Any) -> tuple[str, list[dict[str, Any]]]:
+    """A streamed chat completion as raw SSE: its words, and its chunks."""
+    body = {"model": "chat", "messages": CHAT, "max_tokens": 5, "stream": True, **more}
+    headers = {"Authorization": f"Bearer {secret}"}
+    async with (
+        httpx.AsyncClient(timeout=30) as raw,
+        raw.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r,
+    ):
+        assert r.status_code == 200
+        sse = b"".join([chunk async for chunk in r.aiter_raw()])
+    events = sse.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+    text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
+    return text, chunks
+
+
+async def test_usage_per_key_and_deployment_streamed_or_not(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    with cluster(tmp_path, nats_url, prefix) as c, sim_engines([]) as (engine,):
+        await serve_chat_and_other(bus, engine)
+        a = new_key(c, "a")
+        b = new_key(c, "b")
+        async with running_gateway(c, require_api_key=True) as (url, _):
+
+            async def served() -> bool:
+                return bool((await chat(url, b, model="other", max_tokens=3)).choices)
+
+            await eventually(served, timeout=30, interval=0.2)
+            # Not streamed: the engine's usage, as the client sees it.
+            done = await chat(url, a)
+            assert done.usage is not None
+            assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (PROMPT_TOKENS, 5)
+            # Streamed without asking for usage: the words only, no usage chunk.
+            text, chunks = await stream_text(url, a)
+            assert len(text.split()) == 5
+            assert all(ch["choices"] and "usage" not in ch for ch in chunks), chunks
+            # Streamed, asking: the usage chunk comes through, once.
+            text, chunks = await stream_text(url, a, stream_options={"include_usage": True})
+            assert len(text.split()) == 5
+            assert [ch["usage"] for ch in chunks if ch.get("usage")] == [
+                {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 5, "total_tokens": PROMPT_TOKENS + 5}
+            ]
+            # The official client, streaming with usage asked for.
+            async with client(url, a) as oc:
+                stream = await oc.chat.completions.create(
+                    model="gpt-4o",
+                    messages=CHAT,  # type: ignore[arg-type]
+                    max_tokens=5,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                usage = [ch.usage async for ch in stream if ch.usage is not None]
+            assert [(u.prompt_tokens, u.completion_tokens) for u in usage] == [(PROMPT_TOKENS, 5)]
+
+            want = [
+                {
+                    "key": "a",
+                    "deployment": "chat",
+                    "prompt_tokens": 16,
+                    "completion_tokens": 20,
+                    "requests": 4,
+                },
+            ]
+
+            def rows(*args: str) -> list[dict[str, Any]]:
+                found: list[dict[str, Any]] = ctl_json(c, "usage", *args)
+                return found
+
+            async def recorded() -> list[dict[str, Any]]:
+                found = rows()
+                # b's first requests may have met the replica before it was known ready.
+                assert [r["key"] for r in found] == ["a", "b"], found
+                assert found[0] == want[0], found
+                assert found[1]["deployment"] == "other", found
+                assert found[1]["requests"] >= 1, found
+                return found
+
+            found = await eventually(recorded, timeout=30, interval=0.5)
+            b_requests = found[1]["requests"]
+            assert found[1]["prompt_tokens"] == PROMPT_TOKENS * b_requests
+            assert found[1]["completion_tokens"] == 3 * b_requests
+            by_deployment = rows("--by", "deployment")
+            assert [(r["key"], r["deployment"], r["requests"]) for r in by_deployment] == [
+                ("*", "chat", 4),
+                ("*", "other", b_requests),
+            ]
+            by_key = rows("--by", "key", "--since", "1h")
+            assert [(r["key"], r["deployment"], r["prompt_tokens"]) for r in by_key] == [
+                ("a", "*", 16),
+                ("b", "*", PROMPT_TOKENS * b_requests),
+            ]
+            # And as Prometheus counters, per key and deployment.
+            async with httpx.AsyncClient(timeout=30) as raw:
+                scrape = (await raw.get(f"{url}/metrics", headers={"Authorization": f"Bearer {a}"})).text
+            assert metric(scrape, 'llmgw_gateway_prompt_tokens_total{deployment="chat",key="a"}') == 16
+            assert metric(scrape, 'llmgw_gateway_completion_tokens_total{deployment="chat",key="a"}') == 20
+            assert metric(scrape, 'llmgw_gateway_key_requests_total{deployment="chat",key="a"}') == 4
+        bad = ctl(c, "usage", "--since", "yesterday")
+        assert (bad.returncode, bad.stderr) == (
+            2,
+            "llmgw: --since 'yesterday': give a duration such as 24h, 30d, 90m or 2w\n",
+        )

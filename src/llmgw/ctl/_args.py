@@ -20,6 +20,7 @@ examples:
   llmgw ctl apply -f server.yaml --dry-run   what would change, written nowhere
   llmgw ctl delete deployment chat
   llmgw ctl keys create team-a --models chat --rpm 60 --tpm 100000 --expires 30d
+  llmgw ctl usage --by key --since 24h -o json
 
 exit codes: 0 done, 2 usage, 3 not found, 4 refused, 5 cannot reach NATS (3 s) or the launcher asked;
 141 when stdout's reader went away (`| head`).
@@ -201,4 +202,10 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
     add_key("list", "every key: state, models, limits, expiry (never a secret)")
     add_key("describe", "one key").add_argument("name")
     add_key("revoke", "refuse a key from now on, at every gateway").add_argument("name")
+    p_usage = add("usage", "prompt and completion tokens and requests per key and deployment")
+    p_usage.add_argument(
+        "--by", choices=["key", "deployment"], default="", help="sum per key or per deployment only"
+    )
+    p_usage.add_argument("--since", default="24h", help="the last 24h, 30d, 90m… (default: %(default)s)")
+    p_usage.add_argument("-o", "--output", choices=["json", "yaml"], default="", help="rows for scripts")
     return p_ctl

@@ -706,9 +706,11 @@ async def _dispatch(bus: Bus, args: argparse.Namespace) -> str | None:
     if cmd == "events":
         await events(bus, deployment=args.deployment, node=args.node, follow=args.follow, output=args.output)
         return None
-    if cmd == "keys":
+    if cmd in ("keys", "usage"):
         from . import _keys
 
+        if cmd == "usage":
+            return await _keys.usage(bus, by=args.by, since=args.since, output=args.output)
         if args.keys == "create":
             return await _keys.create(
                 bus,

@@ -1,15 +1,23 @@
-"""`llmgw ctl keys …`: client API keys in the keys bucket."""
+"""`llmgw ctl keys …` (client API keys in the keys bucket) and `llmgw ctl usage` (the usage stream)."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import time
+from typing import Any
 
 import msgspec
+import nats.errors
+from nats.js import api
 
 from llmgw_core.bus import Bus
+from llmgw_core.errors import BusError
+from llmgw_core.events import decoder
 from llmgw_core.keys import (
     FILE_KEY_PREFIX,
     ApiKey,
+    UsageRecord,
     key_state,
     new_secret,
     parse_duration,
@@ -19,6 +27,9 @@ from llmgw_core.limits import ALIAS_MAX, name_problem
 
 from . import _views as views
 from ._errors import NotFound, Refused, UsageError
+
+# How long `usage` waits for one more record before taking what it read as all there is.
+USAGE_IDLE_S = 1.0
 
 
 class KeyView(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,6 +45,14 @@ class KeyView(msgspec.Struct, frozen=True, kw_only=True):
     revoked_at: float
     # The first 8 hex digits of the secret's SHA-256: tells two keys apart in a gateway's log.
     fingerprint: str
+
+
+class UsageRow(msgspec.Struct, frozen=True, kw_only=True):
+    key: str
+    deployment: str
+    prompt_tokens: int
+    completion_tokens: int
+    requests: int
 
 
 def _view(key: ApiKey, now: float) -> KeyView:
@@ -173,3 +192,73 @@ async def revoke(bus: Bus, name: str) -> str:
         if await bus.update(bus.names.keys_bucket, name, revoked, last=revision) is not None:
             return f"key {name} revoked: every gateway refuses it (401) as soon as it hears"
     raise Refused(f"key {name} changed 10 times while being revoked; try again")
+
+
+# --- usage -------------------------------------------------------------------------------
+
+
+async def records(bus: Bus, since_s: float) -> list[UsageRecord]:
+    """Every usage record written in the last `since_s` seconds, oldest first."""
+    stream = bus.names.usage_stream
+    try:
+        info = await bus.js.stream_info(stream)
+    except (nats.errors.Error, OSError) as exc:
+        bus.raise_if_final(exc)
+        raise BusError(f"cannot read the usage stream {stream}: {exc or type(exc).__name__}") from exc
+    if not info.state.messages:
+        return []
+    start = datetime.datetime.fromtimestamp(time.time() - since_s, tz=datetime.UTC)
+    dec = decoder(UsageRecord)
+    out: list[UsageRecord] = []
+    try:
+        sub = await bus.js.subscribe(
+            bus.names.usage_all,
+            stream=stream,
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.BY_START_TIME,
+            config=api.ConsumerConfig(opt_start_time=start),
+        )
+    except (nats.errors.Error, OSError) as exc:
+        bus.raise_if_final(exc)
+        raise BusError(f"cannot read the usage stream {stream}: {exc or type(exc).__name__}") from exc
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=USAGE_IDLE_S)
+            except nats.errors.TimeoutError:
+                return out
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                out.append(dec.decode(msg.data))
+            if msg.metadata.num_pending == 0:
+                return out
+    finally:
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await sub.unsubscribe()
+
+
+def summed(found: list[UsageRecord], by: str) -> list[UsageRow]:
+    """Rows per key and deployment (`by` ""), per key (deployment `*`) or per deployment (key `*`)."""
+    sums: dict[tuple[str, str], list[int]] = {}
+    for r in found:
+        group = (r.key if by != "deployment" else "*", r.deployment if by != "key" else "*")
+        counts = sums.setdefault(group, [0, 0, 0])
+        counts[0] += r.prompt_tokens
+        counts[1] += r.completion_tokens
+        counts[2] += r.requests
+    return [
+        UsageRow(key=k, deployment=d, prompt_tokens=p, completion_tokens=c, requests=n)
+        for (k, d), (p, c, n) in sorted(sums.items())
+    ]
+
+
+async def usage(bus: Bus, *, by: str, since: str, output: str) -> str:
+    seconds = parse_duration(since)
+    if seconds is None:
+        raise UsageError(f"--since {since!r}: give a duration such as 24h, 30d, 90m or 2w")
+    rows = summed(await records(bus, seconds), by)
+    if output in ("json", "yaml"):
+        return views.render_data(rows, output)
+    table: list[list[Any]] = [
+        [r.key, r.deployment, str(r.requests), str(r.prompt_tokens), str(r.completion_tokens)] for r in rows
+    ]
+    return views.table(["KEY", "DEPLOYMENT", "REQUESTS", "PROMPT_TOKENS", "COMPLETION_TOKENS"], table)

@@ -12,7 +12,7 @@ whose rights nats-server itself enforces, subject by subject:
     observer    reads events, node status, shard status, replicas and heartbeats;
                 writes nothing (and never sees shard specs: they carry environments)
     gateway     reads the replicas, deployments and keys buckets; reads and writes
-                the limits bucket (per-key counters, compare-and-set)
+                the limits bucket (per-key counters, compare-and-set); writes usage
     node-<id>   one per node, shared by its installer and launcher: writes only its
                 own status, shard statuses, heartbeats and events; reads the desired
                 engines, only its own shard specs and shard statuses, and its own
@@ -141,6 +141,7 @@ def all_streams(names: Names) -> list[str]:
     return [
         names.events_stream,
         names.dlq_stream,
+        names.usage_stream,
         *(_kv_stream(b) for b in names.buckets()),
     ]
 
@@ -240,7 +241,7 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
     if role == "gateway":
         # Deployments too: their aliases, and a deployment with no replica yet is known, not unknown.
         # Keys: who may call, for which models, within which limits; limits: every gateway's
-        # claims on each key's minute (compare-and-set).
+        # claims on each key's minute (compare-and-set); usage: the tokens each request spent.
         readable = [
             _kv_stream(names.replicas_bucket),
             _kv_stream(names.deployments_bucket),
@@ -250,6 +251,8 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
         publish = [
             *(rule for s in readable for rule in _read_all(s)),
             f"$KV.{names.limits_bucket}.>",
+            names.usage_all,
+            f"$JS.API.STREAM.INFO.{names.usage_stream}",
         ]
         return Permissions(tuple(publish), (inbox,))
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)} or node-<node id>")

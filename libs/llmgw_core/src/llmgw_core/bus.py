@@ -60,6 +60,7 @@ from .store import (
     BATCH_INCOMPLETE,
     BUCKETS,
     HISTORY,
+    USAGE_MAX_AGE_S,
     Episode,
     Refusal,
     StoreWatch,
@@ -651,6 +652,16 @@ class Bus:
                 max_bytes=self.limits[dlq].max_bytes,
                 num_replicas=o.replicas,
             ),
+            # Tokens spent per API key and deployment, kept for billing periods (`store`).
+            api.StreamConfig(
+                name=self.names.usage_stream,
+                subjects=[self.names.usage_all],
+                storage=api.StorageType.FILE,
+                max_age=USAGE_MAX_AGE_S,
+                max_bytes=self.limits[self.names.usage_stream].max_bytes,
+                num_replicas=o.replicas,
+                duplicate_window=120,
+            ),
         )
         stream = ""
         try:
@@ -975,6 +986,8 @@ class Bus:
     def _stream_of(self, subject: str) -> str:
         if subject.startswith("$KV."):
             return f"KV_{subject.split('.', 2)[1]}"
+        if subject.startswith(f"{self.names.prefix}.usage."):
+            return self.names.usage_stream
         return self.names.events_stream
 
     async def _atomic_allowed(self, stream: str) -> bool:

@@ -1,4 +1,5 @@
-"""Client API keys and their per-minute windows: the messages and the pure rules over them.
+"""Client API keys, their per-minute windows and the usage they record: the messages and the
+pure rules over them.
 
 A key is stored by its name in the keys bucket with the SHA-256 of its secret, never the
 secret: `llmgw ctl keys create` shows the secret once. SHA-256 without a salt is enough
@@ -53,6 +54,20 @@ class KeyWindow(Message, frozen=True):
     window: int
     requests: Count = 0
     tokens: Count = 0
+
+
+class UsageRecord(Message, frozen=True):
+    """What one gateway served for one key and deployment in one interval."""
+
+    key: str
+    deployment: str
+    prompt_tokens: Count = 0
+    completion_tokens: Count = 0
+    requests: Count = 0
+    # Unix seconds: the interval the counts cover.
+    start: float = 0.0
+    end: float = 0.0
+    gateway: str = ""
 
 
 def new_secret() -> str:

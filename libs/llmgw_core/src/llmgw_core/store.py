@@ -51,7 +51,11 @@ BUCKETS = (
 )
 # Client API keys one cluster holds (the keys and limits buckets are sized for them).
 MAX_API_KEYS = 1024
-
+# How long usage records are kept (the usage stream drops older ones), and at most how much
+# (no more than the events stream: `events_max_bytes`). A record is one key and deployment's
+# second of use, about 250 bytes: 256 MiB holds a million of them.
+USAGE_MAX_AGE_S = 400 * 24 * 3600
+USAGE_MAX_BYTES = 256 * MiB
 # The DLQ holds copies of bad messages: a quarter of the events stream, at most this.
 DLQ_MAX_BYTES = 64 * MiB
 
@@ -114,6 +118,7 @@ def stream_limits(options: BusOptions, names: Names) -> dict[str, Limits]:
     out = {
         names.events_stream: Limits(options.events_max_bytes),
         names.dlq_stream: Limits(dlq_bytes(options)),
+        names.usage_stream: Limits(min(options.events_max_bytes, USAGE_MAX_BYTES)),
     }
     prefix = f"{names.prefix}-"
     for bucket in names.buckets():

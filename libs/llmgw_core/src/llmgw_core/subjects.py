@@ -71,6 +71,19 @@ class Names:
         (`llmgw_core.keys.KeyWindow`, compare-and-set)."""
         return self.bucket("limits")
 
+    @property
+    def usage_stream(self) -> str:
+        """Tokens spent per key and deployment (`llmgw_core.keys.UsageRecord`), as gateways
+        write them; `llmgw ctl usage` sums them."""
+        return f"{self.prefix.upper().replace('-', '_')}_USAGE"
+
+    @property
+    def usage_all(self) -> str:
+        return f"{self.prefix}.usage.>"
+
+    def usage(self, deployment: str, key: str) -> str:
+        return f"{self.prefix}.usage.{deployment}.{key}"
+
     def buckets(self) -> tuple[str, ...]:
         return (
             self.config_bucket,

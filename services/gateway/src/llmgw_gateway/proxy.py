@@ -42,7 +42,7 @@ from .budgets import Budgets
 from .keyring import Keyring, file_keys
 from .limits import json_nests_deeper, shown
 from .routing import Table
-from .usage import MAX_READ_BYTES, Meter, read_events, read_json_answer
+from .usage import MAX_READ_BYTES, Meter, Usage, read_events, read_json_answer
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -183,6 +183,7 @@ class Proxy:
         api_keys: frozenset[str] = frozenset(),
         keyring: Keyring | None = None,
         budgets: Budgets | None = None,
+        usage: Usage | None = None,
         max_body_bytes: int = 8 << 20,
         max_json_depth: int = 128,
         tracer: trace.Tracer | None = None,
@@ -196,6 +197,7 @@ class Proxy:
         self.max_json_depth = max_json_depth
         self.tracer = tracer or trace.get_tracer("llmgw.gateway")
         self.metrics = Metrics()
+        self.usage = usage or Usage(None, self.metrics.registry)
         # Set once the first snapshot of the buckets is in: until then "unknown model"
         # would be a lie.
         self.loaded = anyio.Event()
@@ -647,5 +649,6 @@ class Proxy:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
             self._release(key, deployment)
+            self.usage.add(api_key.name, deployment, meter)
             self.budgets.charge(api_key, meter.prompt + meter.completion)
             span.end()

@@ -65,6 +65,8 @@ class Gateway:
             max_json_depth=config.max_json_depth,
             tracer=tracer,
         )
+        self.usage = self.proxy.usage
+        self.usage.bus = bus
         self.connections = Connections(
             limit,
             header_timeout_s=http.header_timeout_s,
@@ -191,6 +193,7 @@ class Gateway:
                 )
                 task_status.started(port)
                 await tg.start(self.budgets.run)
+                tg.start_soon(self.usage.run)
                 await self._start_watches()
                 tg.start_soon(self._forever, "the replicas bucket", self._follow_replicas)
                 tg.start_soon(self._forever, "the deployments bucket", self._follow_deployments)
