@@ -56,6 +56,10 @@ class _Local:
     granted: int = 0
     used: int = 0
     claiming: bool = False
+    # The limit at which the shared window was found spent this minute: until the minute ends
+    # (or the key's limit changes) a request over it is refused without asking the bus again,
+    # so a client flooding past its limit costs NATS nothing.
+    spent_at: int = 0
     # Tokens of answers that ended, not yet added to the shared window.
     pending_tokens: int = 0
 
@@ -108,7 +112,7 @@ class Budgets:
         if local is None:
             local = self._local[name] = _Local(window=window)
         elif local.window != window:
-            local.window, local.granted, local.used = window, 0, 0
+            local.window, local.granted, local.used, local.spent_at = window, 0, 0, 0
         return local
 
     async def admit(self, key: ApiKey, now: float | None = None) -> Limited | None:
@@ -122,10 +126,10 @@ class Budgets:
         if not key.rpm:
             return None
         local = self._fresh(key.name, window)
-        if local.used >= local.granted:
+        if local.used >= local.granted and local.spent_at != key.rpm:
             async with self._locks.setdefault(key.name, anyio.Lock()):
                 local = self._fresh(key.name, window)
-                if local.used >= local.granted:
+                if local.used >= local.granted and local.spent_at != key.rpm:
                     await self._claim(key, window)
         if local.used >= local.granted:
             return Limited("requests", key.rpm, retry_after(now))
@@ -174,6 +178,8 @@ class Budgets:
                 log.warning("the limits bucket answers again: limits are shared by the gateways again")
         if local.window == window:
             local.granted += got
+            if not got and not self._said_offline:
+                local.spent_at = key.rpm
 
     async def _cas(
         self, name: str, window: int, *, requests: int = 0, tokens: int = 0, limit: int = 0
