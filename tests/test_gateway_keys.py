@@ -23,8 +23,10 @@ import pytest
 
 from llmgw_core.bus import Bus
 from llmgw_core.events import Deployment, ReplicaRecord
-from llmgw_core.keys import WINDOW_S, ApiKey
+from llmgw_core.keys import WINDOW_S, ApiKey, parse_duration, retry_after
 from llmgw_gateway import GatewayConfig
+from llmgw_gateway.budgets import chunk
+from llmgw_gateway.usage import Meter, read_events
 from tests.cluster_support import Cluster, cluster
 from tests.test_ctl import CTL
 from tests.test_gateway import metric, running_gateway
@@ -409,3 +411,38 @@ async def test_usage_per_key_and_deployment_streamed_or_not(
             2,
             "llmgw: --since 'yesterday': give a duration such as 24h, 30d, 90m or 2w\n",
         )
+
+
+def test_durations_windows_and_an_answers_usage_read_as_the_gateway_reads_them() -> None:
+    assert [parse_duration(t) for t in ("30d", "12h", "90m", "45s", "2w")] == [
+        30 * 86400,
+        12 * 3600,
+        90 * 60,
+        45,
+        14 * 86400,
+    ]
+    assert [parse_duration(t) for t in ("0d", "1y", "soon", "", "-1h")] == [None] * 5
+    assert retry_after(120.0) == 60
+    assert retry_after(179.5) == 1
+    assert chunk(5) == 1
+    assert chunk(600) == 60
+    assert chunk(100_000) == 100
+    # A stream whose engine was asked for usage: the usage-only chunk is read, then dropped
+    # for a client that did not ask; kept for one that did.
+    words = b'data: {"choices": [{"delta": {"content": "hi"}}], "usage": null}'
+    last = b'data: {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}'
+    chunk_ = words + b"\n\n" + last + b"\n\ndata: [DONE]\n\n"
+    meter = Meter()
+    assert read_events(chunk_, meter, strip=True) == words + b"\n\ndata: [DONE]\n\n"
+    assert (meter.prompt, meter.completion) == (7, 3)
+    assert read_events(chunk_, Meter(), strip=False) == chunk_
+    # Anthropic's stream says input tokens first, output tokens last.
+    meter = Meter()
+    start = (
+        b'event: message_start\ndata: {"type": "message_start", "message": {"usage": {"input_tokens": 9}}}'
+    )
+    delta = b'event: message_delta\ndata: {"type": "message_delta", "usage": {"output_tokens": 4}}'
+    assert (
+        read_events(start + b"\n\n" + delta + b"\n\n", meter, strip=True) == start + b"\n\n" + delta + b"\n\n"
+    )
+    assert (meter.prompt, meter.completion) == (9, 4)
