@@ -21,10 +21,12 @@ import msgspec
 import openai
 import pytest
 
-from llmgw_core.bus import Bus
+from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.events import Deployment, ReplicaRecord
-from llmgw_core.keys import WINDOW_S, ApiKey, parse_duration, retry_after
-from llmgw_gateway import GatewayConfig
+from llmgw_core.keys import WINDOW_S, ApiKey, KeyWindow, parse_duration, retry_after, secret_hash
+from llmgw_core.lifecycle import connect_service
+from llmgw_core.natsd import NatsServer
+from llmgw_gateway import Gateway, GatewayConfig
 from llmgw_gateway.budgets import chunk
 from llmgw_gateway.usage import Meter, read_events
 from tests.cluster_support import Cluster, cluster
@@ -446,3 +448,52 @@ def test_durations_windows_and_an_answers_usage_read_as_the_gateway_reads_them()
         read_events(start + b"\n\n" + delta + b"\n\n", meter, strip=True) == start + b"\n\n" + delta + b"\n\n"
     )
     assert (meter.prompt, meter.completion) == (9, 4)
+
+
+async def test_while_nats_is_down_a_gateway_holds_each_key_to_its_limit_on_its_own(
+    own_nats: NatsServer, prefix: str
+) -> None:
+    """No request waits for NATS to come back, and none goes past the key's limit at this gateway."""
+    options = BusOptions(url=own_nats.url, prefix=prefix, insecure=True)
+    secret = "sk-llmgw-test-secret"
+    async with await Bus.connect(options, service="test") as bus, anyio.create_task_group() as tg:
+        await bus.ensure()
+        with sim_engines([]) as (engine,):
+            await serve_chat_and_other(bus, engine)
+            key = ApiKey(name="k", hash=secret_hash(secret), rpm=3)
+            await bus.put(bus.names.keys_bucket, "k", key)
+            config = msgspec.convert(
+                {"nats": {"url": own_nats.url, "prefix": prefix, "insecure": True}, "http": {"port": 0}},
+                GatewayConfig,
+            )
+            gateway_bus = await connect_service(config.nats, "gateway", ensure=False)
+            async with gateway_bus:
+                gateway = Gateway(config, gateway_bus)
+                port = await tg.start(gateway.run)
+                url = f"http://127.0.0.1:{port}"
+                async with httpx.AsyncClient(timeout=10) as raw:
+
+                    async def engine_up() -> bool:
+                        with contextlib.suppress(httpx.ConnectError):
+                            return (await raw.get(f"{engine}/health")).status_code == 200
+                        return False
+
+                    await eventually(engine_up, timeout=30, interval=0.1)
+                await early_in_a_minute()
+                assert (await chat(url, secret)).choices
+
+                # One request claimed for it, and the next claimed ahead (the batch is 1).
+                async def claimed() -> bool:
+                    window = await bus.get(bus.names.limits_bucket, "k", KeyWindow)
+                    assert window is not None
+                    assert window[0].requests == 2
+                    return True
+
+                await eventually(claimed, timeout=10)
+                own_nats.stop()
+                # The two requests left of the minute, granted here; the next refused.
+                for _ in range(2):
+                    assert (await chat(url, secret)).choices
+                with pytest.raises(openai.RateLimitError):
+                    await chat(url, secret)
+                tg.cancel_scope.cancel()

@@ -20,8 +20,9 @@ the few milliseconds a write takes to reach the other gateways).
 
 While the bus does not answer a claim within CLAIM_TIMEOUT_S, a gateway admits on its own
 count (a batch granted locally, said in its log once): each gateway then holds a key to its
-limit on its own, and the key may get up to the limit once per gateway; no request waits
-for NATS to come back.
+limit on its own, and the key may get up to the limit once per gateway. For OFFLINE_S after
+a claim failed, claims are granted locally without asking the bus, so during an outage one
+request in OFFLINE_S at most waits CLAIM_TIMEOUT_S for it, not every one.
 
 Windows are fixed minutes of Unix time; a client may spend one minute's limit at its end and
 the next at the start of the next.
@@ -43,6 +44,7 @@ from llmgw_core.keys import ApiKey, KeyWindow, retry_after, window_of
 log = logging.getLogger("llmgw.gateway")
 
 CLAIM_TIMEOUT_S = 2.0
+OFFLINE_S = 5.0
 CAS_ATTEMPTS = 20
 
 
@@ -83,6 +85,8 @@ class Budgets:
         self._dirty = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
         self._said_offline = False
+        # Until when claims are granted locally (monotonic), after one the bus did not answer.
+        self._offline_until = 0.0
 
     # --- the watch ------------------------------------------------------------------------
 
@@ -160,9 +164,13 @@ class Budgets:
         local = self._fresh(key.name, window)
         want = chunk(key.rpm)
         try:
+            if time.monotonic() < self._offline_until:
+                raise TimeoutError("the bus did not answer a claim moments ago")
             with anyio.fail_after(CLAIM_TIMEOUT_S):
                 got = await self._cas(key.name, window, requests=want, limit=key.rpm)
         except (BusError, TimeoutError) as exc:
+            if time.monotonic() >= self._offline_until:
+                self._offline_until = time.monotonic() + OFFLINE_S
             if not self._said_offline:
                 self._said_offline = True
                 log.warning(
