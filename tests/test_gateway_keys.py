@@ -5,6 +5,7 @@ by two gateway processes, and the usage each key spent (`llmgw ctl usage`, `/met
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import re
 import subprocess
@@ -28,7 +29,7 @@ from llmgw_core.lifecycle import connect_service
 from llmgw_core.natsd import NatsServer
 from llmgw_gateway import Gateway, GatewayConfig
 from llmgw_gateway.budgets import chunk
-from llmgw_gateway.usage import Meter, read_events
+from llmgw_gateway.usage import JsonTail, Meter, read_events
 from tests.cluster_support import Cluster, cluster
 from tests.test_ctl import CTL
 from tests.test_gateway import metric, running_gateway
@@ -497,3 +498,29 @@ async def test_while_nats_is_down_a_gateway_holds_each_key_to_its_limit_on_its_o
                 with pytest.raises(openai.RateLimitError):
                     await chat(url, secret)
                 tg.cancel_scope.cancel()
+
+
+def test_a_json_answers_usage_is_read_from_its_end_plain_or_gzipped() -> None:
+    answer = {
+        "choices": [
+            {"message": {"content": 'a reply quoting "usage": {"prompt_tokens": 999}' + "x" * 100_000}}
+        ],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 34, "total_tokens": 46},
+    }
+    body = json.dumps(answer).encode()
+    for encoding, sent in (("", body), ("gzip", gzip.compress(body))):
+        tail, meter = JsonTail(encoding), Meter()
+        for at in range(0, len(sent), 4096):
+            tail.feed(sent[at : at + 4096])
+        tail.read(meter)
+        assert (meter.prompt, meter.completion) == (12, 34), encoding
+    # Anthropic's names; an answer without usage, or cut short, reads as none.
+    tail, meter = JsonTail(""), Meter()
+    tail.feed(b'{"content": [], "usage": {"input_tokens": 5, "output_tokens": 6}}')
+    tail.read(meter)
+    assert (meter.prompt, meter.completion) == (5, 6)
+    for text in (b'{"choices": []}', b'{"usage": {"prompt_tok'):
+        tail, meter = JsonTail(""), Meter()
+        tail.feed(text)
+        tail.read(meter)
+        assert (meter.prompt, meter.completion) == (0, 0)

@@ -42,7 +42,7 @@ from .budgets import Budgets
 from .keyring import Keyring, file_keys
 from .limits import json_nests_deeper, shown
 from .routing import Table
-from .usage import MAX_READ_BYTES, Meter, Usage, read_events, read_json_answer
+from .usage import JsonTail, Meter, Usage, read_events
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -594,9 +594,8 @@ class Proxy:
     ) -> AsyncIterator[bytes]:
         first = True
         meter = Meter()
-        # A JSON answer: a copy, read for its usage once whole (up to MAX_READ_BYTES).
-        copy: list[bytes] | None = [] if not sse else None
-        copied = 0
+        # A JSON answer: its end, read for its usage once whole.
+        tail = JsonTail(upstream.headers.get("content-encoding", "")) if not sse else None
         # Server-sent events (`sse` is the request's path): passed on whole, up to the last
         # blank line of each chunk, so that a stream broken off mid-event can still end with a
         # well-formed error event.
@@ -614,17 +613,13 @@ class Proxy:
                     chunk = read_events(chunk, meter, strip=strip)
                     if not chunk:
                         continue
-                elif copy is not None:
-                    copied += len(chunk)
-                    if copied <= MAX_READ_BYTES:
-                        copy.append(chunk)
-                    else:
-                        copy = None
+                elif tail is not None:
+                    tail.feed(chunk)
                 yield chunk
             if pending:
                 yield read_events(pending, meter, strip=strip)
-            if copy:
-                read_json_answer(b"".join(copy), upstream.headers.get("content-encoding", ""), meter)
+            if tail is not None:
+                tail.read(meter)
         except httpx.HTTPError as exc:
             # Mid-answer: never retried (the replica had the request). A streamed answer ends
             # with an error event and [DONE]; any other is cut off without its last chunk

@@ -1,7 +1,8 @@
 """Tokens spent per key and deployment: read from each answer, counted for `/metrics`, and
 written to the usage stream once a second (`UsageRecord`, one per key and deployment).
 
-Reading an answer's usage: a JSON answer's `usage` object at its end; a streamed one's
+Reading an answer's usage: a JSON answer's last `usage` object (only the answer's last
+TAIL_BYTES are kept as it passes through, and only that object is parsed); a streamed one's
 events that carry a `usage` (OpenAI's last chunk with `stream_options.include_usage`,
 Anthropic's `message_start` and `message_delta`, the Responses API's `response.completed`).
 Prompt tokens are `prompt_tokens` or `input_tokens`, completion tokens `completion_tokens`
@@ -34,8 +35,11 @@ from llmgw_core.keys import UsageRecord
 log = logging.getLogger("llmgw.gateway")
 
 FLUSH_S = 1.0
-# A JSON answer is read for its usage up to this size (a copy, as it passes through).
-MAX_READ_BYTES = 4 << 20
+# How much of a JSON answer's end is kept to find its usage in (OpenAI's, vLLM's, llama.cpp's
+# and Anthropic's answers put it last, after the choices).
+TAIL_BYTES = 64 << 10
+_USAGE_KEY = b'"usage"'
+_DECODER = json.JSONDecoder()
 
 
 @dataclass
@@ -66,14 +70,35 @@ class Meter:
         return found
 
 
-def read_json_answer(body: bytes, encoding: str, meter: Meter) -> None:
-    """Read the usage of a whole JSON answer (gzip- or deflate-encoded as the engine sent it)."""
-    try:
-        if encoding in ("gzip", "deflate"):
-            body = zlib.decompressobj(zlib.MAX_WBITS | 32).decompress(body, MAX_READ_BYTES)
-        meter.take(json.loads(body))
-    except (ValueError, zlib.error):
-        return
+class JsonTail:
+    """The end of a JSON answer as it passes through (decoded where the engine gzip- or
+    deflate-encoded it), and the usage object in it once it has ended."""
+
+    def __init__(self, encoding: str) -> None:
+        self._tail = b""
+        self._inflate = zlib.decompressobj(zlib.MAX_WBITS | 32) if encoding in ("gzip", "deflate") else None
+
+    def feed(self, chunk: bytes) -> None:
+        if self._inflate is not None:
+            try:
+                chunk = self._inflate.decompress(chunk)
+            except zlib.error:
+                self._inflate, self._tail = None, b""
+                return
+        self._tail = (self._tail + chunk)[-TAIL_BYTES:]
+
+    def read(self, meter: Meter) -> None:
+        at = self._tail.rfind(_USAGE_KEY)
+        if at < 0:
+            return
+        rest = self._tail[at + len(_USAGE_KEY) :].lstrip()
+        if not rest.startswith(b":"):
+            return
+        try:
+            usage, _ = _DECODER.raw_decode(rest[1:].lstrip().decode(errors="replace"))
+        except ValueError:
+            return
+        meter.take({"usage": usage})
 
 
 def read_events(chunk: bytes, meter: Meter, *, strip: bool) -> bytes:
