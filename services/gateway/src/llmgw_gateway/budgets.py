@@ -168,7 +168,11 @@ class Budgets:
                 raise TimeoutError("the bus did not answer a claim moments ago")
             with anyio.fail_after(CLAIM_TIMEOUT_S):
                 got = await self._cas(key.name, window, requests=want, limit=key.rpm)
-        except (BusError, TimeoutError) as exc:
+        except Exception as exc:
+            # Any fault of a claim (NATS silent, a refusal, a value no reader decodes) costs
+            # this claim, never the gateway: the key is held to its limit here meanwhile.
+            if not isinstance(exc, (BusError, TimeoutError)):
+                log.exception("claiming requests of key %s failed", key.name)
             if time.monotonic() >= self._offline_until:
                 self._offline_until = time.monotonic() + OFFLINE_S
             if not self._said_offline:
@@ -228,8 +232,13 @@ class Budgets:
                 try:
                     await self._flush()
                     delay = 0.5
-                except (BusError, TimeoutError) as exc:
-                    log.warning("cannot add tokens to the limits bucket: %s; retrying in %.1fs", exc, delay)
+                except Exception as exc:
+                    if isinstance(exc, (BusError, TimeoutError)):
+                        log.warning(
+                            "cannot add tokens to the limits bucket: %s; retrying in %.1fs", exc, delay
+                        )
+                    else:
+                        log.exception("adding tokens to the limits bucket failed; retrying in %.1fs", delay)
                     self._dirty.set()
                     await anyio.sleep(delay)
                     delay = min(10.0, delay * 2)

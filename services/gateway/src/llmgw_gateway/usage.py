@@ -195,9 +195,13 @@ class Usage:
                     log.warning(
                         "cannot write usage (%d records kept for the next try): %s", len(self._unsent), exc
                     )
+                except Exception:
+                    log.exception(
+                        "writing usage failed (%d records kept for the next try)", len(self._unsent)
+                    )
         finally:
             with anyio.move_on_after(2, shield=True):
                 try:
                     await self.flush()
-                except BusError as exc:
+                except Exception as exc:
                     log.warning("usage not written at stop (%d records): %s", len(self._unsent), exc)
