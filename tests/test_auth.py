@@ -21,6 +21,7 @@ from llmgw_core.bus import Bus, BusOptions, prepare_node, require_streams
 from llmgw_core.engines import ShardSpec
 from llmgw_core.errors import BusError, ConfigError
 from llmgw_core.events import Deployment, Heartbeat, InstallProgress, NodeStatus, ShardStatus, now
+from llmgw_core.keys import ApiKey, KeyWindow, UsageRecord
 from tests.auth_support import SessionNats, session_for
 from tests.launcher_support import shard, sim_profile
 from tests.waiting import eventually
@@ -318,6 +319,7 @@ async def test_the_observer_reads_state_and_writes_nothing(
         (n.replicas_bucket, "chat.r0"),
         (n.leases_bucket, "placement"),
         (n.config_bucket, "engines"),
+        (n.keys_bucket, "team"),
     ]:
         await write_refused(observer, f"$KV.{bucket}.{key}")
     await write_refused(observer, n.node_facts("gpu-1"))
@@ -357,9 +359,17 @@ async def test_the_operator_writes_deployments_and_the_catalog_only(
         await write_refused(ctl, subject)
     await core_refused(ctl, n.heartbeat("gpu-1", "launcher"))
 
+    # The operator makes client keys; a gateway reads them, and shares limits and usage.
+    key = ApiKey(name="team", hash="0" * 64)
+    await ctl.put(n.keys_bucket, "team", key)
     gateway = await connect_as("gateway")
     assert await gateway.entries(n.replicas_bucket, NodeStatus) == {}
+    assert set(await gateway.entries(n.keys_bucket, ApiKey)) == {"team"}
+    await gateway.put(n.limits_bucket, "team", KeyWindow(window=1, requests=1))
+    await gateway.publish(n.usage("chat", "team"), UsageRecord(key="team", deployment="chat"))
     await write_refused(gateway, f"$KV.{prefix}-replicas.chat.r0")
+    await write_refused(gateway, f"$KV.{prefix}-keys.team")
+    await write_refused(gateway, f"$KV.{prefix}-deployments.chat")
     with pytest.raises(BusError):
         await gateway.entries(n.nodes_bucket, NodeStatus)
 

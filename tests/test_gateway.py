@@ -46,8 +46,10 @@ CHAT = [{"role": "user", "content": "hello"}]
 async def running_gateway(
     c: Cluster, *, tracer_provider: TracerProvider | None = None, **http: Any
 ) -> AsyncIterator[tuple[str, Gateway]]:
-    """A gateway in this process, connected as the `gateway` identity, on a free port."""
-    config = msgspec.convert({"nats": c.nats("gateway"), "http": {"port": 0, **http}}, GatewayConfig)
+    """A gateway in this process, connected as the `gateway` identity, on a free port; open
+    (no key required) unless `http` says otherwise."""
+    http = {"port": 0, "require_api_key": False, **http}
+    config = msgspec.convert({"nats": c.nats("gateway"), "http": http}, GatewayConfig)
     bus = await connect_service(config.nats, "gateway", ensure=False)
     tracer = tracer_provider.get_tracer("test") if tracer_provider else None
     async with bus, anyio.create_task_group() as tg:
@@ -336,11 +338,15 @@ async def test_client_keys_when_asked_for(tmp_path: Path) -> None:
             assert r.status_code == 200
             assert (await client.get(f"{base}/healthz")).status_code == 200
             tg.cancel_scope.cancel()
+    # Keys are required by default, from the keys bucket where no file names any.
+    assert loads("http: {port: 0}\n", GatewayConfig, source="gateway.yaml").http.require_api_key
     with pytest.raises(ConfigError) as err:
-        loads("http: {require_api_key: true}\n", GatewayConfig, source="gateway.yaml")
+        loads(
+            f"http: {{require_api_key: false, api_keys_file: {keys}}}\n", GatewayConfig, source="gateway.yaml"
+        )
     assert str(err.value).startswith(
-        "gateway.yaml: http: require_api_key is true but http: api_keys_file is empty; "
-        "name a file with one client key a line"
+        "gateway.yaml: http: api_keys_file is set but http: require_api_key is false; "
+        "set require_api_key: true to check client keys, or drop api_keys_file"
     )
 
 

@@ -233,7 +233,8 @@ def open_files_at_least(n: int) -> Iterator[None]:
 
 def gateway_process(c: Cluster, root: Path, open_files: int, **http: object) -> subprocess.Popen[bytes]:
     """`llmgw-gateway` as its own process under `ulimit -n open_files` (soft and hard)."""
-    config = msgspec.convert({"nats": c.nats("gateway"), "http": {"port": 0, **http}}, GatewayConfig)
+    http = {"port": 0, "require_api_key": False, **http}
+    config = msgspec.convert({"nats": c.nats("gateway"), "http": http}, GatewayConfig)
     path = root / "gateway.yaml"
     path.write_bytes(msgspec.yaml.encode(config))
 

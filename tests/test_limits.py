@@ -241,7 +241,7 @@ async def test_the_launcher_and_the_gateway_ignore_keys_no_name_may_be(
     deployments = await bus.kv(names.deployments_bucket)
     await deployments.put(LONG, encode(Deployment(name="docs", profile="tiny")))
     await bus.put(names.deployments_bucket, "chat", Deployment(name="chat", profile="tiny"))
-    gateway = Gateway(msgspec.convert({"http": {"port": 0}}, GatewayConfig), bus)
+    gateway = Gateway(msgspec.convert({"http": {"port": 0, "require_api_key": False}}, GatewayConfig), bus)
     async with anyio.create_task_group() as tg:
         port = await tg.start(gateway.run)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:

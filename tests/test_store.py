@@ -62,7 +62,8 @@ FILLER = "FILLER"
 
 
 def small(**options: Any) -> BusOptions:
-    """A cluster of a few nodes: every bucket at its 1 MiB floor, 16 MiB in all with the streams."""
+    """A cluster of a few nodes: every bucket but keys and limits at its 1 MiB floor, 27.5 MiB in
+    all with the streams."""
     return BusOptions(max_nodes=4, max_shards=8, max_deployments=4, events_max_bytes=4 << 20, **options)
 
 
@@ -77,15 +78,20 @@ def test_bucket_limits_follow_the_formula_and_its_overrides() -> None:
     assert limits["KV_p-config"].max_bytes == 1 << 20  # 16 keys × 8 KiB × 6 is under the floor
     assert limits["P_EVENTS"] == store.Limits(256 << 20)
     assert limits["P_DLQ"] == store.Limits(64 << 20)
-    assert set(limits) == {"P_EVENTS", "P_DLQ", *(f"KV_{b}" for b in names.buckets())}
+    assert limits["P_USAGE"] == store.Limits(256 << 20)
+    assert set(limits) == {"P_EVENTS", "P_DLQ", "P_USAGE", *(f"KV_{b}" for b in names.buckets())}
     assert names.buckets() == tuple(f"p-{b}" for b in store.BUCKETS)
-    assert store.size(store.total_bytes(o, names)) == "666 MiB"
+    assert store.size(store.total_bytes(o, names)) == "930 MiB"
 
     few = small()
     assert {n: v.max_bytes for n, v in store.stream_limits(few, names).items() if n.startswith("KV_")} == {
-        f"KV_{b}": 1 << 20 for b in names.buckets()
+        **{f"KV_{b}": 1 << 20 for b in names.buckets()},
+        # Sized for 1,024 client keys, however small the cluster.
+        "KV_p-keys": 6 << 20,
+        "KV_p-limits": 3 << 19,
     }
-    assert store.total_bytes(few, names) == 16 << 20
+    # The old 16 MiB, the usage stream (as large as the events stream) and the two key buckets.
+    assert store.total_bytes(few, names) == (16 << 20) + (4 << 20) + (6 << 20) + (3 << 19)
     bigger = BusOptions(max_nodes=10_000, bucket_max_bytes={"shard-status": 5 << 30})
     assert store.bucket_bytes(bigger, "nodes") == 10_000 * 16 * 1024 * 6
     assert store.bucket_bytes(bigger, "shard-status") == 5 << 30
@@ -96,7 +102,7 @@ def test_a_limit_for_a_bucket_that_does_not_exist_is_refused_naming_the_buckets(
         loads("node: n1\nnats:\n  bucket_max_bytes: {shard_status: 1000}\n", AgentConfig, source="agent.yaml")
     assert str(err.value) == (
         "agent.yaml: bucket_max_bytes names no bucket: shard_status (the buckets: config, catalog, "
-        "deployments, nodes, shards, shard-status, replicas, leases) - at `$.nats`"
+        "deployments, nodes, shards, shard-status, replicas, leases, keys, limits) - at `$.nats`"
     )
     with pytest.raises(ConfigError, match=r"Expected `int` >= 1 - at `\$.nats.max_shards`"):
         loads("node: n1\nnats: {max_shards: 0}\n", AgentConfig, source="agent.yaml")
@@ -180,8 +186,8 @@ async def test_ensure_sizes_every_stream_and_only_ever_raises_a_limit(nats_url: 
 
 @pytest.fixture
 def small_store(tmp_path: Path) -> Iterator[NatsServer]:
-    """A nats-server whose JetStream store holds 32 MiB: llmgw's streams reserve 16 of it."""
-    server = NatsServer(store_dir=tmp_path / "nats", max_store="32M")
+    """A nats-server whose JetStream store holds 48 MiB: llmgw's streams reserve 27.5 of it."""
+    server = NatsServer(store_dir=tmp_path / "nats", max_store="48M")
     server.start()
     try:
         yield server
@@ -300,7 +306,7 @@ async def test_streams_that_do_not_fit_the_store_are_refused_saying_what_they_ne
     assert str(err.value) == (
         "creating D_EVENTS (256 MiB) refused: NATS store full: D_EVENTS's limit does not fit what "
         "nats-server's JetStream store has left (insufficient storage resources available, error 10047); "
-        "llmgw's streams need 666 MiB in all on each NATS server that holds them: give its JetStream store "
+        "llmgw's streams need 930 MiB in all on each NATS server that holds them: give its JetStream store "
         "more room (jetstream { max_file_store }, a larger disk) or size llmgw for a smaller cluster (nats: "
         "max_nodes, max_shards, max_deployments, events_max_bytes; docs/operations.md)"
     )

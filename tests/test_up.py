@@ -137,6 +137,13 @@ async def ready(proc: subprocess.Popen[bytes], out: Path) -> tuple[str, str]:
     return await eventually(ready_urls, timeout=240, interval=0.5)
 
 
+def printed_key(text: str) -> dict[str, str]:
+    """The `Authorization` header of the curl `llmgw up` prints: its key `default`'s secret."""
+    found = re.search(r"curl -s \S+ -H 'Authorization: Bearer (sk-llmgw-\S+)'", text)
+    assert found, text[-2000:]
+    return {"Authorization": f"Bearer {found.group(1)}"}
+
+
 def up_here(*args: str) -> subprocess.CompletedProcess[str]:
     """`llmgw up` as a command, for what it refuses (it exits before starting anything)."""
     argv = [sys.executable, "-c", "import sys; from llmgw.cli import main; sys.exit(main())", "up", *args]
@@ -158,6 +165,10 @@ async def test_dev_up_brings_up_a_cluster_that_answers_and_stops_cleanly(tmp_pat
         text = out.read_text()
         assert "curl -s " + url + "/v1/chat/completions" in text
         assert "INSECURE" not in text
+        # Keys are required: the curl carries key `default`'s secret, kept (0600) in the data dir.
+        key = printed_key(text)
+        assert f"Bearer {(data / 'api-key').read_text().strip()}" == key["Authorization"]
+        assert (data / "api-key").stat().st_mode & 0o777 == 0o600
         # What it waited for, in order, as it happened.
         said = [line for line in text.splitlines() if line.startswith("llmgw: ")]
         progress = [
@@ -177,9 +188,12 @@ async def test_dev_up_brings_up_a_cluster_that_answers_and_stops_cleanly(tmp_pat
                 r = await client.post(
                     f"{url}/v1/chat/completions",
                     json={"model": model, "messages": [{"role": "user", "content": "hello"}]},
+                    headers=key,
                 )
                 assert r.status_code == 200, r.text
                 assert r.json()["model"] == "tiny-chat"
+            r = await client.post(f"{url}/v1/chat/completions", json={"model": "chat", "messages": []})
+            assert r.status_code == 401
         await operator_sees_the_cluster(text, data)
         port = engine.rsplit(":", 1)[1]
         engines = processes_with(f"--port {port} --model tiny-chat")
@@ -205,7 +219,8 @@ async def test_up_with_two_nodes_and_a_second_up_on_the_same_data_dir_refused(tm
         assert msgspec.yaml.decode((data / "agent-local-2.yaml").read_bytes())["port_range"] == [29100, 29199]
         assert 29000 <= int(engine.rsplit(":", 1)[1]) <= 29199
         assert len(processes_with(str(data / "agent-local-2.yaml"))) == 2, "its installer and launcher"
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        secret = printed_key(text)["Authorization"].removeprefix("Bearer ")
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=secret, max_retries=0) as client:
             done = await client.chat.completions.create(
                 model="chat",
                 messages=[{"role": "user", "content": "hello"}],  # type: ignore[arg-type]
@@ -307,11 +322,12 @@ def port_free(port: int) -> bool:
     return True
 
 
-async def chat(url: str) -> bool:
+async def chat(url: str, headers: dict[str, str]) -> bool:
     async with httpx.AsyncClient(timeout=10) as client:
         r = await client.post(
             f"{url}/v1/chat/completions",
             json={"model": "chat", "messages": [{"role": "user", "content": "hello"}]},
+            headers=headers,
         )
     assert r.status_code == 200, r.text
     return True
@@ -350,7 +366,7 @@ async def test_up_says_its_nats_server_died_and_restarts_it_on_the_same_port_and
         assert pid_alive(new)
         # The cluster resumes: the deployment answers through the gateway again, and placement
         # acts on a change made after the restart (its watch and lease came back).
-        await eventually(lambda: chat(url), timeout=120, interval=1)
+        await eventually(lambda: chat(url, printed_key(text)), timeout=120, interval=1)
         ctl_line = re.search(r"LLMGW_NATS_URL=(\S+) LLMGW_NATS_NKEY=(\S+) llmgw ctl nodes", text)
         token = re.search(r"its API token: (\S+) ", text)
         api = re.search(r"API (http://\S+)\)", text)

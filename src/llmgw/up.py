@@ -46,6 +46,7 @@ from llmgw_core.bus import Bus, BusOptions, require_streams
 from llmgw_core.config import AgentConfig
 from llmgw_core.errors import BusError
 from llmgw_core.events import NodeStatus, ReplicaRecord, ShardStatus
+from llmgw_core.keys import ApiKey, key_state, new_secret, secret_hash
 from llmgw_core.natsd import NatsServer
 from llmgw_core.topology import all_streams
 from llmgw_gateway.config import GatewayConfig
@@ -274,6 +275,30 @@ async def _wait_ready(bus: Bus, logs: Path, nodes: list[str], timeout: float) ->
         if time.monotonic() > deadline:
             raise GaveUp(f"no ready replica of {DEPLOYMENT} after {timeout:g}s; see {logs}")
         await anyio.sleep(0.3)
+
+
+# The client key `llmgw up` makes: every model, no limits.
+DEFAULT_KEY = "default"
+
+
+async def default_key(bus: Bus, path: Path) -> str:
+    """The secret of key `default`: the one kept in `path` while the bucket still holds it
+    active, else a new one (written to the bucket and to `path`, readable by its owner only)."""
+    secret = path.read_text().strip() if path.exists() else ""
+    found = await bus.get(bus.names.keys_bucket, DEFAULT_KEY, ApiKey)
+    now = time.time()
+    if secret and found is not None:
+        key = found[0]
+        if key.hash == secret_hash(secret) and key_state(key, now) == "active":
+            return secret
+    secret = new_secret()
+    await bus.put(
+        bus.names.keys_bucket, DEFAULT_KEY, ApiKey(name=DEFAULT_KEY, hash=secret_hash(secret), created_at=now)
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    return secret
 
 
 async def _gateway_url(log: Path, since: int, timeout: float) -> str:
@@ -535,6 +560,7 @@ async def _bring_up(
     )
     async with await Bus.connect(bus_options, service="llmgw-up") as bus:
         replica = await _wait_ready(bus, logs, nodes, timeout=180)
+        secret = await default_key(bus, data_dir / "api-key")
     gateway = await _gateway_url(gateway_log, since, 30.0)
     print(
         f"llmgw: deployment {DEPLOYMENT} is ready (replica {replica.replica}, engine at {replica.url})",
@@ -545,9 +571,15 @@ async def _bring_up(
         "it stays the same when replicas restart or move",
         flush=True,
     )
+    print(
+        f"llmgw: its API key {DEFAULT_KEY!r} (every model; kept in {data_dir / 'api-key'}): {secret}; "
+        "more keys, with models and limits: llmgw ctl keys create",
+        flush=True,
+    )
     print("llmgw: try it:", flush=True)
     print(
-        f"  curl -s {gateway}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"  curl -s {gateway}/v1/chat/completions -H 'Authorization: Bearer {secret}' "
+        "-H 'Content-Type: application/json' "
         f"""-d '{{"model": "{DEPLOYMENT}", "messages": [{{"role": "user", "content": "hello"}}]}}'""",
         flush=True,
     )

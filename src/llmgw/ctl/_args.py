@@ -21,6 +21,8 @@ examples:
   llmgw ctl events --deployment chat --follow
   llmgw ctl apply -f server.yaml --dry-run   what would change, written nowhere
   llmgw ctl delete deployment chat
+  llmgw ctl keys create team-a --models chat --rpm 60 --tpm 100000 --expires 30d
+  llmgw ctl usage --by key --since 24h -o json
 
 exit codes: 0 done, 2 usage, 3 not found, 4 refused, 5 cannot reach NATS (3 s) or the launcher asked;
 141 when stdout's reader went away (`| head`).
@@ -144,4 +146,33 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
     p_events.add_argument("--node", default="", help="only this node's")
     p_events.add_argument("-f", "--follow", action="store_true", help="then print new events as they come")
     p_events.add_argument("-o", "--output", choices=["json"], default="", help="one JSON object a line")
+    p_keys = add("keys", "client API keys the gateways accept: create, list, describe, revoke")
+    keys_sub = p_keys.add_subparsers(dest="keys", required=True, metavar="ACTION")
+
+    def add_key(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = keys_sub.add_parser(name, help=help_text, description=help_text, parents=[common])
+        p.add_argument(
+            "-o", "--output", choices=["json", "yaml"] + (["name"] if name == "list" else []), default=""
+        )
+        return p
+
+    p_create = add_key("create", "make a key; its secret is printed once (with -o json, in `secret`)")
+    p_create.add_argument("name")
+    p_create.add_argument(
+        "--models", default="", help="deployments or aliases it may call, a,b (default: every model)"
+    )
+    p_create.add_argument("--rpm", type=int, default=0, help="requests per minute (default: no limit)")
+    p_create.add_argument(
+        "--tpm", type=int, default=0, help="prompt and completion tokens per minute (default: no limit)"
+    )
+    p_create.add_argument("--expires", default="", help="after 30d, 12h, 90m… (default: never)")
+    add_key("list", "every key: state, models, limits, expiry (never a secret)")
+    add_key("describe", "one key").add_argument("name")
+    add_key("revoke", "refuse a key from now on, at every gateway").add_argument("name")
+    p_usage = add("usage", "prompt and completion tokens and requests per key and deployment")
+    p_usage.add_argument(
+        "--by", choices=["key", "deployment"], default="", help="sum per key or per deployment only"
+    )
+    p_usage.add_argument("--since", default="24h", help="the last 24h, 30d, 90m… (default: %(default)s)")
+    p_usage.add_argument("-o", "--output", choices=["json", "yaml"], default="", help="rows for scripts")
     return p_ctl

@@ -703,6 +703,26 @@ async def _dispatch(bus: Bus, args: argparse.Namespace) -> str | None:
     if cmd == "events":
         await events(bus, deployment=args.deployment, node=args.node, follow=args.follow, output=args.output)
         return None
+    if cmd in ("keys", "usage"):
+        from . import _keys
+
+        if cmd == "usage":
+            return await _keys.usage(bus, by=args.by, since=args.since, output=args.output)
+        if args.keys == "create":
+            return await _keys.create(
+                bus,
+                args.name,
+                models=args.models,
+                rpm=args.rpm,
+                tpm=args.tpm,
+                expires=args.expires,
+                output=args.output,
+            )
+        if args.keys == "list":
+            return await _keys.listing(bus, args.output)
+        if args.keys == "describe":
+            return await _keys.describe(bus, args.name, args.output)
+        return await _keys.revoke(bus, args.name)
     raise UsageError(f"unknown command {cmd}")
 
 

@@ -7,11 +7,12 @@ whose rights nats-server itself enforces, subject by subject:
     placement   writes shard specs, replicas, the lease and the desired engines;
                 seeds the catalog and deployments (server.yaml, its token-checked
                 API); creates and updates llmgw's streams and buckets
-    ctl         the operator: writes deployments and the catalog; reads everything,
-                and asks launchers for their shards' logs
+    ctl         the operator: writes deployments, the catalog and client API keys;
+                reads everything, and asks launchers for their shards' logs
     observer    reads events, node status, shard status, replicas and heartbeats;
                 writes nothing (and never sees shard specs: they carry environments)
-    gateway     reads the replicas and deployments buckets
+    gateway     reads the replicas, deployments and keys buckets; reads and writes
+                the limits bucket (per-key counters, compare-and-set); writes usage
     node-<id>   one per node, shared by its installer and launcher: writes only its
                 own status, shard statuses, heartbeats and events; reads the desired
                 engines, only its own shard specs and shard statuses, and its own
@@ -205,7 +206,16 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
         publish = [names.liveness_request, *(rule for s in need["observer"].reads for rule in _read_all(s))]
         return Permissions(tuple(publish), (inbox, heartbeats, names.events_all))
     if role == "gateway":
-        return Permissions(tuple(rule for s in need["gateway"].reads for rule in _read_all(s)), (inbox,))
+        # Reads whole what `needs` says; writes the limits bucket (every gateway's claims on each
+        # key's minute, compare-and-set) and the usage records (the tokens each request spent).
+        gw = need["gateway"]
+        publish = [
+            *(rule for s in gw.reads for rule in _read_all(s)),
+            *(f"$KV.{b}.>" for b in gw.writes),
+            names.usage_all,
+            f"$JS.API.STREAM.INFO.{names.usage_stream}",
+        ]
+        return Permissions(tuple(publish), (inbox,))
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)} or node-<node id>")
 
 

@@ -13,6 +13,7 @@ import msgspec
 import yaml
 
 from . import events as ev
+from . import keys as keys_
 from .subjects import Names
 
 _N = Names("{prefix}")
@@ -164,6 +165,31 @@ CHANNELS: list[tuple[str, str, type[msgspec.Struct], str, list[str], str]] = [
         ["deployment", "replica"],
         "receive",
     ),
+    (
+        "keysBucket",
+        "$KV.{prefix}-keys.{key}",
+        keys_.ApiKey,
+        "KV: client API keys by name, the secret only hashed (written by `llmgw ctl keys`).",
+        ["key"],
+        "send",
+    ),
+    (
+        "limitsBucket",
+        "$KV.{prefix}-limits.{key}",
+        keys_.KeyWindow,
+        "KV: each key's current minute, as the gateways claim it (compare-and-set).",
+        ["key"],
+        "receive",
+    ),
+    (
+        "usage",
+        _N.usage("{deployment}", "{key}"),
+        keys_.UsageRecord,
+        "Tokens and requests one gateway served per key and deployment, once a second "
+        "(JetStream, stream <PREFIX>_USAGE).",
+        ["deployment", "key"],
+        "receive",
+    ),
 ]
 
 # Request/reply channels: the reply's message and what it says; it comes on the requester's
@@ -180,6 +206,7 @@ PARAMETERS = {
     "replica": "Replica id, matching [A-Za-z0-9_-]+.",
     "profile": "Profile name, matching [A-Za-z0-9_-]+.",
     "service": "The service that refused the message.",
+    "key": "Client API key name, matching [A-Za-z0-9_-]+ (`_`: no key required).",
 }
 
 

@@ -36,7 +36,25 @@ HISTORY = 5
 # No bucket gets less: a small cluster still has room for its rewrites.
 FLOOR_BYTES = 1 * MiB
 # Every bucket, by its name without the prefix (`Names.bucket`).
-BUCKETS = ("config", "catalog", "deployments", "nodes", "shards", "shard-status", "replicas", "leases")
+BUCKETS = (
+    "config",
+    "catalog",
+    "deployments",
+    "nodes",
+    "shards",
+    "shard-status",
+    "replicas",
+    "leases",
+    "keys",
+    "limits",
+)
+# Client API keys one cluster holds (the keys and limits buckets are sized for them).
+MAX_API_KEYS = 1024
+# How long usage records are kept (the usage stream drops older ones), and at most how much
+# (no more than the events stream: `events_max_bytes`). A record is one key and deployment's
+# second of use, about 250 bytes: 256 MiB holds a million of them.
+USAGE_MAX_AGE_S = 400 * 24 * 3600
+USAGE_MAX_BYTES = 256 * MiB
 # The DLQ holds copies of bad messages: a quarter of the events stream, at most this.
 DLQ_MAX_BYTES = 64 * MiB
 
@@ -90,6 +108,8 @@ def budgets(options: Sizing) -> dict[str, Budget]:
         "shard-status": Budget(o.max_shards, 8 * KiB, "one status per shard, its last failure's log lines"),
         "replicas": Budget(o.max_shards, 8 * KiB, "one record per replica (replicas ≤ shards)"),
         "leases": Budget(o.max_deployments + 16, 1 * KiB, "the placement lease, replica ids per deployment"),
+        "keys": Budget(MAX_API_KEYS, 1 * KiB, "one per client API key (a hash, models, limits)"),
+        "limits": Budget(MAX_API_KEYS, 256, "one minute's counts per API key with limits"),
     }
 
 
@@ -115,6 +135,7 @@ def stream_limits(options: Sizing, names: Names) -> dict[str, Limits]:
     out = {
         names.events_stream: Limits(options.events_max_bytes),
         names.dlq_stream: Limits(dlq_bytes(options)),
+        names.usage_stream: Limits(min(options.events_max_bytes, USAGE_MAX_BYTES)),
     }
     prefix = f"{names.prefix}-"
     for bucket in names.buckets():

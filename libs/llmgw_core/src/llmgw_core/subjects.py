@@ -59,6 +59,31 @@ class Names:
     def leases_bucket(self) -> str:
         return self.bucket("leases")
 
+    @property
+    def keys_bucket(self) -> str:
+        """Client API keys by name (`llmgw_core.keys.ApiKey`, the secret only hashed): `llmgw
+        ctl keys` writes them, every gateway watches them."""
+        return self.bucket("keys")
+
+    @property
+    def limits_bucket(self) -> str:
+        """Per API key, the current minute's requests and tokens claimed by the gateways
+        (`llmgw_core.keys.KeyWindow`, compare-and-set)."""
+        return self.bucket("limits")
+
+    @property
+    def usage_stream(self) -> str:
+        """Tokens spent per key and deployment (`llmgw_core.keys.UsageRecord`), as gateways
+        write them; `llmgw ctl usage` sums them."""
+        return f"{self.prefix.upper().replace('-', '_')}_USAGE"
+
+    @property
+    def usage_all(self) -> str:
+        return f"{self.prefix}.usage.>"
+
+    def usage(self, deployment: str, key: str) -> str:
+        return f"{self.prefix}.usage.{deployment}.{key}"
+
     def buckets(self) -> tuple[str, ...]:
         return (
             self.config_bucket,
@@ -69,6 +94,8 @@ class Names:
             self.shard_status_bucket,
             self.replicas_bucket,
             self.leases_bucket,
+            self.keys_bucket,
+            self.limits_bucket,
         )
 
     # --- subjects ---

@@ -4,6 +4,8 @@ kind of identity needs of them.
     <PREFIX>_EVENTS   every event (`<prefix>.events.>`); oldest dropped at its limits;
                       deduplicated by message id; takes atomic batches
     <PREFIX>_DLQ      copies of bad messages (`<prefix>.dlq.>`)
+    <PREFIX>_USAGE    tokens spent per API key and deployment (`<prefix>.usage.>`), kept
+                      for billing periods; deduplicated by message id
     KV_<bucket>       one per bucket (`store.BUCKETS`): HISTORY revisions per key, a byte
                       and a value-size limit (`store.stream_limits`), atomic batches
 
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from nats.js import api
 
-from .store import HISTORY, Limits
+from .store import HISTORY, USAGE_MAX_AGE_S, Limits
 
 if TYPE_CHECKING:
     from .subjects import Names
@@ -35,8 +37,13 @@ def kv_stream(bucket: str) -> str:
 
 
 def all_streams(names: Names) -> list[str]:
-    """Every llmgw stream: events, DLQ, then each bucket's."""
-    return [names.events_stream, names.dlq_stream, *(kv_stream(b) for b in names.buckets())]
+    """Every llmgw stream: events, DLQ, usage, then each bucket's."""
+    return [
+        names.events_stream,
+        names.dlq_stream,
+        names.usage_stream,
+        *(kv_stream(b) for b in names.buckets()),
+    ]
 
 
 def node_streams(names: Names) -> list[str]:
@@ -54,7 +61,7 @@ def node_streams(names: Names) -> list[str]:
 def event_streams(
     names: Names, limits: dict[str, Limits], *, replicas: int, max_age_s: float
 ) -> tuple[api.StreamConfig, ...]:
-    """The events and DLQ streams as this configuration asks for them (`limits` from
+    """The events, DLQ and usage streams as this configuration asks for them (`limits` from
     `store.stream_limits`)."""
     return (
         api.StreamConfig(
@@ -76,6 +83,15 @@ def event_streams(
             max_bytes=limits[names.dlq_stream].max_bytes,
             num_replicas=replicas,
         ),
+        api.StreamConfig(
+            name=names.usage_stream,
+            subjects=[names.usage_all],
+            storage=api.StorageType.FILE,
+            max_age=USAGE_MAX_AGE_S,
+            max_bytes=limits[names.usage_stream].max_bytes,
+            num_replicas=replicas,
+            duplicate_window=DUPLICATE_WINDOW_S,
+        ),
     )
 
 
@@ -95,9 +111,11 @@ def bucket_config(bucket: str, limits: dict[str, Limits], *, replicas: int) -> a
 
 def stream_of(names: Names, subject: str) -> str:
     """The stream a subject's messages are stored in: a bucket's for `$KV.<bucket>.<key>`,
-    else the events stream."""
+    the usage stream for usage records, else the events stream."""
     if subject.startswith("$KV."):
         return kv_stream(subject.split(".", 2)[1])
+    if subject.startswith(f"{names.prefix}.usage."):
+        return names.usage_stream
     return names.events_stream
 
 
@@ -134,8 +152,11 @@ def needs(names: Names) -> dict[str, Needs]:
             ),
             manages=tuple(all_streams(n)),
         ),
-        # The operator: reads everything; the desired engines (one key of config) besides.
-        "ctl": Needs(reads=tuple(all_streams(n)), writes=(n.deployments_bucket, n.catalog_bucket)),
+        # The operator: reads everything; writes deployments, the catalog and client API keys,
+        # and the desired engines (one key of config) besides.
+        "ctl": Needs(
+            reads=tuple(all_streams(n)), writes=(n.deployments_bucket, n.catalog_bucket, n.keys_bucket)
+        ),
         # Never the shard specs: they carry environments.
         "observer": Needs(
             reads=(
@@ -145,8 +166,18 @@ def needs(names: Names) -> dict[str, Needs]:
                 kv_stream(n.replicas_bucket),
             )
         ),
-        # Deployments too: their aliases, and a deployment with no replica yet is known.
-        "gateway": Needs(reads=(kv_stream(n.replicas_bucket), kv_stream(n.deployments_bucket))),
+        # Deployments too: their aliases, and a deployment with no replica yet is known. Keys:
+        # who may call, for which models, within which limits (never written by a gateway);
+        # limits: every gateway's claims on each key's minute.
+        "gateway": Needs(
+            reads=(
+                kv_stream(n.replicas_bucket),
+                kv_stream(n.deployments_bucket),
+                kv_stream(n.keys_bucket),
+                kv_stream(n.limits_bucket),
+            ),
+            writes=(n.limits_bucket,),
+        ),
         # Besides: its own status and shard statuses (written), its own shard specs and
         # shard statuses (read).
         "node": Needs(reads=(kv_stream(n.config_bucket),), requires=tuple(node_streams(n))),

@@ -15,9 +15,10 @@ class HttpConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     # 0: any free port (printed at start).
     port: int = 8000
-    # Clients must send `Authorization: Bearer <key>`, one of the keys in `api_keys_file`
-    # (one a line, `#` comments). Off by default: a local cluster's endpoint is open.
-    require_api_key: bool = False
+    # Clients must send `Authorization: Bearer <key>`: a key of the keys bucket (`llmgw ctl keys
+    # create`), or one of `api_keys_file` (one a line, `#` comments; every model, no limits).
+    # false: the endpoint is open to anyone who can reach it.
+    require_api_key: bool = True
     api_keys_file: str = ""
     # A client must send a request's headers within header_timeout_s of connecting (or, on a
     # kept-alive connection, of the request's first byte), then its whole body within
@@ -53,11 +54,6 @@ class GatewayConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 
     def __post_init__(self) -> None:
         # ValueError: msgspec reports it with the file's name, as any other mistake in it.
-        if self.http.require_api_key and not self.http.api_keys_file:
-            raise ValueError(
-                "http: require_api_key is true but http: api_keys_file is empty; "
-                "name a file with one client key a line"
-            )
         if self.http.api_keys_file and not self.http.require_api_key:
             raise ValueError(
                 "http: api_keys_file is set but http: require_api_key is false; "

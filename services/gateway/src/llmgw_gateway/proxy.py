@@ -18,7 +18,6 @@ and `data: [DONE]`, never silently truncated.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -36,10 +35,14 @@ from starlette.routing import Route
 
 from llmgw_core.engines import BASE_API_PATHS, default_registry
 from llmgw_core.events import ReplicaRecord
+from llmgw_core.keys import ApiKey, allows
 from llmgw_core.metrics import exposition, new_registry
 
+from .budgets import Budgets
+from .keyring import Keyring, file_keys
 from .limits import json_nests_deeper, shown
 from .routing import Table
+from .usage import JsonTail, Meter, Usage, read_events
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -75,6 +78,8 @@ _BEFORE_ANSWER = (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ConnectTi
 UNKNOWN = "(unknown)"
 # How long a request waits for a starting gateway's first snapshot of the buckets.
 LOAD_WAIT_S = 10.0
+# The paths whose streamed answers end with a usage chunk when asked (`stream_options`).
+_USAGE_OPTION = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 def error_body(message: str, kind: str, code: str) -> dict[str, Any]:
@@ -144,7 +149,7 @@ class Metrics:
         self.errors = Counter(
             "llmgw_gateway_errors",
             "Requests the gateway answered with an error, or whose replica failed, by reason class: "
-            "bad_request, unauthorized, gateway_starting, unknown_model, no_ready_replica, "
+            "bad_request, unauthorized, rate_limited, gateway_starting, unknown_model, no_ready_replica, "
             "unsupported_path (the deployment's engine does not serve the path), "
             "connect (a replica refused, retried elsewhere), "
             "reset (a replica closed the connection before answering, retried elsewhere), "
@@ -176,17 +181,23 @@ class Proxy:
         client: httpx.AsyncClient,
         *,
         api_keys: frozenset[str] = frozenset(),
+        keyring: Keyring | None = None,
+        budgets: Budgets | None = None,
+        usage: Usage | None = None,
         max_body_bytes: int = 8 << 20,
         max_json_depth: int = 128,
         tracer: trace.Tracer | None = None,
     ) -> None:
         self.table = table
         self.client = client
-        self.api_keys = api_keys
+        # Without a keyring: open, or the keys of `api_keys` only.
+        self.keyring = keyring or Keyring(required=bool(api_keys), file=file_keys(api_keys))
+        self.budgets = budgets or Budgets(None)
         self.max_body_bytes = max_body_bytes
         self.max_json_depth = max_json_depth
         self.tracer = tracer or trace.get_tracer("llmgw.gateway")
         self.metrics = Metrics()
+        self.usage = usage or Usage(None, self.metrics.registry)
         # Set once the first snapshot of the buckets is in: until then "unknown model"
         # would be a lie.
         self.loaded = anyio.Event()
@@ -219,30 +230,44 @@ class Proxy:
 
     async def prometheus(self, request: Request) -> Response:
         # Behind the key where keys are required: the labels name every deployment.
-        refused = self._unauthorized(request)
+        refused = await self._unauthorized(request)
         if refused is not None:
             return refused
         return exposition(self.metrics.registry, request)
 
     def _key_ok(self, request: Request) -> bool:
-        """Whether keys are not required, or the request carries one of them."""
-        if not self.api_keys:
-            return True
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        return scheme.lower() == "bearer" and any(hmac.compare_digest(key.strip(), k) for k in self.api_keys)
+        """Whether keys are not required, or the request carries a valid one."""
+        return isinstance(self.keyring.identify(request.headers.get("authorization", "")), ApiKey)
 
-    def _unauthorized(self, request: Request) -> JSONResponse | None:
-        if self._key_ok(request):
-            return None
+    async def _authorize(self, request: Request) -> ApiKey | JSONResponse:
+        """The request's key (open access where keys are not required), or its 401. A starting
+        gateway has not read the keys bucket yet: it waits for it before refusing a key."""
+        header = request.headers.get("authorization", "")
+        found = self.keyring.identify(header)
+        if not isinstance(found, ApiKey) and not self.loaded.is_set():
+            with anyio.move_on_after(LOAD_WAIT_S):
+                await self.loaded.wait()
+            found = self.keyring.identify(header)
+        if isinstance(found, ApiKey):
+            return found
         self.metrics.errors.labels(UNKNOWN, "unauthorized").inc()
-        return _error(
-            401,
-            "missing or unknown API key: send `Authorization: Bearer <key>` with a key from the "
-            "gateway's api_keys_file",
-            "authentication_error",
-            "invalid_api_key",
-        )
+        return _error(401, found.message, "authentication_error", found.code)
+
+    async def _unauthorized(self, request: Request) -> JSONResponse | None:
+        found = await self._authorize(request)
+        return found if isinstance(found, JSONResponse) else None
+
+    def _visible(self, key: ApiKey) -> list[str]:
+        """The deployments `key` may call (and so sees), sorted."""
+        return [name for name in self.table.known() if allows(key, name, self.table.aliases(name))]
+
+    def _resolve(self, key: ApiKey, model: str) -> str | None:
+        """The deployment `model` names, if `key` may call it: a model the key may not call is
+        unknown to it, as one that does not exist (its name is not confirmed to the key)."""
+        deployment = self.table.resolve(model)
+        if deployment is None or not allows(key, deployment, self.table.aliases(deployment)):
+            return None
+        return deployment
 
     async def _not_loaded(self) -> JSONResponse | None:
         """None once the buckets' first snapshot is in (waiting a little for it); else a 503."""
@@ -257,10 +282,13 @@ class Proxy:
         )
 
     async def models(self, request: Request) -> Response:
-        refused = self._unauthorized(request) or await self._not_loaded()
+        key = await self._authorize(request)
+        if isinstance(key, JSONResponse):
+            return key
+        refused = await self._not_loaded()
         if refused is not None:
             return refused
-        data = [self._model_object(name) for name in self.table.known()]
+        data = [self._model_object(name) for name in self._visible(key)]
         return JSONResponse({"object": "list", "data": data})
 
     def _model_object(self, name: str) -> dict[str, Any]:
@@ -275,20 +303,30 @@ class Proxy:
 
     async def model(self, request: Request) -> Response:
         """One model, by a deployment's name or alias, as OpenAI's `GET /v1/models/{model}`."""
-        refused = self._unauthorized(request) or await self._not_loaded()
+        key = await self._authorize(request)
+        if isinstance(key, JSONResponse):
+            return key
+        refused = await self._not_loaded()
         if refused is not None:
             return refused
         model = request.path_params["model"]
-        deployment = self.table.resolve(model)
+        deployment = self._resolve(key, model)
         if deployment is None:
             self.metrics.errors.labels(UNKNOWN, "unknown_model").inc()
-            return self._unknown_model(model)
+            return self._unknown_model(model, key)
         return JSONResponse(self._model_object(deployment))
 
-    def _unknown_model(self, model: str) -> JSONResponse:
+    def _unknown_model(self, model: str, key: ApiKey) -> JSONResponse:
+        parts = []
+        for name in self._visible(key):
+            aliases = self.table.aliases(name)
+            parts.append(f"{name} (aliases: {', '.join(aliases)})" if aliases else name)
+        known = ", ".join(parts) or (
+            "none (no deployment exists yet)" if not key.models or not self.table.known() else "none"
+        )
         return _error(
             404,
-            f"model {shown(model)} is not served here; known models: {self.table.describe_known()}",
+            f"model {shown(model)} is not served here; known models: {known}",
             "invalid_request_error",
             "model_not_found",
         )
@@ -312,9 +350,9 @@ class Proxy:
 
     async def complete(self, request: Request) -> Response:
         arrived = time.monotonic()
-        refused = self._unauthorized(request)
-        if refused is not None:
-            return refused
+        key = await self._authorize(request)
+        if isinstance(key, JSONResponse):
+            return key
         try:
             body = await self._body(request)
         except ClientDisconnect:
@@ -353,10 +391,10 @@ class Proxy:
         if starting is not None:
             self.metrics.errors.labels(UNKNOWN, "gateway_starting").inc()
             return starting
-        deployment = self.table.resolve(model)
+        deployment = self._resolve(key, model)
         if deployment is None:
             self.metrics.errors.labels(UNKNOWN, "unknown_model").inc()
-            return self._unknown_model(model)
+            return self._unknown_model(model, key)
         path = request.url.path
         # Replicas whose engine does not serve the path.
         unserved = frozenset(k for k, r in self.table.of(deployment) if not self._serves(r.engine, path))
@@ -372,6 +410,29 @@ class Proxy:
                 "invalid_request_error",
                 "unsupported_endpoint",
             )
+        limited = await self.budgets.admit(key)
+        if limited is not None:
+            self.metrics.errors.labels(deployment, "rate_limited").inc()
+            per = "requests" if limited.what == "requests" else "tokens (prompt and completion)"
+            response = _error(
+                429,
+                f"API key {key.name!r} is at its limit of {limited.limit} {per} per minute; "
+                f"retry in {limited.retry_after}s",
+                limited.what,
+                "rate_limit_exceeded",
+            )
+            response.headers["Retry-After"] = str(limited.retry_after)
+            return response
+        # A streamed answer's usage comes in its last chunk, where the engine is asked for it;
+        # the client sees that chunk only if it asked too.
+        strip = False
+        if path in _USAGE_OPTION and payload.get("stream") is True:
+            options = payload.get("stream_options")
+            if not (isinstance(options, dict) and options.get("include_usage") is True):
+                strip = True
+                extra = options if isinstance(options, dict) else {}
+                payload = {**payload, "stream_options": {**extra, "include_usage": True}}
+                body = json.dumps(payload).encode()
         self.metrics.requests.labels(deployment).inc()
         span = self.tracer.start_span(
             f"gateway {request.url.path}",
@@ -379,7 +440,9 @@ class Proxy:
             attributes={"llmgw.deployment": deployment, "llmgw.model": model[:256]},
         )
         try:
-            return await self._forward(request, payload, body, model, deployment, span, arrived, unserved)
+            return await self._forward(
+                request, payload, body, model, deployment, span, arrived, unserved, key=key, strip=strip
+            )
         except BaseException as exc:
             span.record_exception(exc)
             span.set_status(trace.StatusCode.ERROR, str(exc))
@@ -427,6 +490,9 @@ class Proxy:
         span: trace.Span,
         arrived: float,
         unserved: frozenset[str] = frozenset(),
+        *,
+        key: ApiKey,
+        strip: bool = False,
     ) -> Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         with trace.use_span(span, end_on_exit=False):
@@ -449,10 +515,10 @@ class Proxy:
                 span.set_status(trace.StatusCode.ERROR, reason)
                 span.end()
                 return _error(503, reason, "service_unavailable", "no_ready_replica")
-            key, record = chosen
-            tried.add(key)
+            chosen_key, record = chosen
+            tried.add(chosen_key)
             # Counted at once, before any await: requests arriving together must see each other.
-            self.table.outstanding[key] += 1
+            self.table.outstanding[chosen_key] += 1
             self.metrics.outstanding.labels(deployment).inc()
             span.set_attributes({"llmgw.replica": record.replica, "llmgw.replica_url": record.url})
             try:
@@ -467,16 +533,16 @@ class Proxy:
             except _BEFORE_ANSWER as exc:
                 # No byte of answer came: the replica refused the connection, or closed or reset
                 # it before answering (it died with the request). Another one may take it.
-                self._release(key, deployment)
+                self._release(chosen_key, deployment)
                 self._served.pop((record.url, record.profile_fp), None)
                 refused = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
                 self.metrics.errors.labels(deployment, "connect" if refused else "reset").inc()
                 failures.append(f"{record.replica} at {record.url}: {exc or type(exc).__name__}")
                 what = "refused the connection" if refused else "failed before answering"
-                log.warning("%s: %s %s (%s); trying another", deployment, key, what, exc)
+                log.warning("%s: %s %s (%s); trying another", deployment, chosen_key, what, exc)
                 continue
             except BaseException as exc:
-                self._release(key, deployment)
+                self._release(chosen_key, deployment)
                 if not isinstance(exc, httpx.HTTPError):
                     raise
                 self.metrics.errors.labels(deployment, "upstream").inc()
@@ -494,7 +560,16 @@ class Proxy:
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_OUT}
         sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(
-            self._relay(upstream, key, deployment, span, arrived, sse=request.url.path if sse else ""),
+            self._relay(
+                upstream,
+                chosen_key,
+                deployment,
+                span,
+                arrived,
+                sse=request.url.path if sse else "",
+                api_key=key,
+                strip=strip,
+            ),
             status_code=upstream.status_code,
             headers=out_headers,
         )
@@ -514,8 +589,13 @@ class Proxy:
         arrived: float,
         *,
         sse: str = "",
+        api_key: ApiKey,
+        strip: bool = False,
     ) -> AsyncIterator[bytes]:
         first = True
+        meter = Meter()
+        # A JSON answer: its end, read for its usage once whole.
+        tail = JsonTail(upstream.headers.get("content-encoding", "")) if not sse else None
         # Server-sent events (`sse` is the request's path): passed on whole, up to the last
         # blank line of each chunk, so that a stream broken off mid-event can still end with a
         # well-formed error event.
@@ -530,11 +610,16 @@ class Proxy:
                     end = chunk.rfind(b"\n\n")
                     end = end + 2 if end >= 0 else 0
                     chunk, pending = chunk[:end], chunk[end:]
+                    chunk = read_events(chunk, meter, strip=strip)
                     if not chunk:
                         continue
+                elif tail is not None:
+                    tail.feed(chunk)
                 yield chunk
             if pending:
-                yield pending
+                yield read_events(pending, meter, strip=strip)
+            if tail is not None:
+                tail.read(meter)
         except httpx.HTTPError as exc:
             # Mid-answer: never retried (the replica had the request). A streamed answer ends
             # with an error event and [DONE]; any other is cut off without its last chunk
@@ -559,4 +644,6 @@ class Proxy:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
             self._release(key, deployment)
+            self.usage.add(api_key.name, deployment, meter)
+            self.budgets.charge(api_key, meter.prompt + meter.completion)
             span.end()

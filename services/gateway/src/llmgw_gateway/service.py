@@ -1,8 +1,8 @@
 """The gateway service: keep the routing table from the buckets, and serve the proxy.
 
 Stateless: everything it routes by is in the replicas and deployments buckets,
-read through KV watches (every key's value first, then each change; a watch
-survives NATS restarts). Any number of gateways can run side by side.
+and every client key in the keys bucket, read through KV watches (every key's
+value first, then each change; a watch survives NATS restarts). Any number of gateways can run side by side.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ from opentelemetry import trace
 from llmgw_core.bus import Bus
 from llmgw_core.errors import BusError
 from llmgw_core.events import Deployment, ReplicaRecord, encode
+from llmgw_core.keys import ApiKey, KeyWindow
 from llmgw_core.limits import key_problem
 
+from .budgets import Budgets
 from .config import GatewayConfig, load_api_keys
 from .connections import ACCEPT_BACKLOG, Connections, connection_limit, open_file_limit, protocol
+from .keyring import Keyring, file_keys
 from .proxy import Proxy
 from .routing import Table
 from .web import serve_app
@@ -37,8 +40,10 @@ class Gateway:
         self.config = config
         self.bus = bus
         self.table = Table()
-        keys = load_api_keys(config.http.api_keys_file) if config.http.require_api_key else frozenset()
         http = config.http
+        secrets = load_api_keys(http.api_keys_file) if http.api_keys_file else frozenset()
+        self.keyring = Keyring(required=http.require_api_key, file=file_keys(secrets))
+        self.budgets = Budgets(bus)
         open_files = open_file_limit()
         limit = connection_limit(http.max_connections, http.reserved_fds, open_files)
         timeout = httpx.Timeout(
@@ -54,11 +59,14 @@ class Gateway:
         self.proxy = Proxy(
             self.table,
             self.client,
-            api_keys=keys,
+            keyring=self.keyring,
+            budgets=self.budgets,
             max_body_bytes=config.max_body_bytes,
             max_json_depth=config.max_json_depth,
             tracer=tracer,
         )
+        self.usage = self.proxy.usage
+        self.usage.bus = bus
         self.connections = Connections(
             limit,
             header_timeout_s=http.header_timeout_s,
@@ -91,6 +99,32 @@ class Gateway:
         for key, dchange in deployments.items():
             if await self._acceptable(names.deployments_bucket, key, dchange.value):
                 self.table.set_deployment(key, dchange.value)
+        await self._load_keys()
+
+    async def _load_keys(self) -> None:
+        names = self.bus.names
+        try:
+            keys = await self.bus.entries(names.keys_bucket, ApiKey)
+            windows = await self.bus.entries(names.limits_bucket, KeyWindow)
+        except BusError as exc:
+            log.error(
+                "cannot read the keys or limits bucket (%s): only api_keys_file's keys are known; the "
+                "gateway identity may read them since this release (llmgw auth init rewrites auth.conf)",
+                exc,
+            )
+            return
+        for name, kchange in keys.items():
+            self.keyring.set(name, kchange.value)
+        for name, wchange in windows.items():
+            self.budgets.observe(name, wchange.value)
+
+    async def _follow_keys(self) -> None:
+        async for change in self.bus.watch(self.bus.names.keys_bucket, ApiKey):
+            self.keyring.set(change.key, change.value)
+
+    async def _follow_limits(self) -> None:
+        async for change in self.bus.watch(self.bus.names.limits_bucket, KeyWindow):
+            self.budgets.observe(change.key, change.value)
 
     async def _follow_replicas(self) -> None:
         bucket = self.bus.names.replicas_bucket
@@ -158,9 +192,13 @@ class Gateway:
                     )
                 )
                 task_status.started(port)
+                await tg.start(self.budgets.run)
+                tg.start_soon(self.usage.run)
                 await self._start_watches()
                 tg.start_soon(self._forever, "the replicas bucket", self._follow_replicas)
                 tg.start_soon(self._forever, "the deployments bucket", self._follow_deployments)
+                tg.start_soon(self._forever, "the keys bucket", self._follow_keys)
+                tg.start_soon(self._forever, "the limits bucket", self._follow_limits)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.client.aclose()

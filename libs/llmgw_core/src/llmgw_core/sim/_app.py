@@ -304,9 +304,12 @@ class SimEngine:
         usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": len(words)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         if body.get("stream"):
+            options = body.get("stream_options")
+            # As vLLM and OpenAI do: a last chunk with the usage and no choices, when asked.
+            last = usage if isinstance(options, dict) and options.get("include_usage") is True else None
             # As the engines send it: no charset parameter, no caching on the way.
             return StreamingResponse(
-                self._stream(rid, created, words, chat),
+                self._stream(rid, created, words, chat, last),
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
             )
         text = " ".join(words)
@@ -326,11 +329,13 @@ class SimEngine:
             }
         )
 
-    async def _stream(self, rid: str, created: int, words: list[str], chat: bool) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, rid: str, created: int, words: list[str], chat: bool, usage: dict[str, int] | None = None
+    ) -> AsyncIterator[bytes]:
         self.running += 1
         held = 0  # each chunk sent stands for a token held in the cache until the request ends
         try:
-            async for chunk in self._chunks(rid, created, words, chat):
+            async for chunk in self._chunks(rid, created, words, chat, usage):
                 if held == self.opts.die_after_chunks:
                     _die(f"after {held} chunks of an answer")
                 held += 1
@@ -340,7 +345,9 @@ class SimEngine:
             self.running -= 1
             self.kv_used -= held
 
-    async def _chunks(self, rid: str, created: int, words: list[str], chat: bool) -> AsyncIterator[bytes]:
+    async def _chunks(
+        self, rid: str, created: int, words: list[str], chat: bool, usage: dict[str, int] | None = None
+    ) -> AsyncIterator[bytes]:
         kind = "chat.completion.chunk" if chat else "text_completion"
         delay = 1.0 / self.opts.tokens_per_second if self.opts.tokens_per_second > 0 else 0.0
         for i, word in enumerate(words):
@@ -372,6 +379,9 @@ class SimEngine:
             "choices": [end],
         }
         yield b"data: " + json.dumps(final).encode() + b"\n\n"
+        if usage is not None:
+            last = {**final, "choices": [], "usage": usage}
+            yield b"data: " + json.dumps(last).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 
 
