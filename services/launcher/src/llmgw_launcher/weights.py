@@ -125,6 +125,23 @@ def size_words(n: int) -> str:
     return f"{n} bytes"
 
 
+@dataclass
+class _Reservation:
+    """The bytes a download under way still needs: what it needed at its start, less what came
+    (`base`: the bytes of the model that were here before it started)."""
+
+    need: int
+    progress: Progress
+    base: int
+
+    def outstanding(self) -> int:
+        return max(0, self.need - max(0, self.progress.done - self.base))
+
+
+def _promised(promised: int) -> str:
+    return f" ({size_words(promised)} more kept for downloads under way)" if promised else ""
+
+
 def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
@@ -148,6 +165,9 @@ class Weights:
     _threads: CapacityLimiter = field(default_factory=lambda: CapacityLimiter(DOWNLOAD_THREADS))
     _swept: bool = False
     _sweep_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Downloads under way on this node: the bytes each still needs (see `_check_disk`).
+    _reserved: dict[str, _Reservation] = field(default_factory=dict)
+    _reserve_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def blobs(self) -> Path:
@@ -216,8 +236,13 @@ class Weights:
             return fallback
         progress.label = plan.label
         if not plan.view.exists():
-            self._check_disk(plan)
-            self._download(plan, progress, stop)
+            key = f"{plan.view}"
+            self._check_disk(plan, key, progress)
+            try:
+                self._download(plan, progress, stop)
+            finally:
+                with self._reserve_lock:
+                    self._reserved.pop(key, None)
             progress.phase, progress.file = "committing", ""
             self._commit(plan)
         if plan.ref is not None:
@@ -256,8 +281,13 @@ class Weights:
         view = hf_view(self.root, source, commit)
         return view if commit and view.exists() else None
 
-    def _check_disk(self, plan: Plan) -> None:
-        """Refuse before the first byte when the rest of the download cannot fit."""
+    def _check_disk(self, plan: Plan, key: str, progress: Progress) -> None:
+        """Refuse before the first byte when the rest of the download cannot fit; else reserve it.
+
+        Two downloads that start together each see the same free space: without the
+        reservation both would pass the check and the second would fill the disk midway.
+        The bytes other downloads under way still need count as taken.
+        """
         need = 0
         for want in plan.files:
             if (self.blobs / want.blob).exists():
@@ -266,20 +296,25 @@ class Weights:
         if need <= 0:
             return
         self.root.mkdir(parents=True, exist_ok=True)
-        free = self.free(self.root)
-        if need > free:
-            raise WeightsError(
-                f"weights {plan.label}: needs {size_words(need)}, {size_words(free)} free on {self.root}; "
-                "free space there (or stage the model elsewhere and use file://)"
-            )
-        if self.budget_bytes > 0:
-            left = self.budget_bytes - _tree_size(self.root)
-            if need > left:
+        with self._reserve_lock:
+            promised = sum(r.outstanding() for k, r in self._reserved.items() if k != key)
+            free = self.free(self.root) - promised
+            if need > free:
                 raise WeightsError(
-                    f"weights {plan.label}: needs {size_words(need)}, {size_words(max(0, left))} left "
-                    f"of the node's {size_words(self.budget_bytes)} for weights on {self.root}; "
-                    "raise models_budget_bytes or remove staged models"
+                    f"weights {plan.label}: needs {size_words(need)}, {size_words(max(0, free))} free on "
+                    f"{self.root}{_promised(promised)}; "
+                    "free space there (or stage the model elsewhere and use file://)"
                 )
+            if self.budget_bytes > 0:
+                left = self.budget_bytes - _tree_size(self.root) - promised
+                if need > left:
+                    raise WeightsError(
+                        f"weights {plan.label}: needs {size_words(need)}, {size_words(max(0, left))} left "
+                        f"of the node's {size_words(self.budget_bytes)} for weights on {self.root}"
+                        f"{_promised(promised)}; raise models_budget_bytes or remove staged models"
+                    )
+            # The progress counts every byte of the model, those already here too.
+            self._reserved[key] = _Reservation(need, progress, sum(w.size for w in plan.files) - need)
 
     def _download(self, plan: Plan, progress: Progress, stop: threading.Event) -> None:
         self.blobs.mkdir(parents=True, exist_ok=True)
