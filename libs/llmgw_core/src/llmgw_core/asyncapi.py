@@ -58,6 +58,15 @@ CHANNELS: list[tuple[str, str, type[msgspec.Struct], str, list[str], str]] = [
         "receive",
     ),
     (
+        "nodeWeights",
+        _N.node_weights("{node}"),
+        ev.WeightsEvicted,
+        "A staged model the node removed to make room: no shard of the node used it, and it "
+        "was the least recently used (docs/weights.md).",
+        ["node"],
+        "receive",
+    ),
+    (
         "shardEvent",
         _N.shard_event("{node}", "{shard}"),
         ev.ShardStatus,

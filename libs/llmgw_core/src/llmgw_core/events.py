@@ -45,6 +45,7 @@ __all__ = [
     "ShardSpec",
     "ShardState",
     "ShardStatus",
+    "WeightsEvicted",
     "decoder",
     "encode",
     "now",
@@ -149,6 +150,20 @@ class NodeStatus(Message, frozen=True):
     install: str = ""
     warnings: tuple[str, ...] = ()
     updated_at: float = 0.0
+
+
+class WeightsEvicted(Message, frozen=True):
+    """A staged model the node removed to make room (`<prefix>.events.node.<node>.weights`):
+    no shard of the node used it, and it was the least recently used."""
+
+    node: Name
+    # As a profile's `weights_key` names it: `hf://org/repo/file@<commit>`, `sha256:<hex>`.
+    key: str
+    path: str
+    freed_bytes: int = 0
+    last_used_at: float = 0.0
+    reason: str = ""
+    at: float = 0.0
 
 
 class Heartbeat(Message, frozen=True):

@@ -85,6 +85,10 @@ class Names:
     def node_install(self, node: str) -> str:
         return f"{self.prefix}.events.node.{node}.install"
 
+    def node_weights(self, node: str) -> str:
+        """`WeightsEvicted`: a staged model the node removed to make room."""
+        return f"{self.prefix}.events.node.{node}.weights"
+
     def shard_event(self, node: str, shard: str) -> str:
         return f"{self.prefix}.events.shard.{node}.{shard}"
 

@@ -31,9 +31,26 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from llmgw_core.bus import Bus
 from llmgw_core.claims import hold
 from llmgw_core.config import AgentConfig
-from llmgw_core.engines import GPUInfo, Registry, ShardSpec, default_registry
+from llmgw_core.engines import (
+    GPUInfo,
+    ModelSource,
+    Registry,
+    ShardSpec,
+    SourceError,
+    default_registry,
+    parse_source,
+)
 from llmgw_core.errors import BusError
-from llmgw_core.events import ShardLogs, ShardLogsRequest, ShardState, ShardStatus, decoder, encode, now
+from llmgw_core.events import (
+    ShardLogs,
+    ShardLogsRequest,
+    ShardState,
+    ShardStatus,
+    WeightsEvicted,
+    decoder,
+    encode,
+    now,
+)
 from llmgw_core.installed import installed
 from llmgw_core.limits import key_problem
 from llmgw_core.metrics import Collect, add_bus, counter, new_registry, serve_metrics
@@ -48,7 +65,7 @@ from .outbox import StatusOutbox
 from .reconcile import diff
 from .records import Records, RecordWriter
 from .runner import Context, ShardRunner
-from .weights import Weights
+from .weights import Eviction, Weights
 from .workers import Workers
 
 log = logging.getLogger("llmgw.launcher")
@@ -181,8 +198,42 @@ class Launcher:
                 state_dir / "models",
                 timeout_s=config.weights_timeout_s,
                 budget_bytes=config.models_budget_bytes,
+                in_use=self._sources_in_use,
+                on_evict=self._evicted,
             ),
         )
+
+    def _sources_in_use(self) -> list[ModelSource]:
+        """The weights every shard of this node wants, running or yet to start: never evicted."""
+        specs = [h.spec for h in self.handles.values()] + list(self.desired.values())
+        sources: list[ModelSource] = []
+        for spec in specs:
+            with contextlib.suppress(SourceError):
+                source = parse_source(spec.profile.model, spec.profile.model_sha256)
+                if source is not None:
+                    sources.append(source)
+        return sources
+
+    def _evicted(self, eviction: Eviction) -> None:
+        """A model evicted to make room, as a node event (the log said it already)."""
+        event = WeightsEvicted(
+            node=self.node,
+            key=eviction.key,
+            path=str(eviction.path),
+            freed_bytes=eviction.freed,
+            last_used_at=eviction.used_at,
+            reason=eviction.words,
+            at=now(),
+        )
+
+        async def send() -> None:
+            try:
+                await self.bus.publish(self.bus.names.node_weights(self.node), event)
+            except BusError as exc:
+                log.warning("cannot publish the eviction of %s: %s", eviction.key, exc)
+
+        if self._tg is not None:
+            self._tg.start_soon(send)
 
     async def _refresh_engine(self, name: str) -> None:
         """An engine the operator did not configure runs from the installer's build, once there is one.
