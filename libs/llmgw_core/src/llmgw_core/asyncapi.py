@@ -118,6 +118,15 @@ CHANNELS: list[tuple[str, str, type[msgspec.Struct], str, list[str], str]] = [
         "send",
     ),
     (
+        "weightsQuery",
+        _N.weights_query,
+        ev.WeightsQuery,
+        "Request/reply (plain NATS, nodes only): a node staging a blob asks the others; each that "
+        "holds it, fetches it or wants it answers with a WeightsOffer (where, and a token).",
+        [],
+        "send",
+    ),
+    (
         "configBucket",
         "$KV.{prefix}-config.engines",
         ev.DesiredEngines,

@@ -129,6 +129,12 @@ class Names:
         a shard's own log lines (`llmgw ctl logs`)."""
         return f"{self.prefix}.launcher.{node}.logs"
 
+    @property
+    def weights_query(self) -> str:
+        """Request/reply among nodes: a `WeightsQuery` for a blob, answered with `WeightsOffer`s
+        by the nodes that hold it, fetch it or want it (docs/weights.md)."""
+        return f"{self.prefix}.weights.who"
+
     def dlq(self, service: str) -> str:
         return f"{self.prefix}.dlq.{service}"
 

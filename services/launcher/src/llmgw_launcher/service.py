@@ -62,6 +62,7 @@ from .audit import Suspects, audit
 from .health import HealthProber
 from .load import Scraper
 from .outbox import StatusOutbox
+from .peers import Peers
 from .reconcile import diff
 from .records import Records, RecordWriter
 from .runner import Context, ShardRunner
@@ -203,6 +204,20 @@ class Launcher:
             ),
         )
 
+        self.peers: Peers | None = None
+        if config.weights_peers and self.ctx.weights is not None:
+            self.peers = Peers(
+                bus,
+                self.node,
+                state_dir / "models" / "blobs",
+                config.mgmt_addr,
+                port=config.weights_port,
+                window_s=config.weights_peer_window_s,
+                timeout_s=config.weights_timeout_s,
+                rate_bytes_s=config.weights_serve_bytes_s,
+            )
+            self.ctx.weights.peers = self.peers
+
     def _sources_in_use(self) -> list[ModelSource]:
         """The weights every shard of this node wants, running or yet to start: never evicted."""
         specs = [h.spec for h in self.handles.values()] + list(self.desired.values())
@@ -307,6 +322,8 @@ class Launcher:
         async with anyio.create_task_group() as tg:
             self._tg = tg
             await tg.start(self.outbox.run)
+            if self.peers is not None:
+                await tg.start(self.peers.run)
             # Heartbeats first; and while another launcher works for this node id (a second
             # machine given the same id), this one stands by here and runs nothing.
             await tg.start(hold, self.bus, self.node, "launcher", self.config.heartbeat_interval_s)

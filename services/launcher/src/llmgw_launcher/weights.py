@@ -32,7 +32,7 @@ import shutil
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -43,6 +43,8 @@ from anyio import CapacityLimiter
 
 from llmgw_core.engines import ModelSource
 from llmgw_core.staged import hf_dir, hf_view, url_view
+
+from .peers import Peers
 
 log = logging.getLogger("llmgw.launcher.weights")
 
@@ -101,11 +103,17 @@ class Progress:
     file: str = ""
     done: int = 0
     total: int = 0
+    # The peer the bytes come from ("": the origin).
+    via: str = ""
 
     def words(self) -> str:
         if self.phase == "downloading" and self.total:
             pct = int(self.done * 100 / self.total)
-            return f"weights {self.label}: downloading {self.file} ({pct}%, {amount(self.done, self.total)})"
+            source = f" from {self.via}" if self.via else ""
+            return (
+                f"weights {self.label}: downloading {self.file}{source} "
+                f"({pct}%, {amount(self.done, self.total)})"
+            )
         target = f" {self.file}" if self.file and self.phase != "resolving" else ""
         return f"weights {self.label}: {self.phase}{target}"
 
@@ -165,6 +173,8 @@ class Weights:
     # Told of each model evicted to make room (on the event loop).
     on_evict: Callable[[Eviction], None] = lambda _e: None
     _evicted: list[Eviction] = field(default_factory=list)
+    # The other nodes of the cluster, asked for each file before the origin (None: origin only).
+    peers: Peers | None = None
     _locks: dict[str, anyio.Lock] = field(default_factory=dict)
     _progress: dict[str, Progress] = field(default_factory=dict)
     _blob_locks: dict[str, threading.Lock] = field(default_factory=dict)
@@ -401,7 +411,39 @@ class Weights:
                     progress.done += want.size
                     continue
                 progress.phase = "downloading"
-                fetch(want, self.blobs, plan.label, progress, stop, self.timeout_s)
+                self._fetch(want, plan.label, progress, stop)
+
+    def _fetch(self, want: Want, label: str, progress: Progress, stop: threading.Event) -> None:
+        """One file: from a peer that holds or fetches it, else from the origin; whoever sent
+        the bytes, they are verified against the digest this node resolved itself."""
+        peers = self.peers
+        if peers is None:
+            fetch(want, self.blobs, label, progress, stop, self.timeout_s)
+            return
+        base = progress.done
+        tried: set[str] = set()
+        peers.begin(want.blob, want.size)
+        try:
+            while True:
+                offer = peers.choose(want.blob, want.size, tried)
+                progress.via = "" if offer is None else offer.node
+                if offer is None:
+                    fetch(want, self.blobs, label, progress, stop, self.timeout_s)
+                    return
+                via = replace(want, url=offer.url, headers=(("Authorization", f"Bearer {offer.token}"),))
+                try:
+                    fetch(via, self.blobs, label, progress, stop, self.timeout_s, peer=offer.node)
+                    return
+                except WeightsError as exc:
+                    if stop.is_set():
+                        raise
+                    log.warning("%s; asking the other nodes again, then the origin", exc.reason)
+                    tried.add(offer.node)
+                    progress.done = base
+                    peers.again(want.blob)
+        finally:
+            progress.via = ""
+            peers.end(want.blob)
 
     def _commit(self, plan: Plan) -> None:
         """The view appears whole, by one rename, or not at all."""
@@ -608,7 +650,13 @@ def _hasher(want: Want) -> Any:
 
 
 def fetch(
-    want: Want, blobs: Path, label: str, progress: Progress, stop: threading.Event, timeout_s: float
+    want: Want,
+    blobs: Path,
+    label: str,
+    progress: Progress,
+    stop: threading.Event,
+    timeout_s: float,
+    peer: str = "",
 ) -> Path:
     """`want` into `blobs/<blob>`, resuming its `.partial`, hashed as it arrives; renamed only when whole."""
     final = blobs / want.blob
@@ -630,6 +678,8 @@ def fetch(
     if have:
         headers["Range"] = f"bytes={have}-"
     host = urlsplit(want.url).netloc
+    if peer:
+        host = f"peer {peer} ({host})"
     try:
         with (
             httpx.Client(timeout=timeout_s, follow_redirects=True) as client,
@@ -642,7 +692,7 @@ def fetch(
                     hasher, have = _hasher(want), 0
                     partial.unlink(missing_ok=True)
             else:
-                raise _http_status(where, r.status_code)
+                raise _http_status(f"{where} from {host}" if peer else where, r.status_code)
             with partial.open("ab") as out:
                 # As the bytes arrive, not in fixed chunks: a chunk still buffered when the
                 # connection drops would be lost, and the resume would start before it.
