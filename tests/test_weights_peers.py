@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from llmgw_core.bus import Bus, BusOptions
-from llmgw_core.events import WeightsOffer, WeightsQuery, encode
+from llmgw_core.events import ShardStatus, WeightsOffer, WeightsQuery, decoder, encode
 from llmgw_launcher import Launcher
 from llmgw_launcher.peers import decide
 from tests.auth_support import session_for
@@ -100,15 +100,21 @@ async def test_a_node_stages_from_a_peer_that_holds_the_model_and_says_so(
     async with (
         shard_events(bus) as events,
         running_launcher(config(nats_url, prefix, tmp_path, "node-a")) as a,  # type: ignore[arg-type]
-        running_launcher(
-            config(nats_url, prefix, tmp_path, "node-b", weights_serve_bytes_s=0)  # type: ignore[arg-type]
-        ),
+        running_launcher(config(nats_url, prefix, tmp_path, "node-b")),  # type: ignore[arg-type]
     ):
         await place(bus, "node-a", "w1")
         await eventually(lambda: events.states("w1")[-1:] == ["ready"], timeout=60)
         assert a.peers is not None
-        a.peers.rate_bytes_s = 400_000  # slow enough that node-b's progress is seen
+        a.peers.rate_bytes_s = 300_000  # slow enough that node-b's progress is seen
         await place(bus, "node-b", "w2")
+
+        async def progress() -> str:
+            got = await bus.get(bus.names.shard_status_bucket, "node-b.w2", ShardStatus)
+            return got[0].reason if got and "downloading" in got[0].reason else ""
+
+        label = f"big@{hub.state.repos['org/big'].commit[:6]}"
+        words = await eventually(progress, timeout=60)
+        assert words.startswith(f"weights {label}: downloading m.gguf from node-a ("), words
         await eventually(lambda: events.states("w2")[-1:] == ["ready"], timeout=60)
         assert a.peers.served_bytes == len(MODEL)
     assert staged(tmp_path, "node-b", hub).read_bytes() == MODEL
@@ -208,8 +214,6 @@ async def test_a_reader_that_is_not_a_cluster_node_is_refused(
             service="launcher-node-b",
         )
         try:
-            from llmgw_core.events import decoder
-
             query = WeightsQuery(node="node-b", blob=BLOB, size=len(MODEL))
             reply = await node_b.nc.request(bus.names.weights_query, encode(query), timeout=10)
             got = decoder(WeightsOffer).decode(reply.data)
@@ -222,3 +226,55 @@ async def test_a_reader_that_is_not_a_cluster_node_is_refused(
             )
         assert r.status_code == 206
         assert r.content == MODEL[1000:]
+
+
+async def test_when_the_only_peer_stops_mid_transfer_the_rest_comes_from_the_origin(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path, hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    stops = {n: anyio.Event() for n in ("node-a", "node-b")}
+    async with shard_events(bus) as events, anyio.create_task_group() as tg:
+        a = await tg.start(launcher_until, config(nats_url, prefix, tmp_path, "node-a"), stops["node-a"])
+        await place(bus, "node-a", "w1")
+        await eventually(lambda: events.states("w1")[-1:] == ["ready"], timeout=60)
+        assert a.peers is not None
+        a.peers.rate_bytes_s = 200_000
+        await tg.start(launcher_until, config(nats_url, prefix, tmp_path, "node-b"), stops["node-b"])
+        await place(bus, "node-b", "w2")
+        await eventually(lambda: a.peers is not None and a.peers.served_bytes > 100_000, timeout=60)
+        stops["node-a"].set()
+        await eventually(lambda: events.states("w2")[-1:] == ["ready"], timeout=60)
+        cut = a.peers.served_bytes
+        stops["node-b"].set()
+    # node-b asked the origin only for what node-a had not sent.
+    resumed = [r for f, r in hub.state.gets if f == "m.gguf" and r]
+    assert len(resumed) == 1
+    start = int(resumed[0].removeprefix("bytes=").removesuffix("-"))
+    assert 0 < start <= cut < len(MODEL)
+    assert hub.state.served["m.gguf"] == len(MODEL) + len(MODEL) - start
+    assert staged(tmp_path, "node-b", hub).read_bytes() == MODEL
+
+
+async def test_bytes_a_peer_sends_wrong_are_discarded_and_fetched_again(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path, hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    async with (
+        shard_events(bus) as events,
+        running_launcher(config(nats_url, prefix, tmp_path, "node-a")) as a,  # type: ignore[arg-type]
+        running_launcher(config(nats_url, prefix, tmp_path, "node-b")),  # type: ignore[arg-type]
+    ):
+        await place(bus, "node-a", "w1")
+        await eventually(lambda: events.states("w1")[-1:] == ["ready"], timeout=60)
+        # node-a's copy rots on its disk after it was verified.
+        blob = tmp_path / "node-a" / "models" / "blobs" / BLOB
+        rotten = bytearray(blob.read_bytes())
+        rotten[12345] ^= 0xFF
+        blob.write_bytes(bytes(rotten))
+        await place(bus, "node-b", "w2")
+        await eventually(lambda: events.states("w2")[-1:] == ["ready"], timeout=60)
+        assert a.peers is not None
+        assert a.peers.served_bytes == len(MODEL)
+    # node-b hashed what node-a sent, discarded it, and fetched the file from the origin.
+    assert staged(tmp_path, "node-b", hub).read_bytes() == MODEL
+    assert hub.state.served["m.gguf"] == 2 * len(MODEL)

@@ -653,6 +653,11 @@ class Launcher:
         )
         yield counter("llmgw_launcher_statuses", "Shard statuses sent to the bus.", self.outbox.sent)
         yield counter(
+            "llmgw_launcher_weights_served_bytes",
+            "Bytes of staged weights this node sent to the cluster's other nodes.",
+            self.peers.served_bytes if self.peers is not None else 0,
+        )
+        yield counter(
             "llmgw_launcher_statuses_corrected",
             "Shard statuses in the bucket written again or removed because they were not what this "
             "launcher runs (another machine with this node id wrote them, say).",
