@@ -4,6 +4,7 @@ sends. The origin is fetched once; a peer that stops mid-transfer is replaced; o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from pathlib import Path
 
@@ -90,6 +91,26 @@ async def test_two_nodes_staging_one_model_at_once_fetch_the_origin_once(
         await eventually(lambda: events.states("w2")[-1:] == ["ready"], timeout=60)
     assert staged(tmp_path, "node-a", hub).read_bytes() == MODEL
     assert staged(tmp_path, "node-b", hub).read_bytes() == MODEL
+    assert hub.state.served["m.gguf"] == len(MODEL)
+
+
+async def test_four_nodes_staging_one_model_at_once_fetch_the_origin_once(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path, hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    nodes = [f"node-{c}" for c in "abcd"]
+    async with shard_events(bus) as events, contextlib.AsyncExitStack() as stack:
+        for node in nodes:
+            # A generous window for the answers: this machine is shared and loaded.
+            cfg = config(nats_url, prefix, tmp_path, node, weights_peer_window_s=1.0)
+            await stack.enter_async_context(running_launcher(cfg))  # type: ignore[arg-type]
+        async with anyio.create_task_group() as tg:
+            for i, node in enumerate(nodes):
+                tg.start_soon(place, bus, node, f"w{i}")
+        for i in range(len(nodes)):
+            await eventually(lambda i=i: events.states(f"w{i}")[-1:] == ["ready"], timeout=90)
+    for node in nodes:
+        assert staged(tmp_path, node, hub).read_bytes() == MODEL
     assert hub.state.served["m.gguf"] == len(MODEL)
 
 
