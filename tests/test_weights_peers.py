@@ -299,3 +299,56 @@ async def test_bytes_a_peer_sends_wrong_are_discarded_and_fetched_again(
     # node-b hashed what node-a sent, discarded it, and fetched the file from the origin.
     assert staged(tmp_path, "node-b", hub).read_bytes() == MODEL
     assert hub.state.served["m.gguf"] == 2 * len(MODEL)
+
+
+async def test_a_peer_killed_mid_transfer_is_gone_on_with_from_the_origin(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path, hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The holder is a launcher process of its own, SIGKILLed while it sends."""
+    import msgspec
+
+    from llmgw_core.engines import parse_source
+    from llmgw_launcher.weights import Weights
+    from tests.launcher_support import start_launcher_process
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    source = parse_source("hf://org/big/m.gguf")
+    assert source is not None
+    await Weights(tmp_path / "node-a" / "models", environ={"HF_ENDPOINT": hub.url}).stage(
+        source, lambda _w: None
+    )
+    holder_cfg = config(nats_url, prefix, tmp_path, "node-a", weights_serve_bytes_s=200_000)
+    config_path = tmp_path / "node-a.yaml"
+    config_path.write_bytes(msgspec.yaml.encode(holder_cfg))
+    holder = start_launcher_process(config_path, tmp_path / "node-a.log")
+    try:
+
+        async def holds() -> bool:
+            query = WeightsQuery(node="harness", blob=BLOB, size=len(MODEL))
+            try:
+                reply = await bus.nc.request(bus.names.weights_query, encode(query), timeout=1)
+            except Exception:
+                return False
+            return decoder(WeightsOffer).decode(reply.data).state == "held"
+
+        await eventually(holds, timeout=60)
+        partial = tmp_path / "node-b" / "models" / "blobs" / f"{BLOB}.partial"
+        async with (
+            shard_events(bus) as events,
+            running_launcher(config(nats_url, prefix, tmp_path, "node-b")),  # type: ignore[arg-type]
+        ):
+            await place(bus, "node-b", "w")
+            await eventually(lambda: partial.exists() and partial.stat().st_size > 100_000, timeout=60)
+            holder.kill()
+            holder.wait(timeout=30)
+            await eventually(lambda: events.states("w")[-1:] == ["ready"], timeout=90)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(timeout=30)
+    resumed = [r for f, r in hub.state.gets if f == "m.gguf" and r]
+    assert len(resumed) == 1
+    start = int(resumed[0].removeprefix("bytes=").removesuffix("-"))
+    assert 100_000 < start < len(MODEL)
+    assert hub.state.served["m.gguf"] == len(MODEL) + len(MODEL) - start
+    assert staged(tmp_path, "node-b", hub).read_bytes() == MODEL
