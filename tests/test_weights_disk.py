@@ -105,3 +105,50 @@ async def test_downloads_under_way_keep_their_space_from_the_next(tmp_path: Path
             "free space there (or stage the model elsewhere and use file://)"
         )
         assert caught.value.retryable
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+async def test_a_full_disk_evicts_the_least_recently_used_model_no_shard_uses(tmp_path: Path) -> None:
+    """No budget set: the disk itself is the limit, and a model no shard uses makes room."""
+    from llmgw_core.engines import parse_source
+    from llmgw_launcher.weights import Eviction, Weights
+
+    # 10.2 kB: three 4 kB pages on tmpfs, and its ref file one more: a and b take 8 of the
+    # disk's 10 pages, and c fits only once a is gone.
+    small = bytes(range(256)) * 40
+    with hf_hub() as hub, small_disk(tmp_path / "models", "40k") as models:
+        for name in ("a", "b", "c"):
+            hub.add(f"org/{name}", {"m.gguf": bytes(b ^ ord(name) for b in small)})
+        evicted: list[Eviction] = []
+        weights = Weights(models, environ={"HF_ENDPOINT": hub.url}, on_evict=evicted.append)
+        for name in ("a", "b", "c"):
+            source = parse_source(f"hf://org/{name}/m.gguf")
+            assert source is not None
+            path = await weights.stage(source, lambda _w: None)
+            assert path.read_bytes() == bytes(b ^ ord(name) for b in small)
+        assert [e.key for e in evicted] == [f"hf://org/a/m.gguf@{hub.state.repos['org/a'].commit}"]
+        assert evicted[0].freed == len(small)
+        assert sorted(p.parts[-4] for p in (models / "hf").rglob("m.gguf")) == ["b", "c"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+async def test_a_disk_that_fills_under_a_staging_fails_the_attempt_in_the_nodes_words(tmp_path: Path) -> None:
+    """The check counts the model's bytes, not the few of its metadata: a disk full to the last
+    page fails the write of a ref file, and that is the attempt's failure, not a launcher error."""
+    from llmgw_core.engines import parse_source
+    from llmgw_launcher.weights import Weights, WeightsError
+
+    small = bytes(range(256)) * 40
+    with hf_hub() as hub, small_disk(tmp_path / "models", "16k") as models:
+        hub.add("org/a", {"m.gguf": small})
+        source = parse_source("hf://org/a/m.gguf")
+        assert source is not None
+        (models / "filler").write_bytes(b"\0" * 4000)
+        with pytest.raises(WeightsError) as caught:
+            await Weights(models, environ={"HF_ENDPOINT": hub.url}).stage(source, lambda _w: None)
+        label = f"a@{hub.state.repos['org/a'].commit[:6]}"
+        assert caught.value.reason == (
+            f"weights {label}: cannot write in {models}: No space left on device; "
+            "nothing half-written is used, and the next attempt tries again"
+        )
+        assert caught.value.retryable

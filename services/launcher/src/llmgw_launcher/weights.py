@@ -250,6 +250,20 @@ class Weights:
     def _stage_sync(
         self, source: ModelSource, progress: Progress, stop: threading.Event, keep: list[ModelSource]
     ) -> Path:
+        try:
+            return self._stage_files(source, progress, stop, keep)
+        except OSError as exc:
+            # A disk that filled under the store (another process wrote to it), a store made
+            # read-only: the attempt's failure in the node's words, never a launcher error.
+            where = f" {exc.filename}" if exc.filename else f" in {self.root}"
+            raise WeightsError(
+                f"weights {progress.label}: cannot write{where}: {exc.strerror or exc}; "
+                "nothing half-written is used, and the next attempt tries again"
+            ) from exc
+
+    def _stage_files(
+        self, source: ModelSource, progress: Progress, stop: threading.Event, keep: list[ModelSource]
+    ) -> Path:
         self._sweep()
         staged = self._already_staged(source)
         if staged is not None:
