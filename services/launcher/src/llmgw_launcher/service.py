@@ -322,11 +322,12 @@ class Launcher:
         async with anyio.create_task_group() as tg:
             self._tg = tg
             await tg.start(self.outbox.run)
-            if self.peers is not None:
-                await tg.start(self.peers.run)
             # Heartbeats first; and while another launcher works for this node id (a second
             # machine given the same id), this one stands by here and runs nothing.
             await tg.start(hold, self.bus, self.node, "launcher", self.config.heartbeat_interval_s)
+            if self.peers is not None:
+                # After the claim: a second machine given this id serves nothing in its name.
+                await tg.start(self.peers.run)
             snapshot = await self.bus.entries(self.bus.names.shards_bucket, ShardSpec, pattern)
             self.desired = {
                 k: c.value
