@@ -17,7 +17,8 @@ whose rights nats-server itself enforces, subject by subject:
                 own status, shard statuses, heartbeats and events; reads the desired
                 engines, only its own shard specs and shard statuses, and its own
                 heartbeats; answers requests for its own shards' logs (only `ctl`
-                may ask: logs can quote secrets)
+                may ask: logs can quote secrets); asks and answers the other nodes
+                for staged weights (`<prefix>.weights.who`, nodes only)
     fleet       `llmgw fleet`'s simulated nodes: every node's rights at once, for
                 scale tests only
 
@@ -163,9 +164,12 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
                 kv_stream(names.shard_status_bucket), f"$KV.{names.shard_status_bucket}.{node}.*"
             ),
         ]
+        # Its launcher asks the other nodes for the weights it stages, and answers them with a
+        # token for its blob server: only nodes may ask, so only nodes may read the blobs.
+        publish.append(names.weights_query)
         # Its launcher answers requests for its shards' logs (and only for its own); its
         # agents hear their node's heartbeats, so a second machine with its id stands by.
-        own = (inbox, names.launcher_logs(node), names.heartbeat(node, "*"))
+        own = (inbox, names.launcher_logs(node), names.heartbeat(node, "*"), names.weights_query)
         # Each rule once: a filtered read grants its stream's info too.
         return Permissions(tuple(dict.fromkeys(publish)), own, allow_responses=True)
     if role == "fleet":

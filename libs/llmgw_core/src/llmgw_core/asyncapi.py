@@ -59,6 +59,15 @@ CHANNELS: list[tuple[str, str, type[msgspec.Struct], str, list[str], str]] = [
         "receive",
     ),
     (
+        "nodeWeights",
+        _N.node_weights("{node}"),
+        ev.WeightsEvicted,
+        "A staged model the node removed to make room: no shard of the node used it, and it "
+        "was the least recently used (docs/weights.md).",
+        ["node"],
+        "receive",
+    ),
+    (
         "shardEvent",
         _N.shard_event("{node}", "{shard}"),
         ev.ShardStatus,
@@ -107,6 +116,15 @@ CHANNELS: list[tuple[str, str, type[msgspec.Struct], str, list[str], str]] = [
         "Request/reply (plain NATS): the node's launcher answers with a ShardLogs, the shard's "
         "own log lines, at most about 1 MB (`llmgw ctl logs`); an unknown shard gets `error`.",
         ["node"],
+        "send",
+    ),
+    (
+        "weightsQuery",
+        _N.weights_query,
+        ev.WeightsQuery,
+        "Request/reply (plain NATS, nodes only): a node staging a blob asks the others; each that "
+        "holds it, fetches it or wants it answers with a WeightsOffer (where, and a token).",
+        [],
         "send",
     ),
     (

@@ -109,6 +109,14 @@ class AgentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
     # without a byte (the next attempt resumes it).
     models_budget_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     weights_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    # The node serves the weights it holds to the cluster's other nodes on mgmt_addr at this
+    # port (0: any free port; the port travels in its answers on the bus), at most this many
+    # bytes a second in all transfers (0: as fast as they go), and asks them before the origin,
+    # waiting this long for their answers; false: neither serves nor asks.
+    weights_peers: bool = True
+    weights_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    weights_serve_bytes_s: Annotated[int, msgspec.Meta(ge=0)] = 0
+    weights_peer_window_s: Annotated[float, msgspec.Meta(gt=0)] = 0.3
 
     @property
     def state_path(self) -> Path:

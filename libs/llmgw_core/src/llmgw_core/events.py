@@ -45,6 +45,9 @@ __all__ = [
     "ShardSpec",
     "ShardState",
     "ShardStatus",
+    "WeightsEvicted",
+    "WeightsOffer",
+    "WeightsQuery",
     "decoder",
     "encode",
     "now",
@@ -149,6 +152,46 @@ class NodeStatus(Message, frozen=True):
     install: str = ""
     warnings: tuple[str, ...] = ()
     updated_at: float = 0.0
+
+
+class WeightsEvicted(Message, frozen=True):
+    """A staged model the node removed to make room (`<prefix>.events.node.<node>.weights`):
+    no shard of the node used it, and it was the least recently used."""
+
+    node: Name
+    # As a profile's `weights_key` names it: `hf://org/repo/file@<commit>`, `sha256:<hex>`.
+    key: str
+    path: str
+    freed_bytes: int = 0
+    last_used_at: float = 0.0
+    reason: str = ""
+    at: float = 0.0
+
+
+class WeightsQuery(Message, frozen=True):
+    """A node staging a blob asks the cluster's nodes for it (`<prefix>.weights.who`, plain
+    NATS request; only node identities may ask or answer). It carries the asker's own offer
+    (where it will serve the blob, and a token for it): the nodes that want the same blob at
+    the same time learn of each other from it, and one of them fetches the origin."""
+
+    node: Name
+    blob: str  # `sha256-<hex>` or `gitsha1-<hex>`, as the store names it
+    size: int = 0
+    url: str = ""
+    token: str = ""
+
+
+class WeightsOffer(Message, frozen=True):
+    """A node's answer: it holds the blob (verified), or fetches it now (from the origin or a
+    peer), or wants it too; where to read it, with a token that node accepts for a while."""
+
+    node: Name
+    blob: str
+    state: Literal["held", "origin", "peer", "wanting"]
+    url: str = ""
+    token: str = ""
+    have: int = 0
+    size: int = 0
 
 
 class Heartbeat(Message, frozen=True):

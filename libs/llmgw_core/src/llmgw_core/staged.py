@@ -67,7 +67,7 @@ def held(root: Path) -> dict[str, str]:
             for key in by_commit.get(commit, ()):
                 found[f"{key}@{ref.relative_to(refs).as_posix()}"] = commit[:16]
     for digest_dir in _dirs(root / "url"):
-        if any(p.is_file() for p in digest_dir.iterdir()):
+        if any(p.is_file() and not p.name.startswith(".") for p in digest_dir.iterdir()):
             found[f"sha256:{digest_dir.name}"] = digest_dir.name[:16]
     return dict(sorted(found.items()))
 

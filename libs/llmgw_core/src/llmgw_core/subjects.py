@@ -112,6 +112,10 @@ class Names:
     def node_install(self, node: str) -> str:
         return f"{self.prefix}.events.node.{node}.install"
 
+    def node_weights(self, node: str) -> str:
+        """`WeightsEvicted`: a staged model the node removed to make room."""
+        return f"{self.prefix}.events.node.{node}.weights"
+
     def shard_event(self, node: str, shard: str) -> str:
         return f"{self.prefix}.events.shard.{node}.{shard}"
 
@@ -151,6 +155,12 @@ class Names:
         """Request/reply: the node's launcher answers a `ShardLogsRequest` with `ShardLogs`,
         a shard's own log lines (`llmgw ctl logs`)."""
         return f"{self.prefix}.launcher.{node}.logs"
+
+    @property
+    def weights_query(self) -> str:
+        """Request/reply among nodes: a `WeightsQuery` for a blob, answered with `WeightsOffer`s
+        by the nodes that hold it, fetch it or want it (docs/weights.md)."""
+        return f"{self.prefix}.weights.who"
 
     def dlq(self, service: str) -> str:
         return f"{self.prefix}.dlq.{service}"

@@ -31,9 +31,26 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from llmgw_core.bus import Bus
 from llmgw_core.claims import hold
 from llmgw_core.config import AgentConfig
-from llmgw_core.engines import GPUInfo, Registry, ShardSpec, default_registry
+from llmgw_core.engines import (
+    GPUInfo,
+    ModelSource,
+    Registry,
+    ShardSpec,
+    SourceError,
+    default_registry,
+    parse_source,
+)
 from llmgw_core.errors import BusError
-from llmgw_core.events import ShardLogs, ShardLogsRequest, ShardState, ShardStatus, decoder, encode, now
+from llmgw_core.events import (
+    ShardLogs,
+    ShardLogsRequest,
+    ShardState,
+    ShardStatus,
+    WeightsEvicted,
+    decoder,
+    encode,
+    now,
+)
 from llmgw_core.installed import installed
 from llmgw_core.limits import key_problem
 from llmgw_core.metrics import Collect, add_bus, counter, new_registry, serve_metrics
@@ -45,10 +62,11 @@ from .audit import Suspects, audit
 from .health import HealthProber
 from .load import Scraper
 from .outbox import StatusOutbox
+from .peers import Peers
 from .reconcile import diff
 from .records import Records, RecordWriter
 from .runner import Context, ShardRunner
-from .weights import Weights
+from .weights import Eviction, Weights
 from .workers import Workers
 
 log = logging.getLogger("llmgw.launcher")
@@ -181,8 +199,56 @@ class Launcher:
                 state_dir / "models",
                 timeout_s=config.weights_timeout_s,
                 budget_bytes=config.models_budget_bytes,
+                in_use=self._sources_in_use,
+                on_evict=self._evicted,
             ),
         )
+
+        self.peers: Peers | None = None
+        if config.weights_peers and self.ctx.weights is not None:
+            self.peers = Peers(
+                bus,
+                self.node,
+                state_dir / "models" / "blobs",
+                config.mgmt_addr,
+                port=config.weights_port,
+                window_s=config.weights_peer_window_s,
+                timeout_s=config.weights_timeout_s,
+                rate_bytes_s=config.weights_serve_bytes_s,
+            )
+            self.ctx.weights.peers = self.peers
+
+    def _sources_in_use(self) -> list[ModelSource]:
+        """The weights every shard of this node wants, running or yet to start: never evicted."""
+        specs = [h.spec for h in self.handles.values()] + list(self.desired.values())
+        sources: list[ModelSource] = []
+        for spec in specs:
+            with contextlib.suppress(SourceError):
+                source = parse_source(spec.profile.model, spec.profile.model_sha256)
+                if source is not None:
+                    sources.append(source)
+        return sources
+
+    def _evicted(self, eviction: Eviction) -> None:
+        """A model evicted to make room, as a node event (the log said it already)."""
+        event = WeightsEvicted(
+            node=self.node,
+            key=eviction.key,
+            path=str(eviction.path),
+            freed_bytes=eviction.freed,
+            last_used_at=eviction.used_at,
+            reason=eviction.words,
+            at=now(),
+        )
+
+        async def send() -> None:
+            try:
+                await self.bus.publish(self.bus.names.node_weights(self.node), event)
+            except BusError as exc:
+                log.warning("cannot publish the eviction of %s: %s", eviction.key, exc)
+
+        if self._tg is not None:
+            self._tg.start_soon(send)
 
     async def _refresh_engine(self, name: str) -> None:
         """An engine the operator did not configure runs from the installer's build, once there is one.
@@ -259,6 +325,9 @@ class Launcher:
             # Heartbeats first; and while another launcher works for this node id (a second
             # machine given the same id), this one stands by here and runs nothing.
             await tg.start(hold, self.bus, self.node, "launcher", self.config.heartbeat_interval_s)
+            if self.peers is not None:
+                # After the claim: a second machine given this id serves nothing in its name.
+                await tg.start(self.peers.run)
             snapshot = await self.bus.entries(self.bus.names.shards_bucket, ShardSpec, pattern)
             self.desired = {
                 k: c.value
@@ -584,6 +653,11 @@ class Launcher:
             "llmgw_launcher_status_batches", "Batches of shard statuses sent to the bus.", self.outbox.batches
         )
         yield counter("llmgw_launcher_statuses", "Shard statuses sent to the bus.", self.outbox.sent)
+        yield counter(
+            "llmgw_launcher_weights_served_bytes",
+            "Bytes of staged weights this node sent to the cluster's other nodes.",
+            self.peers.served_bytes if self.peers is not None else 0,
+        )
         yield counter(
             "llmgw_launcher_statuses_corrected",
             "Shard statuses in the bucket written again or removed because they were not what this "

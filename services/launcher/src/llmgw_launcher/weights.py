@@ -32,7 +32,7 @@ import shutil
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -43,6 +43,8 @@ from anyio import CapacityLimiter
 
 from llmgw_core.engines import ModelSource
 from llmgw_core.staged import hf_dir, hf_view, url_view
+
+from .peers import Peers
 
 log = logging.getLogger("llmgw.launcher.weights")
 
@@ -101,11 +103,17 @@ class Progress:
     file: str = ""
     done: int = 0
     total: int = 0
+    # The peer the bytes come from ("": the origin).
+    via: str = ""
 
     def words(self) -> str:
         if self.phase == "downloading" and self.total:
             pct = int(self.done * 100 / self.total)
-            return f"weights {self.label}: downloading {self.file} ({pct}%, {amount(self.done, self.total)})"
+            source = f" from {self.via}" if self.via else ""
+            return (
+                f"weights {self.label}: downloading {self.file}{source} "
+                f"({pct}%, {amount(self.done, self.total)})"
+            )
         target = f" {self.file}" if self.file and self.phase != "resolving" else ""
         return f"weights {self.label}: {self.phase}{target}"
 
@@ -125,6 +133,24 @@ def size_words(n: int) -> str:
     return f"{n} bytes"
 
 
+@dataclass
+class _Reservation:
+    """The bytes a download under way still needs: what it needed at its start, less what came
+    (`base`: the bytes of the model that were here before it started)."""
+
+    need: int
+    progress: Progress
+    base: int
+    plan: Plan
+
+    def outstanding(self) -> int:
+        return max(0, self.need - max(0, self.progress.done - self.base))
+
+
+def _promised(promised: int) -> str:
+    return f" ({size_words(promised)} more kept for downloads under way)" if promised else ""
+
+
 def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
@@ -142,12 +168,22 @@ class Weights:
     # Free space on the store's disk; a seam for tests that need a full disk.
     free: Callable[[Path], int] = free_bytes
     progress_interval_s: float = PROGRESS_INTERVAL_S
+    # The sources the node's shards want (read on the event loop): their models are never evicted.
+    in_use: Callable[[], list[ModelSource]] = list
+    # Told of each model evicted to make room (on the event loop).
+    on_evict: Callable[[Eviction], None] = lambda _e: None
+    _evicted: list[Eviction] = field(default_factory=list)
+    # The other nodes of the cluster, asked for each file before the origin (None: origin only).
+    peers: Peers | None = None
     _locks: dict[str, anyio.Lock] = field(default_factory=dict)
     _progress: dict[str, Progress] = field(default_factory=dict)
     _blob_locks: dict[str, threading.Lock] = field(default_factory=dict)
     _threads: CapacityLimiter = field(default_factory=lambda: CapacityLimiter(DOWNLOAD_THREADS))
     _swept: bool = False
     _sweep_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Downloads under way on this node: the bytes each still needs (see `_check_disk`).
+    _reserved: dict[str, _Reservation] = field(default_factory=dict)
+    _reserve_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def blobs(self) -> Path:
@@ -167,13 +203,26 @@ class Weights:
             tg.start_soon(self._report, progress, report)
             try:
                 async with lock:
-                    outcome.append(await self._stage(source, progress))
+                    # A snapshot taken here, on the loop: the launcher changes its shards meanwhile.
+                    keep = [s for s in self.in_use() if s.kind != "file"] + [source]
+                    outcome.append(await self._stage(source, progress, keep))
             except WeightsError as exc:  # raised here, not as a group: the runner reads its flag
                 outcome.append(exc)
+            finally:
+                self._tell_evictions()
             tg.cancel_scope.cancel()
         if isinstance(outcome[0], WeightsError):
             raise outcome[0]
         return outcome[0]
+
+    def _tell_evictions(self) -> None:
+        while self._evicted:
+            eviction = self._evicted.pop(0)
+            log.info("%s", eviction.words)
+            try:
+                self.on_evict(eviction)
+            except Exception:  # telling of it must not fail the staging that made the room
+                log.exception("cannot tell of the eviction of %s", eviction.key)
 
     async def _report(self, progress: Progress, report: Callable[[str], None]) -> None:
         """The progress, when it changed, at most once an interval: a download of many GB must not
@@ -186,11 +235,11 @@ class Weights:
                 last = words
             await anyio.sleep(self.progress_interval_s)
 
-    async def _stage(self, source: ModelSource, progress: Progress) -> Path:
+    async def _stage(self, source: ModelSource, progress: Progress, keep: list[ModelSource]) -> Path:
         stop = threading.Event()
         try:
             return await anyio.to_thread.run_sync(
-                self._stage_sync, source, progress, stop, abandon_on_cancel=True, limiter=self._threads
+                self._stage_sync, source, progress, stop, keep, abandon_on_cancel=True, limiter=self._threads
             )
         finally:
             # A cancelled attempt's thread stops at its next chunk; the `.partial` stays for the next.
@@ -198,10 +247,27 @@ class Weights:
 
     # --- in a thread of its own -------------------------------------------------------------------
 
-    def _stage_sync(self, source: ModelSource, progress: Progress, stop: threading.Event) -> Path:
+    def _stage_sync(
+        self, source: ModelSource, progress: Progress, stop: threading.Event, keep: list[ModelSource]
+    ) -> Path:
+        try:
+            return self._stage_files(source, progress, stop, keep)
+        except OSError as exc:
+            # A disk that filled under the store (another process wrote to it), a store made
+            # read-only: the attempt's failure in the node's words, never a launcher error.
+            where = f" {exc.filename}" if exc.filename else f" in {self.root}"
+            raise WeightsError(
+                f"weights {progress.label}: cannot write{where}: {exc.strerror or exc}; "
+                "nothing half-written is used, and the next attempt tries again"
+            ) from exc
+
+    def _stage_files(
+        self, source: ModelSource, progress: Progress, stop: threading.Event, keep: list[ModelSource]
+    ) -> Path:
         self._sweep()
         staged = self._already_staged(source)
         if staged is not None:
+            _touch(staged)
             return staged
         progress.label, progress.phase, progress.file = source.name, "resolving", ""
         progress.done = progress.total = 0
@@ -213,15 +279,22 @@ class Weights:
             if fallback is None:
                 raise
             log.warning("%s; using %s, staged when the hub last answered", exc.reason, fallback)
+            _touch(fallback)
             return fallback
         progress.label = plan.label
         if not plan.view.exists():
-            self._check_disk(plan)
-            self._download(plan, progress, stop)
+            key = f"{plan.view}"
+            self._check_disk(plan, key, progress, keep)
+            try:
+                self._download(plan, progress, stop)
+            finally:
+                with self._reserve_lock:
+                    self._reserved.pop(key, None)
             progress.phase, progress.file = "committing", ""
             self._commit(plan)
         if plan.ref is not None:
             _write_atomic(plan.ref, plan.commit.encode())
+        _touch(plan.view)
         return plan.view
 
     def _sweep(self) -> None:
@@ -256,8 +329,14 @@ class Weights:
         view = hf_view(self.root, source, commit)
         return view if commit and view.exists() else None
 
-    def _check_disk(self, plan: Plan) -> None:
-        """Refuse before the first byte when the rest of the download cannot fit."""
+    def _check_disk(self, plan: Plan, key: str, progress: Progress, keep: list[ModelSource]) -> None:
+        """Refuse before the first byte when the rest of the download cannot fit, after evicting
+        what no shard uses; else reserve the bytes.
+
+        Two downloads that start together each see the same free space: without the
+        reservation both would pass the check and the second would fill the disk midway.
+        The bytes other downloads under way still need count as taken.
+        """
         need = 0
         for want in plan.files:
             if (self.blobs / want.blob).exists():
@@ -266,20 +345,73 @@ class Weights:
         if need <= 0:
             return
         self.root.mkdir(parents=True, exist_ok=True)
-        free = self.free(self.root)
-        if need > free:
-            raise WeightsError(
-                f"weights {plan.label}: needs {size_words(need)}, {size_words(free)} free on {self.root}; "
-                "free space there (or stage the model elsewhere and use file://)"
-            )
-        if self.budget_bytes > 0:
-            left = self.budget_bytes - _tree_size(self.root)
-            if need > left:
-                raise WeightsError(
-                    f"weights {plan.label}: needs {size_words(need)}, {size_words(max(0, left))} left "
-                    f"of the node's {size_words(self.budget_bytes)} for weights on {self.root}; "
-                    "raise models_budget_bytes or remove staged models"
+        with self._reserve_lock:
+            busy = {w.blob for r in self._reserved.values() for w in r.plan.files} | {
+                w.blob for w in plan.files
+            }
+            candidates: list[Staged] | None = None
+            while True:
+                promised = sum(r.outstanding() for k, r in self._reserved.items() if k != key)
+                free = self.free(self.root) - promised
+                left = self.budget_bytes - _tree_size(self.root) - promised if self.budget_bytes > 0 else need
+                if need <= free and need <= left:
+                    break
+                if candidates is None:
+                    candidates = evictable(staged_views(self.root), keep)
+                if not candidates:
+                    if need > free:
+                        raise WeightsError(
+                            f"weights {plan.label}: needs {size_words(need)}, {size_words(max(0, free))} "
+                            f"free on {self.root}{_promised(promised)}; "
+                            "free space there (or stage the model elsewhere and use file://)"
+                        )
+                    raise WeightsError(
+                        f"weights {plan.label}: needs {size_words(need)}, {size_words(max(0, left))} left "
+                        f"of the node's {size_words(self.budget_bytes)} for weights on {self.root}"
+                        f"{_promised(promised)}; raise models_budget_bytes or remove staged models"
+                    )
+                victim = candidates.pop(0)
+                freed = self._evict(victim, busy)
+                self._evicted.append(
+                    Eviction(
+                        key=victim.key,
+                        path=victim.path,
+                        freed=freed,
+                        used_at=victim.used_at,
+                        words=(
+                            f"weights {victim.key}: evicted from {self.root} ({size_words(freed)} freed): "
+                            f"no shard of this node uses it, it was the least recently used, and "
+                            f"{plan.label} needs {size_words(need)}"
+                        ),
+                    )
                 )
+            # The progress counts every byte of the model, those already here too.
+            self._reserved[key] = _Reservation(need, progress, sum(w.size for w in plan.files) - need, plan)
+
+    def _evict(self, victim: Staged, busy: set[str]) -> int:
+        """Remove one view, then the blobs only it held: the view goes first, by a rename, so an
+        engine never finds half a model. Blobs a staging under way wants stay."""
+        inodes = {p.stat().st_ino for p in _files_of(victim.path)}
+        gone = self.root / ".staging" / f"evict-{uuid.uuid4().hex}"
+        gone.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(victim.path, gone)
+        _marker(victim.path).unlink(missing_ok=True)
+        _fsync_dir(victim.path.parent)
+        if gone.is_dir():
+            shutil.rmtree(gone, ignore_errors=True)
+        else:
+            gone.unlink(missing_ok=True)
+        _prune_empty(victim.path.parent, self.root)
+        freed = 0
+        for blob in self.blobs.iterdir() if self.blobs.is_dir() else ():
+            try:
+                st = blob.stat()
+            except OSError:
+                continue
+            if st.st_ino in inodes and st.st_nlink == 1 and blob.name not in busy:
+                blob.unlink(missing_ok=True)
+                freed += st.st_size
+        return freed
 
     def _download(self, plan: Plan, progress: Progress, stop: threading.Event) -> None:
         self.blobs.mkdir(parents=True, exist_ok=True)
@@ -293,7 +425,39 @@ class Weights:
                     progress.done += want.size
                     continue
                 progress.phase = "downloading"
-                fetch(want, self.blobs, plan.label, progress, stop, self.timeout_s)
+                self._fetch(want, plan.label, progress, stop)
+
+    def _fetch(self, want: Want, label: str, progress: Progress, stop: threading.Event) -> None:
+        """One file: from a peer that holds or fetches it, else from the origin; whoever sent
+        the bytes, they are verified against the digest this node resolved itself."""
+        peers = self.peers
+        if peers is None:
+            fetch(want, self.blobs, label, progress, stop, self.timeout_s)
+            return
+        base = progress.done
+        tried: set[str] = set()
+        peers.begin(want.blob, want.size)
+        try:
+            while True:
+                offer = peers.choose(want.blob, want.size, tried)
+                progress.via = "" if offer is None else offer.node
+                if offer is None:
+                    fetch(want, self.blobs, label, progress, stop, self.timeout_s)
+                    return
+                via = replace(want, url=offer.url, headers=(("Authorization", f"Bearer {offer.token}"),))
+                try:
+                    fetch(via, self.blobs, label, progress, stop, self.timeout_s, peer=offer.node)
+                    return
+                except WeightsError as exc:
+                    if stop.is_set():
+                        raise
+                    log.warning("%s; asking the other nodes again, then the origin", exc.reason)
+                    tried.add(offer.node)
+                    progress.done = base
+                    peers.again(want.blob)
+        finally:
+            progress.via = ""
+            peers.end(want.blob)
 
     def _commit(self, plan: Plan) -> None:
         """The view appears whole, by one rename, or not at all."""
@@ -500,7 +664,13 @@ def _hasher(want: Want) -> Any:
 
 
 def fetch(
-    want: Want, blobs: Path, label: str, progress: Progress, stop: threading.Event, timeout_s: float
+    want: Want,
+    blobs: Path,
+    label: str,
+    progress: Progress,
+    stop: threading.Event,
+    timeout_s: float,
+    peer: str = "",
 ) -> Path:
     """`want` into `blobs/<blob>`, resuming its `.partial`, hashed as it arrives; renamed only when whole."""
     final = blobs / want.blob
@@ -522,6 +692,8 @@ def fetch(
     if have:
         headers["Range"] = f"bytes={have}-"
     host = urlsplit(want.url).netloc
+    if peer:
+        host = f"peer {peer} ({host})"
     try:
         with (
             httpx.Client(timeout=timeout_s, follow_redirects=True) as client,
@@ -534,7 +706,7 @@ def fetch(
                     hasher, have = _hasher(want), 0
                     partial.unlink(missing_ok=True)
             else:
-                raise _http_status(where, r.status_code)
+                raise _http_status(f"{where} from {host}" if peer else where, r.status_code)
             with partial.open("ab") as out:
                 # As the bytes arrive, not in fixed chunks: a chunk still buffered when the
                 # connection drops would be lost, and the resume would start before it.
@@ -579,6 +751,111 @@ def fetch(
     os.replace(partial, final)
     _fsync_dir(blobs)
     return final
+
+
+# --- what the store holds, and what may go -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Staged:
+    """One staged view: where, as `weights_key` names it, and when a shard last asked for it."""
+
+    path: Path
+    key: str
+    used_at: float
+    repo: str = ""
+    commit: str = ""
+    file: str = ""  # "" for a snapshot
+    sha256: str = ""
+
+
+@dataclass(frozen=True)
+class Eviction:
+    key: str
+    path: Path
+    freed: int
+    used_at: float
+    words: str
+
+
+def staged_views(root: Path) -> list[Staged]:
+    """Every view the store holds (directory names only, no model read)."""
+    found: list[Staged] = []
+    hf = root / "hf"
+    for commit_dir in sorted(hf.glob("*/*/*")) if hf.is_dir() else ():
+        if commit_dir.name in ("refs",) or commit_dir.name.startswith(".") or not commit_dir.is_dir():
+            continue
+        repo, commit = "/".join(commit_dir.parent.relative_to(hf).parts), commit_dir.name
+        snapshot = commit_dir / "snapshot"
+        if snapshot.is_dir():
+            found.append(Staged(snapshot, f"hf://{repo}@{commit}", _used_at(snapshot), repo, commit))
+        files = commit_dir / "files"
+        for f in sorted(files.rglob("*")) if files.is_dir() else ():
+            if f.is_file() and not f.name.startswith("."):
+                name = f.relative_to(files).as_posix()
+                found.append(Staged(f, f"hf://{repo}/{name}@{commit}", _used_at(f), repo, commit, name))
+    url = root / "url"
+    for f in sorted(url.glob("*/*")) if url.is_dir() else ():
+        if f.is_file() and not f.name.startswith("."):
+            found.append(Staged(f, f"sha256:{f.parent.name}", _used_at(f), sha256=f.parent.name))
+    return found
+
+
+def evictable(views: list[Staged], keep: list[ModelSource]) -> list[Staged]:
+    """The views no source in `keep` may read, least recently used first (pure).
+
+    A source at a branch keeps every commit of its repository's file: the commit a running
+    engine read may not be the one the branch names now (an engine adopted after a restart,
+    a branch that moved), and an engine's model must never go from under it.
+    """
+    return sorted((v for v in views if not any(_reads(s, v) for s in keep)), key=lambda v: (v.used_at, v.key))
+
+
+def _reads(source: ModelSource, view: Staged) -> bool:
+    if source.kind == "url":
+        return view.sha256 == source.sha256
+    if source.kind != "hf" or view.repo != source.repo or view.file != source.file:
+        return False
+    return not source.pinned or view.commit == source.revision
+
+
+def _marker(view: Path) -> Path:
+    """When a shard last asked for `view`: the mtime of a dot-file beside it."""
+    return view.parent / f".{view.name}.used"
+
+
+def _touch(view: Path) -> None:
+    marker = _marker(view)
+    try:
+        marker.touch()
+        os.utime(marker)
+    except OSError as exc:
+        log.warning("cannot mark %s used: %s", view, exc.strerror or exc)
+
+
+def _used_at(view: Path) -> float:
+    for p in (_marker(view), view):
+        try:
+            return p.lstat().st_mtime
+        except OSError:
+            continue
+    return 0.0
+
+
+def _files_of(path: Path) -> list[Path]:
+    if path.is_dir():
+        return [p for p in path.rglob("*") if p.is_file()]
+    return [path] if path.is_file() else []
+
+
+def _prune_empty(directory: Path, root: Path) -> None:
+    """Remove directories left empty up to the store's `hf/` or `url/` (refs stay)."""
+    while directory != root and directory.parent != root and directory.is_relative_to(root):
+        try:
+            directory.rmdir()
+        except OSError:
+            return
+        directory = directory.parent
 
 
 # --- files ---------------------------------------------------------------------------------------
