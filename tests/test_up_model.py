@@ -14,6 +14,7 @@ import pytest
 
 from llmgw.up import model_name, model_profile, model_source
 from llmgw_core.engines import GPUInfo
+from tests.hf_server import hf_hub
 from tests.launcher_support import pid_alive, processes_with
 from tests.test_launcher_llamacpp import llama_bin
 from tests.test_sim_engine import free_port
@@ -27,17 +28,16 @@ __all__ = ["llama_bin"]
 READY_TIMEOUT_S = 300.0
 
 
-@pytest.mark.anyio
-@pytest.mark.llama
-@pytest.mark.timeout(600)
-async def test_up_with_a_local_gguf_answers_a_chat_from_the_real_llama_cpp(
-    tmp_path: Path, llama_bin: str
-) -> None:
-    model = write_tiny_llama(tmp_path / "tiny.gguf")
+async def up_with_model(
+    tmp_path: Path, model: str, env: dict[str, str] | None = None
+) -> tuple[str, Path, list[dict[str, object]]]:
+    """Run `llmgw up --model <model>` in tmp_path as its own process group, wait for its endpoint,
+    chat through the gateway by both names, then Ctrl-C it: what it printed first, its data dir
+    and the answers."""
     data = tmp_path / "cluster"
     out = tmp_path / "up.log"
     argv = [sys.executable, "-c", "import sys; from llmgw.cli import main; sys.exit(main())", "up"]
-    argv += ["--model", "./tiny.gguf", "--data-dir", str(data), "--port", str(free_port())]
+    argv += ["--model", model, "--data-dir", str(data), "--port", str(free_port())]
     argv += ["--api-port", str(free_block(4)), "--gateway-port", str(free_port())]
     with out.open("wb") as log:
         proc = subprocess.Popen(
@@ -47,6 +47,7 @@ async def test_up_with_a_local_gguf_answers_a_chat_from_the_real_llama_cpp(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
     try:
 
@@ -61,12 +62,8 @@ async def test_up_with_a_local_gguf_answers_a_chat_from_the_real_llama_cpp(
 
         url = await eventually(endpoint, timeout=READY_TIMEOUT_S, interval=0.5)
         text = out.read_text()
-        # Where it runs, said before anything starts; the curl to try it.
-        first = text.splitlines()[0]
-        assert first.startswith(f"llmgw: model tiny (file://{model}): "), first
-        if "no GPU found" in first:
-            assert first.endswith("no GPU found: llama.cpp runs the model on the CPU"), first
         assert f"curl -s {url}/v1/chat/completions" in text
+        answers = []
         async with httpx.AsyncClient(timeout=120) as client:
             for name in ("chat", "tiny"):
                 r = await client.post(
@@ -74,14 +71,9 @@ async def test_up_with_a_local_gguf_answers_a_chat_from_the_real_llama_cpp(
                     json={"model": name, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2},
                 )
                 assert r.status_code == 200, r.text
-                answer = r.json()
-                assert answer["model"] == "tiny"
-                # llama-server's own fields: the real engine answered, not the simulated one.
-                assert answer["timings"]["predicted_n"] >= 1, answer
-        engines = processes_with(f"-m {model} ", under=data)
-        assert len(engines) == 1, "one llama-server, reading the operator's file where it is"
-        log = next((data / "agent" / "logs").rglob("*llama-server.log")).read_text()
-        assert str(model) in log
+                answers.append(r.json())
+        engines = processes_with("llama-server", under=data)
+        assert len(engines) == 1, "one llama-server"
 
         # Ctrl-C, as a terminal sends it: to the process group recorded at the start.
         os.killpg(proc.pid, signal.SIGINT)
@@ -90,10 +82,60 @@ async def test_up_with_a_local_gguf_answers_a_chat_from_the_real_llama_cpp(
         await eventually(lambda: [p for p in engines if pid_alive(p)] == [], timeout=60)
         await eventually(lambda: processes_with(str(data)) == [], timeout=60)
         assert proc.returncode == 0, out.read_text()[-2000:]
+        return text.splitlines()[0], data, answers
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def answered_by_llama_cpp(answers: list[dict[str, object]]) -> None:
+    for answer in answers:
+        assert answer["model"] == "tiny"
+        # llama-server's own fields: the real engine answered, not the simulated one.
+        timings = answer["timings"]
+        assert isinstance(timings, dict)
+        assert timings["predicted_n"] >= 1, answer
+
+
+@pytest.mark.anyio
+@pytest.mark.llama
+@pytest.mark.timeout(600)
+async def test_up_with_a_local_gguf_answers_a_chat_from_the_real_llama_cpp(
+    tmp_path: Path, llama_bin: str
+) -> None:
+    model = write_tiny_llama(tmp_path / "tiny.gguf")
+    first, data, answers = await up_with_model(tmp_path, "./tiny.gguf")
+    # Where it runs, said before anything starts.
+    assert first.startswith(f"llmgw: model tiny (file://{model}): "), first
+    if "no GPU found" in first:
+        assert first.endswith("no GPU found: llama.cpp runs the model on the CPU"), first
+    answered_by_llama_cpp(answers)
+    # The engine read the operator's file where it is.
+    log = next((data / "agent" / "logs").rglob("*llama-server.log")).read_text()
+    assert f"loading model '{model}'" in log
+
+
+@pytest.mark.anyio
+@pytest.mark.llama
+@pytest.mark.timeout(600)
+async def test_up_with_an_hf_gguf_stages_it_and_answers_from_the_real_llama_cpp(
+    tmp_path: Path, llama_bin: str
+) -> None:
+    gguf = write_tiny_llama(tmp_path / "src.gguf").read_bytes()
+    with hf_hub() as hub:
+        hub.add("org/repo", {"tiny.gguf": gguf})
+        commit = hub.state.repos["org/repo"].commit
+        first, data, answers = await up_with_model(
+            tmp_path, "hf://org/repo/tiny.gguf", {"HF_ENDPOINT": hub.url}
+        )
+        assert hub.state.served["tiny.gguf"] == len(gguf)
+    assert first.startswith("llmgw: model tiny (hf://org/repo/tiny.gguf): "), first
+    answered_by_llama_cpp(answers)
+    staged = data / "agent" / "models" / "hf" / "org" / "repo" / commit / "files" / "tiny.gguf"
+    assert staged.read_bytes() == gguf
+    log = next((data / "agent" / "logs").rglob("*llama-server.log")).read_text()
+    assert f"loading model '{staged}'" in log
 
 
 def test_up_refuses_a_model_it_cannot_run_before_starting_anything(tmp_path: Path) -> None:
