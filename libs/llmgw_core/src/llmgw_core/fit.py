@@ -192,7 +192,8 @@ def _read_gguf(path: Path) -> ModelShape:
             reader = gguf.GGUFReader(part)
         except (ValueError, OSError, struct.error) as exc:
             raise FitError(f"{part}: not a readable GGUF file: {exc}") from exc
-        first = first or reader
+        if first is None:
+            first = reader
         weight_bytes += sum(int(t.n_bytes) for t in reader.tensors)
 
     def field(key: str) -> Any:
