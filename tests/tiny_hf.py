@@ -22,7 +22,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_tiny_hf_llama(directory: Path, *, seed: int = 0) -> Path:
+def write_tiny_hf_llama(
+    directory: Path, *, seed: int = 0, num_hidden_layers: int = 2, num_key_value_heads: int = 4
+) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -52,9 +54,9 @@ def write_tiny_hf_llama(directory: Path, *, seed: int = 0) -> Path:
         vocab_size=512,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
-        num_key_value_heads=4,
+        num_key_value_heads=num_key_value_heads,
         head_dim=64,
         max_position_embeddings=512,
         bos_token_id=tokenizer.bos_token_id,

@@ -53,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--nodes", type=int, default=1, help="how many simulated nodes to run here (default: %(default)s)"
     )
     p_up.add_argument(
+        "--model",
+        default="",
+        metavar="SOURCE",
+        help="run a real model with llama.cpp instead of the simulated one: hf://<org>/<repo>/<file>.gguf "
+        "or a GGUF file on this machine (on its GPUs when it has them)",
+    )
+    p_up.add_argument(
         "--engine-ports",
         default="28000-28999",
         metavar="LOW-HIGH",
@@ -158,6 +165,7 @@ def _main(argv: list[str] | None) -> int:
                 gateway_port=args.gateway_port,
                 nodes=args.nodes,
                 engine_ports=up.parse_ports(args.engine_ports),
+                model=args.model,
             )
         if args.command == "gateway":
             from llmgw_gateway.__main__ import run as run_gateway

