@@ -1,0 +1,166 @@
+"""The one retry policy: jittered waits within their bounds, a cap, a reset, and an outage
+said in two lines however many attempts it takes."""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import statistics
+
+import anyio
+import anyio.abc
+import pytest
+
+from llmgw_core.retry import Backoff, Retry
+
+pytestmark = pytest.mark.anyio
+
+LOG = "llmgw.test.retry"
+
+
+def test_every_wait_lies_between_the_base_and_a_ceiling_that_doubles_to_the_cap() -> None:
+    rng = random.Random(24)
+    for _ in range(200):
+        backoff = Backoff(0.5, 10.0, rng=rng)
+        for failures in range(1, 31):
+            wait = backoff.next()
+            assert 0.5 <= wait <= min(10.0, 0.5 * 2**failures)
+    assert [backoff.ceiling(n) for n in range(1, 7)] == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+
+
+def test_the_waits_are_spread_not_in_step() -> None:
+    """Regression: every loop waited exactly 0.5 s, 1 s, 2 s...: services that lost NATS together
+    came back in the same instant. Their first waits now cover [base, 2 x base]."""
+    rng = random.Random(7)
+    firsts = [Backoff(1.0, 60.0, rng=rng).next() for _ in range(1000)]
+    assert len(set(firsts)) == 1000
+    assert 1.0 <= min(firsts) < 1.05
+    assert 1.95 < max(firsts) <= 2.0
+    assert 1.45 < statistics.mean(firsts) < 1.55
+
+
+def test_the_waits_grow_to_the_cap_as_fast_as_the_unjittered_loops_did() -> None:
+    """The mean wait after n failures is about base x 2^(n-1), the old loops' wait; from the
+    sixth failure on it is drawn between the base and the cap."""
+    rng = random.Random(3)
+    draws: list[list[float]] = [[] for _ in range(10)]
+    for _ in range(2000):
+        backoff = Backoff(1.0, 60.0, rng=rng)
+        for n in range(10):
+            draws[n].append(backoff.next())
+    means = [statistics.mean(d) for d in draws]
+    for n, mean in enumerate(means[:5], start=1):
+        assert 2 ** (n - 1) <= mean <= 2 ** (n - 1) + 1, (n, means)
+    assert all(29.0 < m < 32.0 for m in means[5:]), means
+    assert max(max(d) for d in draws) <= 60.0
+
+
+def test_a_reset_after_a_success_starts_the_waits_again() -> None:
+    backoff = Backoff(0.2, 5.0, rng=random.Random(1))
+    for _ in range(20):
+        backoff.next()
+    assert backoff.failures == 20
+    backoff.reset()
+    assert backoff.failures == 0
+    assert 0.2 <= backoff.next() <= 0.4
+    assert backoff.failures == 1
+
+
+def test_a_base_above_the_cap_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^backoff of 10 s to 5 s: need 0 < base <= cap$"):
+        Backoff(10.0, 5.0)
+    with pytest.raises(ValueError, match=r"^backoff of 0 s to 5 s: need 0 < base <= cap$"):
+        Backoff(0.0, 5.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_an_outage_is_said_when_it_starts_and_when_it_ends_not_at_each_attempt(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A real operation (a connection to a loopback port where nothing listens yet) fails
+    five times, then a server comes up and it works: two lines, the cause in the first,
+    how long and how many attempts in the second."""
+    caplog.set_level(logging.DEBUG, logger=LOG)
+    port = _free_port()
+    retry = Retry(
+        logging.getLogger(LOG), "reaching the test server", base_s=0.01, cap_s=0.05, known=(OSError,)
+    )
+
+    async def connect() -> None:
+        stream = await anyio.connect_tcp("127.0.0.1", port)
+        await stream.aclose()
+
+    async with anyio.create_task_group() as tg:
+        attempts = 0
+        while True:
+            attempts += 1
+            if await retry.attempt(connect):
+                break
+            assert 0.01 <= retry.delay <= 0.05
+            if attempts == 5:
+                listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=port)
+                tg.start_soon(_serve, listener)
+            await retry.wait()
+        assert retry.delay == 0.0
+        tg.cancel_scope.cancel()
+
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.levelno >= logging.INFO]
+    assert len(said) == 2, said
+    (start_level, start), (end_level, end) = said
+    assert start_level == end_level == logging.WARNING
+    # anyio's words for a refused connection to every address of the host.
+    assert start == "reaching the test server failed, retrying with backoff: All connection attempts failed"
+    assert end.startswith("reaching the test server works again after ")
+    assert end.endswith(" s and 5 failed attempts")
+    assert len([r for r in caplog.records if r.levelno == logging.DEBUG]) == 4
+    # The next outage is a new one: said again.
+    retry.failed("it broke again")
+    assert caplog.records[-1].getMessage() == (
+        "reaching the test server failed, retrying with backoff: it broke again"
+    )
+
+
+async def _serve(listener: anyio.abc.Listener[anyio.abc.SocketStream]) -> None:
+    async def close(stream: anyio.abc.SocketStream) -> None:
+        await stream.aclose()
+
+    async with listener:
+        await listener.serve(close)
+
+
+async def test_an_unexpected_failure_is_logged_with_its_traceback_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOG)
+    retry = Retry(logging.getLogger(LOG), "a step", base_s=0.01, cap_s=0.02, known=(OSError,))
+
+    async def bug() -> None:
+        raise KeyError("missing")
+
+    for _ in range(3):
+        assert not await retry.attempt(bug)
+    [record] = caplog.records
+    assert record.levelno == logging.ERROR
+    assert record.getMessage() == "a step failed, retrying with backoff: 'missing'"
+    assert record.exc_info is not None
+    assert record.exc_info[0] is KeyError
+
+
+async def test_a_fatal_failure_is_not_retried_but_raised() -> None:
+    class Lost(Exception):
+        pass
+
+    retry = Retry(logging.getLogger(LOG), "leading", base_s=0.01, cap_s=0.02)
+
+    async def lose() -> None:
+        raise Lost("the lease is gone")
+
+    with pytest.raises(Lost):
+        await retry.attempt(lose, fatal=(Lost,))
+    assert not retry.outage.ongoing
