@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import socket
 import statistics
+from pathlib import Path
 
 import anyio
 import anyio.abc
 import pytest
 
+from llmgw_core.bus import Bus, BusOptions
+from llmgw_core.events import Heartbeat
+from llmgw_core.lifecycle import connect_service
+from llmgw_core.natsd import NatsServer
 from llmgw_core.retry import Backoff, Retry
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -164,3 +171,46 @@ async def test_a_fatal_failure_is_not_retried_but_raised() -> None:
     with pytest.raises(Lost):
         await retry.attempt(lose, fatal=(Lost,))
     assert not retry.outage.ongoing
+
+
+async def test_a_service_started_before_nats_says_once_that_it_waits_and_once_that_nats_answers(
+    tmp_path: Path, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A service's connection (lifecycle.connect_service) to a real nats-server that is not
+    there yet: one line when it starts waiting, with why; the attempts in between at debug
+    level only; one line when it connects, with how long and how many attempts."""
+    caplog.set_level(logging.DEBUG, logger="llmgw.lifecycle")
+    port = _free_port()
+    server = NatsServer(store_dir=tmp_path / "nats", port=port)
+    options = BusOptions(url=f"nats://127.0.0.1:{port}", prefix=prefix, insecure=True, connect_timeout_s=2.0)
+    connected: list[Bus] = []
+
+    def said(level: int) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "llmgw.lifecycle" and r.levelno == level]
+
+    async def connect() -> None:
+        connected.append(await connect_service(options, "test-service", ensure=False))
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(connect)
+            # Three attempts have failed (the first said, the next two at debug level)...
+            await eventually(lambda: len(said(logging.DEBUG)) >= 2, timeout=30)
+            assert not connected
+            # ...then NATS comes up, and the next attempt connects.
+            await anyio.to_thread.run_sync(server.start)
+            await eventually(lambda: connected, timeout=30)
+        await connected[0].publish_core(f"{prefix}.test", Heartbeat(node="n", service="test", at=0.0))
+    finally:
+        for bus in connected:
+            await bus.close()
+        server.stop()
+    warned = said(logging.WARNING)
+    assert len(warned) == 2, warned
+    assert warned[0].startswith("test-service: connecting to NATS failed, retrying with backoff: "), warned
+    failures = len(said(logging.DEBUG)) + 1
+    assert re.fullmatch(
+        rf"test-service: connecting to NATS works again after \d+\.\d s and {failures} failed attempts",
+        warned[1],
+    ), warned
+    assert failures >= 3

@@ -20,17 +20,19 @@ between 0 and the ceiling) with the base as its floor:
   plain full jitter allows on any attempt;
 - the ceiling: it doubles with each failure, so the mean wait, (base + ceiling) / 2,
   is about what the unjittered loops waited (base x 2^(n-1)) and reaches the cap
-  after as many failures (six from 1 s to 60 s); and the wait
-  depends only on the count of failures: a loop that keeps that count anyway (a
-  shard's restarts, survived across a launcher restart; the installer's failed
-  passes) needs no other state;
+  after about as many failures (six from 1 s to 60 s); and the wait depends only
+  on the count of failures: a loop that keeps that count anyway (a shard's
+  restarts, kept across a launcher restart; the installer's failed passes) needs
+  no other state;
 - not decorrelated jitter (each wait between the base and three times the last):
-  its waits are a random walk that drifts up by about 10 % a step in the median, so
-  a 1 s base took some forty failures to reach a 60 s cap, and a crash-looping engine
-  was restarted several times as often as with the old loops.
+  its waits are a random walk that may fall back to the base at any step, and grow
+  more slowly: from a 1 s base, the median wait after six failures in a row is about
+  10 s (the old loops waited 32 s) and the 60 s cap comes after a median of twelve
+  failures, not six; and each wait needs the last as state.
 
 The very first wait is drawn too (between the base and twice it): that is the retry
-that a fleet failing at the same moment would otherwise make in step.
+that a fleet failing at the same moment would otherwise make in step. (`llmgw up`'s
+supervisor takes the ceiling alone, unjittered: see `llmgw.supervise`.)
 
 Why our own module rather than `tenacity` or `stamina`: both wrap a callable and
 retry it until it returns, and log (or instrument) each attempt. llmgw's retrying
