@@ -264,14 +264,15 @@ class PlacementService:
                 if difference:
                     log.warning("%s: %s", self.identity, difference)
 
+        hearing = Attempts(self.identity, "hearing other placements' files")
         async with anyio.create_task_group() as tg:
             while True:
                 try:
                     await tg.start(self.bus.subscribe_core, names.placement_file, PlacementFile, heard)
                     break
                 except BusError as exc:
-                    log.warning("%s: cannot hear other placements' files yet: %s", self.identity, exc)
-                    await anyio.sleep(1.0)
+                    await anyio.sleep(hearing.failed(exc))
+            hearing.succeeded()
             while True:
                 self._file_asked = anyio.Event()
                 try:
@@ -399,15 +400,16 @@ class PlacementService:
             except (nats.errors.Error, OSError) as exc:
                 log.warning("%s: could not answer a liveness request: %s", self.identity, exc)
 
+        listening = Attempts(self.identity, "answering liveness requests", known=(nats.errors.Error, OSError))
         while True:
             try:
                 sub = await self.bus.nc.subscribe(
                     self.bus.names.liveness_request, queue="placement", cb=answer
                 )
             except (nats.errors.Error, OSError) as exc:
-                log.warning("%s: cannot answer liveness requests yet: %s", self.identity, exc)
-                await anyio.sleep(1.0)
+                await anyio.sleep(listening.failed(exc))
                 continue
+            listening.succeeded()
             try:
                 await anyio.sleep_forever()
             finally:
@@ -491,10 +493,8 @@ class Attempts(Retry):
     starts and ends, not at every try. A lost lease is no failure of the attempt: it
     ends leading, and propagates."""
 
-    def __init__(self, who: str, what: str) -> None:
-        super().__init__(
-            log, f"{who}: {what}", base_s=BACKOFF_FIRST_S, cap_s=BACKOFF_CAP_S, known=(BusError,)
-        )
+    def __init__(self, who: str, what: str, known: tuple[type[BaseException], ...] = (BusError,)) -> None:
+        super().__init__(log, f"{who}: {what}", base_s=BACKOFF_FIRST_S, cap_s=BACKOFF_CAP_S, known=known)
 
     async def run(self, call: Callable[[], Awaitable[None]]) -> bool:
         return await self.attempt(call, fatal=(LeaseLost,))
