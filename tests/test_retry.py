@@ -3,6 +3,7 @@ said in two lines however many attempts it takes."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 import re
@@ -15,10 +16,11 @@ import anyio.abc
 import pytest
 
 from llmgw_core.bus import Bus, BusOptions
-from llmgw_core.events import Heartbeat
+from llmgw_core.events import Heartbeat, ShardStatus, now
 from llmgw_core.lifecycle import connect_service
 from llmgw_core.natsd import NatsServer
 from llmgw_core.retry import Backoff, Retry
+from llmgw_launcher.outbox import StatusOutbox
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -214,3 +216,77 @@ async def test_a_service_started_before_nats_says_once_that_it_waits_and_once_th
         warned[1],
     ), warned
     assert failures >= 3
+
+
+class _Said(logging.Handler):
+    """What one llmgw logger says at WARNING and above, as text (caplog would keep each
+    record's arguments, and with them nats-py's sockets past the test's end)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <(socket\\.socket|function StreamWriter\\.__del__|"
+    "function _SelectorTransport\\.__del__):pytest.PytestUnraisableExceptionWarning"
+)
+@pytest.mark.timeout(180)
+async def test_the_status_outbox_says_a_nats_outage_in_two_lines_and_writes_the_newest_status_after_it(
+    tmp_path: Path, prefix: str
+) -> None:
+    """A launcher's statuses while its nats-server is down: one line when the writes start
+    failing, none for each retry, one when a write lands again; the bucket then holds the
+    newest status. Regression: the status that failed was written again after a newer one
+    had landed, and the bucket said `starting` for good of an engine long ready."""
+    server = NatsServer(store_dir=tmp_path / "nats")
+    server.start()
+    said = _Said()
+    logger = logging.getLogger("llmgw.launcher")
+    logger.addHandler(said)
+    options = BusOptions(url=server.url, prefix=prefix, insecure=True)
+    try:
+        async with await Bus.connect(options, service="launcher") as bus:
+            await bus.ensure()
+            outbox = StatusOutbox(bus, "n1")
+            key = bus.names.shard_key("n1", "s1")
+            async with anyio.create_task_group() as tg:
+                await tg.start(outbox.run)
+                await anyio.to_thread.run_sync(server.stop)
+                outbox.push(ShardStatus(node="n1", shard="s1", replica="r0", state="starting", at=now()))
+                await eventually(
+                    lambda: [ln for ln in said.lines if "writing shard statuses" in ln], timeout=60
+                )
+                outbox.push(ShardStatus(node="n1", shard="s1", replica="r0", state="ready", at=now()))
+                await anyio.to_thread.run_sync(server.start)
+
+                async def stored() -> ShardStatus | None:
+                    found = await bus.get(bus.names.shard_status_bucket, key, ShardStatus)
+                    return found[0] if found and found[0].state == "ready" else None
+
+                await eventually(stored, timeout=90, interval=0.5)
+                await eventually(lambda: any("works again" in ln for ln in said.lines), timeout=30)
+                # The retry of the failed `starting` has come due, and whatever it sent is sent:
+                # the bucket still holds the newest status.
+                await eventually(lambda: not outbox._retry_due, timeout=30)
+                await outbox.flush()
+                assert await stored() is not None
+                tg.cancel_scope.cancel()
+    finally:
+        logger.removeHandler(said)
+        server.stop()
+        gc.collect()
+    outage = [line for line in said.lines if "writing shard statuses" in line]
+    assert len(outage) == 2, said.lines
+    assert outage[0].startswith(
+        "n1: writing shard statuses to the status bucket failed, retrying with backoff: "
+    )
+    assert outage[0].endswith("; each shard's newest is written again until one lands)")
+    assert re.fullmatch(
+        r"n1: writing shard statuses to the status bucket works again after \d+\.\d s "
+        r"and \d+ failed attempts?",
+        outage[1],
+    ), outage

@@ -65,8 +65,7 @@ class StatusOutbox:
         self._retry_due = False
         self._retrying = Retry(
             log,
-            f"{node}: writing shard statuses to the status bucket (each shard's newest is written "
-            "again until one lands)",
+            f"{node}: writing shard statuses to the status bucket",
             base_s=RETRY_FIRST_S,
             cap_s=RETRY_CAP_S,
             clock=anyio.current_time,
@@ -120,7 +119,7 @@ class StatusOutbox:
                 if scope.cancelled_caught:
                     failure = f"gave up after {SEND_TIMEOUT_S:g}s"
                 if failure is None:
-                    self._written()
+                    self._written(batch)
                 else:
                     self._failed(batch, count, failure)
                 self.batches += 1
@@ -129,14 +128,20 @@ class StatusOutbox:
             self._sending = False
             self._idle.set()
 
-    def _written(self) -> None:
+    def _written(self, batch: dict[str, list[Queued]]) -> None:
+        # A shard whose newer status just landed is not written again with the older one that
+        # failed before it: the retry would put the bucket back to `starting` for good.
+        for shard in batch:
+            self._retry.pop(shard, None)
         self._retrying.succeeded()
 
     def _failed(self, batch: dict[str, list[Queued]], count: int, failure: BaseException | str) -> None:
         """The bucket did not take `batch`: each shard's newest status is written again later."""
         # A StoreFull was said by the bus, once, as the episode it is; this says what it costs.
         said = failure if isinstance(failure, str) else str(failure) or type(failure).__name__
-        self._retrying.failed(f"{said} ({count} statuses)")
+        self._retrying.failed(
+            f"{said} ({count} statuses; each shard's newest is written again until one lands)"
+        )
         for shard, queued in batch.items():
             self._retry[shard] = queued[-1]
         if self._tg is not None and not self._retry_due:

@@ -380,8 +380,7 @@ class Launcher:
         (an auth.conf older than this rule refuses it) is said and retried with backoff."""
         retry = Retry(
             log,
-            f"{self.node}: reading back this node's shard statuses (statuses another machine wrote "
-            "are not corrected until it can; `llmgw auth init` writes the rule)",
+            f"{self.node}: reading back this node's shard statuses",
             base_s=WATCH_RETRY_FIRST_S,
             cap_s=WATCH_RETRY_CAP_S,
             known=(BusError,),
@@ -396,6 +395,11 @@ class Launcher:
                         self.stored.pop(change.key, None)
                     else:
                         self.stored[change.key] = change.value
+            except BusError as exc:
+                retry.failed(
+                    f"{exc}; statuses another machine wrote are not corrected until it can "
+                    "(`llmgw auth init` writes the rule)"
+                )
             except Exception as exc:  # a fault costs this watch, never the launcher
                 retry.failed(exc)
             # A watch that ended on its own (it is not meant to) is started again after a pause.
