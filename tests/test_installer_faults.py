@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gzip
 import io
+import logging
 import os
+import re
 import sys
 import tarfile
 import threading
@@ -109,7 +111,7 @@ def good_and_damaged(kind: str, server: Path) -> tuple[str, bytes, bytes, str]:
 
 @pytest.mark.parametrize("kind", ["zip-bad-crc", "broken-deflate", "truncated"])
 async def test_a_damaged_archive_costs_one_attempt_and_is_retried_with_backoff(
-    bus: Bus, nats_url: str, prefix: str, tmp_path: Path, kind: str
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Regression: a corrupt archive whose published sha256 matched raised BadZipFile or
     zlib.error out of the installer; the service exited and the KV said `unpacking` forever."""
@@ -151,6 +153,23 @@ async def test_a_damaged_archive_costs_one_attempt_and_is_retried_with_backoff(
             assert inst.next_pass_in() == 600
             assert inst.faults == 0, "a damaged archive is the input's fault, not the installer's"
             tg.cancel_scope.cancel()
+    # The failing passes were one outage: said when it started, with why, and when it ended.
+    outage = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "llmgw.installer"
+        and r.levelno >= logging.WARNING
+        and "this node's engines" in r.getMessage()
+    ]
+    assert len(outage) == 2, outage
+    assert outage[0] == (
+        "node-a: installing this node's engines failed, retrying with backoff: "
+        f"engine llamacpp is failed: {detail}"
+    )
+    assert re.fullmatch(
+        r"node-a: installing this node's engines works again after \d+\.\d s and \d+ failed attempts",
+        outage[1],
+    ), outage
     assert not any((tmp_path / "state" / "engines" / ".staging").iterdir())
 
 
