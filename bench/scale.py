@@ -292,7 +292,9 @@ def run(quick: bool = False) -> str:
         shown = [
             (fn, c)
             for fn, c in prof.inclusive
-            if "llmgw" in fn and "__main__.py" not in fn and not fn.startswith(("<module>", "Attempts.run"))
+            if "llmgw" in fn
+            and "__main__.py" not in fn
+            and not fn.startswith(("<module>", "Attempts.run", "Retry.attempt"))
         ][:14]
         lines += [
             "",

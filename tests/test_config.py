@@ -26,6 +26,23 @@ def test_a_node_id_that_would_split_a_subject_is_refused(tmp_path: Path) -> None
     assert str(err.value) == (f"{path}: Expected `str` matching regex '^[A-Za-z0-9_-]+$' - at `$.node`")
 
 
+def test_a_restart_backoff_that_cannot_be_drawn_is_refused(tmp_path: Path) -> None:
+    """Regression: a cap below the base, or a base of 0 (an engine restarted in a hot loop),
+    was taken as given; the shard's runner now draws its waits between the two."""
+    path = tmp_path / "agent.yaml"
+    path.write_text("node: gpu-01\nrestart_backoff_s: 10\nrestart_backoff_cap_s: 5\n")
+    with pytest.raises(ConfigError) as err:
+        load(path, AgentConfig)
+    assert str(err.value) == (
+        f"{path}: restart_backoff_cap_s (5) is below restart_backoff_s (10): the cap is the longest "
+        "wait between restarts; raise it or lower restart_backoff_s"
+    )
+    path.write_text("node: gpu-01\nrestart_backoff_s: 0\n")
+    with pytest.raises(ConfigError) as err:
+        load(path, AgentConfig)
+    assert str(err.value) == f"{path}: Expected `float` > 0.0 - at `$.restart_backoff_s`"
+
+
 def test_server_yaml_errors_and_unknown_keys(tmp_path: Path) -> None:
     path = tmp_path / "server.yaml"
     path.write_text("catalog:\n  - name: tiny\n    engine: sim\n    model_path: sim://x\n    tpp: 2\n")

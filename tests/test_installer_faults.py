@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gzip
 import io
+import logging
 import os
+import re
 import sys
 import tarfile
 import threading
@@ -22,7 +24,6 @@ from llmgw_core.events import InstallProgress, NodeStatus, decoder
 from llmgw_core.installed import installed
 from llmgw_installer.checks import missing_libraries
 from llmgw_installer.errors import CheckError
-from llmgw_installer.retry import backoff
 from tests.installer_support import (
     ASSET,
     LLAMA,
@@ -110,7 +111,7 @@ def good_and_damaged(kind: str, server: Path) -> tuple[str, bytes, bytes, str]:
 
 @pytest.mark.parametrize("kind", ["zip-bad-crc", "broken-deflate", "truncated"])
 async def test_a_damaged_archive_costs_one_attempt_and_is_retried_with_backoff(
-    bus: Bus, nats_url: str, prefix: str, tmp_path: Path, kind: str
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Regression: a corrupt archive whose published sha256 matched raised BadZipFile or
     zlib.error out of the installer; the service exited and the KV said `unpacking` forever."""
@@ -141,7 +142,8 @@ async def test_a_damaged_archive_costs_one_attempt_and_is_retried_with_backoff(
             await eventually(lambda: len([e for e in events if e.outcome == "failed"]) >= 2, timeout=15)
             await eventually(lambda: inst.failing_passes >= 2)
             passes = inst.failing_passes
-            assert inst.next_pass_in() == backoff(passes, 0.3, 5.0) == min(5.0, 0.3 * 2 ** (passes - 1))
+            assert 0.3 <= inst.next_pass_in() <= min(5.0, 0.3 * 2**passes)
+            assert inst.next_pass_in() == inst.pass_wait_s, "drawn once per pass, not at each look"
             # ...until the release is fixed, and then it installs.
             rel.add(name, good)
             await eventually(lambda: "llamacpp" in installed(config.state_dir), timeout=20)
@@ -151,6 +153,23 @@ async def test_a_damaged_archive_costs_one_attempt_and_is_retried_with_backoff(
             assert inst.next_pass_in() == 600
             assert inst.faults == 0, "a damaged archive is the input's fault, not the installer's"
             tg.cancel_scope.cancel()
+    # The failing passes were one outage: said when it started, with why, and when it ended.
+    outage = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "llmgw.installer"
+        and r.levelno >= logging.WARNING
+        and "this node's engines" in r.getMessage()
+    ]
+    assert len(outage) == 2, outage
+    assert outage[0] == (
+        "node-a: installing this node's engines failed, retrying with backoff: "
+        f"engine llamacpp is failed: {detail}"
+    )
+    assert re.fullmatch(
+        r"node-a: installing this node's engines works again after \d+\.\d s and \d+ failed attempts",
+        outage[1],
+    ), outage
     assert not any((tmp_path / "state" / "engines" / ".staging").iterdir())
 
 
@@ -260,10 +279,6 @@ async def test_a_release_api_answering_500_once_is_retried_and_installs(
     assert f"installing: retrying the release lookup after attempt 1: release API {url} answered 500" in [
         e.message for e in events
     ]
-
-
-def test_backoff_doubles_up_to_its_cap() -> None:
-    assert [backoff(n, 1.0, 5.0) for n in range(1, 7)] == [1.0, 2.0, 4.0, 5.0, 5.0, 5.0]
 
 
 # --- checks that hang -------------------------------------------------------------------

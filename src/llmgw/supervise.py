@@ -38,6 +38,7 @@ import anyio.abc
 
 from llmgw_core.errors import ConfigError
 from llmgw_core.natsd import NatsServer
+from llmgw_core.retry import Backoff
 from llmgw_launcher import procs
 from llmgw_launcher.records import Records
 
@@ -72,7 +73,10 @@ class RestartPolicy:
         quick = quick_exits + 1 if ran_s < self.settled_s else 0
         if quick >= self.give_up_after:
             return quick, None
-        return quick, min(self.backoff_cap_s, self.backoff_s * 2.0**quick)
+        # llmgw's backoff, at its ceiling and not jittered: these children share one machine and
+        # no server that a restart in step would flood, and the operator is promised (and shown)
+        # a longer wait at each quick exit.
+        return quick, Backoff(self.backoff_s, self.backoff_cap_s).ceiling(quick)
 
 
 def how_it_ended(code: int) -> str:

@@ -89,8 +89,9 @@ class AgentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
     # Launcher timing.
     stop_grace_s: float = 10.0
     wait_timeout_s: float = 600.0
-    restart_backoff_s: float = 1.0
-    restart_backoff_cap_s: float = 60.0
+    # A failed shard is restarted after a jittered wait between these two (llmgw_core.retry).
+    restart_backoff_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    restart_backoff_cap_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     health_interval_s: float = 1.0
     # A ready engine's metrics are read this often for its load (running and waiting
     # requests, KV-cache use), and its status rewritten only when the load changed; 0: never.
@@ -117,6 +118,14 @@ class AgentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
     weights_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     weights_serve_bytes_s: Annotated[int, msgspec.Meta(ge=0)] = 0
     weights_peer_window_s: Annotated[float, msgspec.Meta(gt=0)] = 0.3
+
+    def __post_init__(self) -> None:
+        if self.restart_backoff_cap_s < self.restart_backoff_s:
+            raise ValueError(
+                f"restart_backoff_cap_s ({self.restart_backoff_cap_s:g}) is below restart_backoff_s "
+                f"({self.restart_backoff_s:g}): the cap is the longest wait between restarts; "
+                "raise it or lower restart_backoff_s"
+            )
 
     @property
     def state_path(self) -> Path:

@@ -12,6 +12,7 @@ import anyio
 
 from .bus import Bus, BusOptions
 from .errors import BusError, ConnectionLost, StoreFull
+from .retry import Retry
 
 log = logging.getLogger("llmgw.lifecycle")
 
@@ -21,19 +22,15 @@ async def connect_service(options: BusOptions, service: str, *, ensure: bool = T
 
     A service may start before NATS does (compose, a rebooted rack, a cluster
     still electing its leaders): while the failure is one that waiting can
-    cure, it waits, with capped backoff, saying so once. A refusal that waiting
-    cannot cure (wrong credentials) is raised at once.
+    cure, it waits, with llmgw's backoff (`retry`), saying so when it starts
+    waiting and when NATS answers. A refusal that waiting cannot cure (wrong
+    credentials) is raised at once.
     """
-    delay = 0.5
-    told = False
+    retry = Retry(log, f"{service}: connecting to NATS", base_s=0.5, cap_s=5.0, known=(BusError,))
 
     async def wait(exc: BusError) -> None:
-        nonlocal delay, told
-        if not told:
-            log.warning("%s: %s; waiting for NATS", service, exc)
-            told = True
-        await anyio.sleep(delay)
-        delay = min(5.0, delay * 2)
+        retry.failed(exc)
+        await retry.wait()
 
     while True:
         try:
@@ -58,8 +55,7 @@ async def connect_service(options: BusOptions, service: str, *, ensure: bool = T
             await wait(exc)
             continue
         break
-    if told:
-        log.warning("%s: NATS is up", service)
+    retry.succeeded()
     return bus
 
 

@@ -21,6 +21,7 @@ from llmgw_core.errors import BusError
 from llmgw_core.events import Deployment, ReplicaRecord, encode
 from llmgw_core.keys import ApiKey, KeyWindow
 from llmgw_core.limits import key_problem
+from llmgw_core.retry import Retry
 
 from .budgets import Budgets
 from .config import GatewayConfig, load_api_keys
@@ -32,6 +33,8 @@ from .web import serve_app
 
 log = logging.getLogger("llmgw.gateway")
 
+# The pause before following a bucket again after a failure, growing to the cap.
+RETRY_FIRST_S = 0.5
 RETRY_CAP_S = 10.0
 
 
@@ -118,23 +121,27 @@ class Gateway:
         for name, wchange in windows.items():
             self.budgets.observe(name, wchange.value)
 
-    async def _follow_keys(self) -> None:
+    async def _follow_keys(self, retry: Retry) -> None:
         async for change in self.bus.watch(self.bus.names.keys_bucket, ApiKey):
+            retry.succeeded()
             self.keyring.set(change.key, change.value)
 
-    async def _follow_limits(self) -> None:
+    async def _follow_limits(self, retry: Retry) -> None:
         async for change in self.bus.watch(self.bus.names.limits_bucket, KeyWindow):
+            retry.succeeded()
             self.budgets.observe(change.key, change.value)
 
-    async def _follow_replicas(self) -> None:
+    async def _follow_replicas(self, retry: Retry) -> None:
         bucket = self.bus.names.replicas_bucket
         async for change in self.bus.watch(bucket, ReplicaRecord):
+            retry.succeeded()
             if await self._acceptable(bucket, change.key, change.value):
                 self.table.set_replica(change.key, change.value)
 
-    async def _follow_deployments(self) -> None:
+    async def _follow_deployments(self, retry: Retry) -> None:
         bucket = self.bus.names.deployments_bucket
         async for change in self.bus.watch(bucket, Deployment):
+            retry.succeeded()
             if await self._acceptable(bucket, change.key, change.value):
                 self.table.set_deployment(change.key, change.value)
 
@@ -151,30 +158,27 @@ class Gateway:
             await self.bus.dead_letter(f"$KV.{bucket}.{key}", encode(value), problem)
         return False
 
-    async def _forever(self, what: str, follow: Callable[[], Awaitable[None]]) -> None:
-        """Run a watch for as long as the service runs; a failure costs one attempt, retried."""
-        delay = 0.5
+    async def _forever(self, what: str, follow: Callable[[Retry], Awaitable[None]]) -> None:
+        """Run a watch for as long as the service runs; a failure costs one attempt, retried.
+        `follow` calls `retry.succeeded()` at each change: the watch works again."""
+        retry = Retry(log, f"following {what}", base_s=RETRY_FIRST_S, cap_s=RETRY_CAP_S, known=(BusError,))
         while True:
-            try:
-                await follow()
-                delay = 0.5
-            except BusError as exc:
-                log.error("following %s failed: %s; retrying in %.1fs", what, exc, delay)
-            except Exception:
-                log.exception("following %s failed; retrying in %.1fs", what, delay)
-            await anyio.sleep(delay)
-            delay = min(RETRY_CAP_S, delay * 2)
+            await retry.attempt(partial(follow, retry))
+            # A watch that ended on its own (it is not meant to) is started again after a pause.
+            await anyio.sleep(retry.delay or RETRY_FIRST_S)
 
     async def _start_watches(self) -> None:
-        delay = 0.5
+        retry = Retry(
+            log, "reading the replicas bucket", base_s=RETRY_FIRST_S, cap_s=RETRY_CAP_S, known=(BusError,)
+        )
         while True:
             try:
                 await self._load()
                 break
             except BusError as exc:
-                log.warning("cannot read the replicas bucket yet: %s; retrying in %.1fs", exc, delay)
-                await anyio.sleep(delay)
-                delay = min(RETRY_CAP_S, delay * 2)
+                retry.failed(exc)
+                await retry.wait()
+        retry.succeeded()
         self.proxy.loaded.set()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:

@@ -1,4 +1,5 @@
-"""Trying a network step again when retrying can help: a few attempts, capped exponential backoff."""
+"""Trying a network step again when retrying can help: a few attempts, with llmgw's backoff
+(`llmgw_core.retry`: jittered, from `backoff_s` to at most `cap_s`)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,13 @@ from typing import TypeVar
 
 import anyio
 
+from llmgw_core.retry import Backoff
+
 from .errors import InstallError
 
 T = TypeVar("T")
 
 OnRetry = Callable[[int, InstallError], Awaitable[None]]
-
-
-def backoff(attempt: int, base_s: float, cap_s: float) -> float:
-    """The wait after failed attempt `attempt` (1, 2, ...): base, 2x base, 4x base, ... at most cap."""
-    return float(min(cap_s, base_s * 2.0 ** (attempt - 1)))
 
 
 async def retrying(
@@ -27,7 +25,9 @@ async def retrying(
     cap_s: float = 30.0,
     on_retry: OnRetry | None = None,
 ) -> T:
-    """`op()`, again after a retryable InstallError; the last one says how many attempts were made."""
+    """`op()`, again after a retryable InstallError; the last one says how many attempts were made.
+    Each retry is told to `on_retry` (the install's progress), not logged on its own."""
+    waits = Backoff(backoff_s, cap_s)
     for attempt in range(1, attempts + 1):
         try:
             return await op()
@@ -38,5 +38,5 @@ async def retrying(
                 raise type(exc)(f"{exc} (gave up after {attempts} attempts)", retryable=True) from exc
             if on_retry is not None:
                 await on_retry(attempt, exc)
-            await anyio.sleep(backoff(attempt, backoff_s, cap_s))
+            await anyio.sleep(waits.next())
     raise AssertionError("unreachable")

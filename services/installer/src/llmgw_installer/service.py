@@ -2,8 +2,9 @@
 
 No exception leaves the main loop: a pass that fails (a corrupt archive, a
 release API down, a bus timeout, a bug) costs that pass. An engine that did
-not install is tried again after a backoff that doubles up to a cap (never
-later than the recheck interval); a change of the desired engines wakes the
+not install is tried again after llmgw's backoff (`llmgw_core.retry`: jittered,
+growing to a cap, never later than the recheck interval); a run of such passes is
+logged when it starts and when it ends. A change of the desired engines wakes the
 loop at once.
 """
 
@@ -42,6 +43,7 @@ from llmgw_core.events import (
 from llmgw_core.installed import engines_root, read_marker
 from llmgw_core.metrics import SLOW_BUCKETS, Collect, add_bus, counter, new_registry, serve_metrics
 from llmgw_core.probe import Probe
+from llmgw_core.retry import Backoff, Outage, Retry
 from llmgw_core.telemetry import context_from
 
 from . import ospkg
@@ -49,7 +51,6 @@ from .archive import Limits
 from .checks import missing_libraries
 from .engines import configured_engines
 from .pipeline import Installation, InstallContext, Ldd, clean_staging
-from .retry import backoff
 
 log = logging.getLogger("llmgw.installer")
 tracer = trace.get_tracer("llmgw.installer")
@@ -154,8 +155,12 @@ class Installer:
         self.install_backoff_cap_s = install_backoff_cap_s
         self.ldd = ldd
         self.limits = Limits(max_total_bytes=config.unpack_max_bytes, max_ratio=config.unpack_max_ratio)
-        # Passes in a row that left an engine not running, or that faulted.
+        # Passes in a row that left an engine not running, or that faulted; the wait before
+        # the next one (drawn once per pass), and the run of such passes as one outage.
         self.failing_passes = 0
+        self.pass_backoff = Backoff(install_backoff_s, install_backoff_cap_s)
+        self.pass_wait_s = 0.0
+        self.failing = Outage(log, f"{config.node}: installing this node's engines")
         # The last pass hit a fault of the installer itself (not an engine refused).
         self.faulted = False
         self.faults = 0
@@ -215,9 +220,17 @@ class Installer:
                 status = await self._fault(exc)
             if self.faulted or status is None or any(not e.runs for e in self.engines):
                 self.failing_passes += 1
+                self.pass_wait_s = self.pass_backoff.wait(self.failing_passes)
+                self.failing.failed(self._why_failing(status))
             else:
                 self.failing_passes = 0
+                self.failing.recovered()
             return status
+
+    def _why_failing(self, status: NodeStatus | None) -> str:
+        if self.faulted or status is None:
+            return self.install_words or "the pass could not report"
+        return "; ".join(f"engine {e.name} is {e.state}: {e.detail}" for e in self.engines if not e.runs)
 
     async def _fault(self, exc: Exception) -> NodeStatus | None:
         """A pass failed outside any one install: say so, and let the next pass try again."""
@@ -341,27 +354,26 @@ class Installer:
         self.desired_traceparent = found[0].traceparent if found else ""
 
     async def _watch_desired(self) -> None:
-        failures = 0
+        retry = Retry(log, "watching the desired engines", base_s=0.5, cap_s=30.0, known=(BusError,))
         while True:
             try:
                 async for change in self.bus.watch(self.bus.names.config_bucket, DesiredEngines, "engines"):
-                    failures = 0
+                    retry.succeeded()
                     desired = change.value.engines if change.value else ()
                     self.desired_traceparent = change.value.traceparent if change.value else ""
                     if desired != self.desired:
                         self.desired = desired
                         self._wake.set()
             except Exception as exc:
-                failures += 1
-                log.warning("watching the desired engines failed (%d in a row): %s", failures, exc)
-                await anyio.sleep(backoff(failures, 0.5, 30.0))
+                retry.failed(exc)
+            await retry.wait()
 
     def next_pass_in(self) -> float:
         """Seconds until the next pass: the recheck interval, or sooner while an engine is not running."""
         recheck = self.config.recheck_interval_s
         if not self.failing_passes:
             return recheck
-        return min(recheck, backoff(self.failing_passes, self.install_backoff_s, self.install_backoff_cap_s))
+        return min(recheck, self.pass_wait_s)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -385,7 +397,7 @@ class Installer:
             while True:
                 delay = self.next_pass_in()
                 if self.failing_passes:
-                    log.info("next attempt in %.0fs (%d failed passes in a row)", delay, self.failing_passes)
+                    log.debug("next attempt in %.0fs (%d failed passes in a row)", delay, self.failing_passes)
                 with anyio.move_on_after(delay):
                     await self._wake.wait()
                 # A fresh event before the pass: a change of the desired engines during

@@ -11,7 +11,8 @@ only after the bucket holds its state or a newer one, so whoever reads the
 bucket on seeing the event sees no older state.
 
 A send whose bucket write fails (NATS down, or refusing writes for space) is
-said once per outage and written again after a pause that grows to a cap:
+said once per outage (and once when it ends) and written again after llmgw's
+backoff (`llmgw_core.retry`: jittered, growing to a cap):
 each shard's newest status, unless a newer one is queued by then. A shard
 that changes nothing while NATS cannot store would otherwise keep its last
 state in the bucket for good (`loading` for an engine long ready). Its events
@@ -33,13 +34,14 @@ from opentelemetry import propagate
 from llmgw_core.bus import Bus, Writes
 from llmgw_core.errors import StoreFull
 from llmgw_core.events import ShardStatus
+from llmgw_core.retry import Retry
 
 log = logging.getLogger("llmgw.launcher")
 
 # A shard's batch that takes longer than this (the bus is gone) is abandoned;
 # the bucket catches up with the shard's next status.
 SEND_TIMEOUT_S = 15.0
-# The pause before a status the bucket did not take is written again, doubling to the cap.
+# The pause before a status the bucket did not take is written again, growing to the cap.
 RETRY_FIRST_S = 0.5
 RETRY_CAP_S = 10.0
 
@@ -60,9 +62,14 @@ class StatusOutbox:
         self.sent = 0
         # Each shard's newest status that the bucket did not take, written again after a pause.
         self._retry: dict[str, Queued] = {}
-        self._retry_delay = RETRY_FIRST_S
         self._retry_due = False
-        self._failing_since: float | None = None
+        self._retrying = Retry(
+            log,
+            f"{node}: writing shard statuses to the status bucket",
+            base_s=RETRY_FIRST_S,
+            cap_s=RETRY_CAP_S,
+            clock=anyio.current_time,
+        )
 
     def push(self, status: ShardStatus, *, event: bool = True) -> None:
         """Queue a status; never blocks. With `event=False` it only goes to the bucket (a new
@@ -112,7 +119,7 @@ class StatusOutbox:
                 if scope.cancelled_caught:
                     failure = f"gave up after {SEND_TIMEOUT_S:g}s"
                 if failure is None:
-                    self._written()
+                    self._written(batch)
                 else:
                     self._failed(batch, count, failure)
                 self.batches += 1
@@ -121,25 +128,20 @@ class StatusOutbox:
             self._sending = False
             self._idle.set()
 
-    def _written(self) -> None:
-        self._retry_delay = RETRY_FIRST_S
-        if self._failing_since is not None:
-            log.warning(
-                "shard statuses are written again after %.0f s", anyio.current_time() - self._failing_since
-            )
-            self._failing_since = None
+    def _written(self, batch: dict[str, list[Queued]]) -> None:
+        # A shard whose newer status just landed is not written again with the older one that
+        # failed before it: the retry would put the bucket back to `starting` for good.
+        for shard in batch:
+            self._retry.pop(shard, None)
+        self._retrying.succeeded()
 
     def _failed(self, batch: dict[str, list[Queued]], count: int, failure: BaseException | str) -> None:
         """The bucket did not take `batch`: each shard's newest status is written again later."""
-        if self._failing_since is None:
-            self._failing_since = anyio.current_time()
-            # A StoreFull was said by the bus, once, as the episode it is; this says what it costs.
-            log.warning(
-                "could not write %d shard statuses to the status bucket (each shard's newest is written "
-                "again until one lands): %s",
-                count,
-                failure,
-            )
+        # A StoreFull was said by the bus, once, as the episode it is; this says what it costs.
+        said = failure if isinstance(failure, str) else str(failure) or type(failure).__name__
+        self._retrying.failed(
+            f"{said} ({count} statuses; each shard's newest is written again until one lands)"
+        )
         for shard, queued in batch.items():
             self._retry[shard] = queued[-1]
         if self._tg is not None and not self._retry_due:
@@ -147,8 +149,7 @@ class StatusOutbox:
             self._tg.start_soon(self._retry_later, name="shard statuses again")
 
     async def _retry_later(self) -> None:
-        await anyio.sleep(self._retry_delay)
-        self._retry_delay = min(RETRY_CAP_S, self._retry_delay * 2)
+        await self._retrying.wait()
         self._retry_due = False
         retry, self._retry = self._retry, {}
         for shard, queued in retry.items():

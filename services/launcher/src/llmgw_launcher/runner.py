@@ -43,6 +43,7 @@ from llmgw_core.engines import (
 )
 from llmgw_core.events import EngineLoad, ShardState, ShardStatus, now
 from llmgw_core.redact import scrub, secret_values
+from llmgw_core.retry import Backoff
 from llmgw_core.telemetry import context_from
 
 from . import ports, procs
@@ -156,6 +157,8 @@ class ShardRunner:
             else []
         )
         self.restarts = adopt.restarts if adopt else 0
+        # The wait before each restart grows with `restarts` (kept across a launcher's restart).
+        self.restart_waits = Backoff(ctx.backoff_s, ctx.backoff_cap_s)
         self.port = adopt.port if adopt else 0
         self.state: ShardState = "pending"
         # The last failure, kept across restarts until the shard is ready again.
@@ -276,8 +279,7 @@ class ShardRunner:
                 # The port may be why it failed (another process took it): pick again.
                 self._release_port()
             self._release_extra_ports()
-            delay = min(self.ctx.backoff_cap_s, self.ctx.backoff_s * 2 ** min(self.restarts, 16))
-            await anyio.sleep(delay)
+            await anyio.sleep(self.restart_waits.wait(self.restarts + 1))
             self.restarts += 1
             failure = await self._guarded(self._attempt)
 

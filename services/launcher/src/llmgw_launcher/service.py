@@ -56,6 +56,7 @@ from llmgw_core.limits import key_problem
 from llmgw_core.metrics import Collect, add_bus, counter, new_registry, serve_metrics
 from llmgw_core.probe import Probe
 from llmgw_core.redact import scrub, secret_values
+from llmgw_core.retry import Retry
 
 from . import procs
 from .audit import Suspects, audit
@@ -80,7 +81,8 @@ LOGS_REPLY_BYTES = 900 * 1024
 # This node's shard statuses are checked against what runs every this many heartbeat
 # intervals (at least a second apart).
 AUDIT_BEATS = 3
-# The longest pause before watching the status bucket again after a failure.
+# The pause before watching the status bucket again after a failure, growing to the cap.
+WATCH_RETRY_FIRST_S = 1.0
 WATCH_RETRY_CAP_S = 30.0
 
 
@@ -445,30 +447,32 @@ class Launcher:
     async def _follow_statuses(self) -> None:
         """Keep `stored` as the status bucket says, for this node's keys; a failure to watch
         (an auth.conf older than this rule refuses it) is said and retried with backoff."""
-        delay = 1.0
+        retry = Retry(
+            log,
+            f"{self.node}: reading back this node's shard statuses",
+            base_s=WATCH_RETRY_FIRST_S,
+            cap_s=WATCH_RETRY_CAP_S,
+            known=(BusError,),
+        )
         while True:
             try:
                 async for change in self.bus.watch(
                     self.bus.names.shard_status_bucket, ShardStatus, f"{self.node}.*"
                 ):
-                    delay = 1.0
+                    retry.succeeded()
                     if change.value is None:
                         self.stored.pop(change.key, None)
                     else:
                         self.stored[change.key] = change.value
             except BusError as exc:
-                log.warning(
-                    "%s: cannot read back this node's shard statuses (%s); statuses another machine "
-                    "wrote are not corrected until it can (`llmgw auth init` writes the rule); "
-                    "retrying in %.0f s",
-                    self.node,
-                    exc,
-                    delay,
+                retry.failed(
+                    f"{exc}; statuses another machine wrote are not corrected until it can "
+                    "(`llmgw auth init` writes the rule)"
                 )
-            except Exception:  # a fault costs this watch, never the launcher
-                log.exception("%s: watching this node's shard statuses failed; retrying", self.node)
-            await anyio.sleep(delay)
-            delay = min(WATCH_RETRY_CAP_S, delay * 2)
+            except Exception as exc:  # a fault costs this watch, never the launcher
+                retry.failed(exc)
+            # A watch that ended on its own (it is not meant to) is started again after a pause.
+            await anyio.sleep(retry.delay or WATCH_RETRY_FIRST_S)
 
     async def _audit_statuses(self) -> None:
         """Every few heartbeats: write again each status the bucket holds that this launcher's

@@ -41,6 +41,7 @@ from llmgw_core.events import (
     now,
 )
 from llmgw_core.limits import key_problem
+from llmgw_core.retry import Retry
 from llmgw_core.telemetry import current_traceparent
 
 from .checks import check_deployment, check_profile
@@ -60,7 +61,8 @@ T = TypeVar("T", bound=msgspec.Struct)
 STALL_S = 0.5
 # No stall for this long: placement has caught up.
 CAUGHT_UP_S = 10.0
-# The longest pause between failed control steps.
+# The pause after a failed control step, growing to the cap.
+BACKOFF_FIRST_S = 0.2
 BACKOFF_CAP_S = 5.0
 # How often each placement says what its server.yaml would seed, and after how long
 # without a word another placement's file is forgotten (it left).
@@ -262,14 +264,15 @@ class PlacementService:
                 if difference:
                     log.warning("%s: %s", self.identity, difference)
 
+        hearing = Attempts(self.identity, "hearing other placements' files")
         async with anyio.create_task_group() as tg:
             while True:
                 try:
                     await tg.start(self.bus.subscribe_core, names.placement_file, PlacementFile, heard)
                     break
                 except BusError as exc:
-                    log.warning("%s: cannot hear other placements' files yet: %s", self.identity, exc)
-                    await anyio.sleep(1.0)
+                    await anyio.sleep(hearing.failed(exc))
+            hearing.succeeded()
             while True:
                 self._file_asked = anyio.Event()
                 try:
@@ -397,15 +400,16 @@ class PlacementService:
             except (nats.errors.Error, OSError) as exc:
                 log.warning("%s: could not answer a liveness request: %s", self.identity, exc)
 
+        listening = Attempts(self.identity, "answering liveness requests", known=(nats.errors.Error, OSError))
         while True:
             try:
                 sub = await self.bus.nc.subscribe(
                     self.bus.names.liveness_request, queue="placement", cb=answer
                 )
             except (nats.errors.Error, OSError) as exc:
-                log.warning("%s: cannot answer liveness requests yet: %s", self.identity, exc)
-                await anyio.sleep(1.0)
+                await anyio.sleep(listening.failed(exc))
                 continue
+            listening.succeeded()
             try:
                 await anyio.sleep_forever()
             finally:
@@ -483,38 +487,17 @@ class PlacementService:
         await controller.load()
 
 
-class Attempts:
+class Attempts(Retry):
     """Runs one kind of attempt again and again: a failure costs that attempt, the delay
-    before the next grows to a cap, and an outage is logged when it starts and ends,
-    not at every try."""
+    before the next grows to a cap (llmgw_core.retry), and an outage is logged when it
+    starts and ends, not at every try. A lost lease is no failure of the attempt: it
+    ends leading, and propagates."""
 
-    def __init__(self, who: str, what: str) -> None:
-        self.who = who
-        self.what = what
-        self.delay = 0.0
-        self.failing_since: float | None = None
+    def __init__(self, who: str, what: str, known: tuple[type[BaseException], ...] = (BusError,)) -> None:
+        super().__init__(log, f"{who}: {what}", base_s=BACKOFF_FIRST_S, cap_s=BACKOFF_CAP_S, known=known)
 
     async def run(self, call: Callable[[], Awaitable[None]]) -> bool:
-        try:
-            await call()
-        except (LeaseLost, anyio.get_cancelled_exc_class()):
-            raise
-        except Exception as exc:
-            if self.failing_since is None:
-                self.failing_since = time.monotonic()
-                if isinstance(exc, BusError):
-                    log.warning("%s: %s failed, retrying with backoff: %s", self.who, self.what, exc)
-                else:
-                    log.exception("%s: %s failed, retrying with backoff", self.who, self.what)
-            self.delay = min(BACKOFF_CAP_S, max(0.2, self.delay * 2))
-            return False
-        if self.failing_since is not None:
-            log.warning(
-                "%s: %s works again after %.1f s", self.who, self.what, time.monotonic() - self.failing_since
-            )
-            self.failing_since = None
-        self.delay = 0.0
-        return True
+        return await self.attempt(call, fatal=(LeaseLost,))
 
 
 def _check_node(key: str, status: NodeStatus) -> str | None:

@@ -11,6 +11,7 @@ import nats.js.errors
 
 from ..access import PermissionDenied
 from ..errors import BusError
+from ..retry import Backoff
 from ..topology import node_streams
 from .facade import Bus
 
@@ -75,7 +76,7 @@ async def prepare_node(bus: Bus, *, timeout: float | None = None) -> None:
         await require_streams(bus, node_streams(bus.names), timeout=timeout)
         return
     started = time.monotonic()
-    delay = 0.5
+    waits = Backoff(0.5, 5.0)
     told = False
     while True:
         try:
@@ -83,13 +84,13 @@ async def prepare_node(bus: Bus, *, timeout: float | None = None) -> None:
             break
         except BusError as exc:
             # A cluster still electing its stream leaders, or short of space: waiting can cure it.
+            delay = waits.next()
             if not exc.retryable or (timeout is not None and time.monotonic() - started + delay > timeout):
                 raise
             if not told:
                 log.warning("%s: %s; waiting for NATS", bus.service, exc)
                 told = True
         await anyio.sleep(delay)
-        delay = min(5.0, delay * 2)
     if told:
         waited = time.monotonic() - started
         log.warning("%s: the streams are there after %.0f s; starting", bus.service, waited)
