@@ -54,7 +54,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-__all__ = ["Backoff", "Outage", "Retry"]
+__all__ = ["CALL_RETRY", "Backoff", "Outage", "Retry"]
 
 
 class Backoff:
@@ -205,3 +205,9 @@ def _said(cause: BaseException | str) -> str:
     if isinstance(cause, str):
         return cause
     return str(cause) or type(cause).__name__
+
+
+# The waits of one call tried again at once, a few times, inside the bus client (a write
+# NATS timed out or answered 503 while a stream leader was being elected): short, and
+# jittered so that a cluster's clients do not all try again in step.
+CALL_RETRY = Backoff(0.2, 0.8)

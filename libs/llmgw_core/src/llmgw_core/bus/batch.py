@@ -14,6 +14,7 @@ from opentelemetry import trace
 
 from ..errors import BusError, StoreFull
 from ..events import encode
+from ..retry import CALL_RETRY
 from ..store import BATCH_INCOMPLETE, unstaged
 from ..topology import stream_of
 from .connection import Connection, transient
@@ -149,7 +150,7 @@ class Batches:
                     raise self.space.refused(stream, refusal, what)
                 if attempt == attempts or (error.get("code") not in (503, 504) and code != BATCH_INCOMPLETE):
                     raise BusError(f"{what} was refused: {description or error} (error {code or '?'})")
-            await anyio.sleep(0.2 * attempt)
+            await anyio.sleep(CALL_RETRY.wait(attempt))
 
     async def _pipelined(self, items: list[_Write]) -> None:
         """One write at a time on the wire, many in flight: for servers without atomic batches."""
@@ -170,7 +171,7 @@ class Batches:
                     else:
                         self.space.note_write(stream)
                         return
-                    await anyio.sleep(0.2 * attempt)
+                    await anyio.sleep(CALL_RETRY.wait(attempt))
 
         async with anyio.create_task_group() as tg:
             for w in items:

@@ -25,6 +25,7 @@ from nats.js.kv import KeyValue
 from ..access import PermissionDenied
 from ..errors import BusError, ConnectionLost
 from ..events import decoder, encode
+from ..retry import CALL_RETRY, Retry
 from ..store import Limits
 from ..topology import bucket_config
 from .connection import Connection, transient
@@ -32,6 +33,8 @@ from .deadletter import DeadLetters, DecodeFailure
 from .space import Space
 
 log = logging.getLogger("llmgw.bus")
+# Failures whose message says it all (no traceback in the outage line).
+KNOWN = (nats.errors.Error, OSError, BusError)
 
 T = TypeVar("T", bound=msgspec.Struct)
 
@@ -131,7 +134,7 @@ class KV:
                 if write:
                     self.space.note_write(stream)
                 return result
-            await anyio.sleep(0.2 * attempt)
+            await anyio.sleep(CALL_RETRY.wait(attempt))
         raise AssertionError("unreachable")
 
     async def put(self, bucket: str, key: str, value: msgspec.Struct) -> int:
@@ -225,6 +228,7 @@ class KV:
         `llmgw ctl get nodes` take seconds at 10,000 nodes. A reconnect meanwhile reads again.
         """
         self.conn.check(f"$KV.{bucket}.{keys}")
+        retry = Retry(log, f"{self.conn.service}: reading {bucket}", base_s=0.5, cap_s=2.0, known=KNOWN)
         try:
             with anyio.fail_after(30):
                 while True:
@@ -232,12 +236,13 @@ class KV:
                         found = await self._last_messages(bucket, keys)
                     except PermissionDenied as exc:  # a configuration error: retrying cannot help
                         raise BusError(f"{self.conn.service}: cannot read {bucket} {keys}: {exc}") from exc
-                    except (nats.errors.Error, OSError, BusError) as exc:
+                    except KNOWN as exc:
                         self.conn.raise_if_final(exc)
-                        log.warning("%s: cannot read %s yet: %s", self.conn.service, bucket, exc)
-                        await anyio.sleep(0.5)
+                        retry.failed(exc)
+                        await retry.wait()
                         continue
                     if found is not None:
+                        retry.succeeded()
                         break
         except TimeoutError as exc:
             raise BusError(f"reading {bucket} took over 30 s; is NATS reachable?") from exc

@@ -18,6 +18,7 @@ from opentelemetry import trace
 from ..claims import Claimant
 from ..errors import BusError, ConnectionLost
 from ..events import Heartbeat, encode
+from ..retry import CALL_RETRY
 from ..topology import stream_of
 from .connection import Connection, transient
 from .space import Space
@@ -74,7 +75,7 @@ class Publisher:
             else:
                 self.space.note_write(stream)
                 return ack.seq
-            await anyio.sleep(0.2 * attempt)
+            await anyio.sleep(CALL_RETRY.wait(attempt))
             attempt += 1
 
     async def publish_core(self, subject: str, msg: msgspec.Struct) -> None:

@@ -19,9 +19,10 @@ from nats.aio.msg import Msg
 from ..access import PermissionDenied
 from ..errors import BusError
 from ..events import decoder
+from ..retry import Retry
 from .connection import Connection
 from .deadletter import DeadLetters
-from .kv import KV, KVChange, deletes
+from .kv import KNOWN, KV, KVChange, deletes
 
 log = logging.getLogger("llmgw.bus")
 
@@ -131,6 +132,7 @@ class Watches:
         prefix = f"$KV.{bucket}."
         seen: dict[str, int] = {}
         taken = 0
+        retry = Retry(log, f"{self.conn.service}: watching {bucket}", base_s=0.5, cap_s=5.0, known=KNOWN)
         while True:
             epoch = self.conn.reconnects
             inbox: deque[Msg] = deque()
@@ -149,9 +151,10 @@ class Watches:
                 raise BusError(f"{self.conn.service}: cannot watch {bucket} {keys}: {exc}") from exc
             except (nats.errors.Error, OSError, BusError) as exc:
                 self.conn.raise_if_final(exc)
-                log.warning("%s: cannot watch %s yet: %s", self.conn.service, bucket, exc)
-                await anyio.sleep(0.5)
+                retry.failed(exc)
+                await retry.wait()
                 continue
+            retry.succeeded()
             try:
                 while True:
                     if not inbox:
