@@ -27,7 +27,7 @@ from opentelemetry.trace import StatusCode
 from llmgw_core.bus import Bus
 from llmgw_core.config import loads
 from llmgw_core.errors import ConfigError
-from llmgw_core.events import ReplicaRecord, ShardStatus
+from llmgw_core.events import DeploymentStatus, ReplicaRecord, ShardStatus
 from llmgw_core.lifecycle import connect_service
 from llmgw_gateway import Gateway, GatewayConfig, Proxy, Table
 from llmgw_gateway.config import load_api_keys
@@ -370,3 +370,36 @@ def test_llmgw_gateway_says_what_is_wrong_with_its_config(tmp_path: Path) -> Non
         )
         assert done.returncode == 2
         assert done.stderr == f"llmgw-gateway: {config}: Object contains unknown field `prot` - at `$.http`\n"
+
+
+async def test_a_deployment_placement_cannot_place_is_refused_in_placements_words(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """The 503 for a deployment with no replica quotes placement's reason, every node's
+    included, even to a gateway started after placement said it."""
+    big = {**sim_catalog(name="big"), "tp": 4}
+    with cluster(tmp_path, nats_url, prefix) as c:
+        c.start_placement("p1", [big], [{"name": "big", "profile": "big", "replicas": 1}])
+        c.start_node("n1", gpus=2)
+
+        async def said() -> DeploymentStatus:
+            found = await bus.history(bus.names.deployment_event("big"), DeploymentStatus, idle_s=0.3)
+            assert found, "no DeploymentStatus yet"
+            assert found[-1].unplaceable == 1, found
+            assert "n1" in found[-1].summary, found[-1]  # every node's reason, once n1 is known
+            return found[-1]
+
+        await eventually(said, timeout=60, interval=0.5)
+        async with running_gateway(c) as (url, _), httpx.AsyncClient(timeout=30) as client:
+
+            async def refused() -> str:
+                r = await client.post(f"{url}/v1/chat/completions", json={"model": "big", "messages": CHAT})
+                assert r.status_code == 503, r.text
+                message: str = r.json()["error"]["message"]
+                assert "none placed yet" not in message, message
+                return message
+
+            message = await eventually(refused, timeout=30, interval=0.2)
+            assert message.startswith("deployment big has 0 ready replicas: big: 0 of 1 ready"), message
+            assert "1 cannot be placed" in message, message
+            assert "n1" in message, message

@@ -12,7 +12,8 @@ whose rights nats-server itself enforces, subject by subject:
     observer    reads events, node status, shard status, replicas and heartbeats;
                 writes nothing (and never sees shard specs: they carry environments)
     gateway     reads the replicas, deployments and keys buckets; reads and writes
-                the limits bucket (per-key counters, compare-and-set); writes usage
+                the limits bucket (per-key counters, compare-and-set); writes usage;
+                reads placement's deployment statuses (the reason none is placed)
     node-<id>   one per node, shared by its installer and launcher: writes only its
                 own status, shard statuses, heartbeats and events; reads the desired
                 engines, only its own shard specs and shard statuses, and its own
@@ -218,6 +219,9 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             *(f"$KV.{b}.>" for b in gw.writes),
             names.usage_all,
             f"$JS.API.STREAM.INFO.{names.usage_stream}",
+            # Placement's word on each deployment (`DeploymentStatus`): why one with no
+            # replica cannot be placed, quoted to the client that asked for it.
+            *_read_filtered(names.events_stream, names.deployment_event("*")),
         ]
         return Permissions(tuple(publish), (inbox,))
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)} or node-<node id>")

@@ -18,7 +18,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from llmgw_core.events import Deployment, ReplicaRecord
+from llmgw_core.events import Deployment, DeploymentStatus, ReplicaRecord
 
 
 @dataclass
@@ -26,6 +26,8 @@ class Table:
     deployments: dict[str, Deployment] = field(default_factory=dict)
     # `<deployment>.<replica>` -> its record.
     replicas: dict[str, ReplicaRecord] = field(default_factory=dict)
+    # Placement's last `DeploymentStatus` per deployment: its reason when none can be placed.
+    statuses: dict[str, DeploymentStatus] = field(default_factory=dict)
     # Requests in flight per replica key.
     outstanding: Counter[str] = field(default_factory=Counter)
     # When each replica key was last chosen: among equally busy replicas, the one
@@ -40,6 +42,9 @@ class Table:
             self.deployments.pop(name, None)
         else:
             self.deployments[name] = value
+
+    def set_status(self, status: DeploymentStatus) -> None:
+        self.statuses[status.deployment] = status
 
     def set_replica(self, key: str, value: ReplicaRecord | None) -> None:
         if value is None:
@@ -113,8 +118,12 @@ class Table:
         if not records:
             if d is not None and d.replicas == 0:
                 return f"deployment {deployment} has 0 ready replicas: it is scaled to 0"
-            # Placement's reason for a refusal is in its deployment events, which the gateway
-            # does not read: the operator's command that shows it is named instead.
+            status = self.statuses.get(deployment)
+            if status is not None and status.unplaceable and status.summary:
+                # Placement's own words, every node's reason included ("chat: 0 of 2 ready;
+                # 2 cannot be placed: node-a no GPU of class H100, …").
+                return f"deployment {deployment} has 0 ready replicas: {status.summary}"
+            # Not refused (yet): placing it, or placement has not spoken of it.
             return (
                 f"deployment {deployment} has 0 ready replicas: none placed yet "
                 f"(`llmgw ctl explain {deployment}` shows placement's reason)"

@@ -18,7 +18,7 @@ from opentelemetry import trace
 
 from llmgw_core.bus import Bus
 from llmgw_core.errors import BusError
-from llmgw_core.events import Deployment, ReplicaRecord, encode
+from llmgw_core.events import Deployment, DeploymentStatus, ReplicaRecord, encode
 from llmgw_core.keys import ApiKey, KeyWindow
 from llmgw_core.limits import key_problem
 from llmgw_core.retry import Retry
@@ -145,6 +145,13 @@ class Gateway:
             if await self._acceptable(bucket, change.key, change.value):
                 self.table.set_deployment(change.key, change.value)
 
+    async def _follow_statuses(self, retry: Retry) -> None:
+        """Placement's last word on each deployment: why one with no replica is not placed."""
+        subject = self.bus.names.deployment_event("*")
+        async for _, status in self.bus.last_per_subject(subject, DeploymentStatus):
+            retry.succeeded()
+            self.table.set_status(status)
+
     async def _acceptable(self, bucket: str, key: str, value: Deployment | ReplicaRecord | None) -> bool:
         """Whether a key may enter the routing table: one over the name limits or with a dot
         (written by hand) is dead-lettered, and never named to a client as a deployment."""
@@ -201,6 +208,7 @@ class Gateway:
                 await self._start_watches()
                 tg.start_soon(self._forever, "the replicas bucket", self._follow_replicas)
                 tg.start_soon(self._forever, "the deployments bucket", self._follow_deployments)
+                tg.start_soon(self._forever, "placement's deployment statuses", self._follow_statuses)
                 tg.start_soon(self._forever, "the keys bucket", self._follow_keys)
                 tg.start_soon(self._forever, "the limits bucket", self._follow_limits)
         finally:

@@ -221,6 +221,10 @@ class Bus:
         """Handle plain NATS messages (heartbeats) until cancelled; bad ones go to the DLQ."""
         await self.watches.subscribe_core(subject, kind, handler, task_status=task_status)
 
+    def last_per_subject(self, subject: str, kind: type[T]) -> AsyncIterator[tuple[str, T]]:
+        """The last event on each subject matching `subject`, then each new one."""
+        return self.watches.last_per_subject(subject, kind)
+
     def watch(
         self, bucket: str, kind: type[T], keys: str = ">", *, undecodable: bool = False
     ) -> AsyncIterator[KVChange[T]]:

@@ -15,6 +15,7 @@ import anyio.lowlevel
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
+from nats.js import api
 
 from ..access import PermissionDenied
 from ..errors import BusError
@@ -62,6 +63,65 @@ class Watches:
         finally:
             with anyio.CancelScope(shield=True), contextlib.suppress(nats.errors.Error, OSError):
                 await sub.unsubscribe()
+
+    async def last_per_subject(self, subject: str, kind: type[T]) -> AsyncIterator[tuple[str, T]]:
+        """The last event still in the events stream on each subject matching `subject`, then
+        every new one, as `(subject, value)`, for as long as the caller iterates (placement's
+        `DeploymentStatus` per deployment, for a reader that starts after it was published).
+        A consumer lost to a reconnect or a server restart is opened again: what came
+        meanwhile comes out as each subject's last. Values that do not decode go to the DLQ."""
+        self.conn.check(subject)
+        dec = decoder(kind)
+        retry = Retry(log, f"{self.conn.service}: reading {subject}", base_s=0.5, cap_s=5.0, known=KNOWN)
+        while True:
+            epoch = self.conn.reconnects
+            inbox: deque[Msg] = deque()
+            arrived = [anyio.Event()]
+
+            async def on_msg(
+                msg: Msg, inbox: deque[Msg] = inbox, arrived: list[anyio.Event] = arrived
+            ) -> None:
+                inbox.append(msg)
+                arrived[0].set()
+
+            try:
+                sub = await self.conn.js.subscribe(
+                    subject,
+                    stream=self.conn.names.events_stream,
+                    cb=on_msg,
+                    ordered_consumer=True,
+                    deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+                    inactive_threshold=300,
+                )
+            except PermissionDenied as exc:  # a configuration error: retrying cannot help
+                raise BusError(f"{self.conn.service}: cannot read {subject}: {exc}") from exc
+            except KNOWN as exc:
+                self.conn.raise_if_final(exc)
+                retry.failed(exc)
+                await retry.wait()
+                continue
+            retry.succeeded()
+            try:
+                while True:
+                    if not inbox:
+                        arrived[0] = anyio.Event()
+                        with anyio.move_on_after(1.0):
+                            await arrived[0].wait()
+                        if not inbox:
+                            if self.conn.reconnects != epoch:
+                                break  # open it again: each subject's last comes out then
+                            continue
+                    msg = inbox.popleft()
+                    try:
+                        value = dec.decode(msg.data)
+                    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                        await self.dlq.dead_letter(msg.subject, msg.data, str(exc))
+                        continue
+                    yield msg.subject, value
+            finally:
+                with anyio.CancelScope(shield=True):
+                    with contextlib.suppress(nats.errors.Error, OSError):
+                        await sub.unsubscribe()
 
     async def subscribe_core(
         self,
