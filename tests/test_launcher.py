@@ -143,12 +143,17 @@ async def test_a_profile_too_big_for_the_node_fails_once_and_starts_nothing(
     async with shard_events(bus) as events, running_launcher(config) as launcher:
         await bus.put(bus.names.shards_bucket, "node-a.big", shard("node-a", "big", big, gpus=[0, 1]))
         await eventually(lambda: "failed" in events.states("big"), timeout=10)
-        # A validation failure is not retried: a shard whose engine exits (retryable), started
-        # after it failed, is restarted twice meanwhile, each after a backoff at least as long.
+        # A validation failure is not retried. Counted, not slept: a shard whose engine exits
+        # (a retryable failure), put after the refused one failed, is restarted twice, each time
+        # after a backoff no shorter than the refused shard's first retry would have waited.
         refused = sim_profile("--refuse", "not today")
         await bus.put(bus.names.shards_bucket, "node-a.exits", shard("node-a", "exits", refused))
 
-        await passes(lambda: launcher.handles["node-a.exits"].runner.restarts, 2, timeout=30)
+        def restarts() -> int:
+            handle = launcher.handles.get("node-a.exits")  # not there until the launcher hears of it
+            return handle.runner.restarts if handle else 0
+
+        await passes(restarts, 2, timeout=30)
         assert launcher.handles["node-a.big"].runner.restarts == 0
         assert events.states("big") == ["pending", "failed"]
         [failed] = [s for s in events.of("big") if s.state == "failed"]
