@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 
 from llmgw.auth import AuthDir
@@ -19,6 +21,7 @@ from llmgw_core.config import AgentConfig
 from llmgw_launcher.records import Records
 from llmgw_placement.config import ServerConfig
 from tests.auth_support import session_for
+from tests.metrics_support import value
 
 
 @dataclass
@@ -171,6 +174,16 @@ class Cluster:
         for pid in self.engine_pids(node):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
+
+    async def steps(self, identity: str) -> float:
+        """Control steps placement `identity` has finished since it last started, as its
+        /metrics counts them (for `passes`)."""
+        found = re.findall(r"API on (http://\S+)", self.log(f"placement-{identity}"))
+        assert found, f"placement-{identity} serves no API yet"
+        async with httpx.AsyncClient(timeout=10) as client:
+            r = await client.get(f"{found[-1]}/metrics", headers=self.api_headers)
+        assert r.status_code == 200, r.text
+        return value(r.text, "llmgw_placement_step_duration_seconds_count")
 
     def log(self, name: str) -> str:
         return (self.root / f"{name}.log").read_text(errors="replace")

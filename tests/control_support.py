@@ -58,6 +58,11 @@ class Placement:
     def kill(self) -> None:
         self.scope.cancel()
 
+    def steps(self) -> float:
+        """Control steps this placement has finished, as its /metrics counts them (for `passes`)."""
+        found = self.service.metrics.registry.get_sample_value("llmgw_placement_step_duration_seconds_count")
+        return found or 0.0
+
 
 @dataclass
 class ControlPlane:

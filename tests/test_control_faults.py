@@ -28,7 +28,7 @@ from llmgw_core.events import (
 )
 from llmgw_placement.controller import ClusterState, Controller
 from tests.control_support import TP1, control_plane, dlq, ready_replicas, replicas, server_config
-from tests.waiting import eventually
+from tests.waiting import eventually, passes
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 
@@ -137,7 +137,7 @@ async def test_bad_desired_state_is_dead_lettered_and_causes_nothing(
             "'^[A-Za-z0-9_-]+$' - at `$.name`" in text
         )
         writes = p.service.controller.writes if p.service.controller else 0
-        await anyio.sleep(2.0)
+        await passes(p.steps)
         assert set(await replicas(bus)) == before, "bad input placed or removed nothing"
         assert p.service.controller is not None
         assert p.service.controller.writes == writes
@@ -329,7 +329,7 @@ async def test_runtime_changes_survive_a_leader_change(bus: Bus, nats_url: str, 
         before = await ready_replicas(bus, "chat")
         a.kill()
         await eventually(lambda: b.service.is_leader, timeout=20)
-        await anyio.sleep(2.0)
+        await passes(b.steps)
         got = await bus.get(bus.names.deployments_bucket, "chat", Deployment)
         assert got is not None
         assert got[0].replicas == 3
@@ -356,7 +356,7 @@ async def test_a_placement_that_falls_behind_fails_no_node_over(bus: Bus, nats_u
         await eventually(lambda: _count(ready_replicas(bus, "chat"), 2), timeout=20)
         before = await ready_replicas(bus, "chat")
         time.sleep(3.0)  # noqa: ASYNC251 - on purpose: placement (and the fleet beside it) hear nothing
-        await anyio.sleep(3.0)
+        await passes(p.steps)
         assert p.service.behind
         assert p.service.stalls >= 1
         assert await ready_replicas(bus, "chat") == before, "nothing was failed over"

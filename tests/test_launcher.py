@@ -32,7 +32,7 @@ from tests.launcher_support import (
 )
 from tests.metrics_support import families, value
 from tests.test_sim_engine import free_port
-from tests.waiting import eventually
+from tests.waiting import eventually, passes
 
 pytestmark = pytest.mark.anyio
 
@@ -139,11 +139,21 @@ async def test_a_profile_too_big_for_the_node_fails_once_and_starts_nothing(
 ) -> None:
     config = agent_config(nats_url, prefix, tmp_path / "agent")
     big = sim_profile(tp=4, gpu_class="H100-80G")
-    async with shard_events(bus) as events, running_launcher(config):
+    async with shard_events(bus) as events, running_launcher(config) as launcher:
         await bus.put(bus.names.shards_bucket, "node-a.big", shard("node-a", "big", big, gpus=[0, 1]))
         await eventually(lambda: "failed" in events.states("big"), timeout=10)
-        # Several backoff periods pass: a validation failure is not retried.
-        await anyio.sleep(config.restart_backoff_s * 5)
+        # A validation failure is not retried. Counted, not slept: a shard whose engine exits
+        # (a retryable failure), put after the refused one failed, is restarted twice, each time
+        # after a backoff no shorter than the refused shard's first retry would have waited.
+        refused = sim_profile("--refuse", "not today")
+        await bus.put(bus.names.shards_bucket, "node-a.exits", shard("node-a", "exits", refused))
+
+        def restarts() -> int:
+            handle = launcher.handles.get("node-a.exits")  # not there until the launcher hears of it
+            return handle.runner.restarts if handle else 0
+
+        await passes(restarts, 2, timeout=30)
+        assert launcher.handles["node-a.big"].runner.restarts == 0
         assert events.states("big") == ["pending", "failed"]
         [failed] = [s for s in events.of("big") if s.state == "failed"]
         assert failed.reason == (
@@ -152,7 +162,8 @@ async def test_a_profile_too_big_for_the_node_fails_once_and_starts_nothing(
         )
         assert failed.retryable is False
         assert failed.pids == ()
-        assert processes_with(str(tmp_path)) == []
+        await bus.delete(bus.names.shards_bucket, "node-a.exits")
+        await eventually(lambda: processes_with(str(tmp_path)) == [], timeout=20)
 
 
 async def test_two_launchers_run_a_two_rank_shard_and_the_worker_waits_for_the_leader(

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from tests.cluster_support import cluster, sim_catalog
 from tests.control_support import TP1, control_plane, replicas
 from tests.installer_support import ASSET, agent, build_server, installer, pack, release_server, want
 from tests.launcher_support import running_launcher
-from tests.waiting import eventually
+from tests.waiting import eventually, passes
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 
@@ -164,7 +165,8 @@ async def test_a_lost_node_refuses_each_deployment_once_not_every_step(
     deployment republished it every step (293 events in 78 s for 4 deployments)."""
     async with control_plane(nats_url, prefix) as cp:
         fleet = await cp.start_fleet(["n0"], gpus=1)
-        await cp.start_placement("a")
+        # A full reconcile every second, so that the passes counted below include some.
+        p = await cp.start_placement("a", reconcile_interval_s=1.0)
         await eventually(lambda: len(cp.leaders()) == 1, timeout=20)
         for i in range(4):
             await bus.put(bus.names.deployments_bucket, f"d{i}", Deployment(name=f"d{i}", profile="tp1"))
@@ -193,7 +195,8 @@ async def test_a_lost_node_refuses_each_deployment_once_not_every_step(
             n: len(await bus.history(bus.names.deployment_event(n), DeploymentStatus, idle_s=0.2))
             for n in names
         }
-        await anyio.sleep(60)
+        # Passes that began once "lost N s ago" had changed twice and two full reconciles were due.
+        await passes(p.steps, 5, since=time.monotonic() + 2.5)
         for n in names:
             after = await bus.history(bus.names.placement_event(n), PlacementDecision, idle_s=0.2)
             assert len(after) == before[n], f"{n}: {len(after) - before[n]} refusals republished while lost"

@@ -196,7 +196,7 @@ async def test_dev_up_brings_up_a_cluster_that_answers_and_stops_cleanly(tmp_pat
             assert r.status_code == 401
         await operator_sees_the_cluster(text, data)
         port = engine.rsplit(":", 1)[1]
-        engines = processes_with(f"--port {port} --model tiny-chat")
+        engines = processes_with(f"--port {port} --model tiny-chat", under=data)
         assert len(engines) == 1
         agents = processes_with(str(data))
         assert len(agents) >= 5, (
