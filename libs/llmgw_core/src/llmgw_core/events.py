@@ -40,6 +40,7 @@ __all__ = [
     "Profile",
     "ReplicaRecord",
     "ReplicaStatus",
+    "ShardFailure",
     "ShardLogs",
     "ShardLogsRequest",
     "ShardSpec",
@@ -251,6 +252,24 @@ class EngineLoad(Struct, frozen=True, kw_only=True):
         )
 
 
+class ShardFailure(Struct, frozen=True, kw_only=True):
+    """How one attempt of a shard ended, as fields. Readers format it where they show it
+    (`llmgw_core.failures`); none parses a failure back out of text."""
+
+    # What ended the attempt, in one line and without the log: "sim (pid 12) exited with
+    # code 42", "no health answer within 120 s from http://… (last: connection refused)".
+    reason: str
+    # The exit status of the process whose exit ended the attempt, as subprocess gives it:
+    # its code, or minus the signal that killed it (-9: SIGKILL). None where no collected
+    # exit ended it (a health timeout, a process adopted or reaped elsewhere).
+    exit: int | None = None
+    # The failing attempt's own last log lines (an earlier attempt's never explain it).
+    log_tail: tuple[str, ...] = ()
+    # Which attempt failed: 1 for the first start, restarts + 1 after.
+    attempt: Annotated[int, Meta(ge=0)] = 0
+    at: float = 0.0
+
+
 class ShardStatus(Message, frozen=True):
     node: Name
     shard: Token
@@ -275,6 +294,9 @@ class ShardStatus(Message, frozen=True):
     last_failure_at: float = 0.0
     # The engine's load, read from its metrics while it is ready; None otherwise.
     load: EngineLoad | None = None
+    # The last failure as fields (`last_failure` holds the same as text, for readers that
+    # predate them); None while there is none.
+    failure: ShardFailure | None = None
 
 
 # --- deployments and replicas -------------------------------------------------
@@ -322,6 +344,8 @@ class ReplicaRecord(Message, frozen=True):
     last_failure: str = ""
     # Its profile's engine (`vllm`, `llamacpp`, …): which API paths the gateway may send it.
     engine: str = ""
+    # `last_failure` as fields, from the shard that failed last.
+    failure: ShardFailure | None = None
 
 
 class ReplicaStatus(Message, frozen=True):

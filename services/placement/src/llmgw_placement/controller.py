@@ -31,6 +31,7 @@ import anyio.lowlevel
 import msgspec
 from opentelemetry import trace
 
+from llmgw_core import failures
 from llmgw_core.bus import Bus, Writes
 from llmgw_core.claims import Claims
 from llmgw_core.engines import Member, Profile, ShardSpec
@@ -611,7 +612,7 @@ class Controller:
                 url = statuses[0].url
         elif failed:
             state = "failed" if any(not s.retryable for s in failed) else "degraded"
-            reason = "; ".join(f"{s.node}/{s.shard}: {s.reason}" for s in failed)
+            reason = "; ".join(f"{s.node}/{s.shard}: {failures.reason_line(s)}" for s in failed)
         elif last_ready:
             leader = statuses[0]
             assert leader is not None
@@ -627,15 +628,16 @@ class Controller:
         restarts = sum(s.restarts for s in known)
         last = max(known, key=lambda s: s.last_failure_at, default=None)
         last_failure = last.last_failure if last is not None and state != "ready" else ""
-        if state == "starting" and last_failure:
-            headline = last_failure.split("\n", 1)[0].split("; last log lines", 1)[0]
-            reason = f"attempt {restarts + 1}; last: {headline}"
-        if (state, reason, url, restarts, last_failure) != (
+        failure = failures.failure_of(last) if last is not None and state != "ready" else None
+        if state == "starting" and failure is not None:
+            reason = failures.retrying(restarts + 1, failure)
+        if (state, reason, url, restarts, last_failure, failure) != (
             record.state,
             record.reason,
             record.url,
             record.restarts,
             record.last_failure,
+            record.failure,
         ):
             changed = msgspec.structs.replace(
                 record,
@@ -644,6 +646,7 @@ class Controller:
                 url=url,
                 restarts=restarts,
                 last_failure=last_failure,
+                failure=failure,
                 since=record.since if state == record.state and record.since else now(),
                 updated_at=now(),
             )
