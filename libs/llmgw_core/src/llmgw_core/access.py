@@ -66,7 +66,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, JetStreamManager, api
 
 from .errors import BusError, ConfigError
-from .subjects import Names
+from .subjects import ALL, ENGINES_KEY, ONE, Names
 
 if TYPE_CHECKING:
     from .bus import Bus
@@ -142,13 +142,12 @@ def all_streams(names: Names) -> list[str]:
 
 def _node_publish(names: Names, node: str) -> list[str]:
     """A node's writes; `node` is a node id, or `*` for the simulated fleet."""
-    p = names.prefix
     return [
-        f"$KV.{names.nodes_bucket}.{node}",
-        f"$KV.{names.shard_status_bucket}.{node}.*",
-        f"{p}.heartbeat.{node}.*",
-        f"{p}.events.node.{node}.>",
-        f"{p}.events.shard.{node}.>",
+        names.kv_subject(names.nodes_bucket, node),
+        names.kv_subject(names.shard_status_bucket, names.shard_key(node, ONE)),
+        names.heartbeat(node, ONE),
+        names.node_events(node),
+        names.shard_event(node, ALL),
         f"$JS.API.STREAM.INFO.{names.events_stream}",
         f"$JS.API.STREAM.INFO.{names.dlq_stream}",
         f"$JS.API.STREAM.INFO.{_kv_stream(names.nodes_bucket)}",
@@ -159,20 +158,20 @@ def _node_publish(names: Names, node: str) -> list[str]:
 
 def permissions(role: str, names: Names, public_key: str) -> Permissions:
     """nats-server permissions of one identity; `role` is one of ROLES or `node-<id>`."""
-    p = names.prefix
-    inbox = f"{inbox_prefix(public_key)}.>"
+    inbox = f"{inbox_prefix(public_key)}.{ALL}"
     heartbeats = names.heartbeat_all
     if role.startswith(NODE_ROLE_PREFIX):
         node = role.removeprefix(NODE_ROLE_PREFIX)
         shards = _kv_stream(names.shards_bucket)
         publish = [
             *_node_publish(names, node),
-            f"{p}.dlq.installer-{node}",
-            f"{p}.dlq.launcher-{node}",
-            *_read_filtered(shards, f"$KV.{names.shards_bucket}.{node}.*"),
+            names.dlq(f"installer-{node}"),
+            names.dlq(f"launcher-{node}"),
+            *_read_filtered(shards, names.kv_subject(names.shards_bucket, names.shard_key(node, ONE))),
             # Its launcher reads back its own shard statuses, to correct what it does not run.
             *_read_filtered(
-                _kv_stream(names.shard_status_bucket), f"$KV.{names.shard_status_bucket}.{node}.*"
+                _kv_stream(names.shard_status_bucket),
+                names.kv_subject(names.shard_status_bucket, names.shard_key(node, ONE)),
             ),
         ]
         # Its launcher answers requests for its shards' logs (and only for its own); its
@@ -182,7 +181,7 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
     if role == "fleet":
         publish = [
             *_node_publish(names, "*"),
-            f"{p}.dlq.llmgw-fleet",
+            names.dlq("llmgw-fleet"),
             *_read_all(_kv_stream(names.shards_bucket)),
         ]
         return Permissions(tuple(publish), (inbox,))
@@ -196,11 +195,11 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             names.leases_bucket,
         ]
         publish = [
-            *(f"$KV.{b}.>" for b in writes),
-            f"{p}.events.replica.>",
-            f"{p}.events.placement.>",
-            f"{p}.events.deployment.>",
-            f"{p}.dlq.placement",
+            *(names.kv_subject(b, ALL) for b in writes),
+            names.replica_events_all,
+            names.placement_event(ALL),
+            names.deployment_event(ALL),
+            names.dlq("placement"),
             names.placement_file,
             *(f"$JS.API.STREAM.{op}.{s}" for s in all_streams(names) for op in ("CREATE", "UPDATE", "INFO")),
             *(rule for b in names.buckets() for rule in _read_all(_kv_stream(b))),
@@ -210,15 +209,15 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
         return Permissions(tuple(publish), subscribe, allow_responses=True)
     if role == "ctl":
         publish = [
-            f"$KV.{names.deployments_bucket}.>",
-            f"$KV.{names.catalog_bucket}.>",
+            names.kv_subject(names.deployments_bucket, ALL),
+            names.kv_subject(names.catalog_bucket, ALL),
             # The desired engines are the operator's too (`llmgw ctl apply -f server.yaml`).
-            f"$KV.{names.config_bucket}.engines",
+            names.kv_subject(names.config_bucket, ENGINES_KEY),
             names.liveness_request,
             # `llmgw ctl logs`: any node's launcher, for its shards' log lines.
-            names.launcher_logs("*"),
-            f"{p}.dlq.llmgw-ctl",
-            f"{p}.dlq.llmgw-up",
+            names.launcher_logs(ONE),
+            names.dlq("llmgw-ctl"),
+            names.dlq("llmgw-up"),
             *(rule for s in all_streams(names) for rule in _read_all(s)),
         ]
         return Permissions(tuple(publish), (inbox, heartbeats, names.events_all))

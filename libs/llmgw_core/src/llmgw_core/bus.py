@@ -71,7 +71,7 @@ from .store import (
     unstaged,
 )
 from .store import size as _size
-from .subjects import DEFAULT_PREFIX, Names
+from .subjects import ALL, DEFAULT_PREFIX, Names
 
 log = logging.getLogger("llmgw.bus")
 tracer = trace.get_tracer("llmgw.bus")
@@ -144,10 +144,10 @@ class Writes:
     items: list[_Write] = field(default_factory=list)
 
     def put(self, bucket: str, key: str, value: msgspec.Struct) -> None:
-        self.items.append(_Write(f"$KV.{bucket}.{key}", encode(value), {}))
+        self.items.append(_Write(Names.kv_subject(bucket, key), encode(value), {}))
 
     def delete(self, bucket: str, key: str) -> None:
-        self.items.append(_Write(f"$KV.{bucket}.{key}", b"", {"KV-Operation": "DEL"}))
+        self.items.append(_Write(Names.kv_subject(bucket, key), b"", {"KV-Operation": "DEL"}))
 
     def publish(self, subject: str, msg: msgspec.Struct, *, traceparent: str = "") -> None:
         """An event; it carries `traceparent` (else the current span's context)."""
@@ -896,7 +896,7 @@ class Bus:
 
     async def put(self, bucket: str, key: str, value: msgspec.Struct) -> int:
         """Write a key; a put is idempotent, so a timed-out one (lost in a reconnect) is retried."""
-        self._check(f"$KV.{bucket}.{key}")
+        self._check(Names.kv_subject(bucket, key))
         data = encode(value)
         return int(
             await self._kv_call(f"write {bucket}/{key}", bucket, lambda kv: kv.put(key, data), write=True)
@@ -904,7 +904,7 @@ class Bus:
 
     async def create(self, bucket: str, key: str, value: msgspec.Struct) -> int | None:
         """Write a key only if it has no value; None if it has one."""
-        self._check(f"$KV.{bucket}.{key}")
+        self._check(Names.kv_subject(bucket, key))
         data = encode(value)
         try:
             return int(
@@ -917,7 +917,7 @@ class Bus:
 
     async def update(self, bucket: str, key: str, value: msgspec.Struct, *, last: int) -> int | None:
         """Compare-and-set: write only if the key is still at revision `last`; None if it moved."""
-        self._check(f"$KV.{bucket}.{key}")
+        self._check(Names.kv_subject(bucket, key))
         data = encode(value)
         try:
             return int(
@@ -929,7 +929,7 @@ class Bus:
             return None
 
     async def get(self, bucket: str, key: str, kind: type[T]) -> tuple[T, int] | None:
-        self._check(f"$KV.{bucket}.{key}")
+        self._check(Names.kv_subject(bucket, key))
         try:
             entry = await self._kv_call(f"read {bucket}/{key}", bucket, lambda kv: kv.get(key))
         except nats.js.errors.NotFoundError:  # never written, or deleted
@@ -1105,14 +1105,14 @@ class Bus:
         except nats.js.errors.NoKeysError:
             return set()
 
-    async def entries(self, bucket: str, kind: type[T], keys: str = ">") -> dict[str, KVChange[T]]:
+    async def entries(self, bucket: str, kind: type[T], keys: str = ALL) -> dict[str, KVChange[T]]:
         """A snapshot of every key's current value (bad values are skipped, and counted).
 
         Each key's last message is only collected as it arrives, and decoded once all are
         in: through `watch`, every key costs a queue hop and a timed wait, which made
         `llmgw ctl get nodes` take seconds at 10,000 nodes. A reconnect meanwhile reads again.
         """
-        self._check(f"$KV.{bucket}.{keys}")
+        self._check(Names.kv_subject(bucket, keys))
         try:
             with anyio.fail_after(30):
                 while True:
@@ -1140,7 +1140,7 @@ class Bus:
         """Each key's last value and revision, deleted keys left out, read by one ordered
         consumer; None when the connection was replaced meanwhile."""
         await self.kv(bucket)  # the bucket exists, and this identity may read it
-        prefix = f"$KV.{bucket}."
+        prefix = Names.kv_subject(bucket, "")
         found: dict[str, tuple[int, bytes]] = {}
         done = anyio.Event()
 
@@ -1189,7 +1189,7 @@ class Bus:
         """An ordered consumer of `bucket`'s keys matching `keys`: each key's last message, then
         every new one, to `on_msg`."""
         return await self.js.subscribe(
-            f"$KV.{bucket}.{keys}",
+            Names.kv_subject(bucket, keys),
             stream=f"KV_{bucket}",
             cb=on_msg,
             ordered_consumer=True,
@@ -1208,10 +1208,10 @@ class Bus:
             # Only a KV delete (its KV-Operation header) removes a key: an empty
             # value put by mistake must not stop an engine or drop a deployment.
             error = "an empty value is not a delete (use a KV delete); the key keeps its last value"
-            await self.dead_letter(f"$KV.{bucket}.{key}", b"", error)
+            await self.dead_letter(Names.kv_subject(bucket, key), b"", error)
             return error
         try:
-            return self._decode(kind, f"$KV.{bucket}.{key}", data)
+            return self._decode(kind, Names.kv_subject(bucket, key), data)
         except DecodeFailure as exc:
             await self.dead_letter(exc.subject, data, exc.error)
             return exc.error
@@ -1395,7 +1395,7 @@ class Bus:
                     await sub.unsubscribe()
 
     async def watch(
-        self, bucket: str, kind: type[T], keys: str = ">", *, undecodable: bool = False
+        self, bucket: str, kind: type[T], keys: str = ALL, *, undecodable: bool = False
     ) -> AsyncIterator[KVChange[T]]:
         """Every key's current value first, then each change, for as long as the caller iterates.
 
@@ -1417,8 +1417,8 @@ class Bus:
         After every WATCH_TURN_EVERY messages the loop turns once, so that a long run
         (thousands of shard statuses) does not hold the caller's other tasks back.
         """
-        self._check(f"$KV.{bucket}.{keys}")
-        prefix = f"$KV.{bucket}."
+        self._check(Names.kv_subject(bucket, keys))
+        prefix = Names.kv_subject(bucket, "")
         seen: dict[str, int] = {}
         taken = 0
         while True:

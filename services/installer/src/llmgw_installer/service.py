@@ -42,6 +42,7 @@ from llmgw_core.events import (
 from llmgw_core.installed import engines_root, read_marker
 from llmgw_core.metrics import SLOW_BUCKETS, Collect, add_bus, counter, new_registry, serve_metrics
 from llmgw_core.probe import Probe
+from llmgw_core.subjects import ENGINES_KEY
 from llmgw_core.telemetry import context_from
 
 from . import ospkg
@@ -336,7 +337,7 @@ class Installer:
     # --- the service -----------------------------------------------------------------
 
     async def load_desired(self) -> None:
-        found = await self.bus.get(self.bus.names.config_bucket, "engines", DesiredEngines)
+        found = await self.bus.get(self.bus.names.config_bucket, ENGINES_KEY, DesiredEngines)
         self.desired = found[0].engines if found else ()
         self.desired_traceparent = found[0].traceparent if found else ""
 
@@ -344,7 +345,7 @@ class Installer:
         failures = 0
         while True:
             try:
-                async for change in self.bus.watch(self.bus.names.config_bucket, DesiredEngines, "engines"):
+                async for change in self.bus.watch(self.bus.names.config_bucket, DesiredEngines, ENGINES_KEY):
                     failures = 0
                     desired = change.value.engines if change.value else ()
                     self.desired_traceparent = change.value.traceparent if change.value else ""

@@ -48,6 +48,7 @@ from llmgw_core.events import (
     ShardStatus,
     now,
 )
+from llmgw_core.subjects import Names
 from llmgw_core.telemetry import context_from, current_traceparent
 
 from .config import ServerConfig
@@ -545,7 +546,7 @@ class Controller:
         if self._told_unknown.get(dep.name) != dep:
             self._told_unknown[dep.name] = dep
             await self.bus.dead_letter(
-                f"$KV.{self.bus.names.deployments_bucket}.{dep.name}",
+                self.bus.names.kv_subject(self.bus.names.deployments_bucket, dep.name),
                 msgspec.json.encode(dep),
                 f"deployment {dep.name}: profile {dep.profile} is not in the catalog "
                 f"({', '.join(sorted(self.state.catalog)) or 'the catalog is empty'})",
@@ -1036,7 +1037,7 @@ def _reasons_text(reasons: tuple[NodeReason, ...], limit: int = 5) -> str:
 
 
 def _key(record: ReplicaRecord) -> str:
-    return f"{record.deployment}.{record.replica}"
+    return Names.replica_key(record.deployment, record.replica)
 
 
 def _replica_order(record: ReplicaRecord) -> tuple[int, str]:
