@@ -31,6 +31,7 @@ from llmgw_core.events import (
 from llmgw_core.limits import NAME_MAX, name_problem, profile_problem, shown
 from llmgw_core.subjects import ALL, ENGINES_KEY, ONE, Names
 from llmgw_core.telemetry import current_traceparent
+from llmgw_core.validate import check_deployment, check_profile
 
 from .._parser import stdout_closed
 from . import _read as read
@@ -120,7 +121,6 @@ async def apply(bus: Bus, path: str, *, dry_run: bool = False, prune: bool = Fal
     from llmgw_core.config import loads
     from llmgw_core.engines import default_registry
     from llmgw_core.events import DesiredEngines
-    from llmgw_placement.checks import check_deployment
     from llmgw_placement.config import ServerConfig
 
     from . import _apply
@@ -134,6 +134,10 @@ async def apply(bus: Bus, path: str, *, dry_run: bool = False, prune: bool = Fal
     names = bus.names
     for dep in config.deployments if "deployments" in named else ():
         problem = check_deployment(dep.name, dep.wire(), max_replicas=config.max_replicas)
+        if problem:
+            raise ConfigError(f"{path}: {problem}")
+    for entry in config.catalog if "catalog" in named else ():
+        problem = check_profile(entry.name, entry.wire())
         if problem:
             raise ConfigError(f"{path}: {problem}")
     found = await bus.get(names.config_bucket, ENGINES_KEY, DesiredEngines)
@@ -243,8 +247,6 @@ async def request_replicas(bus: Bus, dep: Deployment, verb: str) -> str:
     check_name("deployment", dep.name)
     if dep.replicas < 0:
         raise UsageError(f"--replicas {dep.replicas}: a replica count is 0 or more")
-    from llmgw_placement.checks import check_deployment
-
     # Placement's own rules, before anything is read or written: what it would dead-letter is
     # refused here, with the words its API uses.
     problem = check_deployment(dep.name, dep)

@@ -37,9 +37,9 @@ from llmgw_core.events import Deployment, EngineState, NodeStatus, ReplicaRecord
 from llmgw_core.limits import profile_problem
 from llmgw_core.metrics import exposition
 from llmgw_core.telemetry import context_from, current_traceparent
+from llmgw_core.validate import check_deployment, check_profile
 from llmgw_core.web import MAX_BODY, json_response
 
-from .checks import check_deployment, check_profile
 from .decide import Refusal, decide
 from .service import PlacementService
 

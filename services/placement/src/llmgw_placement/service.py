@@ -43,8 +43,8 @@ from llmgw_core.events import (
 from llmgw_core.limits import key_problem
 from llmgw_core.subjects import ENGINES_KEY, Names
 from llmgw_core.telemetry import current_traceparent
+from llmgw_core.validate import check_deployment, check_profile
 
-from .checks import check_deployment, check_profile
 from .config import ServerConfig
 from .controller import ClusterState, Controller
 from .desired import PlacementFile, file_difference, last_good, placement_file
