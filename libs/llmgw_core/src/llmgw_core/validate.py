@@ -11,8 +11,7 @@ aliases, references to the catalog) are in `limits`.
 
 from __future__ import annotations
 
-from .engines import Profile
-from .events import Deployment
+from .events import Deployment, Profile
 from .limits import aliases_problem, key_problem, name_problem, replicas_problem
 
 __all__ = ["DEFAULT_MAX_REPLICAS", "check_deployment", "check_profile"]
