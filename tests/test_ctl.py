@@ -4,6 +4,7 @@ engines), run as the operator runs it: a process, its stdout, its stderr and its
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -107,6 +108,14 @@ async def test_ctl_reads_writes_and_fails_as_a_script_expects(
         assert failure.count("llmgw-sim: serving") == 1, failure
         assert "--- llmgw: attempt" not in failure
         assert crashy["last_failure_at"] > 0
+        # The same failure as fields, and the table's column made of them.
+        fields = crashy["failure"]
+        assert (fields["exit"], fields["log_tail"][-1]) == (42, "llmgw-sim: exiting with code 42 after 0.4s")
+        assert fields["reason"] == failure.split(";", 1)[0], fields
+        assert fields["attempt"] >= 1, fields
+        wide = ok(c, "get", "shards", "-o", "wide").splitlines()
+        [row] = [line for line in wide if "crashy" in line]
+        assert re.search(r"  sim \(pid \d+\) exited with code 42$", row), row
 
         async def described() -> str:
             text = ok(c, "describe", "deployment", "crashy")
@@ -117,6 +126,9 @@ async def test_ctl_reads_writes_and_fails_as_a_script_expects(
         assert "Name:         crashy" in text
         assert "Replicas:     1 desired" in text
         story = text.split("Last failure of ", 1)[1].split("\nEvents:", 1)[0]
+        assert re.match(r"r0 \(attempt \d+, exit code 42\):\n  sim \(pid \d+\) exited with code 42", story), (
+            story
+        )
         assert story.count("llmgw-sim: exiting with code 42 after 0.4s") == 1, text
         assert "shard" in text.split("Events:", 1)[1]
 

@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
+from llmgw_core import failures
 from llmgw_core.bus import Bus
 from llmgw_core.config import loads
 from llmgw_core.errors import ConfigError
@@ -160,7 +161,7 @@ async def test_openai_client_through_the_gateway_survives_an_engine_restart(
                 with pytest.raises(openai.InternalServerError) as none_ready:
                     await client.chat.completions.create(model="slow", messages=CHAT)  # type: ignore[arg-type]
                 assert none_ready.value.status_code == 503
-                why = slow.reason or slow.last_failure
+                why = failures.one_line(slow.reason) or failures.summary(failures.failure_of(slow))
                 expected = rf"deployment slow has 0 ready replicas: r0 {slow.state}( for \d+s)?" + (
                     re.escape(f" ({why})") if why else ""
                 )

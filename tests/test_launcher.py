@@ -119,6 +119,11 @@ async def test_a_killed_engine_fails_with_the_signal_and_restarts_with_backoff(
         )
         assert "llmgw-sim: serving tiny on http://127.0.0.1:" in failed[0].reason
         assert failed[0].retryable
+        # The same failure as fields: the signal as subprocess gives it (minus its number).
+        assert failed[0].failure is not None
+        assert failed[0].failure.reason == f"sim (pid {first.pids[0]}) killed by signal SIGKILL"
+        assert failed[0].failure.exit == -signal.SIGKILL
+        assert failed[0].failure.attempt == 1
         second = await eventually(
             lambda: (s := events.last("s1")) and s.state == "ready" and s.restarts == 1 and s, timeout=20
         )
@@ -315,6 +320,41 @@ class SidecarEngine:
         return [sidecar, main]
 
 
+async def test_a_crashing_engine_fails_with_its_exit_code_log_tail_and_attempt_as_fields(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """Regression: a failure went out as one text ("…; last log lines:\n…", "attempt N; last: …")
+    that placement and ctl parsed back, each by its own rule."""
+    config = agent_config(nats_url, prefix, tmp_path / "agent")
+    crashing = sim_profile("--load-time", "30", "--exit-after", "0.3", "--exit-code", "42")
+    async with shard_events(bus) as events, running_launcher(config):
+        await bus.put(bus.names.shards_bucket, "node-a.s1", shard("node-a", "s1", crashing))
+
+        def failed_twice() -> list[ShardStatus]:
+            return [s for s in events.of("s1") if s.state == "failed"][:2]
+
+        first, second = await eventually(lambda: len(failed_twice()) == 2 and failed_twice(), timeout=30)
+        for attempt, status in ((1, first), (2, second)):
+            failure = status.failure
+            assert failure is not None, status
+            assert failure.reason == f"sim (pid {status.pids[0]}) exited with code 42", failure
+            assert failure.exit == 42
+            assert failure.attempt == attempt
+            assert failure.at > 0
+            # The failing attempt's own lines only: the first attempt's never explain the second's.
+            assert failure.log_tail[-1] == "llmgw-sim: exiting with code 42 after 0.3s", failure
+            assert sum(line.startswith("llmgw-sim: serving") for line in failure.log_tail) == 1, failure
+            assert not any(line.startswith("--- llmgw: attempt") for line in failure.log_tail)
+            # The text form, for readers that predate the fields, as it always read.
+            text = f"{failure.reason}; last log lines:\n" + "\n".join(failure.log_tail)
+            assert status.reason == status.last_failure == text
+            assert status.last_failure_at == failure.at
+        # Between the two: the retry names its attempt and the first failure, which it carries.
+        retrying = next(s for s in events.of("s1") if s.restarts == 1 and s.state == "starting")
+        assert retrying.reason == f"attempt 2; last: {first.failure.reason}", retrying
+        assert retrying.failure == first.failure
+
+
 async def test_a_sidecar_that_dies_fails_the_shard(
     bus: Bus, nats_url: str, prefix: str, tmp_path: Path
 ) -> None:
@@ -342,6 +382,8 @@ async def test_a_sidecar_that_dies_fails_the_shard(
             assert failed[0].reason == (
                 f"sidecar (pid {ready.pids[0]}) exited with code 3; last log lines:\nsidecar giving up"
             )
+            assert failed[0].failure is not None
+            assert (failed[0].failure.exit, failed[0].failure.log_tail) == (3, ("sidecar giving up",))
             assert not pid_alive(ready.pids[1]), "the whole shard goes when its sidecar does"
             tg.cancel_scope.cancel()
     finally:

@@ -332,6 +332,9 @@ async def test_an_adopted_engine_that_dies_is_noticed_at_once_and_restarted(
                 f"sim (pid {ready.pids[0]}) exited; an earlier launcher started it, so its exit status is "
                 "unknown; last log lines:\n"
             )
+            # Adopted: its exit status went to whoever reaped it, so the fields carry none.
+            assert failed[0].failure is not None
+            assert failed[0].failure.exit is None, failed[0].failure
             again = await eventually(
                 lambda: (s := events.last("s1")) and s.state == "ready" and s.restarts == 1 and s, timeout=30
             )

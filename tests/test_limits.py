@@ -26,6 +26,7 @@ from llmgw_core.engines import ShardSpec
 from llmgw_core.errors import ConfigError
 from llmgw_core.events import Deployment, DeploymentStatus, encode
 from llmgw_core.limits import NAME_MAX, key_problem, name_problem, replicas_problem
+from llmgw_core.validate import check_deployment, check_profile
 from llmgw_core.web import serve
 from llmgw_gateway import Gateway, GatewayConfig
 from llmgw_placement import PlacementService, ServerConfig
@@ -75,6 +76,34 @@ def test_the_rules_in_words() -> None:
         "(placement's max_replicas in server.yaml)"
     )
     assert replicas_problem("chat", 10_000, 10_000) is None
+
+
+def test_a_deployment_and_a_profile_are_judged_by_one_set_of_rules() -> None:
+    """The rules placement dead-letters by, and the API and ctl refuse a write by: llmgw_core's,
+    so ctl reaches them without importing placement."""
+    chat = Deployment(name="chat", profile="tiny", replicas=2)
+    assert check_deployment("chat", chat) is None
+    assert check_deployment("evil", chat) == (
+        "key evil holds a deployment named chat: a deployment is stored under its own name "
+        "(write it to key chat, and delete key evil)"
+    )
+    assert check_deployment("chat", chat, max_replicas=1) == replicas_problem("chat", 2, 1)
+    assert check_deployment("chat", msgspec.structs.replace(chat, profile="a.b")) == name_problem(
+        "profile", "a.b"
+    )
+    tiny = sim_profile()
+    assert check_profile("tiny", tiny) is None
+    assert check_profile("other", tiny) == (
+        "key other holds a profile named tiny: a profile is stored under its own name "
+        "(write it to key tiny, and delete key other)"
+    )
+    ctl_imports = subprocess.run(
+        [sys.executable, "-c", "import sys, llmgw.ctl._commands; print('llmgw_placement' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert ctl_imports.stdout.strip() == "False", ctl_imports
 
 
 def test_the_message_types_carry_the_limits() -> None:

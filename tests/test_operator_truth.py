@@ -269,10 +269,19 @@ async def test_a_crashing_or_silent_engine_is_named_everywhere_and_never_ready(
                 return dict(found)
 
             found = await eventually(failed_twice, timeout=90, interval=0.5)
+            # `explain` shows the failure in one line, and as fields.
+            [explained] = (await client.get("/api/explain/crashes")).json()["replicas"]
+            assert re.fullmatch(r"sim \(pid \d+\) exited with code 42", explained["last_failure"]), explained
+            assert explained["failure"]["exit"] == 42, explained
         crashes, silent = found["crashes.r0"], found["silent.r0"]
         assert "exited with code 42" in crashes["last_failure"], crashes
         assert "llmgw-sim: exiting with code 42" in crashes["last_failure"], crashes
         assert "no health answer within 1.5 s" in silent["last_failure"], silent
+        # The same failures as fields: an exit status where a process's exit ended the attempt.
+        assert crashes["failure"]["exit"] == 42, crashes
+        assert "llmgw-sim: exiting with code 42 after 0.3s" in crashes["failure"]["log_tail"], crashes
+        assert silent["failure"]["exit"] is None, silent
+        assert silent["failure"]["reason"].startswith("no health answer within 1.5 s from http://"), silent
         for record in (crashes, silent):
             assert record["state"] != "ready"
             assert record["since"] > 0

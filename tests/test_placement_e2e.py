@@ -204,7 +204,16 @@ async def test_api_ctl_and_a_refusal_in_the_nodes_own_words(
             assert explain["status"]["summary"].startswith("huge: 0 of 1 ready; 1 cannot be placed: ")
             assert explain["replicas"] == []
             chat_explain = (await client.get("/api/explain/chat")).json()
-            assert chat_explain["replicas"] == [{"replica": "r0", "state": "ready", "nodes": ["node-1"]}]
+            assert chat_explain["replicas"] == [
+                {
+                    "replica": "r0",
+                    "state": "ready",
+                    "nodes": ["node-1"],
+                    "reason": "",
+                    "last_failure": "",
+                    "failure": None,
+                }
+            ]
             assert chat_explain["status"]["summary"] == "chat: 1 of 1 ready"
             metrics = (await client.get("/metrics")).text
             assert value(metrics, "llmgw_placement_replicas", deployment="chat", state="ready") == 1

@@ -29,7 +29,9 @@ from llmgw_core.events import (
     ShardStatus,
 )
 from llmgw_core.limits import NAME_MAX, name_problem, profile_problem, shown
+from llmgw_core.subjects import ALL, ENGINES_KEY, ONE, Names
 from llmgw_core.telemetry import current_traceparent
+from llmgw_core.validate import check_deployment, check_profile
 
 from .._bus_flags import bus_options
 from .._parser import stdout_closed
@@ -120,7 +122,6 @@ async def apply(bus: Bus, path: str, *, dry_run: bool = False, prune: bool = Fal
     from llmgw_core.config import loads
     from llmgw_core.engines import default_registry
     from llmgw_core.events import DesiredEngines
-    from llmgw_placement.checks import check_deployment
     from llmgw_placement.config import ServerConfig
 
     from . import _apply
@@ -136,7 +137,11 @@ async def apply(bus: Bus, path: str, *, dry_run: bool = False, prune: bool = Fal
         problem = check_deployment(dep.name, dep.wire(), max_replicas=config.max_replicas)
         if problem:
             raise ConfigError(f"{path}: {problem}")
-    found = await bus.get(names.config_bucket, "engines", DesiredEngines)
+    for entry in config.catalog if "catalog" in named else ():
+        problem = check_profile(entry.name, entry.wire())
+        if problem:
+            raise ConfigError(f"{path}: {problem}")
+    found = await bus.get(names.config_bucket, ENGINES_KEY, DesiredEngines)
     catalog = await bus.entries(names.catalog_bucket, Profile)
     deployments = await bus.entries(names.deployments_bucket, Deployment)
     live = _apply.Live(
@@ -172,7 +177,7 @@ async def apply(bus: Bus, path: str, *, dry_run: bool = False, prune: bool = Fal
     writes = {(c.kind, c.name) for c in plan.changes if c.action in ("added", "changed")}
     if ("engines", "") in writes:
         engines = DesiredEngines(engines=plan.engines)
-        await write("engines", names.config_bucket, "engines", engines, found[1] if found else 0)
+        await write("engines", names.config_bucket, ENGINES_KEY, engines, found[1] if found else 0)
     for name, profile in sorted(plan.profiles.items()):
         if ("profile", name) in writes:
             last = catalog[name].revision if name in live.catalog else 0
@@ -243,8 +248,6 @@ async def request_replicas(bus: Bus, dep: Deployment, verb: str) -> str:
     check_name("deployment", dep.name)
     if dep.replicas < 0:
         raise UsageError(f"--replicas {dep.replicas}: a replica count is 0 or more")
-    from llmgw_placement.checks import check_deployment
-
     # Placement's own rules, before anything is read or written: what it would dead-letter is
     # refused here, with the words its API uses.
     problem = check_deployment(dep.name, dep)
@@ -403,7 +406,11 @@ async def get(bus: Bus, kind: str, name: str, output: str) -> str:
                 c.shards,
                 shard_key(name),
                 "shard",
-                lambda s: name == s.shard or s.deployment == name or key == f"{s.deployment}.{s.replica}",
+                lambda s: (
+                    name == s.shard
+                    or s.deployment == name
+                    or key == Names.replica_key(s.deployment, s.replica)
+                ),
                 shown=[views.shard_name(s.node, s.shard) for s in items],
             )
         headers = views.SHARD_HEADERS + (views.SHARD_WIDE if wide else [])
@@ -423,8 +430,8 @@ def _exact(kind: str, name: str, item: Any) -> bool:
     if kind in ("deployment", "profile"):
         return bool(item.name == name)
     if kind == "replica":
-        return bool(f"{item.deployment}.{item.replica}" == replica_key(name))
-    return bool(name == item.shard or shard_key(name) == f"{item.node}.{item.shard}")
+        return bool(Names.replica_key(item.deployment, item.replica) == replica_key(name))
+    return bool(name == item.shard or shard_key(name) == Names.shard_key(item.node, item.shard))
 
 
 async def watch(bus: Bus, kind: str, name: str, output: str) -> None:
@@ -502,7 +509,7 @@ async def watch(bus: Bus, kind: str, name: str, output: str) -> None:
                 if dep is not None:
                     await on_change(status.deployment, dep)
 
-            await tg.start(bus.subscribe_core, f"{n.prefix}.events.deployment.*", DeploymentStatus, on_status)
+            await tg.start(bus.subscribe_core, n.deployment_event(ONE), DeploymentStatus, on_status)
             statuses.update(await read.deployment_statuses(bus, list(revisions)))
         async for change in bus.watch(bucket, value_type):
             if change.revision <= revisions.get(change.key, 0):
@@ -541,7 +548,9 @@ def _matches(kind: str, name: str, key: str, item: Any) -> bool:
     if kind == "shard":
         if key.split(".", 1)[-1] == name or bool(item is not None and item.deployment == name):
             return True
-        return bool(item is not None and f"{item.deployment}.{item.replica}" == replica_key(name))
+        return bool(
+            item is not None and Names.replica_key(item.deployment, item.replica) == replica_key(name)
+        )
     return False
 
 
@@ -567,7 +576,7 @@ async def describe(bus: Bus, kind: str, name: str) -> str:
             )
         shard_keys = {k for r in c.replicas.values() if r.deployment == name for k in r.shards}
         subjects = [
-            f"{n.prefix}.events.replica.{name}.>",
+            n.replica_event(name, ALL),
             n.placement_event(name),
             n.deployment_event(name),
             *(n.shard_event(*k.split(".", 1)) for k in sorted(shard_keys)),
@@ -579,7 +588,7 @@ async def describe(bus: Bus, kind: str, name: str) -> str:
     found = [v for v in views.node_views(c) if v.node == name]
     if not found:
         raise NotFound(f"no node {name}{_close(name, c.nodes)} (`llmgw ctl get nodes` lists them)")
-    history = await _history(bus, [f"{n.prefix}.events.node.{name}.>", f"{n.prefix}.events.shard.{name}.>"])
+    history = await _history(bus, [n.node_events(name), n.shard_event(name, ALL)])
     return views.describe_node(found[0], c, history)
 
 
@@ -594,22 +603,21 @@ async def _history(bus: Bus, subjects: list[str]) -> list[read.Stamped]:
 
 async def events(bus: Bus, *, deployment: str, node: str, follow: bool, output: str) -> None:
     n = bus.names
-    p = n.prefix
     if deployment:
         check_name("deployment", deployment)
     if node:
         check_name("node", node)
     if deployment and node:
-        subjects = [f"{p}.events.shard.{node}.>"]
+        subjects = [n.shard_event(node, ALL)]
     elif deployment:
         subjects = [
-            f"{p}.events.replica.{deployment}.>",
+            n.replica_event(deployment, ALL),
             n.placement_event(deployment),
             n.deployment_event(deployment),
-            f"{p}.events.shard.>",
+            n.shard_events_all,
         ]
     elif node:
-        subjects = [f"{p}.events.node.{node}.>", f"{p}.events.shard.{node}.>"]
+        subjects = [n.node_events(node), n.shard_event(node, ALL)]
     else:
         subjects = [n.events_all]
 

@@ -34,6 +34,7 @@ from llmgw_core.events import (
     decoder,
     encode,
 )
+from llmgw_core.subjects import ALL
 
 from ._errors import NotFound, Unreachable
 
@@ -56,7 +57,7 @@ Event = (
 _event_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)
 
 
-async def values(bus: Bus, bucket: str, kind: type[T], keys: str = ">") -> dict[str, T]:
+async def values(bus: Bus, bucket: str, kind: type[T], keys: str = ALL) -> dict[str, T]:
     found = await bus.entries(bucket, kind, keys)
     return {k: c.value for k, c in sorted(found.items()) if c.value is not None}
 

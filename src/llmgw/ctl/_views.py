@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from llmgw_core import failures
 from llmgw_core.engines import Profile
 from llmgw_core.events import (
     Deployment,
@@ -78,11 +79,6 @@ def ago(seconds: float) -> str:
 
 def age(at: float, now: float) -> str:
     return ago(max(0.0, now - at)) if at else "-"
-
-
-def headline(text: str) -> str:
-    """A reason's first line, without the log lines it quotes."""
-    return text.split("\n", 1)[0].removesuffix("; last log lines:") if text else ""
 
 
 def to_builtins(value: Any) -> Any:
@@ -203,16 +199,18 @@ REPLICA_WIDE = ["URL", "PROFILE", "FABRIC", "LOAD", "LAST FAILURE"]
 
 
 def replica_view(r: ReplicaRecord, shards: dict[str, ShardStatus]) -> ReplicaRecord:
-    """The record as placement wrote it; `since`, `restarts` and `last_failure` taken from its
+    """The record as placement wrote it; `since`, `restarts` and the last failure taken from its
     shards' statuses where placement left them empty (a placement that predates them)."""
     mine = [shards[k] for k in r.shards if k in shards]
     changes: dict[str, Any] = {}
     if not r.restarts and mine:
         changes["restarts"] = sum(s.restarts for s in mine)
-    if not r.last_failure and r.state != "ready":
-        failed = max(mine, key=lambda s: s.last_failure_at, default=None)
-        if failed is not None and failed.last_failure:
+    failed = max(mine, key=lambda s: s.last_failure_at, default=None)
+    if failed is not None and r.state != "ready":
+        if not r.last_failure and failed.last_failure:
             changes["last_failure"] = failed.last_failure
+        if r.failure is None and failed.failure is not None:
+            changes["failure"] = failed.failure
     if not r.since:
         changes["since"] = r.updated_at
     return msgspec.structs.replace(r, **changes) if changes else r
@@ -244,11 +242,12 @@ def replica_row(
         replica_nodes(r),
         age(r.since, now),
         str(r.restarts),
-        headline(r.reason) or "-",
+        failures.one_line(r.reason) or "-",
     ]
     if wide:
         load = replica_load(r, shards or {})
-        row += [r.url or "-", r.profile, r.fabric or "-", load, headline(r.last_failure) or "-"]
+        last = failures.summary(failures.failure_of(r)) or "-"
+        row += [r.url or "-", r.profile, r.fabric or "-", load, last]
     return row
 
 
@@ -266,11 +265,12 @@ def shard_row(s: ShardStatus, *, wide: bool = False, now: float | None = None) -
         replica_name(s.deployment, s.replica) if s.deployment else s.replica,
         str(s.restarts),
         age(s.at, now or time.time()),
-        headline(s.reason) or "-",
+        failures.reason_line(s) or "-",
     ]
     if wide:
         load = s.load.summary if s.load is not None else "-"
-        row += [",".join(map(str, s.pids)) or "-", s.url or "-", load, headline(s.last_failure) or "-"]
+        last = failures.summary(failures.failure_of(s)) or "-"
+        row += [",".join(map(str, s.pids)) or "-", s.url or "-", load, last]
     return row
 
 
@@ -368,14 +368,17 @@ def describe_deployment(name: str, c: Cluster, history: list[Stamped], *, now: f
                     age(r.since, now),
                     str(r.restarts),
                     replica_load(r, c.shards),
-                    headline(r.reason) or "-",
+                    failures.one_line(r.reason) or "-",
                 ]
             )
         headers = ["REPLICA", "STATE", "NODES", "GPUS", "SINCE", "RESTARTS", "LOAD", "REASON"]
         lines.append(_indent(table(headers, rows)))
         for r in sorted(replicas, key=lambda r: r.replica):
-            if r.last_failure:
-                lines += ["", f"Last failure of {r.replica}:", _indent(r.last_failure)]
+            failure = failures.failure_of(r)
+            if failure is not None:
+                said = failures.details(failure)
+                lines += ["", f"Last failure of {r.replica}{f' ({said})' if said else ''}:"]
+                lines.append(_indent(failures.text(failure)))
     else:
         lines.append("  (none)")
     return "\n".join([*lines, "", "Events:", _recent(history)])
@@ -459,13 +462,13 @@ def describe_node(v: NodeView, c: Cluster, history: list[Stamped], *, now: float
 def event_text(e: object) -> tuple[str, str, str]:
     """What happened, in one line: (kind, object, message)."""
     if isinstance(e, ShardStatus):
-        text = e.state + (f": {headline(e.reason)}" if e.reason else "")
+        text = e.state + (f": {failures.reason_line(e)}" if e.reason else "")
         return "shard", shard_name(e.node, e.shard), text
     if isinstance(e, ReplicaStatus):
         return (
             "replica",
             replica_name(e.deployment, e.replica),
-            e.state + (f": {headline(e.reason)}" if e.reason else ""),
+            e.state + (f": {failures.one_line(e.reason)}" if e.reason else ""),
         )
     if isinstance(e, PlacementDecision):
         if e.outcome == "placed":

@@ -67,7 +67,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, JetStreamManager, api
 
 from .errors import BusError, ConfigError
-from .subjects import Names
+from .subjects import ENGINES_KEY, Names
 from .topology import Needs, kv_stream, needs
 
 log = logging.getLogger("llmgw.access")
@@ -198,7 +198,7 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
         publish = [
             *(f"$KV.{b}.>" for b in need["ctl"].writes),
             # The desired engines are the operator's too (`llmgw ctl apply -f server.yaml`).
-            f"$KV.{names.config_bucket}.engines",
+            names.kv_subject(names.config_bucket, ENGINES_KEY),
             names.liveness_request,
             # `llmgw ctl logs`: any node's launcher, for its shards' log lines.
             names.launcher_logs("*"),

@@ -13,8 +13,8 @@ import msgspec
 from msgspec import Struct
 
 from .bus import BusOptions
-from .engines import GPUInfo
 from .errors import ConfigError
+from .events import GPUInfo
 from .limits import Name
 
 T = TypeVar("T", bound=Struct)

@@ -10,14 +10,16 @@ Times are Unix seconds (float) in UTC, as the writer's clock saw them.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Annotated, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
 
-from .engines import GPUInfo, Member, Profile, ShardSpec
+# Names and ids that become subject or key tokens: their rules are in `llmgw_core.limits`.
 from .limits import Aliases, Name, Token
+from .sources import weights_key
 
 __all__ = [
     "Deployment",
@@ -27,6 +29,7 @@ __all__ = [
     "EngineLoad",
     "EngineSpec",
     "EngineState",
+    "GPUInfo",
     "Heartbeat",
     "InstallProgress",
     "Liveness",
@@ -40,6 +43,7 @@ __all__ = [
     "Profile",
     "ReplicaRecord",
     "ReplicaStatus",
+    "ShardFailure",
     "ShardLogs",
     "ShardLogsRequest",
     "ShardSpec",
@@ -60,6 +64,150 @@ def now() -> float:
 
 class Message(Struct, frozen=True, kw_only=True, tag_field="kind", tag=True):
     """Base of every bus message; `kind` is the class name."""
+
+
+# --- profiles and shard specs: what placement asks a node to run --------------
+
+
+class GPUInfo(Struct, frozen=True, kw_only=True):
+    """One GPU as the node probe saw it."""
+
+    index: int
+    name: str
+    uuid: str = ""
+    # As nvidia-smi prints it ("8.0", "9.0"); kept as text because drivers
+    # print "[N/A]" on some virtual GPUs and that must not reject a profile.
+    compute_capability: str = ""
+    memory_mb: int = 0
+
+
+class Profile(Struct, frozen=True, kw_only=True):
+    """How one model runs on one class of GPU, as the catalog states it."""
+
+    name: Name
+    engine: str
+    # Where the engine reads the weights. With `model` naming a source (hf://, https://,
+    # file://) the node stages them and the engine reads the staged path instead.
+    model_path: str = ""
+    # The served name, or where the weights come from (`llmgw_core.engines.parse_source`).
+    model: str = ""
+    gpu_class: str = ""
+    tp: int = 1
+    pp: int = 1
+    nodes: int = 1
+    gpus_per_node: int | None = None
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+    served_model_name: str = ""
+    health_timeout_s: float = 900.0
+    # The sha256 an https:// `model` must have.
+    model_sha256: str = ""
+
+    @property
+    def served_name(self) -> str:
+        # A source is not a name a client would ask for.
+        named = "" if "://" in self.model else self.model
+        return self.served_model_name or named or self.name
+
+    @property
+    def weights_key(self) -> str:
+        """How nodes name this profile's weights when they report holding them."""
+        return weights_key(self.model, self.model_sha256, self.model_path)
+
+    @property
+    def per_node_gpus(self) -> int:
+        """GPUs each node of the replica must give this profile.
+
+        Unset (or not positive) on one node, it is TP x PP: vLLM and SGLang
+        start tp x pp workers on one node, one GPU each. A multi-node profile
+        must say it (validation refuses it otherwise).
+        """
+        if self.gpus_per_node is not None and self.gpus_per_node > 0:
+            return self.gpus_per_node
+        return self.tp * self.pp if self.nodes == 1 else 0
+
+    def fingerprint(self) -> str:
+        """A stable digest of everything that changes the processes started.
+
+        Fields added later count only when set: a profile that does not use them keeps the
+        digest it had before they existed, so an upgrade does not replace every replica.
+        """
+        fields = msgspec.to_builtins(self)
+        for late, default in _LATE_DEFAULTS.items():
+            if fields.get(late) == default:
+                del fields[late]
+        return hashlib.sha256(msgspec.json.encode(fields, order="sorted")).hexdigest()[:16]
+
+
+_LATE_DEFAULTS: dict[str, object] = {"model_sha256": ""}
+
+
+class Member(Struct, frozen=True, kw_only=True):
+    """One rank of a replica: where it runs and the port it uses between nodes.
+
+    For rank 0 `port` is the rendezvous port (Ray head, SGLang dist-init,
+    vLLM master); for other ranks it is their own listening port where the
+    engine has one (llama.cpp's RPC server).
+    """
+
+    node: Name
+    addr: str
+    port: int = 0
+
+
+class ShardSpec(Struct, frozen=True, kw_only=True):
+    """The desired state of one shard: one rank of one replica on one node."""
+
+    replica: Token
+    shard: Token
+    node: Name
+    profile: Profile
+    rank: int = 0
+    gpus: tuple[int, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 0
+    members: tuple[Member, ...] = ()
+    hcas: tuple[str, ...] = ()
+    mgmt_iface: str = ""
+    fabric: str = ""
+    pool: str = ""
+    profile_fp: str = ""
+    deployment: str = ""
+    # W3C traceparent of the placement that wrote this spec: the launcher's
+    # spans join the trace that began with `ctl deploy`.
+    traceparent: str = ""
+    # Ports of the node's range that the launcher gave the shard beyond `port`,
+    # as many as the engine's `extra_ports` asks for (a Ray head's client server).
+    # Set by the launcher, like `port` when placement leaves it 0; never by placement.
+    extra_ports: tuple[int, ...] = ()
+
+    @property
+    def world(self) -> int:
+        return max(1, len(self.members))
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def leader(self) -> Member:
+        """Rank 0's member entry; a one-node shard is its own leader."""
+        if self.members:
+            return self.members[0]
+        return Member(node=self.node, addr=self.host, port=0)
+
+    def me(self) -> Member:
+        if self.members:
+            return self.members[self.rank]
+        return Member(node=self.node, addr=self.host, port=0)
+
+    def process_view(self) -> ShardSpec:
+        """The spec less the fields that do not change any process.
+
+        Pool, fabric name, fingerprint, deployment and trace context are
+        bookkeeping: a spec that differs only there is not a reason to restart
+        a running engine.
+        """
+        return msgspec.structs.replace(self, pool="", fabric="", profile_fp="", deployment="", traceparent="")
 
 
 # --- node ---------------------------------------------------------------
@@ -294,6 +442,24 @@ class EngineLoad(Struct, frozen=True, kw_only=True):
         )
 
 
+class ShardFailure(Struct, frozen=True, kw_only=True):
+    """How one attempt of a shard ended, as fields. Readers format it where they show it
+    (`llmgw_core.failures`); none parses a failure back out of text."""
+
+    # What ended the attempt, in one line and without the log: "sim (pid 12) exited with
+    # code 42", "no health answer within 120 s from http://… (last: connection refused)".
+    reason: str
+    # The exit status of the process whose exit ended the attempt, as subprocess gives it:
+    # its code, or minus the signal that killed it (-9: SIGKILL). None where no collected
+    # exit ended it (a health timeout, a process adopted or reaped elsewhere).
+    exit: int | None = None
+    # The failing attempt's own last log lines (an earlier attempt's never explain it).
+    log_tail: tuple[str, ...] = ()
+    # Which attempt failed: 1 for the first start, restarts + 1 after.
+    attempt: Annotated[int, Meta(ge=0)] = 0
+    at: float = 0.0
+
+
 class ShardStatus(Message, frozen=True):
     node: Name
     shard: Token
@@ -318,6 +484,9 @@ class ShardStatus(Message, frozen=True):
     last_failure_at: float = 0.0
     # The engine's load, read from its metrics while it is ready; None otherwise.
     load: EngineLoad | None = None
+    # The last failure as fields (`last_failure` holds the same as text, for readers that
+    # predate them); None while there is none.
+    failure: ShardFailure | None = None
 
 
 # --- deployments and replicas -------------------------------------------------
@@ -365,6 +534,8 @@ class ReplicaRecord(Message, frozen=True):
     last_failure: str = ""
     # Its profile's engine (`vllm`, `llamacpp`, …): which API paths the gateway may send it.
     engine: str = ""
+    # `last_failure` as fields, from the shard that failed last.
+    failure: ShardFailure | None = None
 
 
 class ReplicaStatus(Message, frozen=True):

@@ -27,8 +27,7 @@ from pathlib import Path
 
 import msgspec
 
-from .engines import GPUInfo
-from .events import NetInterface, NodeFacts
+from .events import GPUInfo, NetInterface, NodeFacts
 from .staged import held
 
 CommandRunner = Callable[[list[str]], "CommandResult"]

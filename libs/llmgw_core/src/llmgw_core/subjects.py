@@ -2,6 +2,11 @@
 
 A second prefix on the same NATS server is a second, independent cluster:
 tests use that to share one server.
+
+Every subject and key llmgw uses is built here, the patterns that subscriptions, key
+filters and permissions match included: a builder given `ONE` (`*`) or, in its last
+place, `ALL` (`>`) is that pattern. A pattern written by hand elsewhere drifted from the
+subjects it meant to match, and then matched nothing.
 """
 
 from __future__ import annotations
@@ -9,6 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_PREFIX = "llmgw"
+
+# NATS wildcards: one token, and every token to the end.
+ONE = "*"
+ALL = ">"
+
+# The config bucket's key of the desired engines (`DesiredEngines`).
+ENGINES_KEY = "engines"
 
 
 @dataclass(frozen=True)
@@ -116,8 +128,20 @@ class Names:
         """`WeightsEvicted`: a staged model the node removed to make room."""
         return f"{self.prefix}.events.node.{node}.weights"
 
+    def node_events(self, node: str) -> str:
+        """Every event of one node (facts, engines, install)."""
+        return f"{self.prefix}.events.node.{node}.{ALL}"
+
     def shard_event(self, node: str, shard: str) -> str:
         return f"{self.prefix}.events.shard.{node}.{shard}"
+
+    @property
+    def shard_events_all(self) -> str:
+        return f"{self.prefix}.events.shard.{ALL}"
+
+    @property
+    def replica_events_all(self) -> str:
+        return f"{self.prefix}.events.replica.{ALL}"
 
     def replica_event(self, deployment: str, replica: str) -> str:
         return f"{self.prefix}.events.replica.{deployment}.{replica}"
@@ -170,6 +194,11 @@ class Names:
         return f"{self.prefix}.dlq.>"
 
     # --- keys ---
+    @staticmethod
+    def kv_subject(bucket: str, key: str) -> str:
+        """The subject a key of a bucket is stored under (a key filter gives a pattern)."""
+        return f"$KV.{bucket}.{key}"
+
     @staticmethod
     def shard_key(node: str, shard: str) -> str:
         return f"{node}.{shard}"

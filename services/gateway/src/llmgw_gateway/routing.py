@@ -18,6 +18,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
+from llmgw_core import failures
 from llmgw_core.events import Deployment, DeploymentStatus, ReplicaRecord
 
 
@@ -133,6 +134,6 @@ class Table:
             part = f"{r.replica} {r.state}"
             if now is not None and r.since:
                 part += f" for {max(0, round(now - r.since))}s"
-            why = r.reason or r.last_failure
+            why = failures.one_line(r.reason) or failures.summary(failures.failure_of(r))
             parts.append(f"{part} ({why})" if why else part)
         return f"deployment {deployment} has 0 ready replicas: {'; '.join(parts)}"

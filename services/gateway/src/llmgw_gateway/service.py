@@ -162,7 +162,7 @@ class Gateway:
         if problem is None:
             return True
         if value is not None:  # a delete of a key never taken changes nothing
-            await self.bus.dead_letter(f"$KV.{bucket}.{key}", encode(value), problem)
+            await self.bus.dead_letter(self.bus.names.kv_subject(bucket, key), encode(value), problem)
         return False
 
     async def _forever(self, what: str, follow: Callable[[Retry], Awaitable[None]]) -> None:

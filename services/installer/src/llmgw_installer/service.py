@@ -44,6 +44,7 @@ from llmgw_core.installed import engines_root, read_marker
 from llmgw_core.metrics import SLOW_BUCKETS, Collect, add_bus, counter, new_registry, serve_metrics
 from llmgw_core.probe import Probe
 from llmgw_core.retry import Backoff, Outage, Retry
+from llmgw_core.subjects import ENGINES_KEY
 from llmgw_core.telemetry import context_from
 
 from . import ospkg
@@ -349,7 +350,7 @@ class Installer:
     # --- the service -----------------------------------------------------------------
 
     async def load_desired(self) -> None:
-        found = await self.bus.get(self.bus.names.config_bucket, "engines", DesiredEngines)
+        found = await self.bus.get(self.bus.names.config_bucket, ENGINES_KEY, DesiredEngines)
         self.desired = found[0].engines if found else ()
         self.desired_traceparent = found[0].traceparent if found else ""
 
@@ -357,7 +358,7 @@ class Installer:
         retry = Retry(log, "watching the desired engines", base_s=0.5, cap_s=30.0, known=(BusError,))
         while True:
             try:
-                async for change in self.bus.watch(self.bus.names.config_bucket, DesiredEngines, "engines"):
+                async for change in self.bus.watch(self.bus.names.config_bucket, DesiredEngines, ENGINES_KEY):
                     retry.succeeded()
                     desired = change.value.engines if change.value else ()
                     self.desired_traceparent = change.value.traceparent if change.value else ""

@@ -29,6 +29,7 @@ import anyio
 import msgspec
 from opentelemetry import trace
 
+from llmgw_core import failures
 from llmgw_core.engines import (
     Address,
     Command,
@@ -41,7 +42,7 @@ from llmgw_core.engines import (
     extra_ports_needed,
     parse_source,
 )
-from llmgw_core.events import EngineLoad, ShardState, ShardStatus, now
+from llmgw_core.events import EngineLoad, ShardFailure, ShardState, ShardStatus, now
 from llmgw_core.redact import scrub, secret_values
 from llmgw_core.retry import Backoff
 from llmgw_core.telemetry import context_from
@@ -106,13 +107,13 @@ async def _nothing() -> None:
 
 @dataclass
 class Failure:
+    """Why an attempt ended: `reason` in one line; the exit status and the attempt's last log
+    lines where a process's exit ended it (see `ShardFailure`)."""
+
     reason: str
     retryable: bool = True
-
-    @property
-    def summary(self) -> str:
-        """The reason's first line, without the log lines it quotes."""
-        return self.reason.split("\n", 1)[0].removesuffix("; last log lines:")
+    exit: int | None = None
+    log_tail: tuple[str, ...] = ()
 
 
 @dataclass
@@ -161,9 +162,9 @@ class ShardRunner:
         self.restart_waits = Backoff(ctx.backoff_s, ctx.backoff_cap_s)
         self.port = adopt.port if adopt else 0
         self.state: ShardState = "pending"
-        # The last failure, kept across restarts until the shard is ready again.
-        self.last_failure: Failure | None = None
-        self.last_failure_at = 0.0
+        # The last failure (scrubbed of the shard's secrets), kept across restarts until the
+        # shard is ready again.
+        self.last_failure: ShardFailure | None = None
         self._owns_port = False
         # Ports the engine's own processes need beyond `port` (a Ray head's client
         # server): always this runner's, given back with every failed attempt.
@@ -210,14 +211,12 @@ class ShardRunner:
     def _status(self, state: ShardState, reason: str = "", retryable: bool = True) -> ShardStatus:
         if state == "ready":
             self.last_failure = None
-            self.last_failure_at = 0.0
         elif state in ("pending", "starting") and not reason and self.last_failure is not None:
             # While retrying, say which attempt this is and why the last one ended.
-            reason = f"attempt {self.restarts + 1}; last: {self.last_failure.summary}"
+            reason = failures.retrying(self.restarts + 1, self.last_failure)
         # A reason may quote the engine's log, and an engine may print its environment.
-        secrets = self._secrets()
-        reason = scrub(reason, secrets)
-        last_failure = scrub(self.last_failure.reason, secrets) if self.last_failure else ""
+        reason = scrub(reason, self._secrets())
+        failure = self.last_failure
         status = ShardStatus(
             node=self.ctx.node,
             shard=self.spec.shard,
@@ -235,9 +234,10 @@ class ShardRunner:
             restarts=self.restarts,
             rank=self.spec.rank,
             at=now(),
-            last_failure=last_failure,
-            last_failure_at=self.last_failure_at,
+            last_failure=failures.text(failure),
+            last_failure_at=failure.at if failure is not None else 0.0,
             load=self.load if state == "ready" else None,
+            failure=failure,
         )
         return status
 
@@ -268,9 +268,8 @@ class ShardRunner:
             failure = await self._guarded(self._attempt)
         while True:
             await self._kill_all()
-            self.last_failure = failure
-            self.last_failure_at = now()
-            self._set("failed", failure.reason, failure.retryable)
+            self.last_failure = self._fields(failure)
+            self._set("failed", failures.text(self.last_failure), failure.retryable)
             if not failure.retryable:
                 # Not worth retrying until the spec changes; a changed spec
                 # replaces this runner.
@@ -282,6 +281,18 @@ class ShardRunner:
             await anyio.sleep(self.restart_waits.wait(self.restarts + 1))
             self.restarts += 1
             failure = await self._guarded(self._attempt)
+
+    def _fields(self, failure: Failure) -> ShardFailure:
+        """The failure of this attempt as published: scrubbed once, since an engine may print
+        its environment into its log, and the failure is sent with every status until ready."""
+        secrets = self._secrets()
+        return ShardFailure(
+            reason=scrub(failure.reason, secrets),
+            exit=failure.exit,
+            log_tail=tuple(scrub(line, secrets) for line in failure.log_tail),
+            attempt=self.restarts + 1,
+            at=now(),
+        )
 
     async def _guarded(self, step: Callable[..., Awaitable[Failure]], *args: object) -> Failure:
         """An attempt whose unexpected error is that attempt's failure, never the launcher's."""
@@ -477,11 +488,11 @@ class ShardRunner:
     async def _exit_failure(self, reason: str, proc: Proc | None = None) -> Failure:
         """How a process ended, with the last lines of its log; `proc` is found by its reason if not given."""
         found = proc or next((p for p in self.procs if p.exit_reason() == reason), None)
-        if found is not None:
-            lines = await self.ctx.workers.files(self._attempt_tail, found.log)
-            if lines:
-                return Failure(f"{reason}; last log lines:\n" + "\n".join(lines))
-        return Failure(reason)
+        if found is None:
+            return Failure(reason)
+        lines = await self.ctx.workers.files(self._attempt_tail, found.log)
+        code = found.child.returncode if found.child is not None else None
+        return Failure(reason, exit=code, log_tail=tuple(lines))
 
     @staticmethod
     def _attempt_tail(log: Path) -> list[str]:

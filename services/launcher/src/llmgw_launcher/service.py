@@ -57,6 +57,7 @@ from llmgw_core.metrics import Collect, add_bus, counter, new_registry, serve_me
 from llmgw_core.probe import Probe
 from llmgw_core.redact import scrub, secret_values
 from llmgw_core.retry import Retry
+from llmgw_core.subjects import ONE
 
 from . import procs
 from .audit import Suspects, audit
@@ -320,7 +321,7 @@ class Launcher:
         for key, record in records.items():
             self._ports_in_use.add(record.port)
             self.handles[key] = Handle(key, record.spec, ShardRunner(key, record.spec, self.ctx, record))
-        pattern = f"{self.node}.*"
+        pattern = self.bus.names.shard_key(self.node, ONE)
         async with anyio.create_task_group() as tg:
             self._tg = tg
             await tg.start(self.outbox.run)
@@ -373,7 +374,9 @@ class Launcher:
             )
         if problem is None:
             return True
-        await self.bus.dead_letter(f"$KV.{self.bus.names.shards_bucket}.{key}", encode(spec), problem)
+        await self.bus.dead_letter(
+            self.bus.names.kv_subject(self.bus.names.shards_bucket, key), encode(spec), problem
+        )
         return False
 
     async def _reconcile_on_change(self) -> None:
@@ -457,7 +460,7 @@ class Launcher:
         while True:
             try:
                 async for change in self.bus.watch(
-                    self.bus.names.shard_status_bucket, ShardStatus, f"{self.node}.*"
+                    self.bus.names.shard_status_bucket, ShardStatus, self.bus.names.shard_key(self.node, ONE)
                 ):
                     retry.succeeded()
                     if change.value is None:

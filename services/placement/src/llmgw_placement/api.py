@@ -30,15 +30,16 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from llmgw_core import failures
 from llmgw_core.engines import GPUInfo, Profile
 from llmgw_core.errors import BusError, ConfigError, StoreFull
-from llmgw_core.events import Deployment, EngineState, NodeStatus, decoder
+from llmgw_core.events import Deployment, EngineState, NodeStatus, ReplicaRecord, decoder
 from llmgw_core.limits import profile_problem
 from llmgw_core.metrics import exposition
 from llmgw_core.telemetry import context_from, current_traceparent
+from llmgw_core.validate import check_deployment, check_profile
 from llmgw_core.web import MAX_BODY, json_response
 
-from .checks import check_deployment, check_profile
 from .decide import Refusal, decide
 from .service import PlacementService
 
@@ -97,6 +98,20 @@ class _Entered(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _entered = msgspec.json.Decoder(_Entered)
+
+
+def _replica_entry(r: ReplicaRecord) -> dict[str, Any]:
+    """A replica as `explain` shows it: its state, nodes and reason, and its last failure in
+    one line and as fields."""
+    failure = failures.failure_of(r)
+    return {
+        "replica": r.replica,
+        "state": r.state,
+        "nodes": [k.split(".", 1)[0] for k in r.shards],
+        "reason": failures.one_line(r.reason),
+        "last_failure": failures.summary(failure),
+        "failure": _builtins(failure) if failure is not None else None,
+    }
 
 
 def _read_token(path: str, what: str) -> bytes:
@@ -325,10 +340,7 @@ class Api:
         body: dict[str, Any] = {
             "deployment": name,
             "status": _builtins(status) if status else None,
-            "replicas": [
-                {"replica": r.replica, "state": r.state, "nodes": [k.split(".", 1)[0] for k in r.shards]}
-                for r in replicas
-            ],
+            "replicas": [_replica_entry(r) for r in replicas],
             "last_decision": _builtins(last) if last else None,
         }
         if profile is None:

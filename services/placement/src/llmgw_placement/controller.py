@@ -31,6 +31,7 @@ import anyio.lowlevel
 import msgspec
 from opentelemetry import trace
 
+from llmgw_core import failures
 from llmgw_core.bus import Bus, Writes
 from llmgw_core.claims import Claims
 from llmgw_core.engines import Member, Profile, ShardSpec
@@ -47,6 +48,7 @@ from llmgw_core.events import (
     ShardStatus,
     now,
 )
+from llmgw_core.subjects import Names
 from llmgw_core.telemetry import context_from, current_traceparent
 
 from .config import ServerConfig
@@ -544,7 +546,7 @@ class Controller:
         if self._told_unknown.get(dep.name) != dep:
             self._told_unknown[dep.name] = dep
             await self.bus.dead_letter(
-                f"$KV.{self.bus.names.deployments_bucket}.{dep.name}",
+                self.bus.names.kv_subject(self.bus.names.deployments_bucket, dep.name),
                 msgspec.json.encode(dep),
                 f"deployment {dep.name}: profile {dep.profile} is not in the catalog "
                 f"({', '.join(sorted(self.state.catalog)) or 'the catalog is empty'})",
@@ -611,7 +613,7 @@ class Controller:
                 url = statuses[0].url
         elif failed:
             state = "failed" if any(not s.retryable for s in failed) else "degraded"
-            reason = "; ".join(f"{s.node}/{s.shard}: {s.reason}" for s in failed)
+            reason = "; ".join(f"{s.node}/{s.shard}: {failures.reason_line(s)}" for s in failed)
         elif last_ready:
             leader = statuses[0]
             assert leader is not None
@@ -627,15 +629,16 @@ class Controller:
         restarts = sum(s.restarts for s in known)
         last = max(known, key=lambda s: s.last_failure_at, default=None)
         last_failure = last.last_failure if last is not None and state != "ready" else ""
-        if state == "starting" and last_failure:
-            headline = last_failure.split("\n", 1)[0].split("; last log lines", 1)[0]
-            reason = f"attempt {restarts + 1}; last: {headline}"
-        if (state, reason, url, restarts, last_failure) != (
+        failure = failures.failure_of(last) if last is not None and state != "ready" else None
+        if state == "starting" and failure is not None:
+            reason = failures.retrying(restarts + 1, failure)
+        if (state, reason, url, restarts, last_failure, failure) != (
             record.state,
             record.reason,
             record.url,
             record.restarts,
             record.last_failure,
+            record.failure,
         ):
             changed = msgspec.structs.replace(
                 record,
@@ -644,6 +647,7 @@ class Controller:
                 url=url,
                 restarts=restarts,
                 last_failure=last_failure,
+                failure=failure,
                 since=record.since if state == record.state and record.since else now(),
                 updated_at=now(),
             )
@@ -1033,7 +1037,7 @@ def _reasons_text(reasons: tuple[NodeReason, ...], limit: int = 5) -> str:
 
 
 def _key(record: ReplicaRecord) -> str:
-    return f"{record.deployment}.{record.replica}"
+    return Names.replica_key(record.deployment, record.replica)
 
 
 def _replica_order(record: ReplicaRecord) -> tuple[int, str]:

@@ -18,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from llmgw_core.events import ReplicaRecord, ReplicaState, now
 from llmgw_core.metrics import FAST_BUCKETS, SLOW_BUCKETS, Collect, add_bus, counter, new_registry
+from llmgw_core.subjects import Names
 
 if TYPE_CHECKING:
     from .service import PlacementService
@@ -64,7 +65,7 @@ class PlacementMetrics:
 
     def replica_ready(self, record: ReplicaRecord) -> None:
         """A replica is ready: time it from its creation, the first time only."""
-        key = f"{record.deployment}.{record.replica}"
+        key = Names.replica_key(record.deployment, record.replica)
         if key in self._ready:
             return
         self._ready[key] = None

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from llmgw_core import failures
 from llmgw_core.events import EngineLoad, ReplicaRecord, ShardStatus
 
 if TYPE_CHECKING:
@@ -219,9 +220,15 @@ class Page:
             r = replicas[key]
             nodes = ", ".join(sorted({k.split(".", 1)[0] for k in r.shards}))
             since = f"{_ago(now - r.since)}" if r.since else ""
-            # The failure's own lines, unless the reason already quotes them whole.
-            shown = r.last_failure and r.last_failure.replace("\n", " ") not in r.reason.replace("\n", " ")
-            failure = f"<pre>{_e(r.last_failure)}</pre>" if shown else ""
+            # The failure's own lines, unless the reason already quotes them whole (as a
+            # placement that predates the failure's fields wrote it).
+            told = failures.failure_of(r)
+            said = failures.text(told)
+            shown = said and said.replace("\n", " ") not in r.reason.replace("\n", " ")
+            details = failures.details(told) if told is not None else ""
+            failure = (
+                f"<pre>{_e(f'{details}:' + chr(10) if details else '')}{_e(said)}</pre>" if shown else ""
+            )
             loads = [
                 s.load for k in r.shards if (s := shard_status.get(k)) is not None and s.load is not None
             ]

@@ -42,9 +42,10 @@ from llmgw_core.events import (
 )
 from llmgw_core.limits import key_problem
 from llmgw_core.retry import Retry
+from llmgw_core.subjects import ENGINES_KEY, Names
 from llmgw_core.telemetry import current_traceparent
+from llmgw_core.validate import check_deployment, check_profile
 
-from .checks import check_deployment, check_profile
 from .config import ServerConfig
 from .controller import ClusterState, Controller
 from .desired import PlacementFile, file_difference, last_good, placement_file
@@ -159,7 +160,7 @@ class PlacementService:
         names = self.bus.names
         with tracer.start_as_current_span("placement: desired engines"):
             desired = DesiredEngines(engines=self.config.engines, traceparent=current_traceparent())
-            writes: list[tuple[str, str, msgspec.Struct]] = [(names.config_bucket, "engines", desired)]
+            writes: list[tuple[str, str, msgspec.Struct]] = [(names.config_bucket, ENGINES_KEY, desired)]
         writes += [(names.catalog_bucket, p.name, p.wire()) for p in self.config.catalog]
         writes += [(names.deployments_bucket, d.name, d.wire()) for d in self.config.deployments]
         seeded = []
@@ -187,7 +188,9 @@ class PlacementService:
                 if problem is None:
                     target[change.key] = change.value
                 else:
-                    await self.bus.dead_letter(f"$KV.{bucket}.{change.key}", encode(change.value), problem)
+                    await self.bus.dead_letter(
+                        self.bus.names.kv_subject(bucket, change.key), encode(change.value), problem
+                    )
             if self.held and problem is None:
                 self.held.pop(f"{bucket}/{change.key}", None)  # a good value or a delete ends it
             if problem is not None:
@@ -513,7 +516,7 @@ def _check_shard_status(key: str, status: ShardStatus) -> str | None:
     problem = key_problem(key, "node", "shard")
     if problem is not None:
         return problem
-    if key != f"{status.node}.{status.shard}":
+    if key != Names.shard_key(status.node, status.shard):
         return (
             f"key {key} holds the status of shard {status.node}.{status.shard}: "
             "a status is stored under its own key"

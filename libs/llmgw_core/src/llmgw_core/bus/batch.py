@@ -16,6 +16,7 @@ from ..errors import BusError, StoreFull
 from ..events import encode
 from ..retry import CALL_RETRY
 from ..store import BATCH_INCOMPLETE, unstaged
+from ..subjects import Names
 from ..topology import stream_of
 from .connection import Connection, transient
 from .space import Space
@@ -39,10 +40,10 @@ class Writes:
     items: list[_Write] = field(default_factory=list)
 
     def put(self, bucket: str, key: str, value: msgspec.Struct) -> None:
-        self.items.append(_Write(f"$KV.{bucket}.{key}", encode(value), {}))
+        self.items.append(_Write(Names.kv_subject(bucket, key), encode(value), {}))
 
     def delete(self, bucket: str, key: str) -> None:
-        self.items.append(_Write(f"$KV.{bucket}.{key}", b"", {"KV-Operation": "DEL"}))
+        self.items.append(_Write(Names.kv_subject(bucket, key), b"", {"KV-Operation": "DEL"}))
 
     def publish(self, subject: str, msg: msgspec.Struct, *, traceparent: str = "") -> None:
         """An event; it carries `traceparent` (else the current span's context)."""

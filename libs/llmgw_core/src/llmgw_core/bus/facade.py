@@ -28,7 +28,7 @@ from nats.js.kv import KeyValue
 from ..errors import StoreFull
 from ..events import Heartbeat
 from ..store import Limits, StoreWatch, stream_limits
-from ..subjects import Names
+from ..subjects import ALL, Names
 from .batch import Batches, Writes
 from .connection import Connection
 from .deadletter import DeadLetters
@@ -189,7 +189,7 @@ class Bus:
         """Every key that holds a value now."""
         return await self.kvs.keys(bucket)
 
-    async def entries(self, bucket: str, kind: type[T], keys: str = ">") -> dict[str, KVChange[T]]:
+    async def entries(self, bucket: str, kind: type[T], keys: str = ALL) -> dict[str, KVChange[T]]:
         """A snapshot of every key's current value (bad values dead-lettered and skipped)."""
         return await self.kvs.entries(bucket, kind, keys)
 
@@ -226,7 +226,7 @@ class Bus:
         return self.watches.last_per_subject(subject, kind)
 
     def watch(
-        self, bucket: str, kind: type[T], keys: str = ">", *, undecodable: bool = False
+        self, bucket: str, kind: type[T], keys: str = ALL, *, undecodable: bool = False
     ) -> AsyncIterator[KVChange[T]]:
         """Every key's current value, then each change; survives reconnects without missing one."""
         return self.watches.watch(bucket, kind, keys, undecodable=undecodable)

@@ -27,6 +27,7 @@ from ..errors import BusError, ConnectionLost
 from ..events import decoder, encode
 from ..retry import CALL_RETRY, Retry
 from ..store import Limits
+from ..subjects import ALL, Names
 from ..topology import bucket_config
 from .connection import Connection, transient
 from .deadletter import DeadLetters, DecodeFailure
@@ -139,7 +140,7 @@ class KV:
 
     async def put(self, bucket: str, key: str, value: msgspec.Struct) -> int:
         """Write a key; a put is idempotent, so a timed-out one (lost in a reconnect) is retried."""
-        self.conn.check(f"$KV.{bucket}.{key}")
+        self.conn.check(Names.kv_subject(bucket, key))
         data = encode(value)
         return int(
             await self._kv_call(f"write {bucket}/{key}", bucket, lambda kv: kv.put(key, data), write=True)
@@ -147,7 +148,7 @@ class KV:
 
     async def create(self, bucket: str, key: str, value: msgspec.Struct) -> int | None:
         """Write a key only if it has no value; None if it has one."""
-        self.conn.check(f"$KV.{bucket}.{key}")
+        self.conn.check(Names.kv_subject(bucket, key))
         data = encode(value)
         try:
             return int(
@@ -160,7 +161,7 @@ class KV:
 
     async def update(self, bucket: str, key: str, value: msgspec.Struct, *, last: int) -> int | None:
         """Compare-and-set: write only if the key is still at revision `last`; None if it moved."""
-        self.conn.check(f"$KV.{bucket}.{key}")
+        self.conn.check(Names.kv_subject(bucket, key))
         data = encode(value)
         try:
             return int(
@@ -172,7 +173,7 @@ class KV:
             return None
 
     async def get(self, bucket: str, key: str, kind: type[T]) -> tuple[T, int] | None:
-        self.conn.check(f"$KV.{bucket}.{key}")
+        self.conn.check(Names.kv_subject(bucket, key))
         try:
             entry = await self._kv_call(f"read {bucket}/{key}", bucket, lambda kv: kv.get(key))
         except nats.js.errors.NotFoundError:  # never written, or deleted
@@ -220,14 +221,14 @@ class KV:
         except nats.js.errors.NoKeysError:
             return set()
 
-    async def entries(self, bucket: str, kind: type[T], keys: str = ">") -> dict[str, KVChange[T]]:
+    async def entries(self, bucket: str, kind: type[T], keys: str = ALL) -> dict[str, KVChange[T]]:
         """A snapshot of every key's current value (bad values are skipped, and counted).
 
         Each key's last message is only collected as it arrives, and decoded once all are
         in: through `watch`, every key costs a queue hop and a timed wait, which made
         `llmgw ctl get nodes` take seconds at 10,000 nodes. A reconnect meanwhile reads again.
         """
-        self.conn.check(f"$KV.{bucket}.{keys}")
+        self.conn.check(Names.kv_subject(bucket, keys))
         retry = Retry(log, f"{self.conn.service}: reading {bucket}", base_s=0.5, cap_s=2.0, known=KNOWN)
         try:
             with anyio.fail_after(30):
@@ -257,7 +258,7 @@ class KV:
         """Each key's last value and revision, deleted keys left out, read by one ordered
         consumer; None when the connection was replaced meanwhile."""
         await self.kv(bucket)  # the bucket exists, and this identity may read it
-        prefix = f"$KV.{bucket}."
+        prefix = Names.kv_subject(bucket, "")
         found: dict[str, tuple[int, bytes]] = {}
         done = anyio.Event()
 
@@ -306,7 +307,7 @@ class KV:
         """An ordered consumer of `bucket`'s keys matching `keys`: each key's last message, then
         every new one, to `on_msg`."""
         return await self.conn.js.subscribe(
-            f"$KV.{bucket}.{keys}",
+            Names.kv_subject(bucket, keys),
             stream=f"KV_{bucket}",
             cb=on_msg,
             ordered_consumer=True,
@@ -325,10 +326,10 @@ class KV:
             # Only a KV delete (its KV-Operation header) removes a key: an empty
             # value put by mistake must not stop an engine or drop a deployment.
             error = "an empty value is not a delete (use a KV delete); the key keeps its last value"
-            await self.dlq.dead_letter(f"$KV.{bucket}.{key}", b"", error)
+            await self.dlq.dead_letter(Names.kv_subject(bucket, key), b"", error)
             return error
         try:
-            return self.dlq.decode(kind, f"$KV.{bucket}.{key}", data)
+            return self.dlq.decode(kind, Names.kv_subject(bucket, key), data)
         except DecodeFailure as exc:
             await self.dlq.dead_letter(exc.subject, data, exc.error)
             return exc.error

@@ -21,6 +21,7 @@ from ..access import PermissionDenied
 from ..errors import BusError
 from ..events import decoder
 from ..retry import Retry
+from ..subjects import ALL, Names
 from .connection import Connection
 from .deadletter import DeadLetters
 from .kv import KNOWN, KV, KVChange, deletes
@@ -166,7 +167,7 @@ class Watches:
                     await sub.unsubscribe()
 
     async def watch(
-        self, bucket: str, kind: type[T], keys: str = ">", *, undecodable: bool = False
+        self, bucket: str, kind: type[T], keys: str = ALL, *, undecodable: bool = False
     ) -> AsyncIterator[KVChange[T]]:
         """Every key's current value first, then each change, for as long as the caller iterates.
 
@@ -188,8 +189,8 @@ class Watches:
         After every WATCH_TURN_EVERY messages the loop turns once, so that a long run
         (thousands of shard statuses) does not hold the caller's other tasks back.
         """
-        self.conn.check(f"$KV.{bucket}.{keys}")
-        prefix = f"$KV.{bucket}."
+        self.conn.check(Names.kv_subject(bucket, keys))
+        prefix = Names.kv_subject(bucket, "")
         seen: dict[str, int] = {}
         taken = 0
         retry = Retry(log, f"{self.conn.service}: watching {bucket}", base_s=0.5, cap_s=5.0, known=KNOWN)

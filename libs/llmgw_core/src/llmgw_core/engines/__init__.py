@@ -3,7 +3,11 @@
 Nothing here starts a process; the launcher does that with what these return.
 """
 
+# The bus values an adapter works on, defined with the others in `llmgw_core.events`;
+# re-exported here because most of the code that builds or reads them imports them from here.
+from ..events import GPUInfo, Member, Profile, ShardSpec
 from ..limits import TOKEN_PATTERN, Name, Token
+from ..sources import ModelSource, SourceError, is_source, parse_source, weights_key
 from ._env import generated_env, materialise
 from ._quant import MIN_CAPABILITY, parse_capability, quantization_of
 from ._registry import (
@@ -14,17 +18,7 @@ from ._registry import (
     default_registry,
     extra_ports_needed,
 )
-from ._source import ModelSource, SourceError, is_source, parse_source, weights_key
-from ._types import (
-    BASE_API_PATHS,
-    Address,
-    Command,
-    Engine,
-    GPUInfo,
-    Member,
-    Profile,
-    ShardSpec,
-)
+from ._types import BASE_API_PATHS, Address, Command, Engine
 from ._validate import validate_profile
 from .llamacpp import LlamaCpp, LlamaCppConfig
 from .sglang import SGLang, SGLangConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ._types import ShardSpec
+from ..events import ShardSpec
 
 
 def generated_env(shard: ShardSpec) -> dict[str, str]:

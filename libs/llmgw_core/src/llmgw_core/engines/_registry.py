@@ -2,7 +2,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from ._types import BASE_API_PATHS, Engine, ShardSpec
+from ..events import ShardSpec
+from ._types import BASE_API_PATHS, Engine
 
 
 class UnknownEngineError(KeyError):

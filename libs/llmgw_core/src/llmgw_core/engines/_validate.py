@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from ..events import GPUInfo, Profile, ShardSpec
+from ..sources import SourceError, parse_source
 from ._quant import MIN_CAPABILITY, format_capability, parse_capability, quantization_of
-from ._source import SourceError, parse_source
-from ._types import GPUInfo, Profile, ShardSpec
 
 
 def validate_profile(

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from msgspec import Struct
 
+from ..events import GPUInfo, Profile, ShardSpec
 from ._env import generated_env, materialise
-from ._types import BASE_API_PATHS, Command, GPUInfo, Profile, ShardSpec
+from ._types import BASE_API_PATHS, Command
 from ._validate import validate_profile
 
 

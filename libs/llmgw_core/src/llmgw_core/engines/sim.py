@@ -6,8 +6,9 @@ import sys
 
 from msgspec import Struct
 
+from ..events import GPUInfo, Profile, ShardSpec
 from ._env import generated_env, materialise
-from ._types import BASE_API_PATHS, Address, Command, GPUInfo, Profile, ShardSpec
+from ._types import BASE_API_PATHS, Address, Command
 from ._validate import validate_profile
 
 

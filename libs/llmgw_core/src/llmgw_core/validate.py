@@ -1,17 +1,20 @@
-"""Desired state read from the bus, checked as a whole before placement acts on it.
+"""The rules of a valid deployment and profile, as stored on the bus: one set of rules
+for every part that reads or writes them.
 
-Decoding proves a value's shape; these rules prove it makes sense where it
-was found. A value that breaks one is dead-lettered with the rule, counted,
-and ignored: the key keeps its last good value, and nothing is placed,
-removed or retried because of it. The API and `llmgw ctl` refuse a write
-that breaks one, with the same words, before it is stored.
+Decoding proves a value's shape; these rules prove it makes sense where it was found.
+Placement dead-letters a stored value that breaks one, with the rule, counts it and
+ignores it: the key keeps its last good value, and nothing is placed, removed or retried
+because of it. Placement's API and `llmgw ctl` refuse a write that breaks one, with the
+same words, before it is stored. The single-field rules (names, keys, replica counts,
+aliases, references to the catalog) are in `limits`.
 """
 
 from __future__ import annotations
 
-from llmgw_core.engines import Profile
-from llmgw_core.events import Deployment
-from llmgw_core.limits import aliases_problem, key_problem, name_problem, replicas_problem
+from .events import Deployment, Profile
+from .limits import aliases_problem, key_problem, name_problem, replicas_problem
+
+__all__ = ["DEFAULT_MAX_REPLICAS", "check_deployment", "check_profile"]
 
 DEFAULT_MAX_REPLICAS = 10_000
 

@@ -1,0 +1,76 @@
+"""A shard's failure, formatted where it is shown: ctl, the cluster page and the API all
+take their words from here, and the launcher its text for readers that predate the fields.
+
+A failure travels as fields (`ShardFailure`: reason, exit, log tail, attempt). Its text
+form, "<reason>; last log lines:\\n<lines>", is written only for old readers; the one place
+that reads it back is `failure_of`, for a launcher or placement that predates the fields.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from .events import ReplicaRecord, ShardFailure, ShardStatus
+
+__all__ = ["details", "failure_of", "one_line", "reason_line", "retrying", "summary", "text"]
+
+# Between a failure's reason and the log lines it quotes, in its text form.
+_LOG_MARK = "; last log lines:"
+
+
+def summary(failure: ShardFailure | None) -> str:
+    """The failure in one line, without its log lines; "" for none."""
+    return failure.reason.split("\n", 1)[0] if failure is not None else ""
+
+
+def text(failure: ShardFailure | None) -> str:
+    """The failure whole: its reason, then the failing attempt's last log lines; "" for none."""
+    if failure is None:
+        return ""
+    if not failure.log_tail:
+        return failure.reason
+    return f"{failure.reason}{_LOG_MARK}\n" + "\n".join(failure.log_tail)
+
+
+def details(failure: ShardFailure) -> str:
+    """The failure's attempt and exit status in words ("attempt 3, exit code 42", "attempt 2,
+    killed by SIGKILL"); "" where neither is known."""
+    words = [f"attempt {failure.attempt}"] if failure.attempt else []
+    if failure.exit is not None and failure.exit >= 0:
+        words.append(f"exit code {failure.exit}")
+    elif failure.exit is not None:
+        try:
+            words.append(f"killed by {signal.Signals(-failure.exit).name}")
+        except ValueError:
+            words.append(f"killed by signal {-failure.exit}")
+    return ", ".join(words)
+
+
+def retrying(attempt: int, failure: ShardFailure) -> str:
+    """The reason of a shard or replica that starts again: which attempt, and why the last ended."""
+    return f"attempt {attempt}; last: {summary(failure)}"
+
+
+def one_line(reason: str) -> str:
+    """A reason in one line. A failed status's reason quotes the log after its first line
+    (as its text form does, for old readers); tables show the first line only."""
+    return reason.split("\n", 1)[0].removesuffix(_LOG_MARK) if reason else ""
+
+
+def reason_line(status: ShardStatus) -> str:
+    """A shard's reason in one line: a failed shard's from its failure's fields."""
+    if status.state == "failed" and status.failure is not None:
+        return summary(status.failure)
+    return one_line(status.reason)
+
+
+def failure_of(value: ShardStatus | ReplicaRecord) -> ShardFailure | None:
+    """The last failure of a shard or replica as fields; from a writer that predates them,
+    read from its text (the attempt and exit status are then unknown: 0 and None)."""
+    if value.failure is not None:
+        return value.failure
+    if not value.last_failure:
+        return None
+    reason, _, lines = value.last_failure.partition(f"{_LOG_MARK}\n")
+    at = value.last_failure_at if isinstance(value, ShardStatus) else 0.0
+    return ShardFailure(reason=reason, log_tail=tuple(lines.split("\n")) if lines else (), at=at)
