@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import anyio
@@ -15,6 +15,7 @@ import anyio.lowlevel
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import api
 
 from ..access import PermissionDenied
@@ -73,7 +74,36 @@ class Watches:
         meanwhile comes out as each subject's last. Values that do not decode go to the DLQ."""
         self.conn.check(subject)
         dec = decoder(kind)
-        retry = Retry(log, f"{self.conn.service}: reading {subject}", base_s=0.5, cap_s=5.0, known=KNOWN)
+
+        async def open_consumer(on_msg: Callable[[Msg], Awaitable[None]]) -> Subscription:
+            return await self.conn.js.subscribe(
+                subject,
+                stream=self.conn.names.events_stream,
+                cb=on_msg,
+                ordered_consumer=True,
+                deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+                inactive_threshold=300,
+            )
+
+        async with contextlib.aclosing(self._ordered(f"reading {subject}", open_consumer)) as messages:
+            async for msg in messages:
+                try:
+                    value = dec.decode(msg.data)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    await self.dlq.dead_letter(msg.subject, msg.data, str(exc))
+                    continue
+                yield msg.subject, value
+
+    async def _ordered(
+        self, what: str, open_consumer: Callable[[Callable[[Msg], Awaitable[None]]], Awaitable[Subscription]]
+    ) -> AsyncGenerator[Msg, None]:
+        """Every message of the consumer `open_consumer` makes, opened again after a reconnect
+        (what it delivers first then is the caller's to sort out); a consumer that cannot be
+        opened is retried with backoff, its outage said once (`what`: `watching <bucket>`).
+
+        Messages that arrived together come out together, with no turn of the event loop
+        between them: the consumer's callback only puts each in an inbox."""
+        retry = Retry(log, f"{self.conn.service}: {what}", base_s=0.5, cap_s=5.0, known=KNOWN)
         while True:
             epoch = self.conn.reconnects
             inbox: deque[Msg] = deque()
@@ -86,16 +116,9 @@ class Watches:
                 arrived[0].set()
 
             try:
-                sub = await self.conn.js.subscribe(
-                    subject,
-                    stream=self.conn.names.events_stream,
-                    cb=on_msg,
-                    ordered_consumer=True,
-                    deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
-                    inactive_threshold=300,
-                )
+                sub = await open_consumer(on_msg)
             except PermissionDenied as exc:  # a configuration error: retrying cannot help
-                raise BusError(f"{self.conn.service}: cannot read {subject}: {exc}") from exc
+                raise BusError(f"{self.conn.service}: {what} is not allowed: {exc}") from exc
             except KNOWN as exc:
                 self.conn.raise_if_final(exc)
                 retry.failed(exc)
@@ -110,15 +133,9 @@ class Watches:
                             await arrived[0].wait()
                         if not inbox:
                             if self.conn.reconnects != epoch:
-                                break  # open it again: each subject's last comes out then
+                                break  # open it again: what came meanwhile comes out then
                             continue
-                    msg = inbox.popleft()
-                    try:
-                        value = dec.decode(msg.data)
-                    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                        await self.dlq.dead_letter(msg.subject, msg.data, str(exc))
-                        continue
-                    yield msg.subject, value
+                    yield inbox.popleft()
             finally:
                 with anyio.CancelScope(shield=True):
                     with contextlib.suppress(nats.errors.Error, OSError):
@@ -193,61 +210,30 @@ class Watches:
         prefix = Names.kv_subject(bucket, "")
         seen: dict[str, int] = {}
         taken = 0
-        retry = Retry(log, f"{self.conn.service}: watching {bucket}", base_s=0.5, cap_s=5.0, known=KNOWN)
-        while True:
-            epoch = self.conn.reconnects
-            inbox: deque[Msg] = deque()
-            arrived = [anyio.Event()]
 
-            async def on_msg(
-                msg: Msg, inbox: deque[Msg] = inbox, arrived: list[anyio.Event] = arrived
-            ) -> None:
-                inbox.append(msg)
-                arrived[0].set()
+        async def open_consumer(on_msg: Callable[[Msg], Awaitable[None]]) -> Subscription:
+            await self.kv.kv(bucket)  # the bucket exists, and this identity may read it
+            return await self.kv.last_per_key(bucket, keys, on_msg)
 
-            try:
-                await self.kv.kv(bucket)  # the bucket exists, and this identity may read it
-                sub = await self.kv.last_per_key(bucket, keys, on_msg)
-            except PermissionDenied as exc:  # a configuration error: retrying cannot help
-                raise BusError(f"{self.conn.service}: cannot watch {bucket} {keys}: {exc}") from exc
-            except (nats.errors.Error, OSError, BusError) as exc:
-                self.conn.raise_if_final(exc)
-                retry.failed(exc)
-                await retry.wait()
-                continue
-            retry.succeeded()
-            try:
-                while True:
-                    if not inbox:
-                        arrived[0] = anyio.Event()
-                        with anyio.move_on_after(1.0):
-                            await arrived[0].wait()
-                        if not inbox:
-                            if self.conn.reconnects != epoch:
-                                break  # open it again: what changed meanwhile comes out then
-                            continue
-                    msg = inbox.popleft()
-                    taken += 1
-                    if taken % WATCH_TURN_EVERY == 0:
-                        # A long run of messages still lets the caller's other tasks turn.
-                        await anyio.lowlevel.checkpoint()
-                    key = msg.subject[len(prefix) :]
-                    rev = msg.metadata.sequence.stream
-                    if rev <= seen.get(key, 0):
-                        continue
-                    seen[key] = rev
-                    deleted = deletes(msg.headers)
-                    if deleted is None:
-                        continue  # a marker of a kind this client does not know
-                    if deleted:
-                        yield KVChange(key, None, rev)
-                        continue
-                    value = await self.kv.decoded(bucket, key, msg.data or b"", kind)
-                    if not isinstance(value, str):
-                        yield KVChange(key, value, rev)
-                    elif undecodable:
-                        yield KVChange(key, None, rev, error=value)
-            finally:
-                with anyio.CancelScope(shield=True):
-                    with contextlib.suppress(nats.errors.Error, OSError):
-                        await sub.unsubscribe()
+        async with contextlib.aclosing(self._ordered(f"watching {bucket} {keys}", open_consumer)) as messages:
+            async for msg in messages:
+                taken += 1
+                if taken % WATCH_TURN_EVERY == 0:
+                    # A long run of messages still lets the caller's other tasks turn.
+                    await anyio.lowlevel.checkpoint()
+                key = msg.subject[len(prefix) :]
+                rev = msg.metadata.sequence.stream
+                if rev <= seen.get(key, 0):
+                    continue  # already yielded (a consumer opened again after a reconnect)
+                seen[key] = rev
+                deleted = deletes(msg.headers)
+                if deleted is None:
+                    continue  # a marker of a kind this client does not know
+                if deleted:
+                    yield KVChange(key, None, rev)
+                    continue
+                value = await self.kv.decoded(bucket, key, msg.data or b"", kind)
+                if not isinstance(value, str):
+                    yield KVChange(key, value, rev)
+                elif undecodable:
+                    yield KVChange(key, None, rev, error=value)
