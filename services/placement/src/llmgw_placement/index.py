@@ -9,16 +9,22 @@ viewed again.
 
 from __future__ import annotations
 
+import fnmatch
 import heapq
-from collections import defaultdict
-from collections.abc import Iterator, Sequence
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 from sortedcontainers import SortedList
 
-from llmgw_core.engines import Profile
+from llmgw_core.engines import Profile, ShardSpec
 from llmgw_core.events import Deployment
 
+from .config import ServerConfig
 from .feasibility import NodeView, cached_score, unfit
+from .liveness import Liveness
+from .state import ClusterState
 
 
 class NodeIndex:
@@ -241,3 +247,163 @@ class _FabricFit:
             key=lambda n: cached_score(n, self.profile, deployment, fp),
         )
         return fabric, chosen
+
+
+@dataclass
+class Usage:
+    """What the placed shards take on each node."""
+
+    gpus: defaultdict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
+    ports: defaultdict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
+    shards: Counter[str] = field(default_factory=Counter)
+    replicas_of: defaultdict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+
+    @classmethod
+    def of(cls, specs: Iterable[ShardSpec]) -> Usage:
+        usage = cls()
+        for spec in specs:
+            usage.add(spec)
+        return usage
+
+    def copy(self) -> Usage:
+        return Usage(
+            defaultdict(set, {n: set(g) for n, g in self.gpus.items()}),
+            defaultdict(set, {n: set(p) for n, p in self.ports.items()}),
+            Counter(self.shards),
+            defaultdict(Counter, {n: Counter(c) for n, c in self.replicas_of.items()}),
+        )
+
+    def add(self, spec: ShardSpec) -> None:
+        port = spec.members[spec.rank].port if spec.members else None
+        self.take(spec.node, spec.gpus, port, spec.deployment)
+
+    def remove(self, spec: ShardSpec) -> None:
+        port = spec.members[spec.rank].port if spec.members else None
+        self.give_back(spec.node, spec.gpus, port, spec.deployment)
+
+    def take(self, node: str, gpus: Iterable[int], port: int | None, deployment: str) -> None:
+        self.gpus[node].update(gpus)
+        self.shards[node] += 1
+        self.replicas_of[node][deployment] += 1
+        if port is not None:
+            self.ports[node].add(port)
+
+    def give_back(self, node: str, gpus: Iterable[int], port: int | None, deployment: str) -> None:
+        self.gpus[node].difference_update(gpus)
+        self.shards[node] -= 1
+        self.replicas_of[node][deployment] -= 1
+        if port is not None:
+            self.ports[node].discard(port)
+
+
+def _matches(node: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(node, p) for p in patterns)
+
+
+class KeptIndex:
+    """The NodeIndex of the active placement, kept current across its steps.
+
+    `refresh` views again only the nodes whose status changed (`state.dirty_nodes`)
+    or whose liveness or claim flipped, and placements and removals update the nodes
+    they touch (`take`, `give_back`), so a step costs O(changes), not O(nodes).
+    (Computing who is alive is the one pass over every node.)"""
+
+    def __init__(self, config: ServerConfig, state: ClusterState, liveness: Liveness) -> None:
+        self.config = config
+        self.state = state
+        self.liveness = liveness
+        self.index = NodeIndex()
+        # Bumped whenever the index is made anew (its generation restarts then).
+        self.id = 0
+        # Who was alive when the index was last brought up to date (None: never built).
+        self.alive: frozenset[str] | None = None
+        # The nodes claimed by two machines when the index was last brought up to date.
+        self._claimed: frozenset[str] = frozenset()
+        # What every held shard takes, this step's placements included.
+        self.usage = Usage()
+        self.at = 0.0
+
+    def reset(self, specs: Iterable[ShardSpec]) -> None:
+        """What the held shards take, from scratch (after loading the buckets)."""
+        self.usage = Usage.of(specs)
+
+    def refresh(self, at: float) -> frozenset[str]:
+        """Bring every node's view up to date for a step at `at`; the nodes alive then."""
+        self.at = at
+        alive = self.liveness.alive_nodes(at)
+        claimed = frozenset(self.state.claims.contested(at))
+        dirty = self.state.dirty_nodes
+        self.state.dirty_nodes = set()
+        if self.alive is None:
+            self.index = NodeIndex([self.view(n, at) for n in sorted(self.state.nodes)])
+            self.id += 1
+        else:
+            for node in sorted(dirty | (alive ^ self.alive) | (claimed ^ self._claimed)):
+                if node in self.state.nodes:
+                    self.index.add(self.view(node, at))
+                else:
+                    self.index.remove(node)
+        self.alive = alive
+        self._claimed = claimed
+        return alive
+
+    def views(self, at: float, usage: Usage | None = None) -> list[NodeView]:
+        return [self.view(name, at, usage) for name in sorted(self.state.nodes)]
+
+    def view(self, name: str, at: float, usage: Usage | None = None) -> NodeView:
+        usage = self.usage if usage is None else usage
+        status = self.state.nodes[name]
+        alive, since = self.liveness.alive(name, at)
+        facts = status.facts
+        lost_since = ""
+        if not alive:
+            wall = self.state.last_seen_wall.get(name)
+            lost_since = (
+                time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(wall))
+                if wall
+                else "this placement started"
+            )
+        config = self.config
+        return NodeView(
+            node=name,
+            alive=alive,
+            lost_for_s=since,
+            lost_since=lost_since,
+            pools=frozenset(p for p, pats in config.pools.items() if _matches(name, pats)),
+            fabric=next((f for f, fc in sorted(config.fabrics.items()) if _matches(name, fc.nodes)), ""),
+            gpus=facts.gpus,
+            used_gpus=frozenset(usage.gpus[name]),
+            engines={e.name: e for e in status.engines},
+            install=status.install,
+            avx2=facts.has_avx2,
+            hcas=facts.hcas,
+            weights=frozenset(p for p, fp in facts.weights.items() if fp),
+            mgmt_addr=facts.mgmt_addr or "127.0.0.1",
+            shards=usage.shards[name],
+            used_ports=frozenset(usage.ports[name]),
+            replicas_of=dict(usage.replicas_of[name]),
+            mgmt_iface=facts.mgmt_iface,
+            claimed=self.state.claims.claimed(name, at) or "",
+        )
+
+    def reindex(self, node: str) -> None:
+        if node in self.state.nodes:
+            self.index.add(self.view(node, self.at))
+
+    def add(self, spec: ShardSpec) -> None:
+        """A held shard taken: only its node's view changes."""
+        self.usage.add(spec)
+        self.reindex(spec.node)
+
+    def remove(self, spec: ShardSpec) -> None:
+        self.usage.remove(spec)
+        self.reindex(spec.node)
+
+    def take(self, node: str, gpus: Iterable[int], port: int | None, deployment: str) -> None:
+        """A rank decided and not yet named: its GPUs (and port) are taken for the next decision."""
+        self.usage.take(node, gpus, port, deployment)
+        self.reindex(node)
+
+    def give_back(self, node: str, gpus: Iterable[int], port: int | None, deployment: str) -> None:
+        self.usage.give_back(node, gpus, port, deployment)
+        self.reindex(node)
