@@ -20,12 +20,13 @@ from llmgw_core.events import (
     ShardStatus,
 )
 from llmgw_core.events import ReplicaRecord as Record
+from llmgw_placement.apply import BATCH_MAX
 from llmgw_placement.config import ServerConfig
 from llmgw_placement.held import Held
 from llmgw_placement.index import KeptIndex
 from llmgw_placement.liveness import Liveness
 from llmgw_placement.plan import Plan, Refuse
-from llmgw_placement.reconcile import Snapshot, reconcile
+from llmgw_placement.reconcile import Snapshot, reconcile, steps
 from llmgw_placement.state import ClusterState
 
 NOW = 1000.0
@@ -380,3 +381,30 @@ def test_a_lost_node_is_refused_in_words_that_say_since_when() -> None:
     w.state.dirty_nodes.add("n0")
     again = w.step()
     assert again.refusals[0].refusal.reasons == (("n0", "lost: no heartbeat since this placement started"),)
+
+
+def test_a_status_counts_every_placement_of_the_step_however_many_batches_were_written() -> None:
+    """The controller writes what is queued every BATCH_MAX placements (taking it out of the
+    plan); the step's status still counts all it placed, and only the rest as unplaceable."""
+    w = World({f"n{i:03d}": 8 for i in range(100)})
+    w.deploy(replicas=1000)
+    alive = w.index.refresh(NOW)
+    snap = Snapshot(
+        deployments=dict(w.deployments),
+        catalog=dict(w.catalog),
+        shard_status={},
+        nodes=dict(w.state.nodes),
+        alive=alive,
+        liveness=w.liveness,
+        config=w.config,
+    )
+    plan = Plan()
+    batches = []
+    for _ in steps(snap, w.held, w.index, NOW, plan):
+        if plan.full(BATCH_MAX):
+            batches.append(len(plan.take().places))
+    assert batches == [BATCH_MAX], "the first 512 were handed over to be written mid-step"
+    assert len(plan.places) == 800 - BATCH_MAX
+    [report] = plan.reports
+    assert report.status.summary.startswith("chat: 0 of 1000 ready; 800 placing; 200 cannot be placed: ")
+    assert (report.status.pending, report.status.unplaceable) == (800, 200)

@@ -132,10 +132,6 @@ class Controller:
                 log.warning("replica %s lost its shard specs; placing it again", k)
                 held.replicas[k] = msgspec.structs.replace(record, state="placing")
 
-    async def reconcile(self) -> None:
-        """Remove what the buckets hold and this leader does not (see `Applier.sweep`)."""
-        await self.applier.sweep()
-
     # --- the step ---------------------------------------------------------------------
 
     async def step(self) -> None:
@@ -177,5 +173,5 @@ class Controller:
             raise
         await applier.report(plan)
         if at - self._reconciled_at >= self.config.reconcile_interval_s:
-            await self.reconcile()
+            await self.applier.sweep()
             self._reconciled_at = at
