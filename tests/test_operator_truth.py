@@ -317,7 +317,7 @@ async def test_a_deployment_status_never_counts_what_the_bucket_does_not_hold_ye
         [leader] = await eventually(lambda: cp.leaders() or None, timeout=20)
         controller = await eventually(lambda: leader.service.controller, timeout=20)
         seen: list[tuple[int, int]] = []
-        publish = controller._event
+        publish = controller.applier._event
 
         async def checked(subject: str, msg: Any) -> None:
             if isinstance(msg, DeploymentStatus):
@@ -325,7 +325,7 @@ async def test_a_deployment_status_never_counts_what_the_bucket_does_not_hold_ye
                 seen.append((msg.ready, len(held)))
             await publish(subject, msg)
 
-        controller._event = checked  # type: ignore[method-assign]
+        controller.applier._event = checked  # type: ignore[method-assign]
         await bus.put(
             bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tp1", replicas=40)
         )

@@ -276,7 +276,7 @@ def test_the_kept_index_decides_as_the_reference_through_every_change(seed: int)
 def test_evicted_fabric_tables_are_made_again_correctly(monkeypatch: pytest.MonkeyPatch) -> None:
     """With room for two tables only, the five profiles and three pools evict each other on
     every pass; a table made again after changes must still decide as the reference."""
-    monkeypatch.setattr(importlib.import_module("llmgw_placement.decide"), "FABRIC_TABLES", 2)
+    monkeypatch.setattr(importlib.import_module("llmgw_placement.index"), "FABRIC_TABLES", 2)
     rng = random.Random(99)
     views = {v.node: v for v in (_node(rng, i) for i in range(60))}
     serial = [len(views)]

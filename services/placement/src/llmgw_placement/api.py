@@ -203,10 +203,10 @@ class Api:
         return json_response({k: _builtins(v) for k, v in sorted(self.service.state.deployments.items())})
 
     async def get_replicas(self, _: Request) -> Response:
-        controller = self.service.controller
-        if controller is None or not self.service.is_leader:
+        held = self.service.view.mine()
+        if held is None:
             return self.standby()
-        return json_response({k: _builtins(v) for k, v in sorted(controller.replicas.items())})
+        return json_response({k: _builtins(v) for k, v in sorted(held.replicas.items())})
 
     async def get_explain(self, request: Request) -> Response:
         if not self.service.is_leader:
@@ -250,12 +250,12 @@ class Api:
         return exposition(self.service.metrics.registry, request)
 
     def nodes(self) -> list[NodeRow]:
-        controller = self.service.controller
+        view = self.service.view
         at = time.monotonic()
         out = []
         for name in sorted(self.service.state.nodes):
             status = self.service.state.nodes[name]
-            alive, since = controller.alive(status.node, at) if controller else (True, 0.0)
+            alive, since = view.alive(status.node, at)
             out.append(
                 NodeRow(
                     node=status.node,
@@ -277,8 +277,7 @@ class Api:
         tenths of the bytes); per request only `alive`, `seen_s_ago` and `claimed` are written into it.
         Building and encoding every row afresh took a tenth of a second a request at 10,000
         nodes, on the loop that also hears their heartbeats."""
-        controller = self.service.controller
-        heard = controller.alive if controller else lambda node, at: (True, 0.0)
+        heard = self.service.view.alive
         claims = self.service.state.claims
         contested = set(claims.contested(time.monotonic()))
         nodes = self.service.state.nodes
@@ -329,13 +328,11 @@ class Api:
         if dep is None:
             return json_response({"error": f"no deployment {name!r}"}, 404)
         profile = self.service.state.catalog.get(dep.profile)
-        controller = self.service.controller
-        last = controller.decisions.get(name) if controller else None
-        status = controller.statuses.get(name) if controller else None
-        replicas = (
-            sorted((r for r in controller.replicas.values() if r.deployment == name), key=lambda r: r.replica)
-            if controller
-            else []
+        view = self.service.view
+        last = view.decision(name)
+        status = view.statuses().get(name)
+        replicas = sorted(
+            (r for r in view.replicas().values() if r.deployment == name), key=lambda r: r.replica
         )
         body: dict[str, Any] = {
             "deployment": name,
@@ -348,11 +345,11 @@ class Api:
                 "outcome": "refused",
                 "reason": f"profile {dep.profile} is not in the catalog",
             }
-        elif controller is not None:
+        elif (views := view.views()) is not None:
             decision = decide(
                 dep,
                 profile,
-                controller.views(time.monotonic()),
+                views,
                 port_range=self.service.config.dist_port_range,
             )
             if isinstance(decision, Refusal):

@@ -101,14 +101,14 @@ def _state(service: PlacementService) -> Iterator[Metric]:
         "or a key's stored value is refused.",
         value=len(service.warnings()),
     )
-    controller = service.controller
+    view = service.view
     nodes = GaugeMetricFamily(
         "llmgw_placement_nodes",
-        "Nodes known, by liveness (what this placement hears; all alive on a standby).",
+        "Nodes known, by liveness (what this placement hears, leader or standby).",
         labels=["liveness"],
     )
     at = time.monotonic()
-    alive = sum(1 for n in service.state.nodes if controller is None or controller.alive(n, at)[0])
+    alive = len(view.liveness.alive_nodes(at) & service.state.nodes.keys())
     nodes.add_metric(["alive"], alive)
     nodes.add_metric(["lost"], len(service.state.nodes) - alive)
     yield nodes
@@ -124,7 +124,8 @@ def _state(service: PlacementService) -> Iterator[Metric]:
         labels=["deployment", "state"],
     )
     counts: dict[tuple[str, str], int] = {}
-    for r in controller.replicas.values() if controller else ():
+    # What this placement holds (an ex-leader: what it held last).
+    for r in view.held.replicas.values() if view.held else ():
         counts[(r.deployment, r.state)] = counts.get((r.deployment, r.state), 0) + 1
     for dep in sorted(service.state.deployments.keys() | {d for d, _ in counts}):
         for state in REPLICA_STATES:

@@ -113,8 +113,8 @@ class Page:
     def view(self) -> str:
         """The page's body: every section, rendered now."""
         service = self.service
-        # An ex-leader's controller holds what it last knew: only a leader shows its own.
-        controller = service.controller if service.is_leader else None
+        # An ex-leader holds what it last knew: only a leader shows its own.
+        view = service.view
         head = (
             f"<p class=who>placement <b>{_e(service.identity)}</b> · "
             + ("leader" if service.is_leader else "standby: replicas and decisions are the leader's")
@@ -124,9 +124,9 @@ class Page:
         blocked = service.cannot_write()
         if blocked:
             head += f"<p class=alert id=store>{_e(blocked)}</p>"
-        replicas = dict(controller.replicas) if controller else {}
-        shards = dict(controller.shards) if controller else {}
-        statuses = dict(controller.statuses) if controller else {}
+        replicas = view.replicas()
+        shards = view.shards()
+        statuses = view.statuses()
         holders: dict[tuple[str, int], str] = {}
         for spec in shards.values():
             for gpu in spec.gpus:

@@ -51,6 +51,7 @@ from .controller import ClusterState, Controller
 from .desired import PlacementFile, file_difference, last_good, placement_file
 from .lease import Lease, LeaseLost
 from .metrics import PlacementMetrics
+from .view import ClusterView
 
 log = logging.getLogger("llmgw.placement")
 tracer = trace.get_tracer("llmgw.placement")
@@ -80,6 +81,8 @@ class PlacementService:
         self.state.claims = Claims(window=config.node_timeout_s)
         self.identity = config.identity or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.controller: Controller | None = None
+        # What the API, the page and the metrics read: liveness, and what the leader holds.
+        self.view = ClusterView(config, self.state, lambda: self.is_leader)
         # The lease this placement holds or waits for, and whether it took over with it.
         self.lease: Lease | None = None
         self._leading = False
@@ -366,13 +369,13 @@ class PlacementService:
     def liveness(self) -> Liveness:
         """Every node as this placement judges it, for `llmgw ctl nodes` and the API."""
         at = time.monotonic()
-        controller = self.controller or Controller(self.config, self.bus, self.state)
+        view = self.view
         state = self.state
         out = []
         for node in sorted(state.nodes):
-            alive, silent = controller.alive(node, at)
+            alive, silent = view.alive(node, at)
             installer = state.installer_seen.get(node)
-            grace = controller.in_grace(node, at)
+            grace = view.in_grace(node, at)
             out.append(
                 NodeLiveness(
                     node=node,
@@ -470,6 +473,7 @@ class PlacementService:
             while not await taking_over.run(lambda: self._take_over(controller)):
                 await anyio.sleep(taking_over.delay)
             self.controller = controller
+            self.view.led(controller.held, controller.index)
             self._leading = True
             log.info("%s: active placement", self.identity)
             interval = min(self.config.heartbeat_interval_s, self.config.node_timeout_s / 4)

@@ -1,0 +1,447 @@
+"""Writing a Plan: fence, name, commit, undo, publish.
+
+The applier proves the lease before writing (at most once per heartbeat interval),
+gives each placement the next replica id of its deployment (reserving a block of
+ids in the leases bucket by compare-and-set when none is left), turns the plan's
+entries into writes, commits them (one atomic batch per stream where the server
+takes them), takes back in memory what did not land, and publishes what was written.
+
+Undo rules: placements whose writes fail stay `placing` in memory with their ids,
+and the next step writes them again as they are (a NATS that refuses writes for
+space costs no replica ids, however long it lasts); removals that fail are
+remembered again and retried; changes of state that fail are taken back, and the
+next step observes them again. A placement decided but not named when the step
+failed is given back (its GPUs free again, no id used).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from opentelemetry import trace
+
+from llmgw_core.bus import Bus, Writes
+from llmgw_core.engines import Member, ShardSpec
+from llmgw_core.errors import BusError, StoreFull
+from llmgw_core.events import PlacementDecision, ReplicaRecord, ReplicaStatus, now
+from llmgw_core.telemetry import context_from, current_traceparent
+
+from .config import ServerConfig
+from .held import REPLICA_NUMBER, Held, key
+from .index import KeptIndex
+from .metrics import PlacementMetrics
+from .plan import Place, Placed, Plan, Refuse, Remove, Save
+
+log = logging.getLogger("llmgw.placement")
+tracer = trace.get_tracer("llmgw.placement")
+
+
+class ReplicaIds(msgspec.Struct, frozen=True, kw_only=True):
+    """`replica-ids.<deployment>` in the leases bucket: replica numbers below `next` were handed out."""
+
+    deployment: str
+    next: int
+
+
+# Replica numbers are reserved this many at a time: one write per block, not per replica.
+ID_BLOCK = 64
+ID_BLOCK_MAX = 4096
+# Placements written together after one proof of the lease, and how many are in flight at once.
+BATCH_MAX = 512
+
+
+class Applier:
+    def __init__(
+        self,
+        config: ServerConfig,
+        bus: Bus,
+        held: Held,
+        index: KeptIndex,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        fence: Callable[[], Awaitable[None]] | None = None,
+        metrics: PlacementMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.bus = bus
+        self.held = held
+        self.index = index
+        self.clock = clock
+        # Called before every write: raises if this placement no longer holds the lease,
+        # so a paused ex-leader never writes.
+        self.fence = fence
+        self.metrics = metrics
+        self.writes = 0
+        self._fenced_at: float | None = None
+
+    # --- naming -------------------------------------------------------------------
+
+    async def name(self, plan: Plan) -> None:
+        """Give every placement queued in `plan` its replica id and build its writes (into
+        `plan.placed`); then name every refusal and tell those whose reasons changed, and
+        send the dead letters."""
+        if self.metrics is not None:
+            for seconds in plan.decision_seconds:
+                self.metrics.decision_seconds.observe(seconds)
+        plan.decision_seconds = []
+        done = 0
+        try:
+            for place in plan.places:
+                replica = await self._next_replica_id(place.deployment.name, place.wanted)
+                plan.placed.append(self._build(place, replica))
+                done += 1
+        finally:
+            del plan.places[:done]
+        refusals, plan.refusals = plan.refusals, []
+        for refuse in refusals:
+            replica = refuse.replica or await self._next_replica_id(refuse.deployment, refuse.wanted)
+            await self._refuse(refuse, replica)
+        letters, plan.dead_letters = plan.dead_letters, []
+        for letter in letters:
+            await self.bus.dead_letter(letter.subject, letter.data, letter.error)
+
+    def give_back(self, plan: Plan) -> None:
+        """A step that failed: what `plan` still holds is not written. Placements named stay
+        `placing` in memory and are written again next step; those not named are given back;
+        removals are remembered again and changes of state taken back. Nothing is reported."""
+        self._keep_unwritten(plan.placed)
+        for place in plan.places:
+            multi = len(place.placement.members) > 1
+            for a in place.placement.members:
+                self.index.give_back(a.node, a.gpus, a.port if multi else None, place.deployment.name)
+        self._undo(plan.removals, plan.saves)
+        plan.take()
+        plan.reports = []
+
+    def _build(self, place: Place, replica: str) -> Placed:
+        dep, profile, fp, p = place.deployment, place.profile, place.fp, place.placement
+        # One trace from `ctl deploy` to the engines: the deployment carries its
+        # trace context, this span continues it, and the shard specs carry it on.
+        with tracer.start_as_current_span(
+            f"place {dep.name}/{replica}", context=context_from(dep.traceparent)
+        ):
+            traceparent = current_traceparent()
+        names = self.bus.names
+        members = (
+            tuple(Member(node=a.node, addr=a.addr, port=a.port) for a in p.members)
+            if len(p.members) > 1
+            else ()
+        )
+        specs = tuple(
+            ShardSpec(
+                replica=replica,
+                shard=f"{dep.name}-{replica}-{a.rank}",
+                node=a.node,
+                profile=profile,
+                rank=a.rank,
+                gpus=a.gpus,
+                host=a.addr,
+                port=0,
+                members=members,
+                hcas=a.hcas,
+                mgmt_iface=a.mgmt_iface,
+                fabric=p.fabric,
+                pool=dep.pool,
+                profile_fp=fp,
+                deployment=dep.name,
+                traceparent=traceparent,
+            )
+            for a in p.members
+        )
+        record = ReplicaRecord(
+            deployment=dep.name,
+            replica=replica,
+            profile=profile.name,
+            profile_fp=fp,
+            state="placing",
+            engine=profile.engine,
+            members=tuple(Member(node=a.node, addr=a.addr, port=a.port) for a in p.members),
+            shards=tuple(names.shard_key(s.node, s.shard) for s in specs),
+            fabric=p.fabric,
+            pool=dep.pool,
+            created_at=now(),
+            updated_at=now(),
+            since=now(),
+        )
+        number, end = self.held.ids[dep.name]
+        self.held.ids[dep.name] = (number + 1, end)
+        self.held.replicas[key(record)] = record
+        for spec in specs:
+            # Its GPUs were taken in the index when it was decided.
+            self.held.shards[names.shard_key(spec.node, spec.shard)] = spec
+        decision = PlacementDecision(
+            deployment=dep.name,
+            replica=replica,
+            outcome="placed",
+            nodes=tuple(a.node for a in p.members),
+            at=now(),
+        )
+        self.held.decisions[dep.name] = decision
+        log.info("placed %s/%s on %s", dep.name, replica, ", ".join(decision.nodes))
+        return Placed(record, specs, decision, traceparent)
+
+    async def _next_replica_id(self, dep: str, wanted: int = 1) -> str:
+        """A replica id never used before in this deployment, across failovers, restarts and
+        leaders: numbers are reserved in the leases bucket by compare-and-set, a block at a
+        time, the block as big as the `wanted` replicas still to place (up to ID_BLOCK_MAX):
+        10,000 new replicas cost a few reservations, not one per 64."""
+        number, end = self.held.ids.get(dep, (0, 0))
+        if number >= end:
+            number, end = await self._reserve_ids(dep, min(max(ID_BLOCK, wanted), ID_BLOCK_MAX))
+        self.held.ids[dep] = (number, end)
+        return f"r{number}"
+
+    async def _reserve_ids(self, dep: str, size: int) -> tuple[int, int]:
+        bucket, k = self.bus.names.leases_bucket, f"replica-ids.{dep}"
+        ids = self.held.ids
+        if dep in ids:
+            used = ids[dep][0]  # every replica held was numbered below it
+        else:  # the first block of this leader: the replicas it loaded
+            used = max(
+                (
+                    int(m.group(1)) + 1
+                    for r in self.held.replicas.values()
+                    if r.deployment == dep
+                    if (m := REPLICA_NUMBER.match(r.replica))
+                ),
+                default=0,
+            )
+        while True:
+            current = await self.bus.get(bucket, k, ReplicaIds)
+            start = max(used, current[0].next if current else 0, ids.get(dep, (0, 0))[0])
+            block = ReplicaIds(deployment=dep, next=start + size)
+            if current is None:
+                written = await self.bus.create(bucket, k, block)
+            else:
+                written = await self.bus.update(bucket, k, block, last=current[1])
+            if written is not None:
+                return start, start + size
+
+    # --- writing ------------------------------------------------------------------
+
+    async def fenced(self) -> None:
+        """Prove the lease before writing: at most once per heartbeat interval, so a batch of
+        placements costs one compare-and-set, not one each. A paused ex-leader resumes with
+        its proof older than that, tries again, and learns here that it lost the lease."""
+        if self.fence is None:
+            return
+        at = self.clock()
+        if self._fenced_at is not None and at - self._fenced_at < self.config.heartbeat_interval_s:
+            return
+        await self.fence()
+        self._fenced_at = self.clock()
+
+    async def flush(self, plan: Plan) -> None:
+        """Write every removal `plan` holds, then every named placement, then every replica's
+        change of state, after one proof of the lease: each as one commit per stream (an
+        atomic batch where the server takes them), its events after it.
+
+        Removals go first: a placement may reuse GPUs a removal freed. What fails is
+        taken back as the module's docstring says. Any failure costs this step (BusError).
+        """
+        held = self.held
+        removals, plan.removals = plan.removals, []
+        # A placement removed since it was queued (its node was lost meanwhile) is not written.
+        batch = [b for b in plan.placed if held.replicas.get(key(b.record)) is b.record]
+        plan.placed = []
+        saves, plan.saves = plan.saves, []
+        if self.metrics is not None:
+            for save in saves:
+                if save.after.state == "ready" and save.before is not None and save.before.state != "ready":
+                    self.metrics.replica_ready(save.before)
+        if not removals and not batch and not saves:
+            return
+        try:
+            await self.fenced()
+        except BaseException:
+            self._undo(removals, saves)
+            self._keep_unwritten(batch)
+            raise
+        names = self.bus.names
+        if removals:
+            kv, events = Writes(), Writes()
+            for removal in removals:
+                record = removal.record
+                for k in record.shards:
+                    kv.delete(names.shards_bucket, k)
+                kv.delete(names.replicas_bucket, key(record))
+                events.publish(
+                    names.replica_event(record.deployment, record.replica),
+                    ReplicaStatus(
+                        deployment=record.deployment,
+                        replica=record.replica,
+                        state=removal.state,
+                        reason=removal.why,
+                        at=now(),
+                    ),
+                )
+            await self._write(kv, removals, saves)
+            await self._publish(events)
+        if batch:
+            kv, events = Writes(), Writes()
+            started: list[tuple[ReplicaRecord, ReplicaRecord]] = []
+            # Shards before records: a record never names shards that were not written.
+            for placed in batch:
+                for spec in placed.specs:
+                    kv.put(names.shards_bucket, names.shard_key(spec.node, spec.shard), spec)
+            for placed in batch:
+                record = placed.record
+                starting = msgspec.structs.replace(record, state="starting", updated_at=now(), since=now())
+                started.append((record, starting))
+                kv.put(names.replicas_bucket, key(record), starting)
+                events.publish(
+                    names.replica_event(record.deployment, record.replica),
+                    ReplicaStatus(
+                        deployment=record.deployment, replica=record.replica, state="starting", at=now()
+                    ),
+                    traceparent=placed.traceparent,
+                )
+                events.publish(
+                    names.placement_event(record.deployment), placed.decision, traceparent=placed.traceparent
+                )
+            with tracer.start_as_current_span(f"commit {len(batch)} placements"):
+                try:
+                    await self._write(kv, [], saves)
+                except BaseException:
+                    self._keep_unwritten(batch)
+                    raise
+            for record, starting in started:
+                if held.replicas.get(key(record)) is record:
+                    held.replicas[key(record)] = starting
+            await self._publish(events)
+        # Changes of state of replicas still held (one removed since is not written back).
+        saves = [s for s in saves if held.replicas.get(key(s.after)) is s.after]
+        if saves:
+            kv, events = Writes(), Writes()
+            for save in saves:
+                old, new = save.before, save.after
+                kv.put(names.replicas_bucket, key(new), new)
+                if old is None or old.state != new.state:
+                    events.publish(
+                        names.replica_event(new.deployment, new.replica),
+                        ReplicaStatus(
+                            deployment=new.deployment,
+                            replica=new.replica,
+                            state=new.state,
+                            reason=new.reason,
+                            url=new.url,
+                            at=now(),
+                        ),
+                        traceparent=save.traceparent,
+                    )
+            await self._write(kv, [], saves)
+            await self._publish(events)
+
+    async def report(self, plan: Plan) -> None:
+        """Publish the step's changed statuses, after its writes were committed: a status never
+        counts a replica ready (or gone) before the bucket says so."""
+        reports, plan.reports = plan.reports, []
+        for report in reports:
+            name = report.status.deployment
+            if report.gone:
+                self.held.statuses.pop(name, None)
+            else:
+                self.held.statuses[name] = report.status
+            await self._event(self.bus.names.deployment_event(name), report.status)
+
+    async def sweep(self) -> None:
+        """Remove what the buckets hold and this leader does not: a write that landed after
+        its writer lost the lease (a paused ex-leader's last batch, sent when it resumed) is
+        nobody's, and a shard spec of it would run an engine that holds GPUs forever."""
+        names = self.bus.names
+        kv = Writes()
+        for k in sorted(await self.bus.keys(names.replicas_bucket) - set(self.held.replicas)):
+            log.warning("replica record %s is not this leader's (an ex-leader's late write?); removing it", k)
+            kv.delete(names.replicas_bucket, k)
+        for k in sorted(await self.bus.keys(names.shards_bucket) - set(self.held.shards)):
+            log.warning("shard spec %s is not this leader's (an ex-leader's late write?); removing it", k)
+            kv.delete(names.shards_bucket, k)
+        if kv:
+            await self.fenced()
+            await self.bus.commit(kv)
+            self.writes += len(kv)
+
+    async def delete_shard(self, k: str) -> None:
+        await self.bus.delete(self.bus.names.shards_bucket, k)
+        spec = self.held.shards.pop(k, None)
+        if spec is not None:
+            self.index.remove(spec)
+        self.writes += 1
+
+    async def _write(self, kv: Writes, removals: list[Remove], saves: list[Save]) -> None:
+        """Commit `kv`; if it does not land, undo `removals` and `saves` in memory and raise."""
+        try:
+            await self.bus.commit(kv)
+        except BaseException:
+            self._undo(removals, saves)
+            raise
+        self.writes += len(kv)
+
+    def _keep_unwritten(self, batch: list[Placed]) -> None:
+        """Placements whose writes did not land: the next step writes them again."""
+        for placed in batch:
+            self.held.unwritten[key(placed.record)] = placed
+
+    def _undo(self, removals: list[Remove], saves: list[Save]) -> None:
+        """Writes that did not land: removals are remembered again, changes of state taken back."""
+        held = self.held
+        for removal in removals:
+            # A removal whose deletes failed: remembered again, so the next step removes it again.
+            held.replicas.setdefault(key(removal.record), removal.record)
+            for k, spec in removal.specs.items():
+                if k not in held.shards:
+                    held.shards[k] = spec
+                    self.index.add(spec)
+        for save in reversed(saves):
+            k = key(save.after)
+            if held.replicas.get(k) is save.after:
+                if save.before is None:
+                    del held.replicas[k]
+                else:
+                    held.replicas[k] = save.before
+
+    async def _publish(self, events: Writes) -> None:
+        """Events tell what was written; one that fails is logged, never undoes the write."""
+        if not events:
+            return
+        try:
+            await self.bus.commit(events)
+        except StoreFull:
+            pass  # the bus said the episode once; the step's writes say the rest
+        except BusError as exc:
+            log.warning("could not publish %d events: %s", len(events), exc)
+
+    async def _refuse(self, refuse: Refuse, replica: str) -> None:
+        dep = refuse.deployment
+        decision = PlacementDecision(
+            deployment=dep, replica=replica, outcome="refused", reasons=refuse.reasons, at=now()
+        )
+        self.held.decisions[dep] = decision
+        if not refuse.tell:
+            return
+        # Every node's reason goes to the event; the log says it in one line.
+        log.warning("cannot place %s: %s", dep, refuse.refusal.summary())
+        await self._event(self.bus.names.placement_event(dep), decision)
+        if replica != "-":
+            # The replica that could not be: no record (it holds nothing), but its state is told.
+            await self._event(
+                self.bus.names.replica_event(dep, replica),
+                ReplicaStatus(
+                    deployment=dep,
+                    replica=replica,
+                    state="unplaceable",
+                    reason=refuse.refusal.text(),
+                    at=now(),
+                ),
+            )
+
+    async def _event(self, subject: str, msg: msgspec.Struct) -> None:
+        try:
+            await self.bus.publish(subject, msg)
+        except StoreFull:
+            pass  # the bus said the episode once
+        except BusError as exc:
+            log.warning("could not publish to %s: %s", subject, exc)

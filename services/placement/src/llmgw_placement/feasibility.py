@@ -1,0 +1,205 @@
+"""Whether one node can take one rank of a profile, and in whose words it cannot; how well it fits.
+
+`unfit` gives every refusal's reason for a node (the words `ctl explain` shows and
+the events carry); `score` ranks the nodes that fit. Both read a `NodeView` only,
+so the index (`index.py`) and the decision (`decide.py`) judge a node alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from llmgw_core.engines import GPUInfo, Profile, validate_profile
+from llmgw_core.events import Deployment, EngineState
+
+from .gpuclass import gpu_class
+
+# How an operator names each engine, for the refusals that speak of its builds.
+ENGINE_NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM", "sglang": "SGLang"}
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What placement knows of one node."""
+
+    node: str
+    alive: bool = True
+    lost_for_s: float = 0.0
+    # When the node was last heard, as UTC wall-clock text: a refusal that quotes it
+    # stays the same while the node stays lost, so it is published once, not every step.
+    lost_since: str = ""
+    pools: frozenset[str] = frozenset()
+    fabric: str = ""
+    gpus: tuple[GPUInfo, ...] = ()
+    used_gpus: frozenset[int] = frozenset()
+    engines: Mapping[str, EngineState] = field(default_factory=dict)
+    install: str = ""
+    avx2: bool = True
+    hcas: tuple[str, ...] = ()
+    weights: frozenset[str] = frozenset()
+    mgmt_addr: str = "127.0.0.1"
+    shards: int = 0
+    used_ports: frozenset[int] = frozenset()
+    replicas_of: Mapping[str, int] = field(default_factory=dict)
+    mgmt_iface: str = ""
+    # `n1 is claimed by two machines: …` while two machines send its heartbeats: nothing
+    # more is placed on it (which of them would run it?).
+    claimed: str = ""
+
+    # A view never changes once made: what is derived from it is computed once.
+    _free: dict[str, list[GPUInfo]] = field(default_factory=dict, compare=False, repr=False)
+    _classes: list[frozenset[str]] = field(default_factory=list, compare=False, repr=False)
+    _counts: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    _chosen: dict[tuple[str, int], list[GPUInfo]] = field(default_factory=dict, compare=False, repr=False)
+    # unfit() per (profile fingerprint, deployment name, pool): the many replicas of one
+    # deployment placed in a step meet the same unchanged views again and again.
+    _unfit: dict[tuple[str, str, str], str | None] = field(default_factory=dict, compare=False, repr=False)
+    # score() per (profile fingerprint, deployment name, strategy).
+    _scores: dict[tuple[str, str, str], tuple[object, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def free_gpus(self, cls: str) -> list[GPUInfo]:
+        found = self._free.get(cls)
+        if found is None:
+            found = [g for g in self.gpus if g.index not in self.used_gpus and gpu_class(g) == cls]
+            self._free[cls] = found
+        return found
+
+    @property
+    def classes(self) -> frozenset[str]:
+        if not self._classes:
+            self._classes.append(frozenset(gpu_class(g) for g in self.gpus))
+        return self._classes[0]
+
+    def count_of(self, cls: str) -> int:
+        """GPUs of class `cls` on the node, free or not."""
+        found = self._counts.get(cls)
+        if found is None:
+            found = self._counts[cls] = sum(1 for g in self.gpus if gpu_class(g) == cls)
+        return found
+
+    def chosen(self, cls: str, n: int) -> list[GPUInfo]:
+        """The `n` free GPUs of class `cls` a rank would get (see `choose_gpus`)."""
+        found = self._chosen.get((cls, n))
+        if found is None:
+            found = self._chosen[(cls, n)] = choose_gpus(self.free_gpus(cls), n)
+        return found
+
+
+def gpus_needed(profile: Profile) -> int:
+    return profile.per_node_gpus if profile.gpu_class else 0
+
+
+def unfit(
+    node: NodeView,
+    profile: Profile,
+    deployment: Deployment,
+    memo: dict[tuple[tuple[str, str, int], ...], list[str]] | None = None,
+) -> str | None:
+    """Why `node` cannot take one rank of `profile`, in the node's own words where it gave them.
+
+    `memo` keeps the profile's validation per kind of GPU set across the nodes of one
+    decision: a fleet has few kinds of GPU, and validating each node's anew is most
+    of the cost of a multi-node decision.
+
+    Of the deployment only its pool is read: a NodeIndex keeps one fabric table per
+    profile and pool for every deployment of them (reading more would need more in its key)."""
+    if not node.alive:
+        if node.lost_since:
+            return f"lost: no heartbeat since {node.lost_since}"
+        return f"lost {int(node.lost_for_s)} s ago"
+    if node.claimed:
+        return node.claimed
+    if deployment.pool and deployment.pool not in node.pools:
+        return f"not in pool {deployment.pool}"
+    engine = node.engines.get(profile.engine)
+    if engine is None:
+        return node.install or f"engine {profile.engine} not installed"
+    if not engine.runs:
+        # The node's own words: the install's progress while it installs, else the detail
+        # the installer gave (why it failed, the library a broken build misses).
+        words = engine.detail or (
+            node.install.removeprefix("installing: ") if engine.state == "installing" else ""
+        )
+        return (
+            f"engine {profile.engine} {engine.state}: {words}"
+            if words
+            else f"engine {profile.engine} {engine.state}"
+        )
+    need = gpus_needed(profile)
+    if profile.gpu_class and engine.cpu_only:
+        # The node installed the CPU build (its driver runs none of the CUDA builds): a GPU
+        # profile there would run on the CPU, several times slower, with nothing looking wrong.
+        return f"engine {profile.engine} is the CPU build here: {engine.cpu_only}"
+    if profile.gpu_class:
+        if not node.gpus:
+            return f"no GPUs, profile needs {profile.gpu_class}"
+        if profile.gpu_class not in node.classes:
+            return f"GPU class {', '.join(sorted(node.classes))}, profile needs {profile.gpu_class}"
+        free = node.free_gpus(profile.gpu_class)
+        if len(free) < need:
+            return f"{len(free)} of {node.count_of(profile.gpu_class)} GPUs free, profile needs {need}"
+        chosen = node.chosen(profile.gpu_class, need)
+        kind = tuple((g.name, g.compute_capability, g.memory_mb) for g in chosen)
+        problems = memo.get(kind) if memo is not None else None
+        if problems is None:
+            problems = validate_profile(profile, chosen)
+            if memo is not None:
+                memo[kind] = problems
+        if problems:
+            return problems[0].split(": ", 1)[1]
+    elif not node.avx2 and profile.engine != "sim":
+        # Refused, not only warned: a CPU replica there looks as healthy as any other
+        # and answers several times slower (docs/placement.md, "No AVX2").
+        name = ENGINE_NAMES.get(profile.engine, profile.engine)
+        return (
+            f"no AVX2: {name}'s CPU build would run several times slower here; "
+            "place CPU profiles on nodes with AVX2 (`llmgw ctl nodes` marks those without), "
+            "or give the profile a gpu_class"
+        )
+    if profile.nodes > 1 and not node.fabric:
+        return f"on no fabric; profile needs {profile.nodes} nodes on one fabric"
+    return None
+
+
+def choose_gpus(free: Sequence[GPUInfo], n: int) -> list[GPUInfo]:
+    """The first run of `n` consecutive indices if there is one, else the lowest `n`.
+
+    Contiguous GPUs usually share a PCIe switch or NVLink domain; scattering a
+    tensor-parallel group over the machine costs bandwidth.
+    """
+    if n <= 0:
+        return []
+    ordered = sorted(free, key=lambda g: g.index)
+    for start in range(len(ordered) - n + 1):
+        window = ordered[start : start + n]
+        if window[-1].index - window[0].index == n - 1:
+            return window
+    return ordered[:n]
+
+
+def score(node: NodeView, profile: Profile, deployment: Deployment) -> tuple[object, ...]:
+    has_weights = profile.weights_key in node.weights
+    free_after = len(node.free_gpus(profile.gpu_class)) - gpus_needed(profile) if profile.gpu_class else 0
+    if deployment.strategy == "spread":
+        return (
+            not has_weights,
+            node.replicas_of.get(deployment.name, 0),
+            -free_after,
+            node.shards,
+            node.node,
+        )
+    # binpack: the tightest fit first, keeping whole nodes free for big models.
+    return (not has_weights, free_after, -node.shards, node.node)
+
+
+def cached_score(node: NodeView, profile: Profile, deployment: Deployment, fp: str) -> tuple[object, ...]:
+    # The strategy is part of the key: keyed without it, a view kept across a deployment's
+    # switch from binpack to spread went on ranking by the binpack score it cached first.
+    key = (fp, deployment.name, deployment.strategy)
+    found = node._scores.get(key)
+    if found is None:
+        found = node._scores[key] = score(node, profile, deployment)
+    return found

@@ -1,0 +1,43 @@
+"""What this placement wrote, in memory: the shards and replicas buckets as it holds them, and
+what it remembers between steps (decisions, statuses published, ids reserved, writes to retry)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from llmgw_core.engines import ShardSpec
+from llmgw_core.events import Deployment, DeploymentStatus, PlacementDecision, ReplicaRecord
+from llmgw_core.subjects import Names
+
+from .plan import Placed
+
+REPLICA_NUMBER = re.compile(r"^r(\d+)$")
+
+
+@dataclass
+class Held:
+    shards: dict[str, ShardSpec] = field(default_factory=dict)
+    replicas: dict[str, ReplicaRecord] = field(default_factory=dict)
+    # Per deployment, its last decision (for `ctl explain`).
+    decisions: dict[str, PlacementDecision] = field(default_factory=dict)
+    # Per deployment, the status last published (published again only when it changes).
+    statuses: dict[str, DeploymentStatus] = field(default_factory=dict)
+    # Per deployment, what its last refusal was computed against (see `reconcile._place`).
+    refused: dict[str, tuple[int, int, str, str, str]] = field(default_factory=dict)
+    # Deployments whose unknown profile was dead-lettered already (by value).
+    told_unknown: dict[str, Deployment] = field(default_factory=dict)
+    # Placements named whose writes did not land, by replica key: the next step writes them
+    # again as they are (a new id each time would use ids up while NATS cannot store).
+    unwritten: dict[str, Placed] = field(default_factory=dict)
+    # Per deployment, the next replica number and the end of the block reserved in the bucket.
+    ids: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def key(record: ReplicaRecord) -> str:
+    return Names.replica_key(record.deployment, record.replica)
+
+
+def replica_order(record: ReplicaRecord) -> tuple[int, str]:
+    m = REPLICA_NUMBER.match(record.replica)
+    return (int(m.group(1)) if m else 1 << 30, record.replica)

@@ -1,0 +1,40 @@
+"""What placement reads: the cluster as the bucket and heartbeat watchers keep it, in every
+placement, active or standing by."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmgw_core.claims import Claims
+from llmgw_core.engines import Profile
+from llmgw_core.events import Deployment, NodeStatus, ShardStatus
+
+
+@dataclass
+class ClusterState:
+    """Everything placement reads, kept current by watchers (in every placement, active or not)."""
+
+    nodes: dict[str, NodeStatus]
+    # The node's launcher (or all-in-one agent) last heard, by this placement's
+    # monotonic clock, and by the sender's wall clock (for "no heartbeat since …").
+    last_seen: dict[str, float]
+    catalog: dict[str, Profile]
+    deployments: dict[str, Deployment]
+    shard_status: dict[str, ShardStatus]
+    last_seen_wall: dict[str, float] = field(default_factory=dict)
+    # The node's installer last heard (monotonic): shown, never a reason to fail over.
+    installer_seen: dict[str, float] = field(default_factory=dict)
+    # Bumped on every change to `nodes`.
+    nodes_version: int = 0
+    # Nodes whose status changed since the controller last looked (it views only those again).
+    dirty_nodes: set[str] = field(default_factory=set)
+    # Since when this placement could hear every heartbeat (its start, its last
+    # reconnect, the end of its last stall); None while it cannot hear at all.
+    # A node is judged only on silence that this placement could have heard.
+    heard_from: float | None = 0.0
+    # Who sends each node's heartbeats: a node two machines claim is placed on no more.
+    claims: Claims = field(default_factory=lambda: Claims(window=5.0))
+
+    @classmethod
+    def empty(cls) -> ClusterState:
+        return cls({}, {}, {}, {}, {})

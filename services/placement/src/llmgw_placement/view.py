@@ -1,0 +1,69 @@
+"""A read-only view of the cluster as this placement knows it, for the API, the page and the
+metrics: liveness judged alike on a leader and a standby, and what the leader holds."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from llmgw_core.engines import ShardSpec
+from llmgw_core.events import DeploymentStatus, PlacementDecision, ReplicaRecord
+
+from .config import ServerConfig
+from .feasibility import NodeView
+from .held import Held
+from .index import KeptIndex
+from .liveness import Liveness
+from .state import ClusterState
+
+
+class ClusterView:
+    """Reads; never writes. `led` is told by the service when it becomes the leader;
+    `leading` says whether it leads now (holds a proven lease)."""
+
+    def __init__(self, config: ServerConfig, state: ClusterState, leading: Callable[[], bool]) -> None:
+        self.config = config
+        self.state = state
+        self._leading = leading
+        self.liveness = Liveness(config, state)
+        # What this placement wrote while it led (kept after it lost the lease: an
+        # ex-leader's memory, shown by the metrics only), and its kept index.
+        self.held: Held | None = None
+        self._index: KeptIndex | None = None
+
+    def led(self, held: Held, index: KeptIndex) -> None:
+        self.held = held
+        self._index = index
+
+    def alive(self, node: str, at: float) -> tuple[bool, float]:
+        return self.liveness.alive(node, at)
+
+    def in_grace(self, node: str, at: float) -> float | None:
+        return self.liveness.in_grace(node, at)
+
+    def mine(self) -> Held | None:
+        """What the leader holds; None on a standby (an ex-leader's memory is stale)."""
+        return self.held if self._leading() else None
+
+    def replicas(self) -> dict[str, ReplicaRecord]:
+        """The replicas the leader holds (empty on a standby)."""
+        mine = self.mine()
+        return dict(mine.replicas) if mine else {}
+
+    def shards(self) -> dict[str, ShardSpec]:
+        mine = self.mine()
+        return dict(mine.shards) if mine else {}
+
+    def statuses(self) -> dict[str, DeploymentStatus]:
+        mine = self.mine()
+        return dict(mine.statuses) if mine else {}
+
+    def decision(self, deployment: str) -> PlacementDecision | None:
+        mine = self.mine()
+        return mine.decisions.get(deployment) if mine else None
+
+    def views(self, at: float | None = None) -> list[NodeView] | None:
+        """Every node's view as the leader would decide over it now; None on a standby."""
+        if self._index is None or not self._leading():
+            return None
+        return self._index.views(time.monotonic() if at is None else at)

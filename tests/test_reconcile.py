@@ -1,0 +1,410 @@
+"""`reconcile` without NATS: one control step's plan from a snapshot, as a table of cases.
+
+Each case is a cluster (nodes, when each was last heard, the replicas placement holds,
+the shards' statuses) and the entries the step must plan: the same cases the end-to-end
+placement tests drive through processes, here in the plan's own terms and words."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from llmgw_core.engines import GPUInfo, Member, Profile, ShardSpec
+from llmgw_core.events import (
+    Deployment,
+    DeploymentStatus,
+    EngineState,
+    NodeFacts,
+    NodeStatus,
+    PlacementDecision,
+    ShardStatus,
+)
+from llmgw_core.events import ReplicaRecord as Record
+from llmgw_placement.apply import BATCH_MAX
+from llmgw_placement.config import ServerConfig
+from llmgw_placement.held import Held
+from llmgw_placement.index import KeptIndex
+from llmgw_placement.liveness import Liveness
+from llmgw_placement.plan import Plan, Refuse
+from llmgw_placement.reconcile import Snapshot, reconcile, steps
+from llmgw_placement.state import ClusterState
+
+NOW = 1000.0
+H100 = "NVIDIA H100 80GB HBM3"
+TP1 = msgspec.convert(
+    {"name": "tp1", "engine": "sim", "model_path": "sim://x", "gpu_class": "H100-80G", "tp": 1}, Profile
+)
+TP1_EDITED = msgspec.convert(
+    {"name": "tp1", "engine": "sim", "model_path": "sim://y", "gpu_class": "H100-80G", "tp": 1}, Profile
+)
+
+
+class World:
+    """A cluster as placement would hold it, without a bus."""
+
+    def __init__(self, nodes: dict[str, int], **config: object) -> None:
+        self.config = msgspec.convert(
+            {"node_timeout_s": 5.0, "launcher_grace_s": 30.0, **config}, ServerConfig
+        )
+        self.state = ClusterState.empty()
+        for name, gpus in nodes.items():
+            self.node(name, gpus)
+        self.liveness = Liveness(self.config, self.state)
+        self.held = Held()
+        self.index = KeptIndex(self.config, self.state, self.liveness)
+        self.catalog = {"tp1": TP1}
+        self.deployments: dict[str, Deployment] = {}
+        self.shard_status: dict[str, ShardStatus] = {}
+
+    def node(self, name: str, gpus: int) -> None:
+        facts = NodeFacts(
+            node=name,
+            gpus=tuple(
+                GPUInfo(index=i, name=H100, compute_capability="9.0", memory_mb=81559) for i in range(gpus)
+            ),
+        )
+        engines = (EngineState(name="sim", state="configured", version="1"),)
+        self.state.nodes[name] = NodeStatus(node=name, facts=facts, engines=engines)
+        self.state.last_seen[name] = NOW
+        self.state.dirty_nodes.add(name)
+
+    def deploy(
+        self, name: str = "chat", replicas: int = 1, profile: str = "tp1", pool: str = ""
+    ) -> Deployment:
+        dep = Deployment(name=name, profile=profile, replicas=replicas, pool=pool)
+        self.deployments[name] = dep
+        return dep
+
+    def holds(
+        self,
+        replica: str,
+        node: str,
+        *,
+        state: str = "ready",
+        profile: Profile = TP1,
+        gpus: tuple[int, ...] = (0,),
+    ) -> Record:
+        """A replica of `chat` placement loaded from the buckets."""
+        shard = f"chat-{replica}-0"
+        spec = ShardSpec(
+            replica=replica,
+            shard=shard,
+            node=node,
+            profile=profile,
+            gpus=gpus,
+            profile_fp=profile.fingerprint(),
+            deployment="chat",
+        )
+        record = Record(
+            deployment="chat",
+            replica=replica,
+            profile=profile.name,
+            profile_fp=profile.fingerprint(),
+            state=state,  # type: ignore[arg-type]
+            members=(Member(node=node, addr="127.0.0.1"),),
+            shards=(f"{node}.{shard}",),
+        )
+        self.held.shards[f"{node}.{shard}"] = spec
+        self.held.replicas[f"chat.{replica}"] = record
+        self.index.reset(self.held.shards.values())
+        return record
+
+    def step(self, at: float = NOW) -> Plan:
+        alive = self.index.refresh(at)
+        snap = Snapshot(
+            deployments=dict(self.deployments),
+            catalog=dict(self.catalog),
+            shard_status=dict(self.shard_status),
+            nodes=dict(self.state.nodes),
+            alive=alive,
+            liveness=self.liveness,
+            config=self.config,
+        )
+        return reconcile(snap, self.held, self.index, at)
+
+
+def placed_on(plan: Plan) -> list[tuple[str, ...]]:
+    return [tuple(a.node for a in p.placement.members) for p in plan.places]
+
+
+def removed(plan: Plan) -> list[tuple[str, str, str]]:
+    return [(r.record.replica, r.state, r.why) for r in plan.removals]
+
+
+def summaries(plan: Plan) -> list[str]:
+    return [r.status.summary for r in plan.reports]
+
+
+def test_a_new_deployment_is_placed_binpacked_and_reported_placing() -> None:
+    w = World({"n0": 2, "n1": 2})
+    w.deploy(replicas=3)
+    plan = w.step()
+    assert placed_on(plan) == [("n0",), ("n0",), ("n1",)]
+    assert [p.wanted for p in plan.places] == [3, 2, 1], (
+        "the id block asked for is the replicas still to place"
+    )
+    assert [a.gpus for p in plan.places for a in p.placement.members] == [(0,), (1,), (0,)]
+    assert (plan.removals, plan.refusals, plan.dead_letters) == ([], [], [])
+    assert summaries(plan) == ["chat: 0 of 3 ready; 3 placing"]
+
+
+def test_what_does_not_fit_is_refused_in_every_nodes_words_and_reported() -> None:
+    w = World({"n0": 1, "n1": 1})
+    w.deploy(replicas=3)
+    plan = w.step()
+    assert placed_on(plan) == [("n0",), ("n1",)]
+    [refuse] = plan.refusals
+    assert (refuse.deployment, refuse.replica, refuse.wanted, refuse.tell) == ("chat", "", 1, True)
+    assert refuse.refusal.reasons == (
+        ("n0", "0 of 1 GPUs free, profile needs 1"),
+        ("n1", "0 of 1 GPUs free, profile needs 1"),
+    )
+    assert summaries(plan) == [
+        "chat: 0 of 3 ready; 2 placing; 1 cannot be placed: "
+        "n0: 0 of 1 GPUs free, profile needs 1; n1: 0 of 1 GPUs free, profile needs 1"
+    ]
+    status = plan.reports[0].status
+    assert (status.desired, status.pending, status.unplaceable) == (3, 2, 1)
+
+
+def test_a_refusal_unchanged_since_the_last_step_is_not_told_again() -> None:
+    w = World({"n0": 1})
+    w.deploy(replicas=1)
+    w.holds("r0", "n0")
+    w.deploy(replicas=2)
+    first = w.step()
+    assert [r.tell for r in first.refusals] == [True]
+    # What the applier keeps of it: the decision `explain` shows.
+    w.held.decisions["chat"] = PlacementDecision(
+        deployment="chat", replica="r1", outcome="refused", reasons=first.refusals[0].reasons
+    )
+    w.held.statuses["chat"] = first.reports[0].status
+    again = w.step()
+    assert again.refusals == [], "nothing moved: the refusal computed last still holds, nothing is decided"
+    assert again.reports == [], "the same status is not published again"
+
+
+def test_an_unknown_profile_is_refused_and_dead_lettered_once() -> None:
+    w = World({"n0": 1})
+    w.deploy(profile="nope")
+    plan = w.step()
+    assert plan.places == []
+    assert plan.refusals == [
+        Refuse("chat", plan.refusals[0].refusal, replica="-", wanted=1, tell=True),
+    ]
+    assert plan.refusals[0].refusal.reasons == (("-", "profile nope is not in the catalog"),)
+    [letter] = plan.dead_letters
+    assert letter.subject == "$KV.deployments.chat"
+    assert letter.error == "deployment chat: profile nope is not in the catalog (tp1)"
+    assert summaries(plan) == [
+        "chat: 0 of 1 ready; 1 cannot be placed: -: profile nope is not in the catalog"
+    ]
+    assert w.step().dead_letters == [], "the same value is dead-lettered once"
+
+
+def test_scaling_down_removes_the_newest_replicas() -> None:
+    w = World({"n0": 2})
+    w.holds("r0", "n0", gpus=(0,))
+    w.holds("r1", "n0", gpus=(1,))
+    w.deploy(replicas=1)
+    plan = w.step()
+    assert removed(plan) == [("r1", "stopping", "scaled down to 1")]
+    assert plan.places == []
+    assert set(w.held.replicas) == {"chat.r0"}
+
+
+def test_a_lost_node_fails_its_replicas_over_whole() -> None:
+    w = World({"n0": 1, "n1": 1})
+    w.holds("r0", "n0")
+    w.deploy(replicas=1)
+    w.state.last_seen["n0"] = NOW - 6.0  # past node_timeout_s, no installer heard
+    plan = w.step()
+    assert removed(plan) == [("r0", "failed", "node n0 lost")]
+    assert placed_on(plan) == [("n1",)]
+
+
+def test_a_silent_launcher_whose_installer_beats_is_in_its_grace_then_fails_over() -> None:
+    w = World({"n0": 1, "n1": 1})
+    w.holds("r0", "n0")
+    w.shard_status["n0.chat-r0-0"] = ShardStatus(
+        node="n0",
+        shard="chat-r0-0",
+        replica="r0",
+        state="ready",
+        url="http://n0:1",
+        profile_fp=TP1.fingerprint(),
+    )
+    w.deploy(replicas=1)
+    w.state.last_seen["n0"] = NOW - 10.0
+    w.state.installer_seen["n0"] = NOW
+    plan = w.step()
+    assert plan.removals == [], "within launcher_grace_s nothing moves"
+    assert plan.places == []
+    [save] = plan.saves
+    assert save.after.state == "unknown"
+    assert save.after.url == "http://n0:1", "its last known URL is kept: the gateway may still route to it"
+    assert save.after.reason == (
+        "launcher on n0 silent: readiness unknown; its installer still beats (an agent restart?): its "
+        "engines are routed to for up to launcher_grace_s (30 s) before it fails over"
+    )
+    w.state.last_seen["n0"] = NOW + 25.0 - 31.0  # the grace spent
+    w.state.last_seen["n1"] = NOW + 25.0
+    later = w.step(NOW + 25.0)
+    assert removed(later) == [("r0", "failed", "node n0 lost")]
+    assert placed_on(later) == [("n1",)]
+
+
+@pytest.mark.parametrize(
+    ("status", "state", "reason", "url"),
+    [
+        (dict(state="ready", url="http://n0:1"), "ready", "", "http://n0:1"),
+        (dict(state="ready"), "starting", "", ""),
+        (dict(state="failed", reason="boom", retryable=False), "failed", "n0/chat-r0-0: boom", ""),
+        (dict(state="failed", reason="oom", retryable=True), "degraded", "n0/chat-r0-0: oom", ""),
+        (
+            dict(
+                state="starting",
+                restarts=2,
+                last_failure="exit 1; last log lines:\nTraceback",
+                last_failure_at=5.0,
+            ),
+            "starting",
+            "attempt 3; last: exit 1",
+            "",
+        ),
+    ],
+)
+def test_a_replica_is_observed_from_its_shards(
+    status: dict[str, object], state: str, reason: str, url: str
+) -> None:
+    w = World({"n0": 1})
+    w.holds("r0", "n0", state="starting")
+    w.shard_status["n0.chat-r0-0"] = msgspec.convert(
+        {"node": "n0", "shard": "chat-r0-0", "replica": "r0", "profile_fp": TP1.fingerprint(), **status},
+        ShardStatus,
+    )
+    w.deploy(replicas=1)
+    plan = w.step()
+    if state == "starting" and not reason:
+        assert plan.saves == [], "nothing changed: nothing is written"
+        return
+    [save] = plan.saves
+    assert (save.after.state, save.after.reason, save.after.url) == (state, reason, url)
+    assert w.held.replicas["chat.r0"] is save.after, "taken in memory at once"
+    assert plan.places == []
+    assert plan.removals == []
+
+
+def test_a_replica_failed_for_a_gpu_its_node_no_longer_has_is_placed_again() -> None:
+    w = World({"n0": 1})
+    w.holds("r0", "n0", state="failed", gpus=(1,))
+    w.shard_status["n0.chat-r0-0"] = ShardStatus(
+        node="n0", shard="chat-r0-0", replica="r0", state="failed", reason="no GPU 1", retryable=False
+    )
+    w.deploy(replicas=1)
+    plan = w.step()
+    assert removed(plan) == [("r0", "failed", "GPU 1 no longer on node n0 (it reports 1 GPU: 0)")]
+    assert placed_on(plan) == [("n0",)]
+
+
+def test_a_profile_change_places_a_new_replica_before_the_old_one_goes() -> None:
+    w = World({"n0": 1, "n1": 1})
+    w.holds("r0", "n0")
+    w.deploy(replicas=1)
+    w.catalog["tp1"] = TP1_EDITED
+    plan = w.step()
+    assert placed_on(plan) == [("n1",)]
+    assert plan.removals == []
+    assert plan.places[0].fp == TP1_EDITED.fingerprint()
+
+
+def test_a_profile_change_without_room_replaces_in_place_and_one_that_fits_nowhere_removes_nothing() -> None:
+    w = World({"n0": 1})
+    w.holds("r0", "n0")
+    w.deploy(replicas=1)
+    w.catalog["tp1"] = TP1_EDITED
+    plan = w.step()
+    assert removed(plan) == [("r0", "stopping", "replaced in place: no room for a new replica first")]
+    assert plan.refusals[0].refusal.reasons == (("n0", "0 of 1 GPUs free, profile needs 1"),)
+
+    w = World({"n0": 1})
+    w.holds("r0", "n0")
+    w.deploy(replicas=1)
+    w.catalog["tp1"] = msgspec.convert(
+        {"name": "tp1", "engine": "sim", "model_path": "sim://x", "gpu_class": "A100-80G", "tp": 1}, Profile
+    )
+    plan = w.step()
+    assert plan.removals == [], "a profile that fits nowhere must not take the serving replica down"
+    assert plan.refusals[0].refusal.reasons == (("n0", "GPU class H100-80G, profile needs A100-80G"),)
+
+
+def test_a_pool_places_only_on_the_nodes_its_patterns_name() -> None:
+    w = World({"n0": 1, "gpu-1": 1, "gpu-2": 1}, pools={"big": ["gpu-*"]})
+    w.deploy(replicas=3, pool="big")
+    plan = w.step()
+    assert placed_on(plan) == [("gpu-1",), ("gpu-2",)]
+    assert plan.refusals[0].refusal.reasons == (
+        ("gpu-1", "0 of 1 GPUs free, profile needs 1"),
+        ("gpu-2", "0 of 1 GPUs free, profile needs 1"),
+        ("n0", "not in pool big"),
+    )
+
+
+def test_a_deleted_deployment_loses_its_replicas_and_is_reported_deleted() -> None:
+    w = World({"n0": 1})
+    w.holds("r0", "n0")
+    w.held.statuses["chat"] = DeploymentStatus(
+        deployment="chat", desired=1, ready=1, summary="chat: 1 of 1 ready"
+    )
+    plan = w.step()
+    assert removed(plan) == [("r0", "stopping", "deployment deleted")]
+    assert [(r.status.summary, r.gone) for r in plan.reports] == [("chat: deleted", True)]
+
+
+def test_a_replica_left_placing_by_a_fault_is_removed_and_placed_again() -> None:
+    w = World({"n0": 1})
+    w.holds("r0", "n0", state="placing")
+    w.deploy(replicas=1)
+    plan = w.step()
+    assert removed(plan) == [("r0", "stopping", "placement was interrupted; placing it again")]
+    assert placed_on(plan) == [("n0",)], "the GPUs its removal freed are placed on again"
+
+
+def test_a_lost_node_is_refused_in_words_that_say_since_when() -> None:
+    w = World({"n0": 1})
+    w.state.last_seen["n0"] = NOW - 6.0
+    w.state.last_seen_wall["n0"] = 1_700_000_000.0
+    w.deploy(replicas=1)
+    plan = w.step()
+    assert plan.refusals[0].refusal.reasons == (("n0", "lost: no heartbeat since 2023-11-14 22:13:20 UTC"),)
+    w.state.last_seen_wall.clear()
+    w.state.dirty_nodes.add("n0")
+    again = w.step()
+    assert again.refusals[0].refusal.reasons == (("n0", "lost: no heartbeat since this placement started"),)
+
+
+def test_a_status_counts_every_placement_of_the_step_however_many_batches_were_written() -> None:
+    """The controller writes what is queued every BATCH_MAX placements (taking it out of the
+    plan); the step's status still counts all it placed, and only the rest as unplaceable."""
+    w = World({f"n{i:03d}": 8 for i in range(100)})
+    w.deploy(replicas=1000)
+    alive = w.index.refresh(NOW)
+    snap = Snapshot(
+        deployments=dict(w.deployments),
+        catalog=dict(w.catalog),
+        shard_status={},
+        nodes=dict(w.state.nodes),
+        alive=alive,
+        liveness=w.liveness,
+        config=w.config,
+    )
+    plan = Plan()
+    batches = []
+    for _ in steps(snap, w.held, w.index, NOW, plan):
+        if plan.full(BATCH_MAX):
+            batches.append(len(plan.take().places))
+    assert batches == [BATCH_MAX], "the first 512 were handed over to be written mid-step"
+    assert len(plan.places) == 800 - BATCH_MAX
+    [report] = plan.reports
+    assert report.status.summary.startswith("chat: 0 of 1000 ready; 800 placing; 200 cannot be placed: ")
+    assert (report.status.pending, report.status.unplaceable) == (800, 200)
