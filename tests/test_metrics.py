@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmgw.auth import AuthDir
 from tests.metrics_support import families, samples, value
 from tests.test_sim_engine import free_port
+from tests.test_up import printed_key
 from tests.waiting import eventually
 
 ROOT = Path(__file__).parent.parent
@@ -103,7 +104,11 @@ async def test_every_service_of_a_cluster_serves_its_metrics_and_the_dashboard_f
     async with httpx.AsyncClient(timeout=10) as client:
 
         async def scrape(service: str) -> str:
+            # Placement's behind its API token; the gateway's behind a client key (its labels
+            # name every deployment): `up`'s key `default`, as it printed it.
             headers = {"Authorization": f"Bearer {token}"} if service == "placement" else {}
+            if service == "gateway":
+                headers = printed_key(out.read_text())
             r = await client.get(urls[service], headers=headers)
             assert r.status_code == 200, r.text
             assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
