@@ -1,0 +1,447 @@
+"""What the gateway adds: latency, throughput and CPU per request in front of a sim engine that
+answers at once, against calling the engine directly and against LiteLLM's proxy in front of
+the same engine; and 200 KB prompts at rising concurrency, gateway against direct.
+
+Every side runs in the same run, in alternated rounds, so that a busy moment of the shared
+machine falls on all of them. The gateway is a real `llmgw-gateway` process on a real
+nats-server, connected as the gateway identity, with keys required, a key whose rpm and tpm
+limits lie far above the load (so every request is admitted and charged against the shared
+budget) and usage recorded. LiteLLM is installed into a virtualenv of its own under
+~/.cache/llmgw-bench (LLMGW_BENCH_CACHE), never into the project's; without it the section says
+why and the other sides still run. The load comes from `bench.load`, a process of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import anyio
+import httpx
+
+from bench.procs import terminate
+from llmgw.auth import AuthDir
+from llmgw_core.bus import Bus, BusOptions
+from llmgw_core.events import Deployment, ReplicaRecord
+from llmgw_core.keys import ApiKey, new_secret, secret_hash
+from llmgw_core.natsd import NatsServer
+
+PREFIX = "gwbench"
+MODEL = "chat"
+LITELLM_KEY = "sk-bench-litellm"
+CHAT = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+# Words of five bytes: a 200 KB prompt, a short answer.
+LONG = json.dumps(
+    {"model": MODEL, "messages": [{"role": "user", "content": "word " * 40_000}], "max_tokens": 4}
+)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("LLMGW_BENCH_CACHE") or Path.home() / ".cache" / "llmgw-bench")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def cpu_s(pid: int) -> float:
+    """User and system CPU seconds of process `pid` so far (its children not counted)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # utime and stime: fields 14 and 15 of stat(5), 12 and 13 after the command's name.
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def litellm_binary() -> tuple[Path | None, str]:
+    """LiteLLM's proxy command in the benchmark's own virtualenv, installed there on first use;
+    or None and what went wrong."""
+    venv = _cache() / "litellm"
+    binary = venv / "bin" / "litellm"
+    if binary.exists():
+        return binary, ""
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    uv = shutil.which("uv")
+    if uv:
+        steps = [
+            [uv, "venv", "-q", str(venv)],
+            [uv, "pip", "install", "-q", "--python", str(venv), "litellm[proxy]"],
+        ]
+    else:
+        steps = [
+            [sys.executable, "-m", "venv", str(venv)],
+            [str(venv / "bin" / "pip"), "install", "-q", "litellm[proxy]"],
+        ]
+    for step in steps:
+        try:
+            done = subprocess.run(step, capture_output=True, text=True, timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return None, f"`{' '.join(step)}` failed: {exc}"
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            return None, f"`{' '.join(step)}` exited {done.returncode}: {tail[0]}"
+    if not binary.exists():
+        return None, f"installing litellm[proxy] into {venv} made no {binary}"
+    return binary, ""
+
+
+def _answers(url: str, token: str, body: str, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
+    """Wait until `url` answers `body` with 200, or raise saying what it answered last."""
+    deadline = time.monotonic() + timeout_s
+    last = "nothing"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited {proc.returncode} before answering {url}")
+        try:
+            r = httpx.post(
+                url, content=body, headers={**headers, "Content-Type": "application/json"}, timeout=10
+            )
+            if r.status_code == 200:
+                return
+            last = f"{r.status_code} {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = str(exc) or type(exc).__name__
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout_s:g}s; last: {last}")
+
+
+@contextmanager
+def _process(
+    argv: list[str], log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        terminate(proc)
+
+
+async def _declare(url: str, auth: AuthDir, engine: str, secret: str) -> None:
+    """Deployment `chat` with one ready replica at `engine`, and a key for `secret` with limits
+    far above the load."""
+
+    def options(identity: str) -> BusOptions:
+        return BusOptions(url=url, prefix=PREFIX, nkey_seed_file=str(auth.seed(identity)))
+
+    async with await Bus.connect(options("placement"), service="placement") as bus:
+        await bus.ensure()
+        await bus.put(bus.names.deployments_bucket, MODEL, Deployment(name=MODEL, profile="sim"))
+        record = ReplicaRecord(
+            deployment=MODEL,
+            replica="r0",
+            profile="sim",
+            profile_fp="x",
+            state="ready",
+            url=engine,
+            engine="sim",
+        )
+        await bus.put(bus.names.replicas_bucket, f"{MODEL}.r0", record)
+    async with await Bus.connect(options("ctl"), service="ctl") as bus:
+        key = ApiKey(name="bench", hash=secret_hash(secret), rpm=10**9, tpm=10**13, created_at=time.time())
+        await bus.put(bus.names.keys_bucket, "bench", key)
+
+
+def _gateway_url(log: Path, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = re.findall(r"OpenAI endpoint on (http://\S+)/v1", log.read_text(errors="replace"))
+        if found:
+            return str(found[-1])
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise RuntimeError(f"the gateway did not start listening: {log.read_text(errors='replace')[-2000:]}")
+
+
+class Side:
+    """One way to reach the engine: its chat URL, the key it wants, the process whose CPU counts."""
+
+    def __init__(self, name: str, base: str, token: str, pid: int) -> None:
+        self.name = name
+        self.url = f"{base}/v1/chat/completions"
+        self.token = token
+        self.pid = pid
+        self.latencies: dict[int, list[float]] = {}
+        self.rates: dict[int, list[float]] = {}
+        self.cpu: dict[int, list[float]] = {}
+        self.errors: dict[int, int] = {}
+
+    def p(self, n: int, q: float) -> float:
+        values = sorted(self.latencies[n])
+        return values[min(len(values) - 1, int(q * len(values)))] * 1000 if values else float("nan")
+
+    def rate(self, n: int) -> float:
+        return statistics.median(self.rates[n]) if self.rates.get(n) else float("nan")
+
+    def cpu_ms(self, n: int) -> float:
+        return statistics.median(self.cpu[n]) * 1000 if self.cpu.get(n) else float("nan")
+
+
+def _round(side: Side, body: Path, n: int, duration_s: float) -> None:
+    before = cpu_s(side.pid)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.load",
+            side.url,
+            "--body",
+            str(body),
+            "--token",
+            side.token,
+            "--concurrency",
+            str(n),
+            "--duration",
+            str(duration_s),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parent.parent,
+    )
+    used = cpu_s(side.pid) - before
+    if done.returncode != 0:
+        raise RuntimeError(f"the load generator against {side.name} failed: {done.stderr[-1000:]}")
+    result = json.loads(done.stdout)
+    side.latencies.setdefault(n, []).extend(result["latencies_s"])
+    side.rates.setdefault(n, []).append(result["done"] / result["elapsed_s"])
+    side.errors[n] = side.errors.get(n, 0) + result["errors"]
+    if result["done"]:
+        # The warm-up answers and the load generator's start fall in the CPU counted: a little
+        # more per request than the gateway spends, never less.
+        side.cpu.setdefault(n, []).append(used / result["done"])
+
+
+def _measure(sides: list[Side], body: Path, levels: tuple[int, ...], rounds: int, duration_s: float) -> None:
+    for n in levels:
+        for r in range(rounds):
+            # The order turns each round: no side always follows the same one.
+            for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
+                _round(side, body, n, duration_s)
+
+
+def _litellm_config(path: Path, engine: str) -> None:
+    path.write_text(
+        json.dumps(
+            {
+                "model_list": [
+                    {
+                        "model_name": MODEL,
+                        "litellm_params": {
+                            "model": f"openai/{MODEL}",
+                            "api_base": f"{engine}/v1",
+                            "api_key": "x",
+                        },
+                    }
+                ],
+                "general_settings": {"master_key": LITELLM_KEY},
+                "litellm_settings": {"telemetry": False},
+            }
+        )
+    )
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "not met"
+
+
+def _fmt(x: float, spec: str = ".2f") -> str:
+    return "n/a" if x != x else format(x, spec)
+
+
+def run(quick: bool = False) -> str:
+    rounds = 1 if quick else 3
+    duration_s = 0.5 if quick else 2.0
+    levels = (1, 32, 256)
+    long_levels = (1, 4, 16)
+    litellm, litellm_problem = litellm_binary()
+    with tempfile.TemporaryDirectory() as d, ExitStack() as stack:
+        root = Path(d)
+        chat_body, long_body = root / "chat.json", root / "long.json"
+        chat_body.write_text(CHAT)
+        long_body.write_text(LONG)
+        auth = AuthDir(root / "auth")
+        auth.init([], prefix=PREFIX)
+        nats = NatsServer(store_dir=root / "nats", includes=(auth.conf,))
+        nats.start()
+        stack.callback(nats.stop)
+        port = _free_port()
+        engine_url = f"http://127.0.0.1:{port}"
+        sim = stack.enter_context(
+            _process(
+                [
+                    sys.executable,
+                    "-m",
+                    "llmgw_core.sim",
+                    "--port",
+                    str(port),
+                    "--model",
+                    MODEL,
+                    "--load-time",
+                    "0",
+                ],
+                root / "sim.log",
+            )
+        )
+        _answers(f"{engine_url}/v1/chat/completions", "", CHAT, 60, sim)
+        secret = new_secret()
+        anyio.run(_declare, nats.url, auth, engine_url, secret)
+        config = root / "gateway.yaml"
+        config.write_text(
+            json.dumps(
+                {
+                    "nats": {"url": nats.url, "prefix": PREFIX, "nkey_seed_file": str(auth.seed("gateway"))},
+                    "http": {"host": "127.0.0.1", "port": 0, "require_api_key": True},
+                }
+            )
+        )
+        gateway_log = root / "gateway.log"
+        gateway = stack.enter_context(
+            _process([sys.executable, "-m", "llmgw_gateway", "--config", str(config)], gateway_log)
+        )
+        gateway_url = _gateway_url(gateway_log, gateway)
+        _answers(f"{gateway_url}/v1/chat/completions", secret, CHAT, 60, gateway)
+        sides = [
+            Side("direct", engine_url, "", sim.pid),
+            Side("llmgw gateway", gateway_url, secret, gateway.pid),
+        ]
+        if litellm is not None:
+            lport = _free_port()
+            _litellm_config(root / "litellm.yaml", engine_url)
+            env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
+            argv = [str(litellm), "--config", str(root / "litellm.yaml"), "--host", "127.0.0.1"]
+            argv += ["--port", str(lport), "--num_workers", "1"]
+            proxy = stack.enter_context(_process(argv, root / "litellm.log", env))
+            try:
+                _answers(f"http://127.0.0.1:{lport}/v1/chat/completions", LITELLM_KEY, CHAT, 180, proxy)
+                sides.append(Side("LiteLLM proxy", f"http://127.0.0.1:{lport}", LITELLM_KEY, proxy.pid))
+            except RuntimeError as exc:
+                log_tail = (root / "litellm.log").read_text(errors="replace")[-500:]
+                litellm_problem = f"LiteLLM's proxy did not serve: {exc}; its log ends: {log_tail}"
+        _measure(sides, chat_body, levels, rounds, duration_s)
+        long_sides = [
+            Side("direct", engine_url, "", sim.pid),
+            Side("llmgw gateway", gateway_url, secret, gateway.pid),
+        ]
+        _measure(long_sides, long_body, long_levels, rounds, duration_s)
+        usage = httpx.get(
+            f"{gateway_url}/metrics", headers={"Authorization": f"Bearer {secret}"}, timeout=10
+        ).text
+    return _section(sides, long_sides, levels, long_levels, rounds, duration_s, litellm_problem, usage)
+
+
+def _counter(metrics: str, name: str) -> float:
+    return sum(float(m) for m in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", metrics, re.MULTILINE))
+
+
+def _section(
+    sides: list[Side],
+    long_sides: list[Side],
+    levels: tuple[int, ...],
+    long_levels: tuple[int, ...],
+    rounds: int,
+    duration_s: float,
+    litellm_problem: str,
+    metrics: str,
+) -> str:
+    direct, gw = sides[0], sides[1]
+    lite = sides[2] if len(sides) > 2 else None
+    lines = [
+        "## Gateway: added latency and throughput (against direct and LiteLLM's proxy)",
+        "",
+        "`python -m bench --only gateway`: non-streamed chat completions (a 5-word prompt, 4 words "
+        "back) to a sim engine answering at once, directly, through an `llmgw-gateway` process "
+        "(keys required, a key with rpm and tpm limits far above the load charged on every "
+        "request, usage recorded; on a real nats-server as the gateway identity) and through "
+        "LiteLLM's proxy (`litellm[proxy]` from PyPI in a virtualenv of its own, one worker, its "
+        "master key, pointed at the same engine as an OpenAI-compatible backend). The load comes "
+        "from `bench.load`, one process of plain asyncio streams on kept-alive connections, on the "
+        f"same machine as the servers. {rounds} alternated rounds of {duration_s:g} s per side and "
+        "concurrency; latencies pooled over the rounds, throughput the median round. CPU per "
+        "request: user + system seconds of the server's process (/proc/PID/stat) over the round, "
+        "divided by the requests it answered.",
+        "",
+    ]
+    if litellm_problem:
+        lines += [f"LiteLLM's side is missing from this run: {litellm_problem}", ""]
+    lines += [
+        "| in flight | side | p50 (ms) | p99 (ms) | added p50 (ms) | added p99 (ms) | req/s | vs direct "
+        "| errors | server CPU per request (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n in levels:
+        for side in sides:
+            added50 = side.p(n, 0.5) - direct.p(n, 0.5)
+            added99 = side.p(n, 0.99) - direct.p(n, 0.99)
+            dash = side is direct
+            lines.append(
+                f"| {n} | {side.name} | {_fmt(side.p(n, 0.5))} | {_fmt(side.p(n, 0.99))} | "
+                f"{'' if dash else _fmt(added50)} | {'' if dash else _fmt(added99)} | "
+                f"{_fmt(side.rate(n), ',.0f')} | {_fmt(side.rate(n) / direct.rate(n))}x | "
+                f"{side.errors.get(n, 0)} | {_fmt(side.cpu_ms(n), '.3f')} |"
+            )
+    added50 = gw.p(1, 0.5) - direct.p(1, 0.5)
+    added99 = gw.p(1, 0.99) - direct.p(1, 0.99)
+    ratio32 = gw.rate(32) / direct.rate(32)
+    lines += ["", "Targets:", ""]
+    lines.append(
+        f"- added at 1 in flight: p50 {added50:.2f} ms (target ≤ 0.3: {_met(added50 <= 0.3)}), "
+        f"p99 {added99:.2f} ms (target ≤ 2: {_met(added99 <= 2)});"
+    )
+    lines.append(
+        f"- throughput at 32 in flight: {ratio32:.2f}x direct (target ≥ 0.9: {_met(ratio32 >= 0.9)});"
+    )
+    if lite is not None:
+        worst = min(gw.rate(n) / lite.rate(n) for n in levels)
+        each = ", ".join(f"{gw.rate(n) / lite.rate(n):.1f}x at {n}" for n in levels)
+        lines.append(
+            f"- against LiteLLM's proxy: {each} in flight (target never below 5x: {_met(worst >= 5)});"
+        )
+    cpu = ", ".join(f"{gw.cpu_ms(n):.3f} ms at {n}" for n in levels)
+    lines += [
+        f"- the gateway's CPU per request: {cpu} in flight.",
+        "",
+        "Usage the gateway recorded in the run (its `/metrics`): "
+        f"{_counter(metrics, 'llmgw_gateway_key_requests_total'):,.0f} requests, "
+        f"{_counter(metrics, 'llmgw_gateway_prompt_tokens_total'):,.0f} prompt tokens.",
+        "",
+        "### Long prompts (200 KB) at rising concurrency",
+        "",
+        "The same sides, direct and through the gateway, with a 200 KB prompt (40,000 words) and 4 "
+        "words back.",
+        "",
+        "| in flight | direct req/s | gateway req/s | vs direct | direct p50 (ms) | gateway p50 (ms) | "
+        "gateway p99 (ms) | gateway CPU per request (ms) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    ld, lg = long_sides
+    for n in long_levels:
+        lines.append(
+            f"| {n} | {_fmt(ld.rate(n), ',.0f')} | {_fmt(lg.rate(n), ',.0f')} | "
+            f"{_fmt(lg.rate(n) / ld.rate(n))}x | {_fmt(ld.p(n, 0.5))} | {_fmt(lg.p(n, 0.5))} | "
+            f"{_fmt(lg.p(n, 0.99))} | {_fmt(lg.cpu_ms(n), '.3f')} |"
+        )
+    first, last = lg.rate(long_levels[0]), lg.rate(long_levels[-1])
+    verdict = "no collapse" if last >= 0.8 * first else "throughput falls"
+    lines += [
+        "",
+        f"Gateway throughput from {long_levels[0]} to {long_levels[-1]} in flight: "
+        f"{first:,.0f} → {last:,.0f} req/s ({verdict}).",
+        "",
+    ]
+    return "\n".join(lines)

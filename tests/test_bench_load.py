@@ -1,0 +1,68 @@
+"""The benchmark's load generator (`bench.load`) against real servers on loopback: it counts
+answers only when they are whole and 200, by Content-Length or chunked."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from bench.load import measure, read_answer
+from tests.test_gateway_api import sim_engines
+from tests.waiting import eventually
+
+CHAT = json.dumps(
+    {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+).encode()
+
+
+def serving(url: str) -> None:
+    def health() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError as exc:
+            raise AssertionError(f"{url} not serving yet: {exc}") from exc
+
+    asyncio.run(eventually(health, timeout=60, interval=0.1))
+
+
+def test_counts_every_answer_of_a_sim_engine_and_no_error() -> None:
+    with sim_engines([]) as (url,):
+        serving(url)
+        done = asyncio.run(measure(f"{url}/v1/chat/completions", CHAT, "", 4, 0.5))
+    assert done["errors"] == 0
+    assert isinstance(done["latencies_s"], list)
+    assert done["done"] == len(done["latencies_s"]) > 0
+
+
+def test_a_chunked_answer_is_read_whole_and_each_status_and_close_said() -> None:
+    answers = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+        b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 2\r\n\r\n{}"
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nConnection: close\r\n\r\nx"
+    )
+
+    async def main() -> list[tuple[int, bool]]:
+        reader = asyncio.StreamReader()
+        reader.feed_data(answers)
+        reader.feed_eof()
+        return [await read_answer(reader) for _ in range(3)]
+
+    assert asyncio.run(main()) == [(200, True), (429, True), (200, False)]
+
+
+def test_runs_as_its_own_process_and_prints_json(tmp_path: Path) -> None:
+    body = tmp_path / "chat.json"
+    body.write_bytes(CHAT)
+    with sim_engines([]) as (url,):
+        serving(url)
+        argv = [sys.executable, "-m", "bench.load", f"{url}/v1/chat/completions", "--body", str(body)]
+        done = subprocess.run([*argv, "--duration", "0.3"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["errors"] == 0
+    assert result["done"] > 0
