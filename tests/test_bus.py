@@ -245,6 +245,38 @@ async def test_commit_writes_one_by_one_where_a_stream_takes_no_batches(bus: Bus
     assert sorted(await bus.entries(bus.names.nodes_bucket, InstallProgress)) == [f"n{i}" for i in range(5)]
 
 
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "pipelined"])
+async def test_batched_events_carry_message_ids_and_a_commit_retried_stores_them_once(
+    bus: Bus, atomic: bool
+) -> None:
+    """Regression: events sent in an atomic batch carried no Nats-Msg-Id, so a commit retried
+    after a lost acknowledgement stored them twice and a reader de-duplicating on the id was
+    misled. A whole batch the server holds already is refused as a duplicate (error 10201):
+    that commit counts as written."""
+    stream = bus.names.events_stream
+    if not atomic:
+        config = (await bus.js.stream_info(stream)).config
+        config.allow_atomic = False
+        await bus.js.update_stream(config)
+    bus.batches.atomic.pop(stream, None)
+    subject = bus.names.node_install(f"gpu-{atomic}")
+    writes = Writes()
+    for i in range(3):
+        writes.publish(subject, progress(f"e{i}"))
+    await bus.commit(writes)
+    await bus.commit(writes)  # as a retry after a lost acknowledgement would
+    assert bus.batches.atomic[stream] is atomic
+    stored = await bus.history(subject, InstallProgress, idle_s=0.3)
+    assert [e.step for e in stored] == ["e0", "e1", "e2"]
+    ids = set()
+    last = await bus.js.get_msg(stream, subject=subject, direct=False)
+    for seq in range(last.seq - 2, last.seq + 1):
+        msg = await bus.js.get_msg(stream, seq=seq, direct=False)
+        assert msg.headers is not None
+        ids.add(msg.headers["Nats-Msg-Id"])
+    assert len(ids) == 3
+
+
 async def test_a_refused_batch_writes_nothing_and_says_why(bus: Bus) -> None:
     """A batch the server refuses (here: one message over its payload limit) lands not at all."""
     writes = Writes()

@@ -215,7 +215,7 @@ async def test_openai_client_through_the_gateway_survives_an_engine_restart(
             assert metric(scrape, 'llmgw_gateway_time_to_first_byte_seconds_count{deployment="chat"}') >= 5
 
     proxied = [s for s in spans.get_finished_spans() if s.attributes and s.attributes.get("llmgw.replica")]
-    assert {s.name for s in proxied} == {"gateway /v1/chat/completions", "gateway /v1/completions"}
+    assert {s.name for s in proxied} == {"POST /v1/chat/completions", "POST /v1/completions"}
     assert {
         (s.attributes["llmgw.deployment"], s.attributes["llmgw.replica"]) for s in proxied if s.attributes
     } == {("chat", "r0")}

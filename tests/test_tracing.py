@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from llmgw.ctl import deploy
 from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.events import Deployment
-from llmgw_core.telemetry import resource_attributes
+from llmgw_core.telemetry import links, resource_attributes
 from llmgw_placement import PlacementService, ServerConfig
 from tests.cluster_support import sim_catalog
 from tests.launcher_support import agent_config, running_launcher, shard_events
@@ -114,3 +114,23 @@ def test_every_node_is_an_instance_of_one_service() -> None:
     assert attrs["service.name"] == "llmgw-launcher"
     assert attrs["service.instance.id"] == "gpu-07"
     assert resource_attributes("llmgw-placement")["service.name"] == "llmgw-placement"
+
+
+def test_one_commit_of_many_deployments_links_each_deployments_trace() -> None:
+    """Placement commits many deployments' placements in one batch, under one span of no
+    deployment's trace: linked to each, every deployment's trace leads to the writes."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    a = "00-" + "a" * 32 + "-" + "1" * 16 + "-01"
+    b = "00-" + "b" * 32 + "-" + "2" * 16 + "-01"
+    with provider.get_tracer("test").start_as_current_span(
+        "commit 3 placements", links=links([a, "", b, a, "junk"])
+    ):
+        pass
+    (span,) = exporter.get_finished_spans()
+    assert [(f"{link.context.trace_id:032x}", f"{link.context.span_id:016x}") for link in span.links] == [
+        ("a" * 32, "1" * 16),
+        ("b" * 32, "2" * 16),
+    ]
+    assert f"{span.context.trace_id:032x}" not in ("a" * 32, "b" * 32)

@@ -5,4 +5,6 @@ FROM ${LLMGW_IMAGE}
 COPY otlp_receiver.py /opt/otlp_receiver.py
 EXPOSE 4318 16686
 HEALTHCHECK NONE
-CMD ["python3", "/opt/otlp_receiver.py"]
+# An entrypoint, not a command: compose gives Jaeger's `--config …` as the command, which
+# the receiver takes as arguments and ignores.
+ENTRYPOINT ["python3", "/opt/otlp_receiver.py"]

@@ -6,6 +6,7 @@ when the committed document and the types disagree.
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any, get_args
 
@@ -281,13 +282,52 @@ DLQ_HEADERS = {
 }
 
 
+# The headers every event carries (JetStream publishes to the events and usage streams, one
+# at a time or in an atomic batch). `traceparent` is there only where tracing is on.
+EVENT_HEADERS = {
+    "type": "object",
+    "properties": {
+        "Nats-Msg-Id": {
+            "type": "string",
+            "description": (
+                "Unique per event (a per-process random prefix and a counter, or an id of the "
+                "publisher's own); JetStream de-duplicates on it within the stream's window, and a "
+                "reader may too."
+            ),
+        },
+        "traceparent": {
+            "type": "string",
+            "pattern": "^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$",
+            "description": (
+                "W3C trace context of the publisher's span. Present on every event where tracing "
+                "is on (OTEL_EXPORTER_OTLP_ENDPOINT set for the publishing service), absent where it "
+                "is off (`llmgw up`'s default)."
+            ),
+        },
+    },
+    "required": ["Nats-Msg-Id"],
+    "x-llmgw-required-with-tracing": ["traceparent"],
+}
+
+
+def _is_event(address: str) -> bool:
+    return address.startswith(("{prefix}.events.", "{prefix}.usage."))
+
+
 def document() -> dict[str, Any]:
     types = sorted({c[2] for c in CHANNELS} | {r[0] for r in REPLIES.values()}, key=lambda t: t.__name__)
     (_, components) = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     channels: dict[str, Any] = {}
     operations: dict[str, Any] = {}
+    event_types = {c[2] for c in CHANNELS if _is_event(c[1])}
+    # A KV value of a type also sent as an event: a message of its own, without the event's
+    # headers (a KV put carries none).
+    entries = sorted({c[2] for c in CHANNELS if not _is_event(c[1]) and c[2] in event_types}, key=str)
     for cid, address, message, description, params, action in CHANNELS:
         channels[cid] = _channel(address, message, description, ["prefix", *params])
+        if message in event_types and not _is_event(address):
+            name = f"{message.__name__}Entry"
+            channels[cid]["messages"] = {name: {"$ref": f"#/components/messages/{name}"}}
         if kept := _stream_of(address):
             channels[cid]["x-llmgw-jetstream"] = kept
         operation: dict[str, Any] = {"action": action, "channel": {"$ref": f"#/channels/{cid}"}}
@@ -321,6 +361,15 @@ def document() -> dict[str, Any]:
         }
         for t in types
     }
+    for t in event_types:
+        messages[t.__name__]["headers"] = copy.deepcopy(EVENT_HEADERS)  # no YAML aliases
+    for t in entries:
+        messages[f"{t.__name__}Entry"] = {
+            "name": f"{t.__name__}Entry",
+            "description": f"A {t.__name__} as a KV value (no headers).",
+            "payload": {"$ref": f"#/components/schemas/{t.__name__}"},
+        }
+    messages = dict(sorted(messages.items()))
     messages["DeadLetter"] = {
         "name": "DeadLetter",
         "contentType": "application/octet-stream",
@@ -334,8 +383,11 @@ def document() -> dict[str, Any]:
             "title": "llmgw bus",
             "version": "0.1.0",
             "description": (
-                "Messages llmgw exchanges over NATS JetStream. Every payload is JSON; "
-                "every JetStream publish carries Nats-Msg-Id and W3C traceparent headers. "
+                "Messages llmgw exchanges over NATS JetStream. Every payload is JSON. "
+                "Every event (the channels kept in the events and usage streams) carries a "
+                "Nats-Msg-Id header, unique per event, in an atomic batch too; the W3C traceparent "
+                "header only where tracing is on. Each message's `headers` says what it carries; "
+                "KV values carry neither. "
                 "Readers must ignore unknown fields: new fields are added with defaults. "
                 "`x-llmgw-jetstream` names the stream (and KV bucket) that keeps a channel's messages."
             ),

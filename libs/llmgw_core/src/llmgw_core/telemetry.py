@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -75,3 +76,19 @@ def context_from(traceparent: str) -> otel_context.Context:
     if not traceparent:
         return otel_context.get_current()
     return _propagator.extract({"traceparent": traceparent})
+
+
+def links(traceparents: Iterable[str]) -> list[trace.Link]:
+    """Span links to each distinct, valid `traceparent`, in order: for a span that does the
+    work of many traces at once (one commit of many deployments' placements), so that each
+    deployment's trace leads to it. Empty and malformed ones are skipped."""
+    found: list[trace.Link] = []
+    seen: set[tuple[int, int]] = set()
+    for traceparent in traceparents:
+        if not traceparent:
+            continue
+        ctx = trace.get_current_span(_propagator.extract({"traceparent": traceparent})).get_span_context()
+        if ctx.is_valid and (ctx.trace_id, ctx.span_id) not in seen:
+            seen.add((ctx.trace_id, ctx.span_id))
+            found.append(trace.Link(ctx))
+    return found

@@ -76,6 +76,14 @@ ROUTED = (
 # timeout: a replica that is slow to answer may be working on it.
 _BEFORE_ANSWER = (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
 UNKNOWN = "(unknown)"
+# Each routed path's `gen_ai.operation.name` (OpenTelemetry's GenAI semantic conventions).
+_OPERATION = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "text_completion",
+    "/v1/embeddings": "embeddings",
+    "/v1/responses": "chat",
+    "/v1/messages": "chat",
+}
 # How long a request waits for a starting gateway's first snapshot of the buckets.
 LOAD_WAIT_S = 10.0
 # The paths whose streamed answers end with a usage chunk when asked (`stream_options`).
@@ -435,9 +443,11 @@ class Proxy:
                 body = json.dumps(payload).encode()
         self.metrics.requests.labels(deployment).inc()
         span = self.tracer.start_span(
-            f"gateway {request.url.path}",
+            f"{request.method} {path}",
+            # The client's trace continues here (its `traceparent`, if any), on to the engine.
+            context=propagate.extract(request.headers),
             kind=trace.SpanKind.SERVER,
-            attributes={"llmgw.deployment": deployment, "llmgw.model": model[:256]},
+            attributes=_server_attributes(request, model, deployment),
         )
         try:
             return await self._forward(
@@ -512,6 +522,7 @@ class Proxy:
                 else:
                     reason = self.table.unavailable(deployment, time.time())
                 self.metrics.errors.labels(deployment, "no_ready_replica").inc()
+                span.set_attributes({"http.response.status_code": 503, "error.type": "no_ready_replica"})
                 span.set_status(trace.StatusCode.ERROR, reason)
                 span.end()
                 return _error(503, reason, "service_unavailable", "no_ready_replica")
@@ -550,11 +561,15 @@ class Proxy:
                     f"replica {record.replica} of deployment {deployment} at {record.url} failed: "
                     f"{exc or type(exc).__name__}"
                 )
+                span.set_attributes({"http.response.status_code": 502, "error.type": "replica_failed"})
                 span.set_status(trace.StatusCode.ERROR, message)
                 span.end()
                 return _error(502, message, "upstream_error", "replica_failed")
             break
-        span.set_attribute("http.status_code", upstream.status_code)
+        span.set_attribute("http.response.status_code", upstream.status_code)
+        if upstream.status_code >= 500:
+            span.set_attributes({"error.type": str(upstream.status_code)})
+            span.set_status(trace.StatusCode.ERROR)
         if upstream.status_code >= 500:
             self.metrics.errors.labels(deployment, "upstream_status").inc()
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_OUT}
@@ -646,4 +661,34 @@ class Proxy:
             self._release(key, deployment)
             self.usage.add(api_key.name, deployment, meter)
             self.budgets.charge(api_key, meter.prompt + meter.completion)
+            if meter.prompt:
+                span.set_attribute("gen_ai.usage.input_tokens", meter.prompt)
+            if meter.completion:
+                span.set_attribute("gen_ai.usage.output_tokens", meter.completion)
             span.end()
+
+
+def _server_attributes(request: Request, model: str, deployment: str) -> dict[str, str | int]:
+    """A routed request's server span attributes, by OpenTelemetry's HTTP and GenAI semantic
+    conventions (the stable names: `http.request.method`, `url.path`, `server.address`…;
+    the response's status and the token counts are added when they are known)."""
+    path = request.url.path
+    attributes: dict[str, str | int] = {
+        "http.request.method": request.method,
+        "http.route": path,
+        "url.path": path,
+        "url.scheme": request.url.scheme,
+        "gen_ai.operation.name": _OPERATION.get(path, "chat"),
+        "gen_ai.request.model": model[:256],
+        "llmgw.deployment": deployment,
+    }
+    if request.url.hostname:
+        attributes["server.address"] = request.url.hostname
+    if request.url.port:
+        attributes["server.port"] = request.url.port
+    if request.client:
+        attributes["client.address"] = request.client.host
+    agent = request.headers.get("user-agent")
+    if agent:
+        attributes["user_agent.original"] = agent[:256]
+    return attributes

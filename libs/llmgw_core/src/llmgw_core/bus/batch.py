@@ -1,9 +1,20 @@
 """Many writes at once: KV puts, KV deletes and events queued in `Writes` and written by
 one `commit`, as atomic batches where the server takes them (nats-server 2.12+), else
-pipelined one by one."""
+pipelined one by one.
+
+Every event carries a `Nats-Msg-Id`, drawn when it is queued, in a batch as alone: a commit
+retried after a lost acknowledgement stores it once. nats-server checks a batch's ids against
+its duplicate window; one that already holds them refuses the whole batch as a duplicate
+(error 10201), which means the batch was stored before, so the commit counts it written.
+nats-server 2.12.0 took no ids in a batch (error 10177, "unsupported header"); to such a
+server a stream's batches go without them, and events sent that way have none.
+KV puts and deletes carry no id: a key's value is its latest revision, not a message to
+de-duplicate."""
 
 from __future__ import annotations
 
+import itertools
+import logging
 import uuid
 from dataclasses import dataclass, field
 
@@ -22,8 +33,18 @@ from .connection import Connection, transient
 from .space import Space
 from .tracing import inject_trace, tracer
 
+log = logging.getLogger("llmgw.bus")
+
 # Messages in one atomic batch (nats-server takes up to 1,000).
 ATOMIC_MAX = 500
+# nats-server's refusals of an atomic batch: it holds an id already stored (or twice), and
+# (2.12.0 only) it holds a header that server does not take in a batch.
+BATCH_DUPLICATE = 10201
+BATCH_UNSUPPORTED_HEADER = 10177
+MSG_ID = "Nats-Msg-Id"
+# Events' message ids: a random prefix per process and a counter (as Publisher's).
+_ID_PREFIX = uuid.uuid4().hex
+_ID_SEQ = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -46,8 +67,9 @@ class Writes:
         self.items.append(_Write(Names.kv_subject(bucket, key), b"", {"KV-Operation": "DEL"}))
 
     def publish(self, subject: str, msg: msgspec.Struct, *, traceparent: str = "") -> None:
-        """An event; it carries `traceparent` (else the current span's context)."""
-        headers: dict[str, str] = {}
+        """An event; it carries a `Nats-Msg-Id` of its own and `traceparent` (else the
+        current trace context's, where there is one)."""
+        headers: dict[str, str] = {MSG_ID: f"{_ID_PREFIX}{next(_ID_SEQ):x}"}
         if traceparent:
             headers["traceparent"] = traceparent
         else:
@@ -64,6 +86,8 @@ class Batches:
         self.space = space
         # Per stream, whether it takes atomic batches (see `commit`); `streams.ensure` fills it.
         self.atomic: dict[str, bool] = {}
+        # Streams whose server refused message ids in a batch (nats-server 2.12.0).
+        self.no_ids: set[str] = set()
 
     async def atomic_allowed(self, stream: str) -> bool:
         """Whether `stream` takes atomic batches (nats-server 2.12 and later, with the stream's
@@ -102,6 +126,9 @@ class Batches:
             with tracer.start_as_current_span(
                 f"commit {len(items)} to {stream}", kind=trace.SpanKind.PRODUCER, attributes=attributes
             ):
+                # An event queued outside any trace takes the commit's: where tracing is on,
+                # every event carries a traceparent.
+                items = [_traced(w) for w in items]
                 if await self.atomic_allowed(stream):
                     for start in range(0, len(items), ATOMIC_MAX):
                         await self._atomic_batch(stream, items[start : start + ATOMIC_MAX])
@@ -117,13 +144,14 @@ class Batches:
         )
         for attempt in range(1, attempts + 1):
             batch = uuid.uuid4().hex[:20]
+            strip = stream in self.no_ids
             try:
                 for i, w in enumerate(items[:-1], start=1):
-                    headers = {**w.headers, "Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(i)}
+                    headers = {**_sent(w, strip), "Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(i)}
                     await self.conn.nc.publish(w.subject, w.data, headers=headers)
                 last = items[-1]
                 headers = {
-                    **last.headers,
+                    **_sent(last, strip),
                     "Nats-Batch-Id": batch,
                     "Nats-Batch-Sequence": str(len(items)),
                     "Nats-Batch-Commit": "1",
@@ -142,6 +170,21 @@ class Batches:
                     self.space.note_write(stream)
                     return
                 code, description = error.get("err_code"), str(error.get("description", ""))
+                if code == BATCH_DUPLICATE:
+                    # Every id is drawn once per event, so the server holds this batch already:
+                    # an earlier try (whose acknowledgement was lost) stored it whole.
+                    log.debug("%s was stored before (%s)", what, description)
+                    self.space.note_write(stream)
+                    return
+                if (
+                    code == BATCH_UNSUPPORTED_HEADER
+                    and MSG_ID in description
+                    and not strip
+                    and attempt < attempts
+                ):
+                    log.info("%s takes no message ids in atomic batches: its events go without", stream)
+                    self.no_ids.add(stream)
+                    continue
                 refusal = await self.space.space(stream, code, description)
                 if refusal is None and code == BATCH_INCOMPLETE and (attempt == attempts or len(items) == 1):
                     # A batch whose every message was sent, or a batch of one, that nats-server
@@ -185,3 +228,19 @@ class Batches:
             if full is not None:
                 raise StoreFull(text, stream=full.stream, banner=full.banner)
             raise BusError(text)
+
+
+def _sent(w: _Write, strip: bool) -> dict[str, str]:
+    """`w`'s headers as sent in a batch: without its message id where the server takes none."""
+    if strip and MSG_ID in w.headers:
+        return {k: v for k, v in w.headers.items() if k != MSG_ID}
+    return w.headers
+
+
+def _traced(w: _Write) -> _Write:
+    """An event `w` with the current trace context where it has none (KV writes as they are)."""
+    if MSG_ID not in w.headers or "traceparent" in w.headers:
+        return w
+    headers = dict(w.headers)
+    inject_trace(headers)
+    return w if len(headers) == len(w.headers) else _Write(w.subject, w.data, headers)
