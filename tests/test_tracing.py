@@ -84,6 +84,13 @@ async def test_one_trace_from_ctl_deploy_to_the_shard(
     assert place_span.parent.span_id == deploy_span.context.span_id
     assert start_span.parent is not None
     assert start_span.parent.span_id == place_span.context.span_id
+    # The commit that wrote the replica's shard and record (a span of no trace of its own, as
+    # it writes many deployments' placements) is linked from the deployment's trace.
+    commit = [
+        s for s in spans.get_finished_spans() if s.name.startswith("commit ") and "placements" in s.name
+    ]
+    assert commit, "no span for the commit of the placement"
+    assert any(link.context.trace_id == trace_id for s in commit for link in s.links), commit
     # The replica's `ready` continues the same trace rather than starting one of its own.
     ready_span = by_name["replica chat/r0 ready"]
     assert ready_span.context.trace_id == trace_id

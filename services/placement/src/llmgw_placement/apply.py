@@ -27,7 +27,7 @@ from llmgw_core.bus import Bus, Writes
 from llmgw_core.engines import Member, ShardSpec
 from llmgw_core.errors import BusError, StoreFull
 from llmgw_core.events import PlacementDecision, ReplicaRecord, ReplicaStatus, now
-from llmgw_core.telemetry import context_from, current_traceparent
+from llmgw_core.telemetry import context_from, current_traceparent, links
 
 from .config import ServerConfig
 from .held import REPLICA_NUMBER, Held, key
@@ -302,7 +302,10 @@ class Applier:
                 events.publish(
                     names.placement_event(record.deployment), placed.decision, traceparent=placed.traceparent
                 )
-            with tracer.start_as_current_span(f"commit {len(batch)} placements"):
+            # One commit does the work of many deployments' traces: each is linked to it.
+            with tracer.start_as_current_span(
+                f"commit {len(batch)} placements", links=links(p.traceparent for p in batch)
+            ):
                 try:
                     await self._write(kv, [], saves)
                 except BaseException:
@@ -332,7 +335,10 @@ class Applier:
                         ),
                         traceparent=save.traceparent,
                     )
-            await self._write(kv, [], saves)
+            with tracer.start_as_current_span(
+                f"commit {len(saves)} replica changes", links=links(s.traceparent for s in saves)
+            ):
+                await self._write(kv, [], saves)
             await self._publish(events)
 
     async def report(self, plan: Plan) -> None:
