@@ -1,4 +1,5 @@
-"""The cluster page at `/`: nodes, deployments, replicas and recent events, live.
+"""The cluster page at `/`: nodes, deployments, replicas, the catalog, the last day's usage
+and recent events, live.
 
 Server-rendered HTML. The page opens `/page/stream` (server-sent events) and
 swaps in the freshly rendered view whenever it changes, so nothing needs a
@@ -28,6 +29,7 @@ from llmgw_core.events import EngineLoad, ReplicaRecord, ShardStatus
 
 if TYPE_CHECKING:
     from .service import PlacementService
+    from .usage import UsageWindow
 
 log = logging.getLogger("llmgw.placement.page")
 
@@ -82,9 +84,18 @@ def event_line(subject: str, data: bytes) -> str | None:
 class Page:
     """Renders the page from placement's state; keeps the last events it heard."""
 
-    def __init__(self, service: PlacementService, nodes: Callable[[], list[Any]]) -> None:
+    def __init__(
+        self,
+        service: PlacementService,
+        nodes: Callable[[], list[Any]],
+        *,
+        catalog: Callable[[], list[Any]] | None = None,
+        usage: UsageWindow | None = None,
+    ) -> None:
         self.service = service
         self.nodes = nodes
+        self.catalog = catalog
+        self.usage = usage
         self.events: collections.deque[tuple[float, str]] = collections.deque(maxlen=EVENTS_KEPT)
 
     async def listen(self) -> None:
@@ -138,6 +149,8 @@ class Page:
                 self._nodes(holders),
                 self._deployments(statuses),
                 self._replicas(replicas, shard_status),
+                self._catalog(),
+                self._usage(),
                 self._events(),
             ]
         )
@@ -245,6 +258,51 @@ class Page:
             "<tr><th>replica</th><th>state</th><th>nodes</th><th>since</th><th>restarts</th><th>load</th>"
             "<th>reason</th></tr>" + "".join(rows) + "</table></section>"
         )
+
+    def _catalog(self) -> str:
+        """The profiles, as `/api/catalog` lists them."""
+        if self.catalog is None:
+            return ""
+        rows = []
+        for p in self.catalog():
+            parallel = f"tp {p.tp} × pp {p.pp}" if p.pp > 1 else f"tp {p.tp}"
+            size = f"{p.gpus} GPU{'s' if p.gpus != 1 else ''}"
+            if p.nodes > 1:
+                size += f" ({p.gpus_per_node} on each of {p.nodes} nodes)"
+            source = p.model or p.model_path
+            held = f"<small>staged on {_e(', '.join(p.weights_on))}</small>" if p.weights_on else ""
+            rows.append(
+                f"<tr data-profile='{_e(p.name)}'><td>{_e(p.name)}</td><td class=engine>{_e(p.engine)}</td>"
+                f"<td class=class>{_e(p.gpu_class or 'any')}</td>"
+                f"<td class=size>{_e(size)}, {_e(parallel)}</td>"
+                f"<td class=model>{_e(source)}{held}</td><td>{_e(', '.join(p.deployments)) or '—'}</td></tr>"
+            )
+        return (
+            f"<section id=catalog><h2>Catalog ({len(rows)})</h2><table>"
+            "<tr><th>profile</th><th>engine</th><th>GPU class</th><th>size</th><th>model</th>"
+            "<th>deployments</th></tr>" + "".join(rows) + "</table></section>"
+        )
+
+    def _usage(self) -> str:
+        """The last day's tokens per deployment and per key, as `/api/usage` sums them."""
+        if self.usage is None:
+            return ""
+        error = f"<p class=warn>{_e(self.usage.error)}</p>" if self.usage.error else ""
+        tables = []
+        for by, what in (("deployment", "deployment"), ("key", "key")):
+            rows = "".join(
+                f"<tr data-usage-{by}='{_e(getattr(r, by))}'><td>{_e(getattr(r, by))}</td>"
+                f"<td class=requests>{r.requests}</td><td class=prompt>{r.prompt_tokens}</td>"
+                f"<td class=completion>{r.completion_tokens}</td></tr>"
+                for r in self.usage.rows(by)
+            )
+            tables.append(
+                f"<table class=usage-by-{by}><tr><th>{what}</th><th>requests</th><th>prompt tokens</th>"
+                f"<th>completion tokens</th></tr>"
+                + (rows or "<tr><td colspan=4>none in the last 24 h</td></tr>")
+                + "</table>"
+            )
+        return f"<section id=usage><h2>Usage, last 24 h</h2>{error}" + "".join(tables) + "</section>"
 
     def _events(self) -> str:
         items = "".join(
