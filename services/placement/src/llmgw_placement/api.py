@@ -311,7 +311,7 @@ class Api:
     async def get_usage(self, request: Request) -> Response:
         """The last day's tokens and requests, as `llmgw ctl usage -o json` sums them (`?by=key`
         or `?by=deployment` sums over the other); a stream this placement cannot read is said
-        in the `X-Llmgw-Usage-Error` header and the rows are what it last read."""
+        in the `X-Llmgw-Usage-Error` header."""
         by = request.query_params.get("by", "")
         if by not in ("", "key", "deployment"):
             return json_response({"error": f"by={by}: sum by key or by deployment (or leave it out)"}, 400)

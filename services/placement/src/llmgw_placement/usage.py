@@ -2,9 +2,9 @@
 
 One ordered consumer follows the usage stream from a day back and adds each `UsageRecord`
 to a per-minute tally; the page and the API read the tally, never the stream, so a slow or
-unreachable stream never holds a page up. A consumer that fails is opened again (and the
-tally rebuilt from the stream) after a pause; until then the rows say what they last knew
-and `error` says why they may be behind.
+unreachable stream never holds a page up. A consumer that cannot be opened is tried again
+(the tally rebuilt from the stream) after a pause; until then the rows are empty and `error`
+says why.
 """
 
 from __future__ import annotations
