@@ -64,6 +64,9 @@ async def test_the_cluster_page_follows_the_cluster_live(
                 await page.goto(f"{base}/?token={token}")
                 assert page.url == f"{base}/", "the token stays out of the address bar"
                 await expect(page.locator("#nodes h2")).to_have_text("Nodes (0)")
+                summary = page.locator("#summary")
+                await expect(summary.locator("[data-count='alive']")).to_have_text("0")
+                await expect(page.locator("#problems h2")).to_have_text("Problems (0)")
                 await page.evaluate("window.llmgwNotReloaded = true")
 
                 # A node appears, alive, with its GPUs and its engine.
@@ -79,6 +82,10 @@ async def test_the_cluster_page_follows_the_cluster_live(
                 await expect(chat.locator(".ready")).to_have_text("1 / 1", timeout=60_000)
                 await expect(page.locator("tr[data-replica='chat.r0'] .state")).to_have_text("ready")
                 await expect(row.locator(".gpu.held")).to_contain_text("chat/r0")
+                await expect(summary).to_contain_text(
+                    "nodes 1 alive, 0 lost · GPUs 1 held, 1 free, 0 unusable"
+                )
+                await expect(summary).to_contain_text("deployments 1 ready")
 
                 # The catalog: each profile's engine, GPU class and size, and who runs it.
                 tiny = page.locator("tr[data-profile='tiny']")
@@ -140,6 +147,10 @@ async def test_the_cluster_page_follows_the_cluster_live(
                     "node-1: GPU class H100-80G, profile needs A100-80G", timeout=30_000
                 )
                 await expect(big).to_contain_text("1 cannot be placed")
+                await expect(summary.locator("[data-count='unplaceable']")).to_have_text("1")
+                await expect(page.locator("#problems [data-problem='big']")).to_contain_text(
+                    "1 cannot be placed"
+                )
 
                 # A crashing replica shows its exit code.
                 await bus.put(
@@ -148,6 +159,23 @@ async def test_the_cluster_page_follows_the_cluster_live(
                 crash = page.locator("tr[data-replica='crashes.r0']")
                 await expect(crash).to_contain_text("exited with code 42", timeout=60_000)
                 await expect(page.locator("#events")).to_contain_text("crashes")
+                # ... and, first, among the problems, above the nodes.
+                problem = page.locator("#problems [data-problem='crashes.r0']")
+                await expect(problem).to_contain_text("crashes/r0")
+                await expect(problem).to_contain_text("exited with code 42")
+                above = await page.locator("#problems").bounding_box()
+                nodes = await page.locator("#nodes").bounding_box()
+                assert above is not None
+                assert nodes is not None
+                assert above["y"] < nodes["y"], (above, nodes)
+
+                # A lost node's GPUs are never free.
+                c.kill_node("node-1")
+                await expect(row).to_contain_text("lost", timeout=30_000)
+                await expect(summary.locator("[data-count='lost']")).to_have_text("1")
+                await expect(summary.locator("[data-count='free']")).to_have_text("0")
+                await expect(summary.locator("[data-count='unusable']")).to_have_text("2")
+                await expect(row.locator(".gpu.free")).to_have_count(0)
 
                 assert await page.evaluate("window.llmgwNotReloaded") is True, "the page was reloaded"
                 shot = tmp_path / "cluster-page.png"

@@ -143,10 +143,13 @@ class Page:
             for gpu in spec.gpus:
                 holders[(spec.node, gpu)] = f"{spec.deployment}/{spec.replica}"
         shard_status = dict(service.state.shard_status)
+        nodes = self.nodes()
         return "\n".join(
             [
                 head,
-                self._nodes(holders),
+                self._summary(nodes, holders, statuses),
+                self._problems(replicas, statuses),
+                self._nodes(holders, nodes),
                 self._deployments(statuses),
                 self._replicas(replicas, shard_status),
                 self._catalog(),
@@ -155,9 +158,81 @@ class Page:
             ]
         )
 
-    def _nodes(self, holders: dict[tuple[str, int], str]) -> str:
+    def _summary(
+        self, nodes: list[Any], holders: dict[tuple[str, int], str], statuses: dict[str, Any]
+    ) -> str:
+        """One line first: nodes alive and lost, GPUs held, free and unusable (every GPU of a
+        node not heard, or claimed by two machines, is unusable: never free), deployments
+        ready, degraded and unplaceable."""
+        alive = lost = held = free = unusable = 0
+        for row in nodes:
+            usable = row.alive and not row.claimed
+            alive += usable
+            lost += not row.alive
+            for g in row.gpus:
+                if not usable:
+                    unusable += 1
+                elif (row.node, g.index) in holders:
+                    held += 1
+                else:
+                    free += 1
+        ready = degraded = unplaceable = 0
+        for name, dep in self.service.state.deployments.items():
+            status = statuses.get(name)
+            if status is None:
+                continue
+            if status.unplaceable:
+                unplaceable += 1
+            elif status.ready >= dep.replicas:
+                ready += 1
+            else:
+                degraded += 1
+
+        def n(count: int, what: str, cls: str = "") -> str:
+            mark = f" class={cls}" if cls and count else ""
+            return f"<b data-count='{what}'{mark}>{count}</b> {what}"
+
+        return (
+            "<p id=summary>"
+            f"nodes {n(alive, 'alive')}, {n(lost, 'lost', 'bad')} · "
+            f"GPUs {n(held, 'held')}, {n(free, 'free')}, {n(unusable, 'unusable', 'bad')} · "
+            f"deployments {n(ready, 'ready')}, {n(degraded, 'degraded', 'bad')}, "
+            f"{n(unplaceable, 'unplaceable', 'bad')}</p>"
+        )
+
+    def _problems(self, replicas: dict[str, ReplicaRecord], statuses: dict[str, Any]) -> str:
+        """What is wrong, before the nodes: each failing replica with its reason, and each
+        deployment with replicas that cannot be placed."""
+        items = []
+        for key in sorted(replicas):
+            r = replicas[key]
+            told = failures.failure_of(r)
+            failing = r.state in ("degraded", "failed", "unknown", "unplaceable")
+            if not failing and (r.state == "ready" or told is None):
+                continue
+            reason = failures.one_line(r.reason) or failures.summary(told)
+            last = told.log_tail[-1] if told is not None and told.log_tail else ""
+            items.append(
+                f"<li data-problem='{_e(key)}'><b>{_e(r.deployment)}/{_e(r.replica)}</b> "
+                f"<span class='state {_e(r.state)}'>{_e(r.state)}</span>"
+                + (f", {r.restarts} restarts" if r.restarts else "")
+                + (f": {_e(reason)}" if reason else "")
+                + (f" <code>{_e(last)}</code>" if last else "")
+                + "</li>"
+            )
+        for name in sorted(statuses):
+            status = statuses[name]
+            if status.unplaceable:
+                items.append(f"<li data-problem='{_e(name)}'>{_e(status.summary)}</li>")
+        if not items:
+            return "<section id=problems><h2>Problems (0)</h2><p>none</p></section>"
+        return (
+            f"<section id=problems><h2>Problems ({len(items)})</h2><ul>" + "".join(items) + "</ul></section>"
+        )
+
+    def _nodes(self, holders: dict[tuple[str, int], str], nodes: list[Any]) -> str:
         rows = []
-        for row in self.nodes():
+        for row in nodes:
             status = self.service.state.nodes.get(row.node)
             facts = status.facts if status else None
             if row.claimed:
@@ -169,10 +244,12 @@ class Page:
             else:
                 state = f"<span class=bad>lost {_ago(row.seen_s_ago)} ago</span>"
             system = f"{facts.os_id} {facts.os_version} {facts.arch}".strip() if facts else ""
+            # A node not heard (or claimed twice) has no free GPU: they are unusable.
+            unheld = "free" if row.alive and not row.claimed else "unusable"
             gpus = "".join(
-                f"<span class='gpu {'held' if (row.node, g.index) in holders else 'free'}' "
+                f"<span class='gpu {'held' if (row.node, g.index) in holders else unheld}' "
                 f"title='{_e(g.name)} cc {_e(g.compute_capability)}'>"
-                f"{g.index}<small>{_e(holders.get((row.node, g.index), 'free'))}</small></span>"
+                f"{g.index}<small>{_e(holders.get((row.node, g.index), unheld))}</small></span>"
                 for g in row.gpus
             )
             engines = "<br>".join(
@@ -362,6 +439,7 @@ text-align:left;vertical-align:top}th{background:#f4f4f4}
 .ok{color:#176117;font-weight:600}.bad{color:#a11;font-weight:600}.warn{color:#8a5a00}
 .gpu{display:inline-block;min-width:4.5em;margin:1px;padding:1px 4px;border-radius:3px;font-size:12px}
 .gpu small{display:block;font-size:10px}.gpu.free{background:#e8f3e8}.gpu.held{background:#dde6f7}
+.gpu.unusable{background:#eee;color:#777}#summary{font-size:15px}#problems li{margin:.2em 0}
 .state.ready{color:#176117;font-weight:600}.state.failed,.state.degraded,.state.unknown{color:#a11}
 pre{white-space:pre-wrap;font-size:12px;margin:.3em 0;background:#f8f8f8;padding:.3em}
 .install{color:#555;font-style:italic}
