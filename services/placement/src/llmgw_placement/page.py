@@ -440,6 +440,7 @@ text-align:left;vertical-align:top}th{background:#f4f4f4}
 .gpu{display:inline-block;min-width:4.5em;margin:1px;padding:1px 4px;border-radius:3px;font-size:12px}
 .gpu small{display:block;font-size:10px}.gpu.free{background:#e8f3e8}.gpu.held{background:#dde6f7}
 .gpu.unusable{background:#eee;color:#777}#summary{font-size:15px}#problems li{margin:.2em 0}
+table.usage-by-key{margin-top:.8em}
 .state.ready{color:#176117;font-weight:600}.state.failed,.state.degraded,.state.unknown{color:#a11}
 pre{white-space:pre-wrap;font-size:12px;margin:.3em 0;background:#f8f8f8;padding:.3em}
 .install{color:#555;font-style:italic}
