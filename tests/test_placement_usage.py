@@ -31,9 +31,13 @@ def test_the_tally_sums_as_ctl_usage_does_and_forgets_what_is_older_than_a_day()
         record("b", "chat", 1, 1, 1, NOW - 60),
         record("b", "other", 3, 2, 1, NOW - WINDOW_S + 120),
     ]
+    stale = record("a", "chat", 100, 100, 100, NOW - WINDOW_S - 120)
     window = UsageWindow(bus=None)  # type: ignore[arg-type]
-    for r in [record("a", "chat", 100, 100, 100, NOW - WINDOW_S - 120), *recent]:
-        window.add(r)
+    # Read an hour ago, the stale record was still in the window; it leaves the totals since.
+    for r in [stale, *recent]:
+        window.add(r, now=NOW - 3600)
+    # Read now, a record older than a day is not counted at all.
+    window.add(stale, now=NOW)
     for by in ("", "key", "deployment"):
         assert msgspec.to_builtins(window.rows(by, now=NOW)) == msgspec.to_builtins(summed(recent, by))
     assert [(r.key, r.deployment, r.prompt_tokens, r.requests) for r in window.rows(now=NOW)] == [
