@@ -315,7 +315,9 @@ class Api:
         by = request.query_params.get("by", "")
         if by not in ("", "key", "deployment"):
             return json_response({"error": f"by={by}: sum by key or by deployment (or leave it out)"}, 400)
-        headers = {"X-Llmgw-Usage-Error": self.usage.error} if self.usage.error else None
+        # A header is latin-1: the error's `…` (an nkey cut short) would make it a 500.
+        error = self.usage.error.encode("ascii", "replace").decode()
+        headers = {"X-Llmgw-Usage-Error": error} if error else None
         return json_response(_builtins(self.usage.rows(by)), headers=headers)
 
     async def get_metrics(self, request: Request) -> Response:
