@@ -18,6 +18,9 @@ import pytest
 from llmgw_core.bus import Bus
 from llmgw_core.events import Deployment
 from tests.cluster_support import cluster, sim_catalog
+from tests.test_gateway import running_gateway
+from tests.test_gateway_keys import PROMPT_TOKENS, ctl_json, new_key
+from tests.test_gateway_keys import chat as ask
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
@@ -61,6 +64,9 @@ async def test_the_cluster_page_follows_the_cluster_live(
                 await page.goto(f"{base}/?token={token}")
                 assert page.url == f"{base}/", "the token stays out of the address bar"
                 await expect(page.locator("#nodes h2")).to_have_text("Nodes (0)")
+                summary = page.locator("#summary")
+                await expect(summary.locator("[data-count='alive']")).to_have_text("0")
+                await expect(page.locator("#problems h2")).to_have_text("Problems (0)")
                 await page.evaluate("window.llmgwNotReloaded = true")
 
                 # A node appears, alive, with its GPUs and its engine.
@@ -76,6 +82,63 @@ async def test_the_cluster_page_follows_the_cluster_live(
                 await expect(chat.locator(".ready")).to_have_text("1 / 1", timeout=60_000)
                 await expect(page.locator("tr[data-replica='chat.r0'] .state")).to_have_text("ready")
                 await expect(row.locator(".gpu.held")).to_contain_text("chat/r0")
+                await expect(summary).to_contain_text(
+                    "nodes 1 alive, 0 lost · GPUs 1 held, 1 free, 0 unusable"
+                )
+                await expect(summary).to_contain_text("deployments 1 ready")
+
+                # The catalog: each profile's engine, GPU class and size, and who runs it.
+                tiny = page.locator("tr[data-profile='tiny']")
+                await expect(tiny.locator(".engine")).to_have_text("sim")
+                await expect(tiny.locator(".class")).to_have_text("H100-80G")
+                await expect(tiny.locator(".size")).to_have_text("1 GPU, tp 1")
+                await expect(tiny).to_contain_text("chat")
+                await expect(page.locator("tr[data-profile='a100'] .class")).to_have_text("A100-80G")
+                async with httpx.AsyncClient(base_url=base, timeout=10, headers=c.api_headers) as client:
+                    listed = (await client.get("/api/catalog")).json()
+                assert [p["name"] for p in listed] == ["a100", "crashes", "tiny"]
+                assert {k: listed[2][k] for k in ("engine", "gpu_class", "tp", "gpus", "deployments")} == {
+                    "engine": "sim",
+                    "gpu_class": "H100-80G",
+                    "tp": 1,
+                    "gpus": 1,
+                    "deployments": ["chat"],
+                }
+
+                # Usage: two requests through a gateway with a key, counted on the page and
+                # in `/api/usage` as `ctl usage` sums them.
+                await expect(page.locator("#usage")).to_contain_text("none in the last 24 h")
+                secret = new_key(c, "team")
+                async with running_gateway(c, require_api_key=True) as (gateway, _):
+                    # The replica was ready before this gateway started: its first answer is the
+                    # replica's (a gateway that knew no replica yet would send nothing to count).
+                    await eventually(lambda: ask(gateway, secret), timeout=30, interval=0.3)
+                    await ask(gateway, secret)
+                used = page.locator("tr[data-usage-deployment='chat']")
+                await expect(used.locator(".requests")).to_have_text("2", timeout=30_000)
+                await expect(used.locator(".prompt")).to_have_text(str(2 * PROMPT_TOKENS))
+                await expect(used.locator(".completion")).to_have_text("10")
+                await expect(page.locator("tr[data-usage-key='team'] .requests")).to_have_text("2")
+                async with httpx.AsyncClient(base_url=base, timeout=10, headers=c.api_headers) as client:
+                    served = (await client.get("/api/usage")).json()
+                    by_key = (await client.get("/api/usage?by=key")).json()
+                    wrong = await client.get("/api/usage?by=model")
+                assert (
+                    served
+                    == ctl_json(c, "usage")
+                    == [
+                        {
+                            "key": "team",
+                            "deployment": "chat",
+                            "prompt_tokens": 2 * PROMPT_TOKENS,
+                            "completion_tokens": 10,
+                            "requests": 2,
+                        }
+                    ]
+                )
+                assert by_key == ctl_json(c, "usage", "--by", "key")
+                assert wrong.status_code == 400
+                assert "sum by key or by deployment" in wrong.json()["error"]
 
                 # A refusal in the node's own words.
                 await bus.put(bus.names.deployments_bucket, "big", Deployment(name="big", profile="a100"))
@@ -84,6 +147,10 @@ async def test_the_cluster_page_follows_the_cluster_live(
                     "node-1: GPU class H100-80G, profile needs A100-80G", timeout=30_000
                 )
                 await expect(big).to_contain_text("1 cannot be placed")
+                await expect(summary.locator("[data-count='unplaceable']")).to_have_text("1")
+                await expect(page.locator("#problems [data-problem='big']")).to_contain_text(
+                    "1 cannot be placed"
+                )
 
                 # A crashing replica shows its exit code.
                 await bus.put(
@@ -92,6 +159,23 @@ async def test_the_cluster_page_follows_the_cluster_live(
                 crash = page.locator("tr[data-replica='crashes.r0']")
                 await expect(crash).to_contain_text("exited with code 42", timeout=60_000)
                 await expect(page.locator("#events")).to_contain_text("crashes")
+                # ... and, first, among the problems, above the nodes.
+                problem = page.locator("#problems [data-problem='crashes.r0']")
+                await expect(problem).to_contain_text("crashes/r0")
+                await expect(problem).to_contain_text("exited with code 42")
+                above = await page.locator("#problems").bounding_box()
+                nodes = await page.locator("#nodes").bounding_box()
+                assert above is not None
+                assert nodes is not None
+                assert above["y"] < nodes["y"], (above, nodes)
+
+                # A lost node's GPUs are never free.
+                c.kill_node("node-1")
+                await expect(row).to_contain_text("lost", timeout=30_000)
+                await expect(summary.locator("[data-count='lost']")).to_have_text("1")
+                await expect(summary.locator("[data-count='free']")).to_have_text("0")
+                await expect(summary.locator("[data-count='unusable']")).to_have_text("2")
+                await expect(row.locator(".gpu.free")).to_have_count(0)
 
                 assert await page.evaluate("window.llmgwNotReloaded") is True, "the page was reloaded"
                 shot = tmp_path / "cluster-page.png"

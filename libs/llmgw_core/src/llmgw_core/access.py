@@ -6,7 +6,8 @@ whose rights nats-server itself enforces, subject by subject:
 
     placement   writes shard specs, replicas, the lease and the desired engines;
                 seeds the catalog and deployments (server.yaml, its token-checked
-                API); creates and updates llmgw's streams and buckets
+                API); creates and updates llmgw's streams and buckets; reads the
+                usage stream (its page and `/api/usage`)
     ctl         the operator: writes deployments, the catalog and client API keys;
                 reads everything, and asks launchers for their shards' logs
     observer    reads events, node status, shard status, replicas and heartbeats;

@@ -139,9 +139,10 @@ def needs(names: Names) -> dict[str, Needs]:
     """Each kind of identity (`access.ROLES`, and `node` for every `node-<id>`) and its needs."""
     n = names
     return {
-        # Seeds the catalog and deployments, writes specs, replicas, the lease and the engines.
+        # Seeds the catalog and deployments, writes specs, replicas, the lease and the engines;
+        # reads the usage stream for its page and `/api/usage`.
         "placement": Needs(
-            reads=tuple(kv_stream(b) for b in n.buckets()),
+            reads=(*(kv_stream(b) for b in n.buckets()), n.usage_stream),
             writes=(
                 n.config_bucket,
                 n.catalog_bucket,

@@ -24,11 +24,12 @@ async def _main(config: ServerConfig) -> None:
     async with bus, while_connected(bus):
         service = PlacementService(config, bus)
         api = Api(service)
-        page = Page(service, api.nodes)
+        page = Page(service, api.nodes, catalog=api.catalog, usage=api.usage)
         async with anyio.create_task_group() as tg:
             tg.start_soon(cancel_on_signal, tg.cancel_scope)
             await tg.start(service.run)
             tg.start_soon(page.listen)
+            tg.start_soon(api.usage.follow)
             port = await tg.start(serve, api.app(page.routes()), config.http.host, config.http.port)
             print(f"llmgw-placement: API on http://{config.http.host}:{port}", flush=True)
 

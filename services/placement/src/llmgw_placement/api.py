@@ -1,5 +1,5 @@
 """Placement's HTTP API: `/api/nodes`, `/api/deployments`, `/api/replicas`, `/api/explain/<d>`,
-`/api/warnings`, `/api/store`, `/metrics`.
+`/api/warnings`, `/api/store`, `/api/catalog`, `/api/usage`, `/metrics`.
 
 Every placement serves it; a standby answers from the same watched state, but
 replicas and decisions are the leader's: there a standby answers 503 naming the
@@ -42,6 +42,7 @@ from llmgw_core.web import MAX_BODY, json_response
 
 from .decide import Refusal, decide
 from .service import PlacementService
+from .usage import UsageWindow
 
 tracer = trace.get_tracer("llmgw.placement.api")
 log = logging.getLogger("llmgw.placement.api")
@@ -82,6 +83,28 @@ class _Reported(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _encode = msgspec.json.Encoder().encode
+
+
+class CatalogRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One profile in `/api/catalog`: what it runs and what a replica of it asks for."""
+
+    name: str
+    engine: str
+    gpu_class: str
+    tp: int
+    pp: int
+    nodes: int
+    # GPUs each node of a replica gives it, and a replica's GPUs in all.
+    gpus_per_node: int
+    gpus: int
+    # Where the weights come from (`model`, a source or a served name) or are read (`model_path`).
+    model: str
+    model_path: str
+    served_name: str
+    # The nodes that report holding its weights staged.
+    weights_on: tuple[str, ...]
+    # The deployments that run it.
+    deployments: tuple[str, ...]
 
 
 class _Entered(msgspec.Struct, frozen=True, kw_only=True):
@@ -137,6 +160,8 @@ class Api:
         self._reported: dict[str, tuple[NodeStatus, bytes, bytes]] = {}
         # Paths that answer without a token (they must say nothing a token would protect).
         self.public: set[str] = {"/healthz"}
+        # Tokens spent per key and deployment over the last day (`follow` keeps it current).
+        self.usage = UsageWindow(service.bus)
         if not self.token and not http.insecure:
             raise ConfigError(
                 "http: no token_file: the API would let anyone who reaches it change deployments; "
@@ -173,6 +198,8 @@ class Api:
             Route("/api/explain/{name}", self.get_explain, methods=["GET"]),
             Route("/api/warnings", self.get_warnings, methods=["GET"]),
             Route("/api/store", self.get_store, methods=["GET"]),
+            Route("/api/catalog", self.get_catalog, methods=["GET"]),
+            Route("/api/usage", self.get_usage, methods=["GET"]),
             Route("/metrics", self.get_metrics, methods=["GET"]),
         ]
 
@@ -245,6 +272,53 @@ class Api:
             "episodes": store.episodes,
         }
         return json_response(body)
+
+    async def get_catalog(self, _: Request) -> Response:
+        return json_response(_builtins(self.catalog()))
+
+    def catalog(self) -> list[CatalogRow]:
+        state = self.service.state
+        holders: dict[str, list[str]] = {}
+        for node, status in sorted(state.nodes.items()):
+            for key, path in status.facts.weights.items():
+                if path:
+                    holders.setdefault(key, []).append(node)
+        users: dict[str, list[str]] = {}
+        for name, dep in sorted(state.deployments.items()):
+            users.setdefault(dep.profile, []).append(name)
+        rows = []
+        for name, p in sorted(state.catalog.items()):
+            per_node = p.per_node_gpus
+            rows.append(
+                CatalogRow(
+                    name=name,
+                    engine=p.engine,
+                    gpu_class=p.gpu_class,
+                    tp=p.tp,
+                    pp=p.pp,
+                    nodes=p.nodes,
+                    gpus_per_node=per_node,
+                    gpus=per_node * p.nodes,
+                    model=p.model,
+                    model_path=p.model_path,
+                    served_name=p.served_name,
+                    weights_on=tuple(holders.get(p.weights_key, ())),
+                    deployments=tuple(users.get(name, ())),
+                )
+            )
+        return rows
+
+    async def get_usage(self, request: Request) -> Response:
+        """The last day's tokens and requests, as `llmgw ctl usage -o json` sums them (`?by=key`
+        or `?by=deployment` sums over the other); a stream this placement cannot read is said
+        in the `X-Llmgw-Usage-Error` header."""
+        by = request.query_params.get("by", "")
+        if by not in ("", "key", "deployment"):
+            return json_response({"error": f"by={by}: sum by key or by deployment (or leave it out)"}, 400)
+        # A header is latin-1: the error's `…` (an nkey cut short) would make it a 500.
+        error = self.usage.error.encode("ascii", "replace").decode()
+        headers = {"X-Llmgw-Usage-Error": error} if error else None
+        return json_response(_builtins(self.usage.rows(by)), headers=headers)
 
     async def get_metrics(self, request: Request) -> Response:
         return exposition(self.service.metrics.registry, request)

@@ -1,4 +1,5 @@
-"""The cluster page at `/`: nodes, deployments, replicas and recent events, live.
+"""The cluster page at `/`: nodes, deployments, replicas, the catalog, the last day's usage
+and recent events, live.
 
 Server-rendered HTML. The page opens `/page/stream` (server-sent events) and
 swaps in the freshly rendered view whenever it changes, so nothing needs a
@@ -28,6 +29,7 @@ from llmgw_core.events import EngineLoad, ReplicaRecord, ShardStatus
 
 if TYPE_CHECKING:
     from .service import PlacementService
+    from .usage import UsageWindow
 
 log = logging.getLogger("llmgw.placement.page")
 
@@ -82,9 +84,18 @@ def event_line(subject: str, data: bytes) -> str | None:
 class Page:
     """Renders the page from placement's state; keeps the last events it heard."""
 
-    def __init__(self, service: PlacementService, nodes: Callable[[], list[Any]]) -> None:
+    def __init__(
+        self,
+        service: PlacementService,
+        nodes: Callable[[], list[Any]],
+        *,
+        catalog: Callable[[], list[Any]] | None = None,
+        usage: UsageWindow | None = None,
+    ) -> None:
         self.service = service
         self.nodes = nodes
+        self.catalog = catalog
+        self.usage = usage
         self.events: collections.deque[tuple[float, str]] = collections.deque(maxlen=EVENTS_KEPT)
 
     async def listen(self) -> None:
@@ -132,19 +143,96 @@ class Page:
             for gpu in spec.gpus:
                 holders[(spec.node, gpu)] = f"{spec.deployment}/{spec.replica}"
         shard_status = dict(service.state.shard_status)
+        nodes = self.nodes()
         return "\n".join(
             [
                 head,
-                self._nodes(holders),
+                self._summary(nodes, holders, statuses),
+                self._problems(replicas, statuses),
+                self._nodes(holders, nodes),
                 self._deployments(statuses),
                 self._replicas(replicas, shard_status),
+                self._catalog(),
+                self._usage(),
                 self._events(),
             ]
         )
 
-    def _nodes(self, holders: dict[tuple[str, int], str]) -> str:
+    def _summary(
+        self, nodes: list[Any], holders: dict[tuple[str, int], str], statuses: dict[str, Any]
+    ) -> str:
+        """One line first: nodes alive and lost, GPUs held, free and unusable (every GPU of a
+        node not heard, or claimed by two machines, is unusable: never free), deployments
+        ready, degraded and unplaceable."""
+        alive = lost = held = free = unusable = 0
+        for row in nodes:
+            usable = row.alive and not row.claimed
+            alive += usable
+            lost += not row.alive
+            for g in row.gpus:
+                if not usable:
+                    unusable += 1
+                elif (row.node, g.index) in holders:
+                    held += 1
+                else:
+                    free += 1
+        ready = degraded = unplaceable = 0
+        for name, dep in self.service.state.deployments.items():
+            status = statuses.get(name)
+            if status is None:
+                continue
+            if status.unplaceable:
+                unplaceable += 1
+            elif status.ready >= dep.replicas:
+                ready += 1
+            else:
+                degraded += 1
+
+        def n(count: int, what: str, cls: str = "") -> str:
+            mark = f" class={cls}" if cls and count else ""
+            return f"<b data-count='{what}'{mark}>{count}</b> {what}"
+
+        return (
+            "<p id=summary>"
+            f"nodes {n(alive, 'alive')}, {n(lost, 'lost', 'bad')} · "
+            f"GPUs {n(held, 'held')}, {n(free, 'free')}, {n(unusable, 'unusable', 'bad')} · "
+            f"deployments {n(ready, 'ready')}, {n(degraded, 'degraded', 'bad')}, "
+            f"{n(unplaceable, 'unplaceable', 'bad')}</p>"
+        )
+
+    def _problems(self, replicas: dict[str, ReplicaRecord], statuses: dict[str, Any]) -> str:
+        """What is wrong, before the nodes: each failing replica with its reason, and each
+        deployment with replicas that cannot be placed."""
+        items = []
+        for key in sorted(replicas):
+            r = replicas[key]
+            told = failures.failure_of(r)
+            failing = r.state in ("degraded", "failed", "unknown", "unplaceable")
+            if not failing and (r.state == "ready" or told is None):
+                continue
+            reason = failures.one_line(r.reason) or failures.summary(told)
+            last = told.log_tail[-1] if told is not None and told.log_tail else ""
+            items.append(
+                f"<li data-problem='{_e(key)}'><b>{_e(r.deployment)}/{_e(r.replica)}</b> "
+                f"<span class='state {_e(r.state)}'>{_e(r.state)}</span>"
+                + (f", {r.restarts} restarts" if r.restarts else "")
+                + (f": {_e(reason)}" if reason else "")
+                + (f" <code>{_e(last)}</code>" if last else "")
+                + "</li>"
+            )
+        for name in sorted(statuses):
+            status = statuses[name]
+            if status.unplaceable:
+                items.append(f"<li data-problem='{_e(name)}'>{_e(status.summary)}</li>")
+        if not items:
+            return "<section id=problems><h2>Problems (0)</h2><p>none</p></section>"
+        return (
+            f"<section id=problems><h2>Problems ({len(items)})</h2><ul>" + "".join(items) + "</ul></section>"
+        )
+
+    def _nodes(self, holders: dict[tuple[str, int], str], nodes: list[Any]) -> str:
         rows = []
-        for row in self.nodes():
+        for row in nodes:
             status = self.service.state.nodes.get(row.node)
             facts = status.facts if status else None
             if row.claimed:
@@ -156,10 +244,12 @@ class Page:
             else:
                 state = f"<span class=bad>lost {_ago(row.seen_s_ago)} ago</span>"
             system = f"{facts.os_id} {facts.os_version} {facts.arch}".strip() if facts else ""
+            # A node not heard (or claimed twice) has no free GPU: they are unusable.
+            unheld = "free" if row.alive and not row.claimed else "unusable"
             gpus = "".join(
-                f"<span class='gpu {'held' if (row.node, g.index) in holders else 'free'}' "
+                f"<span class='gpu {'held' if (row.node, g.index) in holders else unheld}' "
                 f"title='{_e(g.name)} cc {_e(g.compute_capability)}'>"
-                f"{g.index}<small>{_e(holders.get((row.node, g.index), 'free'))}</small></span>"
+                f"{g.index}<small>{_e(holders.get((row.node, g.index), unheld))}</small></span>"
                 for g in row.gpus
             )
             engines = "<br>".join(
@@ -246,6 +336,51 @@ class Page:
             "<th>reason</th></tr>" + "".join(rows) + "</table></section>"
         )
 
+    def _catalog(self) -> str:
+        """The profiles, as `/api/catalog` lists them."""
+        if self.catalog is None:
+            return ""
+        rows = []
+        for p in self.catalog():
+            parallel = f"tp {p.tp} × pp {p.pp}" if p.pp > 1 else f"tp {p.tp}"
+            size = f"{p.gpus} GPU{'s' if p.gpus != 1 else ''}"
+            if p.nodes > 1:
+                size += f" ({p.gpus_per_node} on each of {p.nodes} nodes)"
+            source = p.model or p.model_path
+            held = f"<small>staged on {_e(', '.join(p.weights_on))}</small>" if p.weights_on else ""
+            rows.append(
+                f"<tr data-profile='{_e(p.name)}'><td>{_e(p.name)}</td><td class=engine>{_e(p.engine)}</td>"
+                f"<td class=class>{_e(p.gpu_class or 'any')}</td>"
+                f"<td class=size>{_e(size)}, {_e(parallel)}</td>"
+                f"<td class=model>{_e(source)}{held}</td><td>{_e(', '.join(p.deployments)) or '—'}</td></tr>"
+            )
+        return (
+            f"<section id=catalog><h2>Catalog ({len(rows)})</h2><table>"
+            "<tr><th>profile</th><th>engine</th><th>GPU class</th><th>size</th><th>model</th>"
+            "<th>deployments</th></tr>" + "".join(rows) + "</table></section>"
+        )
+
+    def _usage(self) -> str:
+        """The last day's tokens per deployment and per key, as `/api/usage` sums them."""
+        if self.usage is None:
+            return ""
+        error = f"<p class=warn>{_e(self.usage.error)}</p>" if self.usage.error else ""
+        tables = []
+        for by, what in (("deployment", "deployment"), ("key", "key")):
+            rows = "".join(
+                f"<tr data-usage-{by}='{_e(getattr(r, by))}'><td>{_e(getattr(r, by))}</td>"
+                f"<td class=requests>{r.requests}</td><td class=prompt>{r.prompt_tokens}</td>"
+                f"<td class=completion>{r.completion_tokens}</td></tr>"
+                for r in self.usage.rows(by)
+            )
+            tables.append(
+                f"<table class=usage-by-{by}><tr><th>{what}</th><th>requests</th><th>prompt tokens</th>"
+                f"<th>completion tokens</th></tr>"
+                + (rows or "<tr><td colspan=4>none in the last 24 h</td></tr>")
+                + "</table>"
+            )
+        return f"<section id=usage><h2>Usage, last 24 h</h2>{error}" + "".join(tables) + "</section>"
+
     def _events(self) -> str:
         items = "".join(
             f"<li><time>{time.strftime('%H:%M:%S', time.localtime(at))}</time> {_e(line)}</li>"
@@ -304,6 +439,8 @@ text-align:left;vertical-align:top}th{background:#f4f4f4}
 .ok{color:#176117;font-weight:600}.bad{color:#a11;font-weight:600}.warn{color:#8a5a00}
 .gpu{display:inline-block;min-width:4.5em;margin:1px;padding:1px 4px;border-radius:3px;font-size:12px}
 .gpu small{display:block;font-size:10px}.gpu.free{background:#e8f3e8}.gpu.held{background:#dde6f7}
+.gpu.unusable{background:#eee;color:#777}#summary{font-size:15px}#problems li{margin:.2em 0}
+table.usage-by-key{margin-top:.8em}
 .state.ready{color:#176117;font-weight:600}.state.failed,.state.degraded,.state.unknown{color:#a11}
 pre{white-space:pre-wrap;font-size:12px;margin:.3em 0;background:#f8f8f8;padding:.3em}
 .install{color:#555;font-style:italic}
