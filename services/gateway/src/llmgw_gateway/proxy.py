@@ -4,9 +4,10 @@ and Anthropic's `/v1/messages` (streamed or not), `/healthz` and `/metrics`.
 Every error the gateway answers itself, unknown paths included, is OpenAI's
 error object.
 
-A request is routed by its `model` (a deployment's name or alias) to the
-ready replica with the fewest requests in flight, among those whose engine
-serves the path (each engine adapter's `api_paths`); where none does, a 400
+A request is routed by its `model` (a deployment's name or alias) to a
+ready replica (the one its prompt's prefix was sent to, else the one with the
+fewest requests in flight: `routing.py`), among those whose engine serves the
+path (each engine adapter's `api_paths`); where none does, a 400
 names the engine. When a replica fails before any byte of answer (it refused
 the connection, or closed or reset it before answering: it died, and
 placement has not said so yet) the request goes to another. Once a replica's
@@ -41,7 +42,7 @@ from llmgw_core.metrics import exposition, new_registry
 from .budgets import Budgets
 from .keyring import Keyring, file_keys
 from .limits import json_nests_deeper, shown
-from .routing import Table
+from .routing import Table, prompt_blocks
 from .usage import JsonTail, Meter, Usage, read_events
 
 log = logging.getLogger("llmgw.gateway")
@@ -433,6 +434,8 @@ class Proxy:
                 extra = options if isinstance(options, dict) else {}
                 payload = {**payload, "stream_options": {**extra, "include_usage": True}}
                 body = json.dumps(payload).encode()
+        # The prompt's leading blocks, hashed once for every attempt (bounded: routing: max_blocks).
+        blocks = prompt_blocks(self.table.routing, deployment, path, payload)
         self.metrics.requests.labels(deployment).inc()
         span = self.tracer.start_span(
             f"gateway {request.url.path}",
@@ -441,7 +444,17 @@ class Proxy:
         )
         try:
             return await self._forward(
-                request, payload, body, model, deployment, span, arrived, unserved, key=key, strip=strip
+                request,
+                payload,
+                body,
+                model,
+                deployment,
+                span,
+                arrived,
+                unserved,
+                key=key,
+                strip=strip,
+                blocks=blocks,
             )
         except BaseException as exc:
             span.record_exception(exc)
@@ -493,6 +506,7 @@ class Proxy:
         *,
         key: ApiKey,
         strip: bool = False,
+        blocks: tuple[bytes, ...] = (),
     ) -> Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         with trace.use_span(span, end_on_exit=False):
@@ -500,7 +514,7 @@ class Proxy:
         tried: set[str] = set(unserved)
         failures: list[str] = []
         while True:
-            chosen = self.table.pick(deployment, frozenset(tried))
+            chosen = self.table.pick(deployment, frozenset(tried), blocks)
             if chosen is None:
                 if failures:
                     attempts = len(tried - unserved)
