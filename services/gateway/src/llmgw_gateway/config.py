@@ -51,7 +51,7 @@ class RoutingConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     min_match_blocks: Annotated[int, Meta(ge=1)] = 8
     # Only the prompt's first max_blocks blocks are hashed: the per-request cost is bounded
     # however long the prompt.
-    max_blocks: Annotated[int, Meta(ge=1, le=4096)] = 256
+    max_blocks: Annotated[int, Meta(ge=1, le=4096)] = 128
     # A replica takes a request for its prefix only while its requests in flight are at most
     # load_factor times the mean over the deployment's replicas, plus one.
     load_factor: Annotated[float, Meta(ge=1.0)] = 1.25

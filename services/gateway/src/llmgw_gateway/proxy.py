@@ -506,7 +506,7 @@ class Proxy:
         *,
         key: ApiKey,
         strip: bool = False,
-        blocks: tuple[bytes, ...] = (),
+        blocks: tuple[int, ...] = (),
     ) -> Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         with trace.use_span(span, end_on_exit=False):
