@@ -12,8 +12,10 @@ import anyio
 import httpx
 import pytest
 
+from llmgw_core.config import loads
+from llmgw_core.errors import ConfigError
 from llmgw_core.events import ReplicaRecord
-from llmgw_gateway import Proxy, Table
+from llmgw_gateway import GatewayConfig, Proxy, Table
 from llmgw_gateway.config import RoutingConfig
 from llmgw_gateway.routing import prompt_blocks
 from llmgw_gateway.web import serve_app
@@ -82,7 +84,7 @@ async def ask(client: httpx.AsyncClient, base: str, messages: list[dict[str, str
 
 async def test_one_customers_long_prefix_lands_on_one_replica_and_others_take_the_rest() -> None:
     with sim_engines([], [], []) as urls:
-        async with gateway(urls) as (base, _, client):
+        async with gateway(urls) as (base, table, client):
             expected = [0, 0, 0]
             for customer in range(3):
                 for q in range(4):
@@ -94,6 +96,8 @@ async def test_one_customers_long_prefix_lands_on_one_replica_and_others_take_th
             # Back to customer 1: to the replica that holds its prefix, not the one chosen longest ago.
             await ask(client, base, chat(1, "one more question"))
             assert await served(client, urls) == [4, 5, 4]
+            # Each customer's first request went by load, every later one by its prefix.
+            assert table.routed == {"load": 3, "prefix": 10}
 
 
 async def test_the_load_bound_spills_a_prefix_to_another_replica_when_its_own_is_busy() -> None:
@@ -176,3 +180,33 @@ def test_only_a_bounded_lead_of_a_long_prompt_is_hashed_and_quickly() -> None:
         prompt_blocks(routing, "chat", "/v1/chat/completions", long)
     per_request = (time.perf_counter() - started) / 100
     assert per_request < 0.01, f"{per_request * 1e3:.2f} ms to hash one prompt's lead"
+
+
+def test_the_index_forgets_the_least_recently_routed_beyond_its_bound() -> None:
+    routing = RoutingConfig(index_blocks=40)
+    table = Table(routing=routing)
+    for i in range(2):
+        table.set_replica(
+            f"chat.r{i}",
+            ReplicaRecord(
+                deployment="chat", replica=f"r{i}", profile="p", profile_fp="x", state="ready", url="u"
+            ),
+        )
+    customers = [
+        prompt_blocks(routing, "chat", "/v1/chat/completions", {"messages": chat(c, "q")}) for c in range(6)
+    ]
+    assert all(len(b) >= routing.min_match_blocks for b in customers)
+    for blocks in customers:
+        table.pick("chat", blocks=blocks)
+    assert len(table.prefixes) == 40
+    # The last customer's prompt is still matched whole; the first one's is forgotten.
+    assert table.prefixes.deepest(customers[-1]) == len(customers[-1])
+    assert table.prefixes.deepest(customers[0]) == 0
+
+
+def test_routing_settings_out_of_range_are_refused_naming_the_field() -> None:
+    assert loads(
+        "routing: {prefix_aware: false}\n", GatewayConfig, source="gateway.yaml"
+    ).routing == RoutingConfig(prefix_aware=False)
+    with pytest.raises(ConfigError, match=r"gateway.yaml.*routing.load_factor"):
+        loads("routing: {load_factor: 0.5}\n", GatewayConfig, source="gateway.yaml")

@@ -48,7 +48,7 @@ class RoutingConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     block_bytes: Annotated[int, Meta(ge=16, le=65536)] = 256
     # A match shorter than this many blocks is no match: a short shared system prompt alone
     # must not pin every request to one replica.
-    min_match_blocks: Annotated[int, Meta(ge=1)] = 8
+    min_match_blocks: Annotated[int, Meta(ge=1)] = 4
     # Only the prompt's first max_blocks blocks are hashed: the per-request cost is bounded
     # however long the prompt.
     max_blocks: Annotated[int, Meta(ge=1, le=4096)] = 128

@@ -434,8 +434,6 @@ class Proxy:
                 extra = options if isinstance(options, dict) else {}
                 payload = {**payload, "stream_options": {**extra, "include_usage": True}}
                 body = json.dumps(payload).encode()
-        # The prompt's leading blocks, hashed once for every attempt (bounded: routing: max_blocks).
-        blocks = prompt_blocks(self.table.routing, deployment, path, payload)
         self.metrics.requests.labels(deployment).inc()
         span = self.tracer.start_span(
             f"gateway {request.url.path}",
@@ -444,17 +442,7 @@ class Proxy:
         )
         try:
             return await self._forward(
-                request,
-                payload,
-                body,
-                model,
-                deployment,
-                span,
-                arrived,
-                unserved,
-                key=key,
-                strip=strip,
-                blocks=blocks,
+                request, payload, body, model, deployment, span, arrived, unserved, key=key, strip=strip
             )
         except BaseException as exc:
             span.record_exception(exc)
@@ -506,8 +494,9 @@ class Proxy:
         *,
         key: ApiKey,
         strip: bool = False,
-        blocks: tuple[int, ...] = (),
     ) -> Response:
+        # The prompt's leading blocks, hashed once for every attempt (bounded: routing: max_blocks).
+        blocks = prompt_blocks(self.table.routing, deployment, request.url.path, payload)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         with trace.use_span(span, end_on_exit=False):
             propagate.inject(headers)

@@ -154,6 +154,9 @@ class Table:
     _last_pick: dict[str, int] = field(default_factory=dict)
     _picks: itertools.count[int] = field(default_factory=itertools.count)
     prefixes: PrefixIndex = field(init=False)
+    # Requests with a prompt of at least one block, by what chose their replica: `prefix`
+    # (a match) or `load` (none, or none within the bound).
+    routed: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         self.prefixes = PrefixIndex(self.routing.index_blocks)
@@ -236,6 +239,7 @@ class Table:
         self._last_pick[key] = next(self._picks)
         if blocks:
             self.prefixes.record(blocks, key)
+            self.routed["prefix" if matched else "load"] += 1
         return key, records[key]
 
     def _by_load(self, key: str) -> tuple[int, int]:
