@@ -11,7 +11,20 @@ import time
 import traceback
 from pathlib import Path
 
-from bench import auth, bus, durability, fit, fleet, gateway, heartbeats, install, launcher, placement, scale
+from bench import (
+    auth,
+    bus,
+    durability,
+    fit,
+    fleet,
+    gateway,
+    heartbeats,
+    install,
+    launcher,
+    placement,
+    routing,
+    scale,
+)
 
 ROOT = Path(__file__).parent.parent
 
@@ -35,7 +48,20 @@ def machine() -> str:
     return f"{system}, {os.cpu_count()} cores ({cpu}), {mem}, Python {platform.python_version()}"
 
 
-MODULES = (durability, auth, bus, install, placement, fleet, heartbeats, scale, launcher, fit, gateway)
+MODULES = (
+    durability,
+    auth,
+    bus,
+    install,
+    placement,
+    fleet,
+    heartbeats,
+    scale,
+    launcher,
+    fit,
+    gateway,
+    routing,
+)
 
 
 def main() -> int:

@@ -38,6 +38,27 @@ class HttpConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     reserved_fds: Annotated[int, Meta(ge=160)] = 256
 
 
+class RoutingConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Prompts that share a prefix go to the replica the gateway last sent that prefix to (its
+    # engine likely holds it in its prompt cache), within the load bound; false: least
+    # outstanding requests only.
+    prefix_aware: bool = True
+    # The prompt is hashed in blocks of this many bytes (of its text as the request carries it),
+    # each block's hash covering every block before it.
+    block_bytes: Annotated[int, Meta(ge=16, le=65536)] = 256
+    # A match shorter than this many blocks is no match: a short shared system prompt alone
+    # must not pin every request to one replica.
+    min_match_blocks: Annotated[int, Meta(ge=1)] = 4
+    # Only the prompt's first max_blocks blocks are hashed: the per-request cost is bounded
+    # however long the prompt.
+    max_blocks: Annotated[int, Meta(ge=1, le=4096)] = 128
+    # A replica takes a request for its prefix only while its requests in flight are at most
+    # load_factor times the mean over the deployment's replicas, plus one.
+    load_factor: Annotated[float, Meta(ge=1.0)] = 1.25
+    # Block hashes remembered (least recently routed forgotten first), across deployments.
+    index_blocks: Annotated[int, Meta(ge=1)] = 65536
+
+
 class GatewayConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     nats: NatsConfig = NatsConfig()
     http: HttpConfig = HttpConfig()
@@ -51,6 +72,7 @@ class GatewayConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # How long to wait for the first byte of an answer, then between bytes (0: no limit;
     # a long generation streams slowly, and a queued request waits its turn).
     read_timeout_s: float = 600.0
+    routing: RoutingConfig = RoutingConfig()
 
     def __post_init__(self) -> None:
         # ValueError: msgspec reports it with the file's name, as any other mistake in it.

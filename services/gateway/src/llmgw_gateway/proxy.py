@@ -4,9 +4,10 @@ and Anthropic's `/v1/messages` (streamed or not), `/healthz` and `/metrics`.
 Every error the gateway answers itself, unknown paths included, is OpenAI's
 error object.
 
-A request is routed by its `model` (a deployment's name or alias) to the
-ready replica with the fewest requests in flight, among those whose engine
-serves the path (each engine adapter's `api_paths`); where none does, a 400
+A request is routed by its `model` (a deployment's name or alias) to a
+ready replica (the one its prompt's prefix was sent to, else the one with the
+fewest requests in flight: `routing.py`), among those whose engine serves the
+path (each engine adapter's `api_paths`); where none does, a 400
 names the engine. When a replica fails before any byte of answer (it refused
 the connection, or closed or reset it before answering: it died, and
 placement has not said so yet) the request goes to another. Once a replica's
@@ -41,7 +42,7 @@ from llmgw_core.metrics import exposition, new_registry
 from .budgets import Budgets
 from .keyring import Keyring, file_keys
 from .limits import json_nests_deeper, shown
-from .routing import Table
+from .routing import Table, prompt_blocks
 from .usage import JsonTail, Meter, Usage, read_events
 
 log = logging.getLogger("llmgw.gateway")
@@ -504,13 +505,15 @@ class Proxy:
         key: ApiKey,
         strip: bool = False,
     ) -> Response:
+        # The prompt's leading blocks, hashed once for every attempt (bounded: routing: max_blocks).
+        blocks = prompt_blocks(self.table.routing, deployment, request.url.path, payload)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         with trace.use_span(span, end_on_exit=False):
             propagate.inject(headers)
         tried: set[str] = set(unserved)
         failures: list[str] = []
         while True:
-            chosen = self.table.pick(deployment, frozenset(tried))
+            chosen = self.table.pick(deployment, frozenset(tried), blocks)
             if chosen is None:
                 if failures:
                     attempts = len(tried - unserved)

