@@ -98,6 +98,20 @@ def _error(status: int, message: str, kind: str, code: str) -> JSONResponse:
     return JSONResponse(error_body(message, kind, code), status_code=status)
 
 
+class PassedResponse(StreamingResponse):
+    """A replica's answer not streamed as events, passed on chunk by chunk in the request's own
+    task. Starlette's `StreamingResponse` also watches for the client leaving, in a task group of
+    two tasks per answer; such an answer's body follows its headers at once (the engine sends
+    them when it is done), so nothing is left to stop by then, and the watch cost more than the
+    rest of the response. Streamed answers (SSE) keep it: they run as long as the generation."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError as exc:
+            raise ClientDisconnect() from exc
+
+
 class BrokenAnswer(Exception):
     """A replica's answer broke off after the gateway had begun passing it on."""
 
@@ -587,7 +601,8 @@ class Proxy:
             self.metrics.errors.labels(deployment, "upstream_status").inc()
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_OUT}
         sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(
+        response = StreamingResponse if sse else PassedResponse
+        return response(
             self._relay(
                 upstream,
                 chosen_key,
