@@ -143,13 +143,15 @@ async def gateway(urls: list[str], prefix_aware: bool) -> AsyncIterator[tuple[st
                 engine="llamacpp",
             ),
         )
-    async with httpx.AsyncClient(timeout=600) as client:
-        proxy = Proxy(table, client)
+    async with (
+        httpx.AsyncClient(timeout=600) as client,
+        Proxy(table, client) as proxy,
+        anyio.create_task_group() as tg,
+    ):
         proxy.loaded.set()
-        async with anyio.create_task_group() as tg:
-            port = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
-            yield f"http://127.0.0.1:{port}", table
-            tg.cancel_scope.cancel()
+        port = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
+        yield f"http://127.0.0.1:{port}", table
+        tg.cancel_scope.cancel()
 
 
 async def _one(client: httpx.AsyncClient, base: str, prompt: str, run: Run) -> None:

@@ -81,8 +81,7 @@ async def test_the_gateway_panels_query_what_the_gateway_exposes() -> None:
     """Requests, errors by reason, time to first byte, tokens, in flight per deployment and
     connections: each panel's metric is in the exposition of a gateway's own registry, of
     the type its expression expects."""
-    async with httpx.AsyncClient() as client:
-        proxy = Proxy(Table(), client)
+    async with httpx.AsyncClient() as client, Proxy(Table(), client) as proxy:
         Connections(8, header_timeout_s=1.0, body_timeout_s=1.0, registry=proxy.metrics.registry)
         exposed = families(generate_latest(proxy.metrics.registry).decode())
     gateway = {name: panels for name, panels in queried().items() if name.startswith("llmgw_gateway_")}

@@ -283,8 +283,7 @@ async def test_a_replica_that_refuses_the_connection_costs_nothing_but_a_retry(t
                     deployment="chat", replica=name, profile="tiny", profile_fp="x", state="ready", url=url
                 ),
             )
-        async with httpx.AsyncClient() as client:
-            proxy = Proxy(table, client)
+        async with httpx.AsyncClient() as client, Proxy(table, client) as proxy:
             proxy.loaded.set()
             async with anyio.create_task_group() as tg:
                 gw = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
@@ -327,8 +326,10 @@ async def test_client_keys_when_asked_for(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# clients\nsecret-1\n")
     table = Table()
-    async with httpx.AsyncClient() as client:
-        proxy = Proxy(table, client, api_keys=load_api_keys(str(keys)))
+    async with (
+        httpx.AsyncClient() as client,
+        Proxy(table, client, api_keys=load_api_keys(str(keys))) as proxy,
+    ):
         proxy.loaded.set()
         async with anyio.create_task_group() as tg:
             base = f"http://127.0.0.1:{await tg.start(serve_app, proxy.app, '127.0.0.1', 0)}"

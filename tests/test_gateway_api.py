@@ -84,12 +84,12 @@ async def proxy_over(urls: list[str], engine: str = "sim") -> AsyncIterator[tupl
 
         for url in urls:
             await eventually(partial(up, url), timeout=30, interval=0.1)
-        proxy = Proxy(table, client)
-        proxy.loaded.set()
-        async with anyio.create_task_group() as tg:
-            port = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
-            yield f"http://127.0.0.1:{port}", proxy
-            tg.cancel_scope.cancel()
+        async with Proxy(table, client) as proxy:
+            proxy.loaded.set()
+            async with anyio.create_task_group() as tg:
+                port = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
+                yield f"http://127.0.0.1:{port}", proxy
+                tg.cancel_scope.cancel()
 
 
 async def test_models_embeddings_messages_and_responses_through_placement(

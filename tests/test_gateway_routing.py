@@ -62,9 +62,8 @@ async def gateway(urls: list[str], **routing: object) -> AsyncIterator[tuple[str
 
         for url in urls:
             await eventually(partial(up, url), timeout=30, interval=0.1)
-        proxy = Proxy(table, client)
-        proxy.loaded.set()
-        async with anyio.create_task_group() as tg:
+        async with Proxy(table, client) as proxy, anyio.create_task_group() as tg:
+            proxy.loaded.set()
             port = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
             yield f"http://127.0.0.1:{port}", table, client
             tg.cancel_scope.cancel()

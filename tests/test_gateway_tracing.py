@@ -92,23 +92,23 @@ async def test_a_clients_trace_continues_through_the_gateway_to_the_replica() ->
                 engine="sim",
             ),
         )
-        proxy = Proxy(table, client, tracer=provider.get_tracer("test"))
-        proxy.loaded.set()
-        port = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        traceparent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
-        chat = {"model": "chat", "messages": [{"role": "user", "content": "hello"}]}
-        plain = await client.post(url, json=chat, headers={"traceparent": traceparent})
-        assert plain.status_code == 200, plain.text
-        async with client.stream(
-            "POST", url, json={**chat, "stream": True}, headers={"traceparent": traceparent}
-        ) as streamed:
-            assert streamed.status_code == 200
-            sse = b"".join([chunk async for chunk in streamed.aiter_raw()])
-        # Without a traceparent: a trace of its own.
-        alone = await client.post(url, json=chat)
-        assert alone.status_code == 200
-        tg.cancel_scope.cancel()
+        async with Proxy(table, client, tracer=provider.get_tracer("test")) as proxy:
+            proxy.loaded.set()
+            port = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            traceparent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+            chat = {"model": "chat", "messages": [{"role": "user", "content": "hello"}]}
+            plain = await client.post(url, json=chat, headers={"traceparent": traceparent})
+            assert plain.status_code == 200, plain.text
+            async with client.stream(
+                "POST", url, json={**chat, "stream": True}, headers={"traceparent": traceparent}
+            ) as streamed:
+                assert streamed.status_code == 200
+                sse = b"".join([chunk async for chunk in streamed.aiter_raw()])
+            # Without a traceparent: a trace of its own.
+            alone = await client.post(url, json=chat)
+            assert alone.status_code == 200
+            tg.cancel_scope.cancel()
     # The client did not ask for the usage chunk: it is not passed on, but counted.
     assert b'"usage"' not in sse
 

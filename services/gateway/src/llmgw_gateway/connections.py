@@ -11,7 +11,7 @@ left to reach a replica with.
 
 Without replacing the server:
 
-- `protocol(connections)` is uvicorn's h11 protocol with one deadline per phase of a
+- `protocol(connections)` is uvicorn's httptools protocol with one deadline per phase of a
   request: its headers within `header_timeout_s` of the connection (on a kept-alive one, of
   the request's first byte), then its body within `body_timeout_s` of the headers. A
   deadline passed aborts the connection; bytes arriving slowly never move it.
@@ -32,9 +32,8 @@ import time
 from collections import OrderedDict
 from typing import Any, ClassVar, Literal
 
-import h11
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from llmgw_core.errors import ConfigError
 
@@ -105,9 +104,9 @@ class Connections:
         self.limit = limit
         self.header_timeout_s = header_timeout_s
         self.body_timeout_s = body_timeout_s
-        self._open: set[GuardedH11Protocol] = set()
+        self._open: set[GuardedProtocol] = set()
         # Connections without a request in progress, the longest waiting first.
-        self._waiting: OrderedDict[GuardedH11Protocol, None] = OrderedDict()
+        self._waiting: OrderedDict[GuardedProtocol, None] = OrderedDict()
         self._warned: dict[str, float] = {}
         body = json.dumps(
             error_body(
@@ -153,7 +152,7 @@ class Connections:
         """Connections open without a request in progress."""
         return len(self._waiting)
 
-    def admit(self, conn: GuardedH11Protocol) -> bool:
+    def admit(self, conn: GuardedProtocol) -> bool:
         """Count a new connection in, making room if need be; False: refuse it."""
         if len(self._open) >= self.limit:
             if not self._waiting:
@@ -169,7 +168,7 @@ class Connections:
         self._waiting[conn] = None
         return True
 
-    def busy(self, conn: GuardedH11Protocol, busy: bool) -> None:
+    def busy(self, conn: GuardedProtocol, busy: bool) -> None:
         """Whether `conn` has a request in progress; one that stops waiting joins the back of the line."""
         if conn not in self._open:
             return
@@ -178,7 +177,7 @@ class Connections:
         elif conn not in self._waiting:
             self._waiting[conn] = None
 
-    def gone(self, conn: GuardedH11Protocol) -> None:
+    def gone(self, conn: GuardedProtocol) -> None:
         self._open.discard(conn)
         self._waiting.pop(conn, None)
 
@@ -195,8 +194,13 @@ class Connections:
         )
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, counted by `guard` and with a deadline per request phase."""
+class GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, counted by `guard` and with a deadline per request phase.
+
+    httptools (llhttp, in C) rather than h11: h11's pure-Python parsing and framing was a
+    fifth of the gateway's CPU per request. The parser's callbacks mark the phases: a
+    request's first byte (`on_message_begin`), its headers' end, its end.
+    """
 
     guard: ClassVar[Connections]
 
@@ -215,11 +219,26 @@ class GuardedH11Protocol(H11Protocol):
         self._arm("headers")
 
     def data_received(self, data: bytes) -> None:
-        if self._phase is None and self.conn.their_state is h11.IDLE:
-            # The next request on a kept-alive connection: its headers are due from its first byte.
-            self._arm("headers")
         super().data_received(data)
         self._follow()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._phase is None:
+            # The next request on a kept-alive connection: its headers are due from its first byte.
+            self._arm("headers")
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._arm("body")
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+        if self.cycle is not None and self.cycle.response_complete and self.timeout_keep_alive_task is None:
+            # Answered before its body was all in: the body's bytes cancelled uvicorn's
+            # keep-alive timer, and nothing else would close the idle connection.
+            self._arm("headers")
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -236,21 +255,7 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.abort()
 
     def _follow(self) -> None:
-        """The deadline and the place in the waiting line, from where the request stands."""
-        state = self.conn.their_state
-        if state is h11.SEND_BODY:
-            if self._phase != "body":
-                self._arm("body")
-        elif state is h11.IDLE and (self.conn.trailing_data[0] or self.timeout_keep_alive_task is None):
-            # Part of the next request is in (pipelined behind the response before it), or
-            # nothing else would close the idle connection: uvicorn arms its keep-alive timer
-            # when a response ends, and a body still arriving after an early answer cancels it.
-            if self._phase != "headers":
-                self._arm("headers")
-        else:
-            # The whole request is in, or none of the next one and uvicorn's keep-alive timer
-            # runs.
-            self._disarm()
+        """The place in the waiting line, from where the request stands."""
         self.guard.busy(self, self.cycle is not None and not self.cycle.response_complete)
 
     def _arm(self, phase: Phase) -> None:
@@ -276,4 +281,4 @@ class GuardedH11Protocol(H11Protocol):
 
 def protocol(connections: Connections) -> type[asyncio.Protocol]:
     """The protocol class to give uvicorn (`uvicorn.Config(http=…)`), counting into `connections`."""
-    return type("GatewayH11Protocol", (GuardedH11Protocol,), {"guard": connections})
+    return type("GatewayProtocol", (GuardedProtocol,), {"guard": connections})

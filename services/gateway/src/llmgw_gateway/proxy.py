@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import anyio
 import httpx
 from opentelemetry import propagate, trace
@@ -43,6 +44,7 @@ from .budgets import Budgets
 from .keyring import Keyring, file_keys
 from .limits import json_nests_deeper, shown
 from .routing import Table, prompt_blocks
+from .upstream import FAILED, REFUSED, Upstream, before_answer
 from .usage import JsonTail, Meter, Usage, read_events
 
 log = logging.getLogger("llmgw.gateway")
@@ -73,9 +75,6 @@ ROUTED = (
     "/v1/responses",
     "/v1/messages",
 )
-# Failures of a replica before any byte of its answer: the request goes to another. Not a
-# timeout: a replica that is slow to answer may be working on it.
-_BEFORE_ANSWER = (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
 UNKNOWN = "(unknown)"
 # Each routed path's `gen_ai.operation.name` (OpenTelemetry's GenAI semantic conventions).
 _OPERATION = {
@@ -98,6 +97,20 @@ def error_body(message: str, kind: str, code: str) -> dict[str, Any]:
 
 def _error(status: int, message: str, kind: str, code: str) -> JSONResponse:
     return JSONResponse(error_body(message, kind, code), status_code=status)
+
+
+class PassedResponse(StreamingResponse):
+    """A replica's answer not streamed as events, passed on chunk by chunk in the request's own
+    task. Starlette's `StreamingResponse` also watches for the client leaving, in a task group of
+    two tasks per answer; such an answer's body follows its headers at once (the engine sends
+    them when it is done), so nothing is left to stop by then, and the watch cost more than the
+    rest of the response. Streamed answers (SSE) keep it: they run as long as the generation."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError as exc:
+            raise ClientDisconnect() from exc
 
 
 class BrokenAnswer(Exception):
@@ -196,9 +209,12 @@ class Proxy:
         max_body_bytes: int = 8 << 20,
         max_json_depth: int = 128,
         tracer: trace.Tracer | None = None,
+        upstream: Upstream | None = None,
     ) -> None:
         self.table = table
+        # `client` reads a replica's /v1/models once; `upstream` carries the requests.
         self.client = client
+        self.upstream = upstream or Upstream()
         # Without a keyring: open, or the keys of `api_keys` only.
         self.keyring = keyring or Keyring(required=bool(api_keys), file=file_keys(api_keys))
         self.budgets = budgets or Budgets(None)
@@ -225,6 +241,16 @@ class Proxy:
             ],
             exception_handlers={404: _not_found, 405: _not_allowed, Exception: _internal},
         )
+
+    async def aclose(self) -> None:
+        await self.upstream.aclose()
+
+    async def __aenter__(self) -> Proxy:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.aclose()
 
     # --- plain endpoints ------------------------------------------------------
 
@@ -540,44 +566,46 @@ class Proxy:
                 content = body
                 if served is not None and served != model:
                     content = json.dumps({**payload, "model": served}).encode()
-                upstream_request = self.client.build_request(
-                    request.method, record.url + request.url.path, content=content, headers=headers
+                upstream = await self.upstream.session.request(
+                    request.method, record.url + request.url.path, data=content, headers=headers
                 )
-                upstream = await self.client.send(upstream_request, stream=True)
-            except _BEFORE_ANSWER as exc:
+            except FAILED as exc:
+                if not before_answer(exc):
+                    self._release(chosen_key, deployment)
+                    self.metrics.errors.labels(deployment, "upstream").inc()
+                    message = (
+                        f"replica {record.replica} of deployment {deployment} at {record.url} failed: "
+                        f"{exc or type(exc).__name__}"
+                    )
+                    span.set_attributes({"http.response.status_code": 502, "error.type": "replica_failed"})
+                    span.set_status(trace.StatusCode.ERROR, message)
+                    span.end()
+                    return _error(502, message, "upstream_error", "replica_failed")
                 # No byte of answer came: the replica refused the connection, or closed or reset
                 # it before answering (it died with the request). Another one may take it.
                 self._release(chosen_key, deployment)
                 self._served.pop((record.url, record.profile_fp), None)
-                refused = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+                refused = isinstance(exc, REFUSED)
                 self.metrics.errors.labels(deployment, "connect" if refused else "reset").inc()
                 failures.append(f"{record.replica} at {record.url}: {exc or type(exc).__name__}")
                 what = "refused the connection" if refused else "failed before answering"
                 log.warning("%s: %s %s (%s); trying another", deployment, chosen_key, what, exc)
                 continue
-            except BaseException as exc:
+            except BaseException:
                 self._release(chosen_key, deployment)
-                if not isinstance(exc, httpx.HTTPError):
-                    raise
-                self.metrics.errors.labels(deployment, "upstream").inc()
-                message = (
-                    f"replica {record.replica} of deployment {deployment} at {record.url} failed: "
-                    f"{exc or type(exc).__name__}"
-                )
-                span.set_attributes({"http.response.status_code": 502, "error.type": "replica_failed"})
-                span.set_status(trace.StatusCode.ERROR, message)
-                span.end()
-                return _error(502, message, "upstream_error", "replica_failed")
+                raise
             break
-        span.set_attribute("http.response.status_code", upstream.status_code)
-        if upstream.status_code >= 500:
-            span.set_attributes({"error.type": str(upstream.status_code)})
+        status = upstream.status
+        span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            span.set_attributes({"error.type": str(status)})
             span.set_status(trace.StatusCode.ERROR)
-        if upstream.status_code >= 500:
+        if status >= 500:
             self.metrics.errors.labels(deployment, "upstream_status").inc()
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_OUT}
         sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(
+        response = StreamingResponse if sse else PassedResponse
+        return response(
             self._relay(
                 upstream,
                 chosen_key,
@@ -588,7 +616,7 @@ class Proxy:
                 api_key=key,
                 strip=strip,
             ),
-            status_code=upstream.status_code,
+            status_code=status,
             headers=out_headers,
         )
 
@@ -600,7 +628,7 @@ class Proxy:
 
     async def _relay(
         self,
-        upstream: httpx.Response,
+        upstream: aiohttp.ClientResponse,
         key: str,
         deployment: str,
         span: trace.Span,
@@ -619,7 +647,7 @@ class Proxy:
         # well-formed error event.
         pending = b""
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in upstream.content.iter_any():
                 if first:
                     first = False
                     self.metrics.ttfb.labels(deployment).observe(time.monotonic() - arrived)
@@ -638,7 +666,7 @@ class Proxy:
                 yield read_events(pending, meter, strip=strip)
             if tail is not None:
                 tail.read(meter)
-        except httpx.HTTPError as exc:
+        except FAILED as exc:
             # Mid-answer: never retried (the replica had the request). A streamed answer ends
             # with an error event and [DONE]; any other is cut off without its last chunk
             # (raised to the server, which closes the connection), so the client sees it
@@ -659,8 +687,11 @@ class Proxy:
                 self.metrics.errors.labels(deployment, "upstream").inc()
                 raise BrokenAnswer(f"{deployment}: {key} broke off its answer: {failure}") from exc
         finally:
-            with anyio.CancelScope(shield=True):
-                await upstream.aclose()
+            # Read to its end, the connection goes back to the pool; else it is closed.
+            if upstream.content.at_eof():
+                upstream.release()
+            else:
+                upstream.close()
             self._release(key, deployment)
             self.usage.add(api_key.name, deployment, meter)
             self.budgets.charge(api_key, meter.prompt + meter.completion)

@@ -29,6 +29,7 @@ from .connections import ACCEPT_BACKLOG, Connections, connection_limit, open_fil
 from .keyring import Keyring, file_keys
 from .proxy import Proxy
 from .routing import Table
+from .upstream import Upstream
 from .web import serve_app
 
 log = logging.getLogger("llmgw.gateway")
@@ -49,15 +50,18 @@ class Gateway:
         self.budgets = Budgets(bus)
         open_files = open_file_limit()
         limit = connection_limit(http.max_connections, http.reserved_fds, open_files)
-        timeout = httpx.Timeout(
-            connect=config.connect_timeout_s, read=config.read_timeout_s or None, write=60.0, pool=60.0
-        )
-        # One pooled client for every replica: kept-alive connections, no per-request handshake.
-        # At most one replica connection per client connection (a request holds one at a
-        # time), so that the two together stay within the open-file limit.
+        # For a replica's /v1/models, read once per replica.
         self.client = httpx.AsyncClient(
-            timeout=timeout,
-            limits=httpx.Limits(max_connections=limit, max_keepalive_connections=min(512, limit)),
+            timeout=httpx.Timeout(connect=config.connect_timeout_s, read=10.0, write=10.0, pool=10.0),
+            limits=httpx.Limits(max_connections=16, max_keepalive_connections=4),
+        )
+        # One pool for every replica: kept-alive connections, no per-request handshake. At most
+        # one replica connection per client connection (a request holds one at a time), so
+        # that the two together stay within the open-file limit.
+        self.upstream = Upstream(
+            limit=limit,
+            connect_timeout_s=config.connect_timeout_s,
+            read_timeout_s=config.read_timeout_s or None,
         )
         self.proxy = Proxy(
             self.table,
@@ -67,6 +71,7 @@ class Gateway:
             max_body_bytes=config.max_body_bytes,
             max_json_depth=config.max_json_depth,
             tracer=tracer,
+            upstream=self.upstream,
         )
         self.usage = self.proxy.usage
         self.usage.bus = bus
@@ -214,3 +219,4 @@ class Gateway:
         finally:
             with anyio.CancelScope(shield=True):
                 await self.client.aclose()
+                await self.upstream.aclose()
