@@ -149,13 +149,27 @@ def needs(names: Names) -> dict[str, Needs]:
                 n.shards_bucket,
                 n.replicas_bucket,
                 n.leases_bucket,
+                # The API's cordon and drain; its delete of a lost node (its status and shard
+                # statuses, which the node writes while it lives).
+                n.node_intent_bucket,
+                n.nodes_bucket,
+                n.shard_status_bucket,
             ),
             manages=tuple(all_streams(n)),
         ),
-        # The operator: reads everything; writes deployments, the catalog and client API keys,
-        # and the desired engines (one key of config) besides.
+        # The operator: reads everything; writes deployments, the catalog, client API keys and
+        # the nodes' cordons and drains, and the desired engines (one key of config) besides;
+        # deletes a lost node's status and shard statuses (`ctl delete node`).
         "ctl": Needs(
-            reads=tuple(all_streams(n)), writes=(n.deployments_bucket, n.catalog_bucket, n.keys_bucket)
+            reads=tuple(all_streams(n)),
+            writes=(
+                n.deployments_bucket,
+                n.catalog_bucket,
+                n.keys_bucket,
+                n.node_intent_bucket,
+                n.nodes_bucket,
+                n.shard_status_bucket,
+            ),
         ),
         # Never the shard specs: they carry environments.
         "observer": Needs(
