@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import httpx
 import pytest
 
 from llmgw_core.bus import Bus
@@ -132,6 +133,32 @@ async def test_only_a_lost_node_is_deleted_and_then_no_longer_listed(
             timeout=60,
             interval=1.0,
         )
+
+        api = await eventually(lambda: re.search(r"API on (http://\S+)", c.log("placement-p1")), timeout=10)
+        async with httpx.AsyncClient(base_url=api.group(1), timeout=10, headers=c.api_headers) as client:
+            done = await client.post("/api/nodes/node-1/cordon", json={"reason": "bios update", "by": "ops"})
+            assert done.status_code == 200, done.text
+            assert done.json()["intent"].startswith("cordoned by ops at ")
+
+            async def shown() -> bool:
+                rows = {r["node"]: r for r in (await client.get("/api/nodes")).json()}
+                assert rows["node-1"]["intent"].endswith(": bios update"), rows["node-1"]
+                assert rows["node-2"]["intent"] == ""
+                page = (await client.get("/")).text
+                assert "cordoned by ops at " in page
+                return True
+
+            await eventually(shown, timeout=30)
+            assert "cordoned by ops at " in node_state(c, "node-1"), "ctl reads the cordon the API wrote"
+            assert (await client.post("/api/nodes/node-1/uncordon")).status_code == 200
+            await eventually(lambda: "cordoned" not in node_state(c, "node-1"), timeout=30, interval=1.0)
+            if c.api_headers:
+                async with httpx.AsyncClient(base_url=api.group(1), timeout=10) as anonymous:
+                    bare = await anonymous.post("/api/nodes/node-1/cordon")
+                assert bare.status_code in (401, 403), bare.text
+            refused = await client.delete("/api/nodes/node-1")
+            assert refused.status_code == 409, refused.text
+            assert "node node-1 is alive: only a lost node is deleted" in refused.json()["error"]
 
         alive = ctl(c, "delete", "node", "node-1")
         assert alive.returncode == 4, (alive.returncode, alive.stdout, alive.stderr)

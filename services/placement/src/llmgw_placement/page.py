@@ -76,6 +76,8 @@ def event_line(subject: str, data: bytes) -> str | None:
         return str(body.get("summary", ""))
     if kind == "InstallProgress":
         return f"{body.get('node')}: {body.get('message')}"
+    if kind == "NodeLifecycle":
+        return f"node {body.get('node')} {body.get('state')}"
     return None
 
 
@@ -155,6 +157,8 @@ class Page:
                 state = "<span class=bad>lost</span> (not heard since placement started)"
             else:
                 state = f"<span class=bad>lost {_ago(row.seen_s_ago)} ago</span>"
+            if row.intent:
+                state += f" <span class=warn>{_e(row.intent)}</span>"
             system = f"{facts.os_id} {facts.os_version} {facts.arch}".strip() if facts else ""
             gpus = "".join(
                 f"<span class='gpu {'held' if (row.node, g.index) in holders else 'free'}' "
