@@ -2,14 +2,16 @@
 
 A cordon or a drain is the operator's desired state, kept in the node-intent bucket (one
 key per node, `NodeIntent`): placement reads it on every step, so it holds across
-placement restarts and leader changes. Uncordon deletes the key. `delete node` forgets a
-node placement judges lost: its status and shard statuses (which the node wrote while it
-lived) and its intent."""
+placement restarts and leader changes. Uncordon deletes the key. `delete node` asks the
+placement leader (a `forget` intent) to forget a node it judges lost: its status and shard
+statuses (which the node wrote while it lived) and its intent."""
 
 from __future__ import annotations
 
 import getpass
 import time
+
+import anyio
 
 from llmgw_core.bus import Bus
 from llmgw_core.events import NodeIntent, NodeStatus
@@ -17,6 +19,9 @@ from llmgw_core.events import NodeIntent, NodeStatus
 from . import _read as read
 from . import _views as views
 from ._errors import NotFound, Refused, Unreachable
+
+# How long `delete node` waits for the leader to forget the node.
+FORGET_WAIT_S = 20.0
 
 
 def operator() -> str:
@@ -80,11 +85,21 @@ async def delete_node(bus: Bus, node: str) -> str:
             f"node {node} is lost but placement still holds {left} replica(s) on it: they are failed "
             "over within a step; run it again then"
         )
+    # ctl may not write node statuses: the leader forgets the node, and is waited for.
     names = bus.names
-    statuses = sorted(k for k in await bus.keys(names.shard_status_bucket) if k.startswith(f"{node}."))
-    for key in statuses:
-        await bus.delete(names.shard_status_bucket, key)
-    await bus.delete(names.node_intent_bucket, node)
-    await bus.delete(names.nodes_bucket, node)
-    said = f", {len(statuses)} shard statuses" if statuses else ""
-    return f"node {node} deleted (its status{said}): `llmgw ctl get nodes` no longer lists it"
+    before = await bus.get(names.node_intent_bucket, node, NodeIntent)
+    asked = NodeIntent(node=node, by=operator(), at=time.time(), forget=True)
+    await bus.put(names.node_intent_bucket, node, asked)
+    deadline = time.monotonic() + FORGET_WAIT_S
+    while time.monotonic() < deadline:
+        if await bus.get(names.nodes_bucket, node, NodeStatus) is None:
+            return f"node {node} deleted: `llmgw ctl get nodes` no longer lists it"
+        await anyio.sleep(0.2)
+    if before is not None:
+        await bus.put(names.node_intent_bucket, node, before[0])
+    else:
+        await bus.delete(names.node_intent_bucket, node)
+    raise Unreachable(
+        f"node {node}: the placement leader did not forget it within {FORGET_WAIT_S:g} s "
+        "(`llmgw ctl nodes` says whether it still judges it lost); nothing was deleted"
+    )

@@ -6,12 +6,11 @@ whose rights nats-server itself enforces, subject by subject:
 
     placement   writes shard specs, replicas, the lease and the desired engines;
                 seeds the catalog and deployments (server.yaml, its token-checked
-                API); cordons, drains and deletes nodes (its API); tells each
+                API); cordons and drains nodes, forgets lost ones; tells each
                 node's lifecycle; creates and updates llmgw's streams and buckets
     ctl         the operator: writes deployments, the catalog, client API keys and
-                the nodes' cordons and drains; deletes a lost node's status and
-                shard statuses; reads everything, and asks launchers for their
-                shards' logs
+                the nodes' cordons and drains (never a node's status); reads
+                everything, and asks launchers for their shards' logs
     observer    reads events, node status, shard status, replicas and heartbeats;
                 writes nothing (and never sees shard specs: they carry environments)
     gateway     reads the replicas, deployments and keys buckets; reads and writes

@@ -317,6 +317,9 @@ class NodeIntent(Message, frozen=True):
     by: str = ""
     at: float = 0.0
     reason: str = ""
+    # `llmgw ctl delete node`: the leader forgets the node (its status, shard statuses and this
+    # key) once it judges it lost and holds no replica on it; ctl may not write node statuses.
+    forget: bool = False
 
     def words(self) -> str:
         """`cordoned by ops at 2026-12-02 00:40:00 UTC: disk swap` (how refusals quote it)."""
