@@ -15,6 +15,7 @@ from llmgw_core.events import (
     DeploymentStatus,
     EngineState,
     NodeFacts,
+    NodeIntent,
     NodeStatus,
     PlacementDecision,
     ShardStatus,
@@ -109,6 +110,13 @@ class World:
         self.index.reset(self.held.shards.values())
         return record
 
+    def intend(self, node: str, *, drain: bool = False) -> NodeIntent:
+        """The operator cordons (or drains) `node`, as the node-intent bucket's watcher keeps it."""
+        intent = NodeIntent(node=node, drain=drain, by="ops", at=1_800_000_000.0, reason="disk swap")
+        self.state.intents[node] = intent
+        self.state.dirty_nodes.add(node)
+        return intent
+
     def step(self, at: float = NOW) -> Plan:
         alive = self.index.refresh(at)
         snap = Snapshot(
@@ -119,6 +127,7 @@ class World:
             alive=alive,
             liveness=self.liveness,
             config=self.config,
+            intents=dict(self.state.intents),
         )
         return reconcile(snap, self.held, self.index, at)
 
@@ -408,3 +417,74 @@ def test_a_status_counts_every_placement_of_the_step_however_many_batches_were_w
     [report] = plan.reports
     assert report.status.summary.startswith("chat: 0 of 1000 ready; 800 placing; 200 cannot be placed: ")
     assert (report.status.pending, report.status.unplaceable) == (800, 200)
+
+
+def shard(w: World, replica: str, node: str, state: str) -> None:
+    """The shard of `chat`'s `replica` reports `state` (ready with a URL)."""
+    url = "http://127.0.0.1:1" if state == "ready" else ""
+    w.shard_status[f"{node}.chat-{replica}-0"] = ShardStatus(
+        node=node,
+        shard=f"chat-{replica}-0",
+        replica=replica,
+        deployment="chat",
+        state=state,
+        url=url,
+        profile_fp=TP1.fingerprint(),
+    )  # type: ignore[arg-type]
+
+
+def test_a_cordoned_node_takes_no_new_replica_in_words_that_say_who_when_and_why() -> None:
+    w = World({"n0": 1, "n1": 1})
+    w.holds("r0", "n0")
+    shard(w, "r0", "n0", "ready")
+    w.intend("n0")
+    w.intend("n1")
+    w.deploy(replicas=2)
+    plan = w.step()
+    assert plan.places == []
+    assert plan.removals == [], "a cordon keeps the replicas it has"
+    words = "cordoned by ops at 2027-01-15 08:00:00 UTC: disk swap"
+    assert plan.refusals[0].refusal.reasons == (("n0", words), ("n1", words))
+    assert summaries(plan) == [f"chat: 1 of 2 ready; 1 cannot be placed: n0: {words}; n1: {words}"]
+    del w.state.intents["n1"]  # uncordoned
+    w.state.dirty_nodes.add("n1")
+    assert placed_on(w.step()) == [("n1",)]
+
+
+def test_a_drained_nodes_replica_is_replaced_elsewhere_before_it_goes() -> None:
+    w = World({"n0": 1, "n1": 1})
+    w.holds("r0", "n0")
+    w.deploy(replicas=1)
+    w.intend("n0", drain=True)
+    plan = w.step()
+    assert placed_on(plan) == [("n1",)]
+    assert plan.removals == [], "the old replica serves until its replacement is ready"
+    # The replacement placed and starting: the old one still stays.
+    w.held = Held()
+    w.holds("r0", "n0")
+    w.holds("r1", "n1", state="starting")
+    shard(w, "r0", "n0", "ready")
+    shard(w, "r1", "n1", "starting")
+    plan = w.step()
+    assert plan.removals == []
+    assert plan.places == []
+    shard(w, "r1", "n1", "ready")
+    plan = w.step()
+    assert [(x.after.replica, x.after.state) for x in plan.saves] == [("r1", "ready")]
+    assert plan.removals == [], (
+        "the old replica goes only once the new one's ready is written: the removal would land first"
+    )
+    plan = w.step()
+    assert removed(plan) == [("r0", "stopping", "node n0 draining: replaced by a replica placed elsewhere")]
+
+
+def test_a_drain_with_no_room_elsewhere_stops_nothing_and_says_why() -> None:
+    w = World({"n0": 1})
+    w.holds("r0", "n0")
+    w.deploy(replicas=1)
+    w.intend("n0", drain=True)
+    plan = w.step()
+    assert plan.removals == [], "a drain must not take the only serving replica down"
+    assert plan.refusals[0].refusal.reasons == (
+        ("n0", "draining by ops at 2027-01-15 08:00:00 UTC: disk swap"),
+    )

@@ -21,6 +21,7 @@ examples:
   llmgw ctl events --deployment chat --follow
   llmgw ctl apply -f server.yaml --dry-run   what would change, written nowhere
   llmgw ctl delete deployment chat
+  llmgw ctl drain gpu-3 --reason "disk swap"
   llmgw ctl keys create team-a --models chat --rpm 60 --tpm 100000 --expires 30d
   llmgw ctl usage --by key --since 24h -o json
 
@@ -133,9 +134,20 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
         action="store_true",
         help="delete the profiles and deployments a named section omits (without it nothing is deleted)",
     )
-    p_delete = add("delete", "delete a deployment: its replicas stop")
-    p_delete.add_argument("kind", choices=["deployment"])
+    p_delete = add("delete", "delete a deployment (its replicas stop), or forget a lost node")
+    p_delete.add_argument("kind", choices=["deployment", "node"])
     p_delete.add_argument("name")
+    for verb, text in (
+        ("cordon", "keep new replicas off a node; its replicas keep running"),
+        (
+            "drain",
+            "cordon a node and place its replicas elsewhere, each old one stopped once the new is ready",
+        ),
+    ):
+        p_node = add(verb, text)
+        p_node.add_argument("node")
+        p_node.add_argument("--reason", default="", help="why, quoted by every refusal on the node")
+    add("uncordon", "let new replicas go to a cordoned or drained node again").add_argument("node")
     p_logs = add("logs", "a shard's log lines, from its node's launcher")
     p_logs.add_argument("shard", help="a shard: NODE/SHARD as `get shards` names it, or SHARD")
     p_logs.add_argument("--tail", type=int, default=100, help="the last N lines (0: all that fit 1 MB)")

@@ -703,6 +703,16 @@ async def _dispatch(bus: Bus, args: argparse.Namespace) -> str | None:
             return await apply(bus, args.file, dry_run=args.dry_run, prune=args.prune)
         except ConfigError as exc:
             raise UsageError(str(exc)) from exc
+    if cmd in ("cordon", "drain", "uncordon") or (cmd == "delete" and args.kind == "node"):
+        from . import _nodes
+
+        node = args.node if cmd != "delete" else args.name
+        check_name("node", node)
+        if cmd == "uncordon":
+            return await _nodes.uncordon(bus, node)
+        if cmd == "delete":
+            return await _nodes.delete_node(bus, node)
+        return await _nodes.cordon(bus, node, drain=cmd == "drain", reason=args.reason)
     if cmd == "delete":
         return await delete_deployment(bus, args.name)
     if cmd == "logs":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import anyio
@@ -24,6 +24,8 @@ from llmgw_core.events import (
     InstallProgress,
     Liveness,
     NodeFacts,
+    NodeIntent,
+    NodeLifecycle,
     NodeStatus,
     PlacementDecision,
     ReplicaRecord,
@@ -49,6 +51,7 @@ Event = (
     NodeFacts
     | EngineInventory
     | InstallProgress
+    | NodeLifecycle
     | ShardStatus
     | ReplicaStatus
     | PlacementDecision
@@ -130,6 +133,8 @@ class Cluster:
     replicas: dict[str, ReplicaRecord]
     shards: dict[str, ShardStatus]
     catalog: dict[str, Profile]
+    # The operator's cordons and drains, by node (read with the nodes).
+    intents: dict[str, NodeIntent] = field(default_factory=dict)
 
 
 async def cluster(bus: Bus, *, what: frozenset[str]) -> Cluster:
@@ -146,6 +151,7 @@ async def cluster(bus: Bus, *, what: frozenset[str]) -> Cluster:
 
         if "nodes" in what:
             tg.start_soon(read, "nodes", n.nodes_bucket, NodeStatus)
+            tg.start_soon(read, "intents", n.node_intent_bucket, NodeIntent)
             tg.start_soon(judge)
         if "deployments" in what:
             tg.start_soon(read, "deployments", n.deployments_bucket, Deployment)
@@ -155,6 +161,10 @@ async def cluster(bus: Bus, *, what: frozenset[str]) -> Cluster:
             tg.start_soon(read, "shards", n.shard_status_bucket, ShardStatus)
         if "catalog" in what:
             tg.start_soon(read, "catalog", n.catalog_bucket, Profile)
+    intents: dict[str, NodeIntent] = out.get("intents", {})  # type: ignore[assignment]
+    if "replicas" not in out and any(i.drain for i in intents.values()):
+        # A draining node says how many replicas it has left.
+        out["replicas"] = await values(bus, n.replicas_bucket, ReplicaRecord)
     deployments: dict[str, Deployment] = out.get("deployments", {})  # type: ignore[assignment]
     statuses = await deployment_statuses(bus, list(deployments)) if "deployments" in what else {}
     return Cluster(
@@ -165,6 +175,7 @@ async def cluster(bus: Bus, *, what: frozenset[str]) -> Cluster:
         replicas=out.get("replicas", {}),  # type: ignore[arg-type]
         shards=out.get("shards", {}),  # type: ignore[arg-type]
         catalog=out.get("catalog", {}),  # type: ignore[arg-type]
+        intents=intents,
     )
 
 

@@ -18,6 +18,7 @@ from llmgw_core.events import (
     EngineState,
     InstallProgress,
     NodeFacts,
+    NodeLifecycle,
     NodeLiveness,
     NodeStatus,
     PlacementDecision,
@@ -40,6 +41,9 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     status: NodeStatus
     # `n1 is claimed by two machines: …` while placement hears two machines send its beats.
     claimed: str = ""
+    # `cordoned by ops at …: why`, `draining (1 replica left) by …`, `drained by …`; "" when
+    # the operator asked nothing of it.
+    intent: str = ""
 
 
 class DeploymentView(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,16 +124,25 @@ def node_views(c: Cluster) -> list[NodeView]:
     views = []
     for node, status in sorted(c.nodes.items()):
         judged = live.get(status.node)
+        intent = c.intents.get(node)
+        said = intent.state(replicas_on(c, node)) if intent is not None else ""
+        state = node_state(judged, c.judged is not None)
         views.append(
             NodeView(
                 node=node,
-                state=node_state(judged, c.judged is not None),
+                state=f"{state}; {said}" if said else state,
                 silent_s=judged.silent_s if judged is not None else -1.0,
                 status=status,
                 claimed=judged.claimed if judged is not None else "",
+                intent=said,
             )
         )
     return views
+
+
+def replicas_on(c: Cluster, node: str) -> int:
+    """How many replicas have a rank on `node` (a draining node's replicas left)."""
+    return sum(1 for r in c.replicas.values() if any(m.node == node for m in r.members))
 
 
 def engine_words(e: EngineState) -> str:
@@ -487,6 +500,8 @@ def event_text(e: object) -> tuple[str, str, str]:
     if isinstance(e, EngineInventory):
         engines = ", ".join(engine_words(x) for x in e.engines) or "none"
         return "engines", e.node, engines
+    if isinstance(e, NodeLifecycle):
+        return "node", e.node, e.state
     if isinstance(e, NodeFacts):
         return "facts", e.node, f"{len(e.gpus)} GPUs, {e.cores} cores, {e.os_id} {e.os_version}".strip()
     return "event", "-", type(e).__name__

@@ -6,10 +6,12 @@ whose rights nats-server itself enforces, subject by subject:
 
     placement   writes shard specs, replicas, the lease and the desired engines;
                 seeds the catalog and deployments (server.yaml, its token-checked
-                API); creates and updates llmgw's streams and buckets; reads the
-                usage stream (its page and `/api/usage`)
-    ctl         the operator: writes deployments, the catalog and client API keys;
-                reads everything, and asks launchers for their shards' logs
+                API); cordons and drains nodes, forgets lost ones; tells each
+                node's lifecycle; creates and updates llmgw's streams and buckets;
+                reads the usage stream (its page and `/api/usage`)
+    ctl         the operator: writes deployments, the catalog, client API keys and
+                the nodes' cordons and drains (never a node's status); reads
+                everything, and asks launchers for their shards' logs
     observer    reads events, node status, shard status, replicas and heartbeats;
                 writes nothing (and never sees shard specs: they carry environments)
     gateway     reads the replicas, deployments and keys buckets; reads and writes
@@ -183,6 +185,8 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             f"{p}.events.replica.>",
             f"{p}.events.placement.>",
             f"{p}.events.deployment.>",
+            # A node's lifecycle (cordoned, draining, drained, uncordoned, deleted).
+            names.node_intent("*"),
             f"{p}.dlq.placement",
             names.placement_file,
             *(

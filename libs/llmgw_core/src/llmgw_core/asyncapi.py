@@ -69,6 +69,14 @@ CHANNELS: list[tuple[str, str, type[msgspec.Struct], str, list[str], str]] = [
         "receive",
     ),
     (
+        "nodeIntent",
+        _N.node_intent("{node}"),
+        ev.NodeLifecycle,
+        "A node cordoned, draining, drained, uncordoned or deleted (placement tells each change).",
+        ["node"],
+        "receive",
+    ),
+    (
         "shardEvent",
         _N.shard_event("{node}", "{shard}"),
         ev.ShardStatus,

@@ -36,6 +36,8 @@ __all__ = [
     "Member",
     "NetInterface",
     "NodeFacts",
+    "NodeIntent",
+    "NodeLifecycle",
     "NodeLiveness",
     "NodeReason",
     "NodeStatus",
@@ -300,6 +302,50 @@ class NodeStatus(Message, frozen=True):
     install: str = ""
     warnings: tuple[str, ...] = ()
     updated_at: float = 0.0
+
+
+class NodeIntent(Message, frozen=True):
+    """The value of `<node>` in the node-intent bucket: what the operator wants of a node.
+
+    Written by `llmgw ctl cordon|drain` and the API; no key is an uncordoned node. A cordoned
+    node takes no new replica (its own keep running); a draining one also has each of its
+    replicas placed elsewhere, the old one stopped only once the new one is ready."""
+
+    node: Name
+    drain: bool = False
+    # Who asked, when (UTC wall clock) and why: every refusal on the node quotes them.
+    by: str = ""
+    at: float = 0.0
+    reason: str = ""
+    # `llmgw ctl delete node`: the leader forgets the node (its status, shard statuses and this
+    # key) once it judges it lost and holds no replica on it; ctl may not write node statuses.
+    forget: bool = False
+
+    def words(self) -> str:
+        """`cordoned by ops at 2026-12-02 00:40:00 UTC: disk swap` (how refusals quote it)."""
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.at)) if self.at else "an unknown time"
+        verb = "draining" if self.drain else "cordoned"
+        return f"{verb} by {self.by or 'an operator'} at {when}" + (f": {self.reason}" if self.reason else "")
+
+    def state(self, replicas_left: int) -> str:
+        """What every surface shows of the node: `cordoned by …`, `draining (2 replicas left) by …`,
+        `drained by …` once no replica of it is left."""
+        words = self.words()
+        if not self.drain:
+            return words
+        if replicas_left:
+            plural = "" if replicas_left == 1 else "s"
+            return words.replace("draining", f"draining ({replicas_left} replica{plural} left)", 1)
+        return words.replace("draining", "drained", 1)
+
+
+class NodeLifecycle(Message, frozen=True):
+    """A node's lifecycle changed (placement tells it): `cordoned by …`, `draining (2 replicas
+    left) by …`, `drained by …`, `uncordoned`, or `deleted` (a lost node forgotten)."""
+
+    node: Name
+    state: str
+    at: float = 0.0
 
 
 class WeightsEvicted(Message, frozen=True):

@@ -47,6 +47,7 @@ BUCKETS = (
     "leases",
     "keys",
     "limits",
+    "node-intent",
 )
 # Client API keys one cluster holds (the keys and limits buckets are sized for them).
 MAX_API_KEYS = 1024
@@ -110,6 +111,7 @@ def budgets(options: Sizing) -> dict[str, Budget]:
         "leases": Budget(o.max_deployments + 16, 1 * KiB, "the placement lease, replica ids per deployment"),
         "keys": Budget(MAX_API_KEYS, 1 * KiB, "one per client API key (a hash, models, limits)"),
         "limits": Budget(MAX_API_KEYS, 256, "one minute's counts per API key with limits"),
+        "node-intent": Budget(o.max_nodes, 512, "one cordon or drain per node at most"),
     }
 
 

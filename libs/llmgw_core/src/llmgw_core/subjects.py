@@ -84,6 +84,11 @@ class Names:
         return self.bucket("limits")
 
     @property
+    def node_intent_bucket(self) -> str:
+        """Per node, the operator's cordon or drain (`NodeIntent`); written by ctl and the API."""
+        return self.bucket("node-intent")
+
+    @property
     def usage_stream(self) -> str:
         """Tokens spent per key and deployment (`llmgw_core.keys.UsageRecord`), as gateways
         write them; `llmgw ctl usage` sums them."""
@@ -108,6 +113,7 @@ class Names:
             self.leases_bucket,
             self.keys_bucket,
             self.limits_bucket,
+            self.node_intent_bucket,
         )
 
     # --- subjects ---
@@ -127,6 +133,10 @@ class Names:
     def node_weights(self, node: str) -> str:
         """`WeightsEvicted`: a staged model the node removed to make room."""
         return f"{self.prefix}.events.node.{node}.weights"
+
+    def node_intent(self, node: str) -> str:
+        """`NodeIntent`: a node cordoned, drained or uncordoned, and `drained` once it holds none."""
+        return f"{self.prefix}.events.node.{node}.intent"
 
     def node_events(self, node: str) -> str:
         """Every event of one node (facts, engines, install)."""

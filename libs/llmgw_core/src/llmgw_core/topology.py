@@ -150,13 +150,20 @@ def needs(names: Names) -> dict[str, Needs]:
                 n.shards_bucket,
                 n.replicas_bucket,
                 n.leases_bucket,
+                # The API's cordon and drain; forgetting a lost node (`ctl delete node`, the
+                # API's delete): its status and shard statuses, which the node wrote while it lived.
+                n.node_intent_bucket,
+                n.nodes_bucket,
+                n.shard_status_bucket,
             ),
             manages=tuple(all_streams(n)),
         ),
-        # The operator: reads everything; writes deployments, the catalog and client API keys,
-        # and the desired engines (one key of config) besides.
+        # The operator: reads everything; writes deployments, the catalog, client API keys and
+        # the nodes' cordons and drains, and the desired engines (one key of config) besides.
+        # Never a node's status: `ctl delete node` asks the leader to forget a lost node.
         "ctl": Needs(
-            reads=tuple(all_streams(n)), writes=(n.deployments_bucket, n.catalog_bucket, n.keys_bucket)
+            reads=tuple(all_streams(n)),
+            writes=(n.deployments_bucket, n.catalog_bucket, n.keys_bucket, n.node_intent_bucket),
         ),
         # Never the shard specs: they carry environments.
         "observer": Needs(

@@ -41,6 +41,7 @@ from llmgw_core.validate import check_deployment, check_profile
 from llmgw_core.web import MAX_BODY, json_response
 
 from .decide import Refusal, decide
+from .nodes_api import node_routes
 from .service import PlacementService
 from .usage import UsageWindow
 
@@ -70,6 +71,8 @@ class NodeRow(msgspec.Struct, frozen=True, kw_only=True):
     install: str
     warnings: tuple[str, ...]
     probed_at: float
+    # `cordoned by ops at …: why`, `draining (1 replica left) by …`, `drained by …`, else "".
+    intent: str = ""
 
 
 class _Reported(msgspec.Struct, frozen=True, kw_only=True):
@@ -192,6 +195,7 @@ class Api:
         return [
             Route("/healthz", self.whoami, methods=["GET"]),
             Route("/api/nodes", self.get_nodes, methods=["GET"]),
+            *node_routes(self.service),
             Route("/api/deployments", self.get_deployments, methods=["GET"]),
             Route("/api/deployments", self.put_deployment, methods=["POST"]),
             Route("/api/replicas", self.get_replicas, methods=["GET"]),
@@ -341,6 +345,7 @@ class Api:
                     install=status.install,
                     warnings=status.warnings,
                     probed_at=status.probed_at,
+                    intent=view.intent(status.node),
                 )
             )
         return out
@@ -372,7 +377,11 @@ class Api:
                     probed_at=status.probed_at,
                 )
                 # `{"node":…,"alive":` and `,"gpus":…}`: NodeRow's fields in its order.
-                row = (status, b'{"node":' + _encode(status.node) + b',"alive":', b"," + _encode(rest)[1:])
+                row = (
+                    status,
+                    b'{"node":' + _encode(status.node) + b',"alive":',
+                    b"," + _encode(rest)[1:-1],
+                )
             claimed = (claims.claimed(name, at) or "") if name in contested else ""
             kept[name] = row
             alive, since = heard(status.node, at)
@@ -386,6 +395,7 @@ class Api:
                 age,
                 b',"claimed":' + _encode(claimed) if claimed else b',"claimed":""',
                 row[2],
+                b',"intent":' + _encode(self.service.view.intent(name)) + b"}",
                 b",",
             )
         self._reported = kept  # a node that left is dropped here

@@ -25,7 +25,8 @@ import msgspec
 
 from llmgw_core.bus import Bus
 from llmgw_core.engines import ShardSpec
-from llmgw_core.events import DeploymentStatus, PlacementDecision, ReplicaRecord
+from llmgw_core.events import DeploymentStatus, NodeLifecycle, PlacementDecision, ReplicaRecord
+from llmgw_core.events import now as wall_now
 
 from .apply import BATCH_MAX, ID_BLOCK, ID_BLOCK_MAX, Applier, ReplicaIds
 from .config import ServerConfig
@@ -152,6 +153,7 @@ class Controller:
             liveness=self.liveness,
             config=self.config,
             deployments_bucket=self.bus.names.deployments_bucket,
+            intents=dict(state.intents),
         )
         applier = self.applier
         plan = Plan()
@@ -172,6 +174,51 @@ class Controller:
             applier.give_back(plan)
             raise
         await applier.report(plan)
+        await self._forget(at)
+        await self._tell_lifecycles()
         if at - self._reconciled_at >= self.config.reconcile_interval_s:
             await self.applier.sweep()
             self._reconciled_at = at
+
+    async def _forget(self, at: float) -> None:
+        """Forget each node `ctl delete node` asked for once it is lost and holds no replica:
+        its shard statuses, its intent and its status (then `get nodes` no longer lists it)."""
+        state, names = self.state, self.bus.names
+        for node, intent in sorted(state.intents.items()):
+            if not intent.forget or node not in state.nodes or self.liveness.alive(node, at)[0]:
+                continue
+            if any(m.node == node for r in self.held.replicas.values() for m in r.members):
+                continue  # failed over in this step; forgotten in the next
+            for key in sorted(k for k in state.shard_status if k.startswith(f"{node}.")):
+                await self.bus.delete(names.shard_status_bucket, key)
+            await self.bus.delete(names.nodes_bucket, node)
+            await self.bus.delete(names.node_intent_bucket, node)
+            log.warning("node %s forgotten (lost; deleted by %s)", node, intent.by or "an operator")
+
+    async def _tell_lifecycles(self) -> None:
+        """Each change of a node's lifecycle, once, as an event on its subject: cordoned,
+        draining (n replicas left), drained, uncordoned, and a node's status deleted."""
+        state, told, index = self.state, self.held.lifecycle, self.index
+        changed: list[tuple[str, str]] = []
+        for node in sorted(set(state.intents) | set(told) | index.gone):
+            intent = state.intents.get(node)
+            if node not in state.nodes:
+                words = "deleted" if node in index.gone else told.get(node, "")
+            elif intent is None:
+                words = "uncordoned"
+            elif intent.forget:
+                continue
+            else:
+                words = intent.state(index.usage.shards[node])
+            if words and told.get(node) != words and not (words == "uncordoned" and node not in told):
+                changed.append((node, words))
+        for node, words in changed:
+            await self.bus.publish(
+                self.bus.names.node_intent(node), NodeLifecycle(node=node, state=words, at=wall_now())
+            )
+            if words in ("uncordoned", "deleted"):
+                told.pop(node, None)
+            else:
+                told[node] = words
+            index.gone.discard(node)
+        index.gone.clear()

@@ -46,6 +46,8 @@ class NodeView:
     # `n1 is claimed by two machines: …` while two machines send its heartbeats: nothing
     # more is placed on it (which of them would run it?).
     claimed: str = ""
+    # `cordoned by ops at …: why` (or `draining by …`) while the operator keeps new replicas off it.
+    cordoned: str = ""
 
     # A view never changes once made: what is derived from it is computed once.
     _free: dict[str, list[GPUInfo]] = field(default_factory=dict, compare=False, repr=False)
@@ -112,6 +114,8 @@ def unfit(
         return f"lost {int(node.lost_for_s)} s ago"
     if node.claimed:
         return node.claimed
+    if node.cordoned:
+        return node.cordoned
     if deployment.pool and deployment.pool not in node.pools:
         return f"not in pool {deployment.pool}"
     engine = node.engines.get(profile.engine)

@@ -32,6 +32,8 @@ class Held:
     unwritten: dict[str, Placed] = field(default_factory=dict)
     # Per deployment, the next replica number and the end of the block reserved in the bucket.
     ids: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Per node, its lifecycle as last told (`cordoned by …`, `draining (1 replica left) by …`).
+    lifecycle: dict[str, str] = field(default_factory=dict)
 
 
 def key(record: ReplicaRecord) -> str:

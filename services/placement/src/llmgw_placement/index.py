@@ -57,7 +57,7 @@ class NodeIndex:
             self.add(view)
 
     def _keys(self, view: NodeView) -> list[tuple[tuple[str, str], int]]:
-        if not view.alive or view.claimed:
+        if not view.alive or view.claimed or view.cordoned:
             return []
         return [
             ((engine, cls), len(view.free_gpus(cls)) if cls else 0)
@@ -322,6 +322,8 @@ class KeptIndex:
         # What every held shard takes, this step's placements included.
         self.usage = Usage()
         self.at = 0.0
+        # Nodes whose status was deleted since the controller last took them (`ctl delete node`).
+        self.gone: set[str] = set()
 
     def reset(self, specs: Iterable[ShardSpec]) -> None:
         """What the held shards take, from scratch (after loading the buckets)."""
@@ -343,6 +345,7 @@ class KeptIndex:
                     self.index.add(self.view(node, at))
                 else:
                     self.index.remove(node)
+                    self.gone.add(node)
         self.alive = alive
         self._claimed = claimed
         return alive
@@ -384,6 +387,7 @@ class KeptIndex:
             replicas_of=dict(usage.replicas_of[name]),
             mgmt_iface=facts.mgmt_iface,
             claimed=self.state.claims.claimed(name, at) or "",
+            cordoned=intent.words() if (intent := self.state.intents.get(name)) is not None else "",
         )
 
     def reindex(self, node: str) -> None:

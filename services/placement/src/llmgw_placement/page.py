@@ -78,6 +78,8 @@ def event_line(subject: str, data: bytes) -> str | None:
         return str(body.get("summary", ""))
     if kind == "InstallProgress":
         return f"{body.get('node')}: {body.get('message')}"
+    if kind == "NodeLifecycle":
+        return f"node {body.get('node')} {body.get('state')}"
     return None
 
 
@@ -243,6 +245,8 @@ class Page:
                 state = "<span class=bad>lost</span> (not heard since placement started)"
             else:
                 state = f"<span class=bad>lost {_ago(row.seen_s_ago)} ago</span>"
+            if row.intent:
+                state += f" <span class=warn>{_e(row.intent)}</span>"
             system = f"{facts.os_id} {facts.os_version} {facts.arch}".strip() if facts else ""
             # A node not heard (or claimed twice) has no free GPU: they are unusable.
             unheld = "free" if row.alive and not row.claimed else "unusable"

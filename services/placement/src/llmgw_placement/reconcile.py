@@ -9,7 +9,9 @@ under it) and what this placement holds, and for every deployment, in name order
 - observes: a replica's state from its shards' statuses (`_observe`);
 - places again a replica that failed for good because a GPU it was given is gone;
 - rolls: a deployment whose profile changed gets replicas of the new profile one at a
-  time, a new one ready before an old one goes where capacity allows;
+  time, a new one ready before an old one goes where capacity allows; a replica on a
+  draining node is rolled the same way, except that it never goes before its
+  replacement is ready (a drain waits for room instead);
 - scales up and down; a deployment whose profile is not in the catalog is refused and
   its value dead-lettered once;
 - reports the deployment's status when it changed.
@@ -27,7 +29,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from opentelemetry import trace
@@ -37,6 +39,7 @@ from llmgw_core.engines import Profile
 from llmgw_core.events import (
     Deployment,
     DeploymentStatus,
+    NodeIntent,
     NodeReason,
     NodeStatus,
     ReplicaRecord,
@@ -75,6 +78,8 @@ class Snapshot:
     config: ServerConfig
     # The deployments bucket's name, for the dead-letter subject of an unknown profile.
     deployments_bucket: str = "deployments"
+    # The operator's cordons and drains, by node: a draining node's replicas are replaced.
+    intents: dict[str, NodeIntent] = field(default_factory=dict)
 
 
 def reconcile(snapshot: Snapshot, held: Held, index: KeptIndex, now: float) -> Plan:
@@ -149,9 +154,15 @@ class _Walk:
                 self._remove(record, f"node {', '.join(lost)} lost", state="failed")
                 yield False
         mine = [r for r in mine if key(r) in held.replicas]
+        # Replicas whose `ready` is seen in this step: written after this step's removals
+        # (the applier commits removals first), so an old replica removed now for one of them
+        # would leave a moment with neither ready in the bucket. They count as in flight.
+        just_ready: set[str] = set()
         for record in mine:
             # One still to be written has nothing to observe.
             if record.state != "placing" and self._observe(record):
+                if record.state != "ready" and held.replicas[key(record)].state == "ready":
+                    just_ready.add(key(record))
                 yield False
         # A replica that failed for good because a GPU it was given is not on its node (a
         # replacement machine with fewer GPUs under the same node id) is placed again, by
@@ -169,9 +180,10 @@ class _Walk:
             return
         held.told_unknown.pop(dep.name, None)
         fp = profile.fingerprint()
-        current = [r for r in mine if r.profile_fp == fp]
-        stale = [r for r in mine if r.profile_fp != fp]
-        in_flight = any(r.state != "ready" for r in current)
+        drained = {key(r): nodes for r in mine if (nodes := self._draining(r))}
+        current = [r for r in mine if r.profile_fp == fp and key(r) not in drained]
+        stale = [r for r in mine if r.profile_fp != fp or key(r) in drained]
+        in_flight = any(r.state != "ready" or key(r) in just_ready for r in current)
         if stale:
             # Roll one replica at a time: a new one ready before an old one goes,
             # where capacity allows; else one old one goes first.
@@ -179,7 +191,14 @@ class _Walk:
             if in_flight:
                 pass
             elif len(current) + len(stale) > dep.replicas:
-                self._remove(_pick_to_remove(stale), "replaced by a replica of the new profile")
+                victim = _pick_to_remove(stale)
+                on = drained.get(key(victim))
+                self._remove(
+                    victim,
+                    f"node {on} draining: replaced by a replica placed elsewhere"
+                    if on
+                    else "replaced by a replica of the new profile",
+                )
             else:
                 refused = self._place(dep, profile, fp)
                 if refused is not None:
@@ -188,7 +207,8 @@ class _Walk:
                     # an old replica is gone does that replica go; a profile that fits
                     # nowhere must not take the serving replicas down with it.
                     victim = _pick_to_remove(stale)
-                    if self._fits_without(victim, dep, profile):
+                    # A drain never stops a replica before its replacement is ready.
+                    if key(victim) not in drained and self._fits_without(victim, dep, profile):
                         self._remove(victim, "replaced in place: no room for a new replica first")
             yield False
             self._report(dep, mine, refused=refused is not None, reasons=self._refused_reasons(dep))
@@ -212,6 +232,13 @@ class _Walk:
             if last is not None and last.outcome == "refused" and not self.placed[dep.name]:
                 del held.decisions[dep.name]
         self._report(dep, mine, refused=refusal is not None, reasons=self._refused_reasons(dep))
+
+    def _draining(self, record: ReplicaRecord) -> str:
+        """The draining nodes a replica has a rank on (`n1, n2`), else ""."""
+        intents = self.snap.intents
+        return ", ".join(
+            sorted({m.node for m in record.members if (i := intents.get(m.node)) is not None and i.drain})
+        )
 
     def _refused_reasons(self, dep: Deployment) -> tuple[NodeReason, ...]:
         """The reasons of the deployment's last refusal: this step's, else the one held."""

@@ -33,6 +33,7 @@ from llmgw_core.events import (
     DesiredEngines,
     Heartbeat,
     Liveness,
+    NodeIntent,
     NodeLiveness,
     NodeStatus,
     ShardStatus,
@@ -186,6 +187,10 @@ class PlacementService:
             problem: str | None = change.error or None  # one that does not decode: dead-lettered
             if problem is None and change.value is None:
                 target.pop(change.key, None)
+                if target is self.state.nodes:
+                    # A node forgotten (`ctl delete node`): nothing of it is kept.
+                    for heard in (self.state.last_seen, self.state.last_seen_wall, self.state.installer_seen):
+                        heard.pop(change.key, None)
             elif problem is None and change.value is not None:
                 problem = check(change.key, change.value) if check else None
                 if problem is None:
@@ -218,7 +223,7 @@ class PlacementService:
                 )
                 if restored is None:
                     continue
-            if target is self.state.nodes:
+            if target is self.state.nodes or target is self.state.intents:
                 self.state.nodes_version += 1
                 self.state.dirty_nodes.add(change.key)
             self.wake()
@@ -433,6 +438,9 @@ class PlacementService:
             tg.start_soon(self._mirror, names.nodes_bucket, NodeStatus, self.state.nodes, _check_node)
             tg.start_soon(self._mirror, names.catalog_bucket, Profile, self.state.catalog, check_profile)
             tg.start_soon(
+                self._mirror, names.node_intent_bucket, NodeIntent, self.state.intents, _check_intent
+            )
+            tg.start_soon(
                 self._mirror,
                 names.deployments_bucket,
                 Deployment,
@@ -513,6 +521,12 @@ def _check_node(key: str, status: NodeStatus) -> str | None:
         return problem
     if status.node != key:
         return f"key {key} holds the status of node {status.node}: a node writes only its own key"
+    return None
+
+
+def _check_intent(key: str, intent: NodeIntent) -> str | None:
+    if intent.node != key:
+        return f"the key is {key} but the intent names node {intent.node}"
     return None
 
 

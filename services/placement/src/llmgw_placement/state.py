@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from llmgw_core.claims import Claims
 from llmgw_core.engines import Profile
-from llmgw_core.events import Deployment, NodeStatus, ShardStatus
+from llmgw_core.events import Deployment, NodeIntent, NodeStatus, ShardStatus
 
 
 @dataclass
@@ -34,6 +34,8 @@ class ClusterState:
     heard_from: float | None = 0.0
     # Who sends each node's heartbeats: a node two machines claim is placed on no more.
     claims: Claims = field(default_factory=lambda: Claims(window=5.0))
+    # The operator's cordons and drains (the node-intent bucket), by node.
+    intents: dict[str, NodeIntent] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> ClusterState:

@@ -67,3 +67,14 @@ class ClusterView:
         if self._index is None or not self._leading():
             return None
         return self._index.views(time.monotonic() if at is None else at)
+
+    def intent(self, node: str) -> str:
+        """The node's lifecycle as every surface says it (`cordoned by …`, `draining (1 replica
+        left) by …`, `drained by …`), "" when the operator asked nothing of it. The replicas
+        left are counted by the leader; a standby says only the intent."""
+        intent = self.state.intents.get(node)
+        if intent is None:
+            return ""
+        if self._index is None or not self._leading():
+            return intent.words()
+        return intent.state(self._index.usage.shards[node])
