@@ -22,7 +22,10 @@ from .limits import Aliases, Name, Token
 from .sources import weights_key
 
 __all__ = [
+    "Autoscale",
+    "Demand",
     "Deployment",
+    "DeploymentDemand",
     "DeploymentStatus",
     "DesiredEngines",
     "EngineInventory",
@@ -43,8 +46,10 @@ __all__ = [
     "NodeStatus",
     "PlacementDecision",
     "Profile",
+    "ReplicaInFlight",
     "ReplicaRecord",
     "ReplicaStatus",
+    "ScaleDecision",
     "ShardFailure",
     "ShardLogs",
     "ShardLogsRequest",
@@ -538,9 +543,25 @@ class ShardStatus(Message, frozen=True):
 # --- deployments and replicas -------------------------------------------------
 
 
+class Autoscale(Struct, frozen=True, kw_only=True):
+    """The bounds a deployment's replica count follows demand within (docs/autoscaling.md).
+    They are desired state, what the operator wrote; the count placement chooses inside them
+    is not written back, and never overwrites them."""
+
+    # 0: the deployment may scale to zero, a request for it held by the gateway until a
+    # replica is ready.
+    min_replicas: Annotated[int, Meta(ge=0)] = 1
+    max_replicas: Annotated[int, Meta(ge=1)] = 1
+    # Requests in flight (sent and queued) per replica that the count aims at.
+    target_in_flight: Annotated[float, Meta(gt=0)] = 4.0
+    # How long demand must stay below what fewer replicas would carry before one is stopped.
+    scale_down_after_s: Annotated[float, Meta(ge=0)] = 300.0
+
+
 class Deployment(Message, frozen=True):
     name: Name
     profile: str
+    # The count when `autoscale` is None; ignored while it is set.
     replicas: Annotated[int, Meta(ge=0)] = 1
     pool: str = ""
     strategy: Literal["binpack", "spread"] = "binpack"
@@ -548,11 +569,21 @@ class Deployment(Message, frozen=True):
     # Other names clients may send as `model` to reach this deployment through the gateway
     # (the served model's own name, a friendly name); the deployment's name always works.
     aliases: Aliases = ()
+    autoscale: Autoscale | None = None
 
 
 # `unknown`: a launcher of the replica has gone silent, so nothing says whether it still serves.
+# `draining`: about to be stopped; gateways send it nothing new and its requests finish first.
 ReplicaState = Literal[
-    "placing", "starting", "ready", "degraded", "failed", "unplaceable", "stopping", "unknown"
+    "placing",
+    "starting",
+    "ready",
+    "degraded",
+    "failed",
+    "unplaceable",
+    "stopping",
+    "unknown",
+    "draining",
 ]
 
 
@@ -615,6 +646,52 @@ class DeploymentStatus(Message, frozen=True):
     summary: str = ""
     # Every node's reason for the refusal, when some replicas cannot be placed.
     reasons: tuple[NodeReason, ...] = ()
+    at: float = 0.0
+
+
+class ScaleDecision(Message, frozen=True):
+    """Placement changed an autoscaled deployment's count, with why: published on
+    `<prefix>.events.scale.<deployment>`."""
+
+    deployment: Name
+    before: Annotated[int, Meta(ge=0)]
+    after: Annotated[int, Meta(ge=0)]
+    # "scaled 1 → 3: 11.2 requests in flight per replica over 60 s, target 4";
+    # "scaled to 0 after 300 s without requests".
+    reason: str
+    at: float = 0.0
+
+
+# --- demand, from the gateways -------------------------------------------------
+
+
+class ReplicaInFlight(Struct, frozen=True, kw_only=True, array_like=True):
+    replica: str
+    in_flight: Annotated[int, Meta(ge=0)]
+
+
+class DeploymentDemand(Struct, frozen=True, kw_only=True):
+    deployment: str
+    # Sent to a replica and not yet answered in full.
+    in_flight: Annotated[int, Meta(ge=0)] = 0
+    # Held by the gateway, waiting for a replica that can take it.
+    queued: Annotated[int, Meta(ge=0)] = 0
+    # Requests that arrived since the gateway's previous report (a rate, over its interval).
+    arrived: Annotated[int, Meta(ge=0)] = 0
+    # In flight per replica, for each replica with any: a draining replica absent from a
+    # report made after it began draining has none left at that gateway.
+    replicas: tuple[ReplicaInFlight, ...] = ()
+
+
+class Demand(Message, frozen=True):
+    """One gateway's demand, on `<prefix>.demand.<gateway>` (plain NATS, not stored): every
+    second, and at once when it starts holding a request for a deployment with no ready
+    replica. Placement sums the latest report of each gateway heard within a few intervals."""
+
+    gateway: Token
+    deployments: tuple[DeploymentDemand, ...] = ()
+    # Seconds between this gateway's reports: a report older than a few of them is dropped.
+    interval_s: float = 1.0
     at: float = 0.0
 
 

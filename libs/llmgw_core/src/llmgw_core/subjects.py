@@ -159,6 +159,14 @@ class Names:
     def placement_event(self, deployment: str) -> str:
         return f"{self.prefix}.events.placement.{deployment}"
 
+    def scale_event(self, deployment: str) -> str:
+        """`ScaleDecision`: an autoscaled deployment's count changed, and why."""
+        return f"{self.prefix}.events.scale.{deployment}"
+
+    def demand(self, gateway: str) -> str:
+        """Plain NATS, gateway to placement: a `Demand` every second (not stored)."""
+        return f"{self.prefix}.demand.{gateway}"
+
     def deployment_event(self, deployment: str) -> str:
         """`DeploymentStatus`: desired, ready, pending and unplaceable, with the refusal."""
         return f"{self.prefix}.events.deployment.{deployment}"
