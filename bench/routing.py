@@ -41,10 +41,9 @@ import httpx
 
 from bench.procs import terminate
 from llmgw_core.events import ReplicaRecord
-from llmgw_gateway import Proxy, Table
+from llmgw_gateway import Table
 from llmgw_gateway.config import RoutingConfig
 from llmgw_gateway.routing import prompt_blocks
-from llmgw_gateway.web import serve_app
 
 TITLE = "## Prefix-aware routing against least outstanding (real llama-server replicas)"
 REPLICAS = 2
@@ -129,29 +128,12 @@ def _free_port() -> int:
 @contextlib.asynccontextmanager
 async def gateway(urls: list[str], prefix_aware: bool) -> AsyncIterator[tuple[str, Table]]:
     """A fresh gateway proxy (empty index, nothing in flight) over the replicas."""
-    table = Table(routing=RoutingConfig(prefix_aware=prefix_aware))
-    for i, url in enumerate(urls):
-        table.set_replica(
-            f"chat.r{i}",
-            ReplicaRecord(
-                deployment="chat",
-                replica=f"r{i}",
-                profile="tiny",
-                profile_fp="x",
-                state="ready",
-                url=url,
-                engine="llamacpp",
-            ),
-        )
-    async with (
-        httpx.AsyncClient(timeout=600) as client,
-        Proxy(table, client) as proxy,
-        anyio.create_task_group() as tg,
-    ):
-        proxy.loaded.set()
-        port = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
-        yield f"http://127.0.0.1:{port}", table
-        tg.cancel_scope.cancel()
+    from tests.gateway_support import proxy_over
+
+    async with proxy_over(
+        urls, engine="llamacpp", routing=RoutingConfig(prefix_aware=prefix_aware), timeout_s=600
+    ) as gw:
+        yield gw.url, gw.table
 
 
 async def _one(client: httpx.AsyncClient, base: str, prompt: str, run: Run) -> None:

@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
-from functools import partial
 from pathlib import Path
 
 import anthropic
@@ -20,13 +19,11 @@ import openai
 import pytest
 
 from llmgw_core.bus import Bus
-from llmgw_core.events import Deployment, ReplicaRecord
-from llmgw_gateway import Proxy, Table
-from llmgw_gateway.web import serve_app
+from llmgw_core.events import Deployment
 from tests.cluster_support import cluster, sim_catalog
+from tests.gateway_support import proxy_over
 from tests.test_gateway import metric, ready, running_gateway
 from tests.test_sim_engine import free_port
-from tests.waiting import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 
@@ -54,42 +51,6 @@ def sim_engines(*argsets: list[str]) -> Iterator[list[str]]:
         for p in procs:
             p.kill()
             p.wait()
-
-
-@contextlib.asynccontextmanager
-async def proxy_over(urls: list[str], engine: str = "sim") -> AsyncIterator[tuple[str, Proxy]]:
-    """A gateway's proxy in this process, over replicas r0, r1, … of deployment `chat` at `urls`
-    (placement would pick r0 first: nothing in flight, none chosen before)."""
-    table = Table()
-    for i, url in enumerate(urls):
-        table.set_replica(
-            f"chat.r{i}",
-            ReplicaRecord(
-                deployment="chat",
-                replica=f"r{i}",
-                profile="tiny",
-                profile_fp="x",
-                state="ready",
-                url=url,
-                engine=engine,
-            ),
-        )
-    async with httpx.AsyncClient(timeout=30) as client:
-
-        async def up(url: str) -> bool:
-            try:
-                return (await client.get(f"{url}/health")).status_code == 200
-            except httpx.ConnectError:
-                return False
-
-        for url in urls:
-            await eventually(partial(up, url), timeout=30, interval=0.1)
-        async with Proxy(table, client) as proxy:
-            proxy.loaded.set()
-            async with anyio.create_task_group() as tg:
-                port = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
-                yield f"http://127.0.0.1:{port}", proxy
-                tg.cancel_scope.cancel()
 
 
 async def test_models_embeddings_messages_and_responses_through_placement(
@@ -154,8 +115,8 @@ async def test_models_embeddings_messages_and_responses_through_placement(
 
 async def test_every_error_is_openais_error_object_and_answers_carry_one_date() -> None:
     with sim_engines([]) as urls:
-        async with proxy_over(urls) as (base, _), httpx.AsyncClient(timeout=30) as raw:
-            r = await raw.get(f"{base}/v1/nothing-here")
+        async with proxy_over(urls) as gw, httpx.AsyncClient(timeout=30) as raw:
+            r = await raw.get(f"{gw.url}/v1/nothing-here")
             assert r.status_code == 404
             assert r.json() == {
                 "error": {
@@ -167,7 +128,7 @@ async def test_every_error_is_openais_error_object_and_answers_carry_one_date() 
                     "code": "unknown_path",
                 }
             }
-            r = await raw.get(f"{base}/v1/chat/completions")
+            r = await raw.get(f"{gw.url}/v1/chat/completions")
             assert r.status_code == 405
             assert r.headers["allow"] == "POST"
             assert r.json()["error"] == {
@@ -179,7 +140,7 @@ async def test_every_error_is_openais_error_object_and_answers_carry_one_date() 
             # A proxied answer, streamed or not: one Date, the gateway's.
             for stream in (False, True):
                 body = {"model": "chat", "messages": CHAT, "max_tokens": 2, "stream": stream}
-                r = await raw.post(f"{base}/v1/chat/completions", json=body)
+                r = await raw.post(f"{gw.url}/v1/chat/completions", json=body)
                 assert r.status_code == 200, r.text
                 assert len(r.headers.get_list("date")) == 1, r.headers
 
@@ -188,14 +149,14 @@ async def test_a_replica_that_dies_before_answering_costs_a_retry_on_another() -
     """r0 exits on reading the request, before any byte of answer: the client gets r1's answer."""
     with sim_engines(["--die-after-chunks", "0"], []) as urls:
         async with (
-            proxy_over(urls) as (base, _),
-            openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as client,
+            proxy_over(urls) as gw,
+            openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0) as client,
         ):
             done = await client.chat.completions.create(model="chat", messages=CHAT, max_tokens=3)  # type: ignore[arg-type]
             assert done.choices[0].message.content is not None
             assert len(done.choices[0].message.content.split()) == 3
             async with httpx.AsyncClient(timeout=10) as raw:
-                scrape = (await raw.get(f"{base}/metrics")).text
+                scrape = (await raw.get(f"{gw.url}/metrics")).text
                 served = metric((await raw.get(f"{urls[1]}/metrics")).text, "llmgw_sim_requests_total")
             assert metric(scrape, 'llmgw_gateway_errors_total{deployment="chat",reason="reset"}') == 1
             assert served == 1
@@ -205,9 +166,9 @@ async def test_a_stream_broken_off_ends_with_an_error_event_and_done_never_retri
     """r0 exits after 3 chunks: the client gets those 3, an error event and [DONE]; r1 never
     sees the request."""
     with sim_engines(["--die-after-chunks", "3"], []) as urls:
-        async with proxy_over(urls) as (base, proxy), httpx.AsyncClient(timeout=30) as raw:
+        async with proxy_over(urls) as gw, httpx.AsyncClient(timeout=30) as raw:
             body = {"model": "chat", "messages": CHAT, "max_tokens": 20, "stream": True}
-            async with raw.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+            async with raw.stream("POST", f"{gw.url}/v1/chat/completions", json=body) as r:
                 assert r.status_code == 200
                 sse = b"".join([chunk async for chunk in r.aiter_raw()])
             events = sse.split(b"\n\n")
@@ -224,8 +185,8 @@ async def test_a_stream_broken_off_ends_with_an_error_event_and_done_never_retri
             assert error["message"].endswith("the answer is incomplete and was not retried")
 
             # The official client raises on the error event instead of ending as if complete.
-            proxy.table.set_replica("chat.r0", None)
-            async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as client:
+            gw.table.set_replica("chat.r0", None)
+            async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0) as client:
                 whole = await client.chat.completions.create(
                     model="chat",
                     messages=CHAT,  # type: ignore[arg-type]
@@ -235,7 +196,7 @@ async def test_a_stream_broken_off_ends_with_an_error_event_and_done_never_retri
                 assert len([c async for c in whole if c.choices and c.choices[0].delta.content]) == 5
             served = metric((await raw.get(f"{urls[1]}/metrics")).text, "llmgw_sim_requests_total")
             assert served == 1  # only the second request: the broken one was not retried
-            scrape = (await raw.get(f"{base}/metrics")).text
+            scrape = (await raw.get(f"{gw.url}/metrics")).text
             assert (
                 metric(scrape, 'llmgw_gateway_errors_total{deployment="chat",reason="upstream_stream"}') == 1
             )
@@ -244,8 +205,8 @@ async def test_a_stream_broken_off_ends_with_an_error_event_and_done_never_retri
 async def test_the_openai_client_raises_on_a_stream_broken_off() -> None:
     with sim_engines(["--die-after-chunks", "2"]) as urls:
         async with (
-            proxy_over(urls) as (base, _),
-            openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as client,
+            proxy_over(urls) as gw,
+            openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0) as client,
         ):
             stream = await client.chat.completions.create(
                 model="chat",
@@ -266,9 +227,9 @@ async def test_the_openai_client_raises_on_a_stream_broken_off() -> None:
 
 
 async def test_a_deployment_with_no_replica_placed_names_the_command_that_says_why() -> None:
-    async with proxy_over([]) as (base, proxy), httpx.AsyncClient(timeout=30) as raw:
-        proxy.table.set_deployment("big", Deployment(name="big", profile="huge", replicas=2))
-        r = await raw.post(f"{base}/v1/embeddings", json={"model": "big", "input": "hi"})
+    async with proxy_over([]) as gw, httpx.AsyncClient(timeout=30) as raw:
+        gw.table.set_deployment("big", Deployment(name="big", profile="huge", replicas=2))
+        r = await raw.post(f"{gw.url}/v1/embeddings", json={"model": "big", "input": "hi"})
         assert r.status_code == 503
         assert r.json()["error"] == {
             "message": "deployment big has 0 ready replicas: none placed yet "
@@ -318,11 +279,11 @@ async def test_an_event_cut_in_half_is_dropped_and_the_stream_still_ends_well_fo
     first += b'"choices": [{"index": 0, "delta": {"content": "hel"}, "finish_reason": null}]}\n\n'
     async with (
         breaking_engine([first], b'data: {"id": "1", "obj') as engine,
-        proxy_over([engine], engine="vllm") as (base, _),
+        proxy_over([engine], engine="vllm") as gw,
     ):
         async with httpx.AsyncClient(timeout=30) as raw:
             body = {"model": "chat", "messages": CHAT, "stream": True}
-            async with raw.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+            async with raw.stream("POST", f"{gw.url}/v1/chat/completions", json=body) as r:
                 sse = b"".join([chunk async for chunk in r.aiter_raw()])
         events = sse.split(b"\n\n")
         assert events[0] + b"\n\n" == first
@@ -347,8 +308,8 @@ async def test_an_anthropic_stream_broken_off_ends_with_its_error_event() -> Non
     started = b"event: message_start\ndata: " + json.dumps(start).encode() + b"\n\n"
     async with (
         breaking_engine([started], b"event: content_block_start\nda") as engine,
-        proxy_over([engine], engine="vllm") as (base, _),
-        anthropic.AsyncAnthropic(base_url=base, api_key="unused", max_retries=0) as claude,
+        proxy_over([engine], engine="vllm") as gw,
+        anthropic.AsyncAnthropic(base_url=gw.url, api_key="unused", max_retries=0) as claude,
     ):
         stream = await claude.messages.create(
             model="chat", max_tokens=8, messages=[{"role": "user", "content": "hi"}], stream=True
@@ -369,9 +330,9 @@ async def test_an_answer_not_streamed_broken_off_is_seen_incomplete_by_the_clien
     first, tail = b'{"id": "1", "object": "chat.completion", ', b'"choices": ['
     async with (
         breaking_engine([first], tail, b"application/json") as engine,
-        proxy_over([engine], engine="vllm") as (base, _),
+        proxy_over([engine], engine="vllm") as gw,
         httpx.AsyncClient(timeout=30) as raw,
     ):
         body = {"model": "chat", "messages": CHAT}
         with pytest.raises(httpx.RemoteProtocolError):
-            await raw.post(f"{base}/v1/chat/completions", json=body)
+            await raw.post(f"{gw.url}/v1/chat/completions", json=body)

@@ -6,22 +6,19 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from functools import partial
 
-import anyio
 import httpx
 import pytest
 
 from llmgw_core.config import loads
 from llmgw_core.errors import ConfigError
 from llmgw_core.events import ReplicaRecord
-from llmgw_gateway import GatewayConfig, Proxy, Table
+from llmgw_gateway import GatewayConfig, Table
 from llmgw_gateway.config import RoutingConfig
 from llmgw_gateway.routing import prompt_blocks
-from llmgw_gateway.web import serve_app
+from tests.gateway_support import proxy_over
 from tests.test_gateway import metric
 from tests.test_gateway_api import sim_engines
-from tests.waiting import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 
@@ -44,29 +41,8 @@ def chat(customer: int, question: str, *, system: str = SYSTEM) -> list[dict[str
 @contextlib.asynccontextmanager
 async def gateway(urls: list[str], **routing: object) -> AsyncIterator[tuple[str, Table, httpx.AsyncClient]]:
     """The gateway's proxy in this process over replicas r0, r1, … of deployment `chat`."""
-    table = Table(routing=RoutingConfig(**routing))  # type: ignore[arg-type]
-    for i, url in enumerate(urls):
-        table.set_replica(
-            f"chat.r{i}",
-            ReplicaRecord(
-                deployment="chat", replica=f"r{i}", profile="tiny", profile_fp="x", state="ready", url=url
-            ),
-        )
-    async with httpx.AsyncClient(timeout=30) as client:
-
-        async def up(url: str) -> bool:
-            try:
-                return (await client.get(f"{url}/health")).status_code == 200
-            except httpx.ConnectError:
-                return False
-
-        for url in urls:
-            await eventually(partial(up, url), timeout=30, interval=0.1)
-        async with Proxy(table, client) as proxy, anyio.create_task_group() as tg:
-            proxy.loaded.set()
-            port = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
-            yield f"http://127.0.0.1:{port}", table, client
-            tg.cancel_scope.cancel()
+    async with proxy_over(urls, routing=RoutingConfig(**routing)) as gw:  # type: ignore[arg-type]
+        yield gw.url, gw.table, gw.client
 
 
 async def served(client: httpx.AsyncClient, urls: list[str]) -> list[int]:
