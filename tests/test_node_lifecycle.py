@@ -11,8 +11,9 @@ import httpx
 import pytest
 
 from llmgw_core.bus import Bus
-from llmgw_core.events import ReplicaRecord, ReplicaStatus, decoder
+from llmgw_core.events import ReplicaRecord
 from tests.cluster_support import Cluster, cluster, sim_catalog
+from tests.replica_watch import ready_replicas_of
 from tests.test_ctl import ctl, ok
 from tests.waiting import eventually
 
@@ -38,29 +39,15 @@ def node_state(c: Cluster, node: str) -> str:
 async def test_cordon_holds_across_a_placement_restart_and_a_drain_moves_the_replica_never_to_zero_ready(
     bus: Bus, nats_url: str, prefix: str, tmp_path: Path
 ) -> None:
-    ready: set[str] = set()
-    low_water: list[int] = []
-    watching = False
-
-    async def on_replica(msg: object) -> None:
-        status = decoder(ReplicaStatus).decode(msg.data)  # type: ignore[attr-defined]
-        if status.state == "ready":
-            ready.add(status.replica)
-        else:
-            ready.discard(status.replica)
-        if watching:
-            low_water.append(len(ready))
-
-    sub = await bus.nc.subscribe(f"{prefix}.events.replica.chat.*", cb=on_replica)
     deployments = [{"name": "chat", "profile": "tiny", "replicas": 1}]
-    try:
+    async with ready_replicas_of(bus, "chat") as watch:
         with cluster(tmp_path, nats_url, prefix) as c:
             for node in ("node-1", "node-2"):
                 c.start_node(node, gpus=1)
             c.start_placement("p1", [sim_catalog()], deployments)
             [first] = await eventually(lambda: _one(ready_on(bus, "chat")), timeout=60)
             other = "node-2" if first == "node-1" else "node-1"
-            await eventually(lambda: len(ready) == 1, timeout=10)
+            await eventually(lambda: len(watch.ready) == 1, timeout=10)
 
             said = ok(c, "cordon", other, "--reason", "rack move")
             assert f"node {other} cordoned by " in said
@@ -72,7 +59,7 @@ async def test_cordon_holds_across_a_placement_restart_and_a_drain_moves_the_rep
             c.start_placement("p2", [sim_catalog()], deployments)
             await eventually(lambda: "active placement" in c.log("placement-p2"), timeout=30)
 
-            watching = True
+            watch.watching = True
             said = ok(c, "drain", first)
             assert f"node {first} draining by " in said
             assert "its 1 replica is placed elsewhere" in said
@@ -99,8 +86,8 @@ async def test_cordon_holds_across_a_placement_restart_and_a_drain_moves_the_rep
 
             await eventually(moved, timeout=90, interval=1.0)
             await eventually(lambda: "drained by " in node_state(c, first), timeout=30, interval=1.0)
-            assert low_water, "replica events were seen during the drain"
-            assert min(low_water) >= 1, f"ready replicas during the drain: {low_water}"
+            assert watch.counts, "replica events were seen during the drain"
+            assert min(watch.counts) >= 1, f"ready replicas during the drain: {watch.counts}"
 
             async def told() -> bool:
                 events = ok(c, "events", "--node", first)
@@ -111,8 +98,6 @@ async def test_cordon_holds_across_a_placement_restart_and_a_drain_moves_the_rep
             await eventually(told, timeout=30, interval=1.0)
             # Drained and cordoned still: the replica does not come back.
             assert "drained by " in node_state(c, first)
-    finally:
-        await sub.unsubscribe()
 
 
 async def _one(found: object) -> list[str]:

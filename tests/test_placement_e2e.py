@@ -14,6 +14,7 @@ from llmgw_core.engines import ShardSpec
 from llmgw_core.events import Deployment, Profile, ReplicaRecord
 from tests.cluster_support import cluster, sim_catalog
 from tests.metrics_support import value
+from tests.replica_watch import ready_replicas_of
 from tests.waiting import eventually, passes
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
@@ -114,30 +115,14 @@ async def test_the_standby_takes_over_and_places_exactly_once(
 async def test_a_catalog_change_rolls_replicas_one_at_a_time_never_to_zero_ready(
     bus: Bus, nats_url: str, prefix: str, tmp_path: Path
 ) -> None:
-    from llmgw_core.events import ReplicaStatus, decoder
-
-    ready: set[str] = set()
-    low_water: list[int] = []
-    rolling = False
-
-    async def on_replica(msg: object) -> None:
-        status = decoder(ReplicaStatus).decode(msg.data)  # type: ignore[attr-defined]
-        if status.state == "ready":
-            ready.add(status.replica)
-        else:
-            ready.discard(status.replica)
-        if rolling:
-            low_water.append(len(ready))
-
-    sub = await bus.nc.subscribe(f"{prefix}.events.replica.chat.*", cb=on_replica)
-    try:
+    async with ready_replicas_of(bus, "chat") as watch:
         with cluster(tmp_path, nats_url, prefix) as c:
             for node in ("node-1", "node-2", "node-3", "node-4"):
                 c.start_node(node, gpus=1)
             c.start_placement("p1", [sim_catalog()], [{"name": "chat", "profile": "tiny", "replicas": 2}])
             first = await eventually(lambda: ready_replicas(bus, "chat", 2), timeout=60)
-            await eventually(lambda: len(ready) == 2, timeout=10)
-            rolling = True
+            await eventually(lambda: len(watch.ready) == 2, timeout=10)
+            watch.watching = True
             changed = msgspec.convert(sim_catalog("--tokens-per-second", "100"), Profile)
             await bus.put(bus.names.catalog_bucket, "tiny", changed)
             new_fp = changed.fingerprint()
@@ -150,12 +135,10 @@ async def test_a_catalog_change_rolls_replicas_one_at_a_time_never_to_zero_ready
 
             after = await eventually(rolled, timeout=90)
             assert {r.replica for r in after}.isdisjoint({r.replica for r in first})
-            assert low_water, "replica events were seen during the roll"
-            assert min(low_water) >= 1, f"ready replicas during the roll: {low_water}"
+            assert watch.counts, "replica events were seen during the roll"
+            assert min(watch.counts) >= 1, f"ready replicas during the roll: {watch.counts}"
             # One at a time: never more than one replica above the count.
-            assert max(low_water) <= 3
-    finally:
-        await sub.unsubscribe()
+            assert max(watch.counts) <= 3
 
 
 async def test_api_ctl_and_a_refusal_in_the_nodes_own_words(
