@@ -300,11 +300,8 @@ def memory_cgroup(limit_mb: int) -> Iterator[Path]:
     try:
         yield child
     finally:
-        with contextlib.suppress(OSError):
-            for pid in (child / "cgroup.procs").read_text().split():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)  # only processes this test's engine put there
-        for _ in range(100):
+        # Empty once the launcher (or the cluster) that started the engines has stopped them.
+        for _ in range(200):
             try:
                 child.rmdir()
                 break
@@ -342,3 +339,55 @@ async def test_an_engine_the_oom_killer_ends_is_said_to_be(
         assert failed.failure.reason.startswith(words), failed.failure.reason
         assert failed.reason.startswith(words), failed.reason
         assert failed.last_failure.startswith(words), failed.last_failure
+
+
+async def test_an_oom_kill_reads_the_same_on_the_replica_and_in_ctl(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """The OOM kill through placement: the replica's failure, `/api/replicas`, `/api/explain`
+    and `ctl describe deployment` quote the launcher's words."""
+    grow = tmp_path / "grow"
+    with memory_cgroup(128) as cgroup, cluster(tmp_path / "cluster", nats_url, prefix) as c:
+        args = ("--enter-cgroup", str(cgroup), "--allocate-mb", "512", "--allocate-when", str(grow))
+        c.start_node("node-a", gpus=1)
+        c.start_placement(
+            "p1", [sim_catalog(*args, name="hungry")], [{"name": "hungry", "profile": "hungry"}]
+        )
+        api = await eventually(lambda: re.search(r"API on (http://\S+)", c.log("placement-p1")), timeout=30)
+        words = "killed by the kernel's OOM killer ("
+        async with httpx.AsyncClient(base_url=api.group(1), timeout=10, headers=c.api_headers) as client:
+
+            async def replica() -> dict[str, Any] | None:
+                found: dict[str, Any] | None = (await client.get("/api/replicas")).json().get("hungry.r0")
+                return found
+
+            await eventually(lambda: _state(replica, "ready"), timeout=60, interval=0.3)
+            grow.write_text("now")
+
+            async def oom_killed() -> dict[str, Any] | None:
+                found = await replica()
+                return found if found and words in (found.get("failure") or {}).get("reason", "") else None
+
+            record = await eventually(oom_killed, timeout=60, interval=0.3)
+            assert re.match(
+                r"sim \(pid \d+\) killed by the kernel's OOM killer \(memory\.", record["failure"]["reason"]
+            )
+            assert str(cgroup) in record["failure"]["reason"], record
+            assert record["failure"]["exit"] == -signal.SIGKILL
+            assert words in record["last_failure"], record
+            [explained] = (await client.get("/api/explain/hungry")).json()["replicas"]
+            assert words in explained["last_failure"], explained
+        described = subprocess.run(
+            [*CTL, "--prefix", prefix, "describe", "deployment", "hungry"],
+            env=c.ctl_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert described.returncode == 0, described.stderr
+        assert words in described.stdout, described.stdout
+
+
+async def _state(probe: Any, state: str) -> bool:
+    found = await probe()
+    return bool(found) and found["state"] == state
