@@ -249,7 +249,8 @@ async def test_the_launcher_gives_each_ray_head_its_own_client_port_and_temp_dir
         port_range=[24100, 24199],
         engines={"vllm": {"path": str(env), "multinode": "ray"}},
     )
-    profile = replica_shards("r0", 1)[0].profile
+    # A model path the node holds: one it lacks fails the shard before any process starts.
+    profile = msgspec.structs.replace(replica_shards("r0", 1)[0].profile, model_path=str(tmp_path))
     rendezvous = adjacent_free_ports()
     try:
         async with shard_events(bus) as events, running_launcher(config, gpus=[]):

@@ -44,6 +44,8 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     # `cordoned by ops at …: why`, `draining (1 replica left) by …`, `drained by …`; "" when
     # the operator asked nothing of it.
     intent: str = ""
+    # The model files its launcher reports missing, as placement heard them.
+    missing_models: tuple[str, ...] = ()
 
 
 class DeploymentView(msgspec.Struct, frozen=True, kw_only=True):
@@ -135,9 +137,15 @@ def node_views(c: Cluster) -> list[NodeView]:
                 status=status,
                 claimed=judged.claimed if judged is not None else "",
                 intent=said,
+                missing_models=judged.missing_models if judged is not None else (),
             )
         )
     return views
+
+
+def missing_words(v: NodeView) -> tuple[str, ...]:
+    """`model file not found: /models/x.gguf` for each model file the node lacks."""
+    return tuple(f"model file not found: {p}" for p in v.missing_models)
 
 
 def replicas_on(c: Cluster, node: str) -> int:
@@ -171,6 +179,7 @@ def node_row(v: NodeView, *, wide: bool = False, now: float | None = None) -> li
         # What a lost node said last is not news: say so.
         install = f"{status.install} (last known)"
     warnings = (v.claimed, *status.warnings) if v.claimed else status.warnings
+    warnings = (*warnings, *missing_words(v))
     row = [v.node, v.state, gpu_text, engines or "none", install, "; ".join(warnings) or "-"]
     if wide:
         facts = status.facts
@@ -431,7 +440,7 @@ def describe_node(v: NodeView, c: Cluster, history: list[Stamped], *, now: float
         f"HCAs:         {', '.join(f.hcas) or 'none'}",
         f"Probed:       {age(s.probed_at, now) + ' ago' if s.probed_at else 'never'}",
         f"Install:      {s.install or '-'}",
-        f"Warnings:     {'; '.join(s.warnings) or '-'}",
+        f"Warnings:     {'; '.join((*s.warnings, *missing_words(v))) or '-'}",
         "",
         "GPUs:",
     ]

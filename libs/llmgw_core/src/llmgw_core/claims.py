@@ -73,7 +73,9 @@ class Claimant:
             started_at=now(),
         )
 
-    def beat(self, node: str, service: str, *, standby: bool = False) -> Heartbeat:
+    def beat(
+        self, node: str, service: str, *, standby: bool = False, missing_models: tuple[str, ...] = ()
+    ) -> Heartbeat:
         return Heartbeat(
             node=node,
             service=service,
@@ -84,6 +86,7 @@ class Claimant:
             instance=self.instance,
             started_at=self.started_at,
             standby=standby,
+            missing_models=missing_models,
         )
 
 
@@ -179,6 +182,8 @@ class Holder:
         self.interval = interval
         self.me = claimant or Claimant.here()
         self.standby = True
+        # What this service's beats say about the node beyond who sends them (see Heartbeat).
+        self.missing_models: tuple[str, ...] = ()
         # Other instances: instance -> (their last beat, when heard, monotonic).
         self.others: dict[str, tuple[Heartbeat, float]] = {}
         self._told: str | None = None
@@ -252,7 +257,9 @@ async def hold(
         async with anyio.create_task_group() as tg:
 
             def beat() -> Heartbeat:
-                return holder.me.beat(node, service, standby=holder.standby)
+                return holder.me.beat(
+                    node, service, standby=holder.standby, missing_models=holder.missing_models
+                )
 
             tg.start_soon(bus.heartbeat, node, service, interval, beat)
             if sub is not None:

@@ -19,7 +19,7 @@ from msgspec import Meta, Struct
 
 # Names and ids that become subject or key tokens: their rules are in `llmgw_core.limits`.
 from .limits import Aliases, Name, Token
-from .sources import weights_key
+from .sources import node_file, weights_key
 
 __all__ = [
     "Autoscale",
@@ -120,6 +120,11 @@ class Profile(Struct, frozen=True, kw_only=True):
     def weights_key(self) -> str:
         """How nodes name this profile's weights when they report holding them."""
         return weights_key(self.model, self.model_sha256, self.model_path)
+
+    @property
+    def node_file(self) -> str:
+        """The file the node must already hold for this profile (see `sources.node_file`), or ""."""
+        return node_file(self.model, self.model_sha256, self.model_path)
 
     @property
     def per_node_gpus(self) -> int:
@@ -409,6 +414,9 @@ class Heartbeat(Message, frozen=True):
     # The sender waits while another instance works for this node: it runs nothing,
     # so its beats say nothing about the node's engines.
     standby: bool = False
+    # A launcher's: the model files (`Profile.node_file`) its shards found missing on the node
+    # and that are still missing; placement places the profiles that read them elsewhere.
+    missing_models: tuple[str, ...] = ()
 
 
 class NodeLiveness(Struct, frozen=True, kw_only=True, array_like=True):
@@ -425,6 +433,8 @@ class NodeLiveness(Struct, frozen=True, kw_only=True, array_like=True):
     # Its launcher is silent but its installer beats: for how much longer its engines are
     # routed to before its replicas are placed elsewhere (-1: not in that grace).
     grace_left_s: float = -1.0
+    # The model files its launcher reports missing: profiles reading them are placed elsewhere.
+    missing_models: tuple[str, ...] = ()
 
 
 class Liveness(Message, frozen=True):

@@ -169,3 +169,18 @@ def weights_key(model: str, sha256: str, model_path: str) -> str:
     if source.kind == "url":
         return f"sha256:{source.sha256}"
     return source.path
+
+
+@functools.lru_cache(maxsize=4096)
+def node_file(model: str, sha256: str, model_path: str) -> str:
+    """The file (or directory) on the node that a profile's engine reads, where the node must
+    already hold it: a `file://` source's path, or an absolute `model_path` when `model` names
+    no source; else "" (a source the node stages, or a relative `model_path`, which vLLM and
+    SGLang may read as a hub repository id and resolve themselves)."""
+    try:
+        source = parse_source(model, sha256)
+    except SourceError:
+        return ""
+    if source is not None:
+        return source.path if source.kind == "file" else ""
+    return model_path if model_path.startswith("/") else ""

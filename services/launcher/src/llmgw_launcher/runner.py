@@ -47,7 +47,7 @@ from llmgw_core.redact import scrub, secret_values
 from llmgw_core.retry import Backoff
 from llmgw_core.telemetry import context_from
 
-from . import ports, procs
+from . import oom, ports, procs
 from .health import HealthProber
 from .load import LOAD_METRICS, LoadMetrics, Scraper, changed, parse_load
 from .records import ProcRecord, RecordError, RecordWriter, ShardRecord
@@ -99,6 +99,8 @@ class Context:
     publish_quietly: Callable[[ShardStatus], None] | None = None
     # Stages the weights a profile's `model` names (hf://, https://, file://) before its engine starts.
     weights: Weights | None = None
+    # Told the path of a model file a shard found missing (see `modelfiles`).
+    model_missing: Callable[[str], None] = field(default=lambda _path: None)
 
 
 async def _nothing() -> None:
@@ -123,6 +125,8 @@ class Proc:
     start_time: int
     log: Path
     child: procs.Child | None = None  # None: adopted, not started by this launcher
+    # Its memory cgroup and the OOM kills counted there when it started (see `oom`).
+    memcg: oom.MemCgroup | None = None
 
     def exit_reason(self) -> str | None:
         """None while running; else how it ended."""
@@ -377,6 +381,9 @@ class ShardRunner:
         problems = engine.validate(self.spec.profile, self.ctx.gpus, self.spec)
         if problems:
             return Failure("; ".join(problems), retryable=False)
+        failure = await self._missing_model()
+        if failure is not None:
+            return failure
         model_path = await self._stage_weights()
         if isinstance(model_path, Failure):
             return model_path
@@ -428,11 +435,23 @@ class ShardRunner:
             dead = self._first_exit()
             if dead:
                 return await self._exit_failure(dead)
+        await self._read_cgroups()
         self._set("ready")
         failure = await self._save(ready=True)
         if failure is not None:
             return failure
         return engine
+
+    async def _missing_model(self) -> Failure | None:
+        """The file the node must already hold for the profile, if it does not: found before any
+        engine starts, since an engine that cannot open its model exits, is restarted, and exits
+        again forever; and told to the node, whose heartbeats keep placement from sending the
+        profile here again until the file is there."""
+        path = self.spec.profile.node_file
+        if not path or await self.ctx.workers.files(os.path.exists, path):
+            return None
+        self.ctx.model_missing(path)
+        return Failure(f"model file not found: {path}", retryable=False)
 
     async def _stage_weights(self) -> Failure | str:
         """The path the engine reads the weights at: the node's staged copy when `model` names a
@@ -475,8 +494,17 @@ class ShardRunner:
             )
         except OSError as exc:
             return Failure(f"cannot start {cmd.name} ({cmd.path}): {exc.strerror or exc}")
-        self.procs.append(Proc(cmd.name, child.pid, started, log_path, child))
+        memcg = await self.ctx.workers.files(oom.find, child.pid)
+        self.procs.append(Proc(cmd.name, child.pid, started, log_path, child, memcg))
         return None
+
+    async def _read_cgroups(self) -> None:
+        """Each process's memory cgroup again, now that it runs: a wrapper (a script that enters
+        a cgroup, `systemd-run --scope`, a container's shim) may have moved it since it started,
+        and its OOM kills are counted where it is now."""
+        for p in self.procs:
+            if p.child is not None:
+                p.memcg = await self.ctx.workers.files(oom.find, p.pid) or p.memcg
 
     def _first_exit(self) -> str | None:
         for p in self.procs:
@@ -492,6 +520,11 @@ class ShardRunner:
             return Failure(reason)
         lines = await self.ctx.workers.files(self._attempt_tail, found.log)
         code = found.child.returncode if found.child is not None else None
+        if code == -signal.SIGKILL:
+            # Whether the kernel's OOM killer sent it, in the kernel's words where it gives them.
+            said = await self.ctx.workers.files(oom.explain, found.memcg, found.pid, found.start_time)
+            if said:
+                reason = f"{found.name} (pid {found.pid}) {said}"
         return Failure(reason, exit=code, log_tail=tuple(lines))
 
     @staticmethod

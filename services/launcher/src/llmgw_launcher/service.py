@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from llmgw_core.bus import Bus
-from llmgw_core.claims import hold
+from llmgw_core.claims import Holder, hold
 from llmgw_core.config import AgentConfig
 from llmgw_core.engines import (
     GPUInfo,
@@ -63,6 +63,7 @@ from . import procs
 from .audit import Suspects, audit
 from .health import HealthProber
 from .load import Scraper
+from .modelfiles import MissingModels, existing
 from .outbox import StatusOutbox
 from .peers import Peers
 from .reconcile import diff
@@ -176,6 +177,9 @@ class Launcher:
         self._lock = anyio.Lock()
         self._changed = anyio.Event()  # set when `desired` changed since the last reconcile
         self._refreshed: dict[str, float] = {}
+        # What this launcher's heartbeats say; the missing model files go out with each.
+        self.holder: Holder | None = None
+        self.missing_models = MissingModels(self._tell_missing)
         self.ctx = Context(
             node=self.node,
             state_dir=state_dir,
@@ -205,6 +209,7 @@ class Launcher:
                 in_use=self._sources_in_use,
                 on_evict=self._evicted,
             ),
+            model_missing=self.missing_models.add,
         )
 
         self.peers: Peers | None = None
@@ -327,7 +332,11 @@ class Launcher:
             await tg.start(self.outbox.run)
             # Heartbeats first; and while another launcher works for this node id (a second
             # machine given the same id), this one stands by here and runs nothing.
-            await tg.start(hold, self.bus, self.node, "launcher", self.config.heartbeat_interval_s)
+            self.holder = await tg.start(
+                hold, self.bus, self.node, "launcher", self.config.heartbeat_interval_s
+            )
+            self._tell_missing(self.missing_models.paths())
+            tg.start_soon(self._recheck_models)
             if self.peers is not None:
                 # After the claim: a second machine given this id serves nothing in its name.
                 await tg.start(self.peers.run)
@@ -476,6 +485,26 @@ class Launcher:
                 retry.failed(exc)
             # A watch that ended on its own (it is not meant to) is started again after a pause.
             await anyio.sleep(retry.delay or WATCH_RETRY_FIRST_S)
+
+    def _tell_missing(self, paths: tuple[str, ...]) -> None:
+        if paths:
+            log.warning("%s: model files missing here: %s", self.node, ", ".join(paths))
+        if self.holder is not None:
+            self.holder.missing_models = paths
+
+    async def _recheck_models(self) -> None:
+        """Every heartbeat interval: forget the missing model files that are there now."""
+        while True:
+            await anyio.sleep(self.config.heartbeat_interval_s)
+            paths = self.missing_models.paths()
+            if not paths:
+                continue
+            try:
+                present = await self.workers.files(existing, paths)
+            except Exception:  # a fault costs this pass, never the launcher
+                log.exception("%s: checking the missing model files failed; trying again", self.node)
+                continue
+            self.missing_models.found(present)
 
     async def _audit_statuses(self) -> None:
         """Every few heartbeats: write again each status the bucket holds that this launcher's

@@ -73,6 +73,8 @@ class NodeRow(msgspec.Struct, frozen=True, kw_only=True):
     probed_at: float
     # `cordoned by ops at …: why`, `draining (1 replica left) by …`, `drained by …`, else "".
     intent: str = ""
+    # The model files its launcher reports missing (profiles reading them go elsewhere).
+    missing_models: tuple[str, ...] = ()
 
 
 class _Reported(msgspec.Struct, frozen=True, kw_only=True):
@@ -346,6 +348,7 @@ class Api:
                     warnings=status.warnings,
                     probed_at=status.probed_at,
                     intent=view.intent(status.node),
+                    missing_models=tuple(sorted(self.service.state.missing_models.get(status.node, ()))),
                 )
             )
         return out
@@ -395,7 +398,10 @@ class Api:
                 age,
                 b',"claimed":' + _encode(claimed) if claimed else b',"claimed":""',
                 row[2],
-                b',"intent":' + _encode(self.service.view.intent(name)) + b"}",
+                b',"intent":' + _encode(self.service.view.intent(name)),
+                b',"missing_models":'
+                + _encode(sorted(self.service.state.missing_models.get(name, ())))
+                + b"}",
                 b",",
             )
         self._reported = kept  # a node that left is dropped here

@@ -154,6 +154,7 @@ class Controller:
             config=self.config,
             deployments_bucket=self.bus.names.deployments_bucket,
             intents=dict(state.intents),
+            missing_models=dict(state.missing_models),
         )
         applier = self.applier
         plan = Plan()

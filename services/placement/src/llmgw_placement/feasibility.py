@@ -48,6 +48,9 @@ class NodeView:
     claimed: str = ""
     # `cordoned by ops at …: why` (or `draining by …`) while the operator keeps new replicas off it.
     cordoned: str = ""
+    # The model files the node's launcher found missing (`Profile.node_file`): the profiles
+    # that read them are placed elsewhere until the file is there.
+    missing_models: frozenset[str] = frozenset()
 
     # A view never changes once made: what is derived from it is computed once.
     _free: dict[str, list[GPUInfo]] = field(default_factory=dict, compare=False, repr=False)
@@ -118,6 +121,8 @@ def unfit(
         return node.cordoned
     if deployment.pool and deployment.pool not in node.pools:
         return f"not in pool {deployment.pool}"
+    if node.missing_models and profile.node_file in node.missing_models:
+        return f"model file not found: {profile.node_file}"
     engine = node.engines.get(profile.engine)
     if engine is None:
         return node.install or f"engine {profile.engine} not installed"

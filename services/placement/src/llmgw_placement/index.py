@@ -388,6 +388,7 @@ class KeptIndex:
             mgmt_iface=facts.mgmt_iface,
             claimed=self.state.claims.claimed(name, at) or "",
             cordoned=intent.words() if (intent := self.state.intents.get(name)) is not None else "",
+            missing_models=self.state.missing_models.get(name, frozenset()),
         )
 
     def reindex(self, node: str) -> None:

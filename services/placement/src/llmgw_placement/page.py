@@ -269,7 +269,11 @@ class Page:
             if row.install:
                 last = "" if row.alive else " (last known)"
                 engines += f"<div class=install>{_e(row.install)}{last}</div>"
-            said = ((row.claimed,) if row.claimed else ()) + row.warnings
+            said = (
+                ((row.claimed,) if row.claimed else ())
+                + row.warnings
+                + tuple(f"model file not found: {p}" for p in row.missing_models)
+            )
             warnings = "".join(f"<div class=warn>{_e(w)}</div>" for w in said)
             rows.append(
                 f"<tr data-node='{_e(row.node)}'><td>{_e(row.node)}</td><td>{state}</td>"

@@ -80,6 +80,8 @@ class Snapshot:
     deployments_bucket: str = "deployments"
     # The operator's cordons and drains, by node: a draining node's replicas are replaced.
     intents: dict[str, NodeIntent] = field(default_factory=dict)
+    # The model files each node's launcher reports missing.
+    missing_models: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 def reconcile(snapshot: Snapshot, held: Held, index: KeptIndex, now: float) -> Plan:
@@ -167,8 +169,11 @@ class _Walk:
         # A replica that failed for good because a GPU it was given is not on its node (a
         # replacement machine with fewer GPUs under the same node id) is placed again, by
         # what the node reports it has now; left alone it would stay failed forever.
+        # So is one that failed because its node lacks the model file: the node now says so in
+        # its heartbeats, and the decision places the replica on a node that has it.
         for record in mine:
-            gone = self._gpus_gone(held.replicas[key(record)])
+            now_held = held.replicas[key(record)]
+            gone = self._gpus_gone(now_held) or self._model_missing(now_held)
             if gone:
                 self._remove(held.replicas[key(record)], gone, state="failed")
                 yield False
@@ -384,6 +389,20 @@ class _Walk:
                     f"(it reports {len(have)} GPU{'' if len(have) == 1 else 's'}"
                     f"{': ' + ', '.join(map(str, have)) if have else ''})"
                 )
+        return ""
+
+    def _model_missing(self, record: ReplicaRecord) -> str:
+        """`node-b: model file not found: /models/x.gguf` for a replica that failed for good on a
+        node that reports the file missing, else ""."""
+        if record.state != "failed":
+            return ""
+        for k in record.shards:
+            spec = self.held.shards.get(k)
+            if spec is None:
+                continue
+            path = spec.profile.node_file
+            if path and path in self.snap.missing_models.get(spec.node, ()):
+                return f"{spec.node}: model file not found: {path}"
         return ""
 
     def _fits_without(self, record: ReplicaRecord, dep: Deployment, profile: Profile) -> bool:

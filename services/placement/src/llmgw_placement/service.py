@@ -328,6 +328,13 @@ class PlacementService:
             first = node not in state.last_seen
             state.last_seen[node] = at
             state.last_seen_wall[node] = beat.at
+            missing = frozenset(beat.missing_models)
+            if missing != state.missing_models.get(node, frozenset()):
+                # The node lacks (or now has) a model file: its view changes, and a replica
+                # that failed for want of it is placed elsewhere in the next step.
+                state.missing_models[node] = missing
+                state.dirty_nodes.add(node)
+                first = True
             if first:
                 self.wake()
 
@@ -389,6 +396,7 @@ class PlacementService:
                     installer_silent_s=round(at - installer, 1) if installer is not None else -1.0,
                     claimed=state.claims.claimed(node, at) or "",
                     grace_left_s=round(grace, 1) if grace is not None else -1.0,
+                    missing_models=tuple(sorted(state.missing_models.get(node, ()))),
                 )
             )
         return Liveness(

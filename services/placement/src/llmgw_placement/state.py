@@ -36,6 +36,8 @@ class ClusterState:
     claims: Claims = field(default_factory=lambda: Claims(window=5.0))
     # The operator's cordons and drains (the node-intent bucket), by node.
     intents: dict[str, NodeIntent] = field(default_factory=dict)
+    # The model files each node's launcher reports missing (its heartbeats' `missing_models`).
+    missing_models: dict[str, frozenset[str]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> ClusterState:

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -76,6 +77,12 @@ class SimOptions:
     # Exit abruptly after sending this many chunks of a streamed answer (0: on reading a
     # request, before any byte of answer), as an engine that crashes mid-request.
     die_after_chunks: int | None = None
+    # Enter this cgroup (its directory) before serving, as a wrapper that enters one would.
+    enter_cgroup: str = ""
+    # Once this path exists, take this many MiB of memory and hold them, as an engine whose
+    # memory grows past what its machine or cgroup allows.
+    allocate_mb: int = 0
+    allocate_when: str = ""
 
 
 def parse_args(argv: list[str]) -> SimOptions:
@@ -106,6 +113,9 @@ def parse_args(argv: list[str]) -> SimOptions:
         default=None,
         help="exit at once after N chunks of a streamed answer (0: before answering a request)",
     )
+    p.add_argument("--enter-cgroup", default="", help="a cgroup directory to enter before serving")
+    p.add_argument("--allocate-mb", type=int, default=0, help="MiB to take and hold (see --allocate-when)")
+    p.add_argument("--allocate-when", default="", help="take --allocate-mb once this path exists")
     ns = p.parse_args(argv)
     return SimOptions(**vars(ns))
 
@@ -427,6 +437,15 @@ async def _worker(leader: str) -> int:
             return 1
 
 
+async def _allocate(mib: int, when: str) -> None:
+    while when and not os.path.exists(when):
+        await anyio.sleep(0.05)
+    print(f"llmgw-sim: taking {mib} MiB", flush=True)
+    held = [b"\x01" * (1 << 20) for _ in range(mib)]  # written, so every page is resident
+    await anyio.sleep_forever()
+    del held
+
+
 async def run(opts: SimOptions) -> int:
     if opts.refuse:
         print(f"llmgw-sim: refusing to start: {opts.refuse}", file=sys.stderr, flush=True)
@@ -447,6 +466,10 @@ async def run(opts: SimOptions) -> int:
             tg.cancel_scope.cancel()
             return code
         engine = SimEngine(opts)
+        if opts.enter_cgroup:
+            Path(opts.enter_cgroup, "cgroup.procs").write_text(str(os.getpid()))
+        if opts.allocate_mb:
+            tg.start_soon(_allocate, opts.allocate_mb, opts.allocate_when)
         if opts.listen_after > 0:
             await anyio.sleep(opts.listen_after)
         if opts.world > 1:
