@@ -398,7 +398,7 @@ async def get(bus: Bus, kind: str, name: str, output: str) -> str:
         headers = views.PROFILE_HEADERS + (views.PROFILE_WIDE if wide else [])
         rows = [views.profile_row(p, wide=wide, deployments=c.deployments) for p in items]
     else:
-        c = await read.cluster(bus, what=frozenset({"shards"}))
+        c = await read.cluster(bus, what=frozenset({"shards", "liveness"}))
         items = list(c.shards.values())
         if name:
             key = replica_key(name)
@@ -414,7 +414,8 @@ async def get(bus: Bus, kind: str, name: str, output: str) -> str:
                 shown=[views.shard_name(s.node, s.shard) for s in items],
             )
         headers = views.SHARD_HEADERS + (views.SHARD_WIDE if wide else [])
-        rows = [views.shard_row(s, wide=wide, now=now) for s in items]
+        judged = views.shard_readings(c)
+        rows = [views.shard_row(s, wide=wide, now=now, live=judged.get(s.node)) for s in items]
     if output == "name":
         return _names(kind, items)
     if output in ("json", "yaml"):
