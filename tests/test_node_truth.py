@@ -289,3 +289,37 @@ async def test_a_node_whose_clock_is_off_is_warned_of_and_its_ages_are_placement
             assert abs(time.time() - heard) < 120, (stamp.group(1), text)
         finally:
             await fleet_bus.close()
+
+
+def test_a_clock_offset_is_a_warning_over_2_s_until_it_is_back_under_1_5_s() -> None:
+    from llmgw_core.events import NodeLiveness
+    from llmgw_placement.liveness import clock_off, clock_turn
+
+    assert [clock_off(x, False) for x in (2.0, 2.1, -2.1, 600.0)] == [False, True, True, True]
+    assert [clock_off(x, True) for x in (1.6, -1.6, 1.5, 0.2)] == [True, True, False, False]
+    # A warning starts (or ends) only once the beats have said so for the settle time: a burst
+    # of beats queued while placement was behind reads as a clock behind, and is no warning.
+    assert clock_turn(-3.0, False, None, 10.0, 1.0) == (False, 10.0)
+    assert clock_turn(-3.0, False, 10.0, 10.5, 1.0) == (False, 10.0)
+    assert clock_turn(0.1, False, 10.0, 10.6, 1.0) == (False, None)
+    assert clock_turn(-600.0, False, 10.0, 11.0, 1.0) == (True, None)
+    assert clock_turn(-600.0, True, None, 12.0, 1.0) == (True, None)
+    assert clock_turn(0.0, True, None, 13.0, 1.0) == (True, 13.0)
+    assert clock_turn(0.0, True, 13.0, 14.0, 1.0) == (False, None)
+    ahead = NodeLiveness(node="n", alive=True, silent_s=0.2, clock_offset_s=600.4)
+    assert ahead.problems() == ("clock 600 s ahead of placement's",)
+    behind = NodeLiveness(node="n", alive=True, silent_s=0.2, clock_offset_s=-3.0)
+    assert behind.clock_words() == "clock 3 s behind placement's"
+    stale = NodeLiveness(
+        node="node-b", alive=True, silent_s=0.2, installer_silent_s=53.7, installer_stale=True
+    )
+    assert stale.problems() == ("installer on node-b silent for 53 s: install progress stale",)
+    assert stale.install_shown("downloading x (92%, 6 MB of 7 MB)") == (
+        "downloading x (92%, 6 MB of 7 MB), stale: no word for 53 s"
+    )
+    assert stale.install_shown("") == ""
+    lost = NodeLiveness(node="n", alive=False, silent_s=13.2)
+    assert (lost.shard_reading("ready"), ahead.shard_reading("ready")) == (
+        "unknown (node lost 13 s ago)",
+        "ready",
+    )

@@ -21,6 +21,22 @@ def clock_off(offset: float, was_off: bool) -> bool:
     return abs(offset) > (CLOCK_OFFSET_END_S if was_off else CLOCK_OFFSET_S)
 
 
+def clock_turn(
+    offset: float, was_off: bool, crossed_at: float | None, at: float, settle_s: float
+) -> tuple[bool, float | None]:
+    """Whether the node's clock warning holds after a beat measured `offset` at `at`, and since
+    when the beats have said otherwise (None: they agree with `was_off`). The warning starts or
+    ends only once the beats have said so for `settle_s`: beats queued while placement was
+    behind arrive late, read as a clock behind by the delay, and a warning for every node of
+    the fleet after one stall would be noise."""
+    if clock_off(offset, was_off) == was_off:
+        return was_off, None
+    since = at if crossed_at is None else crossed_at
+    if at - since >= settle_s:
+        return not was_off, None
+    return was_off, since
+
+
 class Liveness:
     """Reads `state` (never writes it) with the timeouts of `config`."""
 

@@ -50,7 +50,7 @@ from .config import ServerConfig
 from .controller import ClusterState, Controller
 from .desired import PlacementFile, file_difference, last_good, placement_file
 from .lease import Lease, LeaseLost
-from .liveness import clock_off
+from .liveness import clock_turn
 from .metrics import PlacementMetrics
 from .view import ClusterView
 
@@ -194,6 +194,7 @@ class PlacementService:
                         self.state.last_seen_wall,
                         self.state.installer_seen,
                         self.state.clock_offset,
+                        self.state.clock_crossed,
                     ):
                         heard.pop(change.key, None)
                     self.state.with_installer.discard(change.key)
@@ -333,7 +334,14 @@ class PlacementService:
             offset = beat.at - wall
             state.clock_offset[node] = offset
             was_off = node in state.clock_off
-            if clock_off(offset, was_off) != was_off:
+            off, crossed = clock_turn(
+                offset, was_off, state.clock_crossed.get(node), at, 3 * self.config.heartbeat_interval_s
+            )
+            if crossed is None:
+                state.clock_crossed.pop(node, None)
+            else:
+                state.clock_crossed[node] = crossed
+            if off != was_off:
                 # Said once when it starts and once when it ends: every time the node stamps
                 # (its statuses, its probes) is off by this much.
                 if was_off:

@@ -33,6 +33,8 @@ class ClusterState:
     # when it arrived), and the nodes whose offset is a warning now (`CLOCK_OFFSET_S`).
     clock_offset: dict[str, float] = field(default_factory=dict)
     clock_off: set[str] = field(default_factory=set)
+    # Since when (monotonic) a node's beats have said otherwise than `clock_off` does.
+    clock_crossed: dict[str, float] = field(default_factory=dict)
     # Bumped on every change to `nodes`.
     nodes_version: int = 0
     # Nodes whose status changed since the controller last looked (it views only those again).
