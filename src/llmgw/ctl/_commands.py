@@ -488,14 +488,7 @@ async def watch(bus: Bus, kind: str, name: str, output: str) -> None:
         if kind == "node" and value is not None:
             judged = await read.liveness(bus)
             live = {x.node: x for x in judged.nodes} if judged else {}
-            j = live.get(key)
-            value = views.NodeView(
-                node=key,
-                state=views.node_state(j, judged is not None),
-                silent_s=j.silent_s if j else -1.0,
-                status=value,
-                claimed=j.claimed if j else "",
-            )
+            value = views.node_view(key, value, live.get(key), judged is not None)
         elif kind == "deployment" and value is not None:
             value = views.DeploymentView(name=key, deployment=value, status=statuses.get(key))
         emit(key, value, value is None)

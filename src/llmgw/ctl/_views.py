@@ -133,25 +133,30 @@ def node_views(c: Cluster) -> list[NodeView]:
     live = {n.node: n for n in c.judged.nodes} if c.judged else {}
     views = []
     for node, status in sorted(c.nodes.items()):
-        judged = live.get(status.node)
         intent = c.intents.get(node)
         said = intent.state(replicas_on(c, node)) if intent is not None else ""
-        state = node_state(judged, c.judged is not None)
-        views.append(
-            NodeView(
-                node=node,
-                state=f"{state}; {said}" if said else state,
-                silent_s=judged.silent_s if judged is not None else -1.0,
-                status=status,
-                claimed=judged.claimed if judged is not None else "",
-                intent=said,
-                problems=judged.problems() if judged is not None else (),
-                install=judged.install_shown(status.install) if judged is not None else status.install,
-                clock=judged.clock_words() if judged is not None else "",
-                clock_offset_s=judged.clock_offset_s if judged is not None else 0.0,
-            )
-        )
+        views.append(node_view(node, status, live.get(status.node), c.judged is not None, said))
     return views
+
+
+def node_view(
+    node: str, status: NodeStatus, judged: NodeLiveness | None, answered: bool, said: str = ""
+) -> NodeView:
+    """The node as placement judges it (`judged`; `answered`: whether a placement answered at
+    all) with its status, and the operator's intent in words (`said`)."""
+    state = node_state(judged, answered)
+    return NodeView(
+        node=node,
+        state=f"{state}; {said}" if said else state,
+        silent_s=judged.silent_s if judged is not None else -1.0,
+        status=status,
+        claimed=judged.claimed if judged is not None else "",
+        intent=said,
+        problems=judged.problems() if judged is not None else (),
+        install=judged.install_shown(status.install) if judged is not None else status.install,
+        clock=judged.clock_words() if judged is not None else "",
+        clock_offset_s=judged.clock_offset_s if judged is not None else 0.0,
+    )
 
 
 def replicas_on(c: Cluster, node: str) -> int:
