@@ -100,7 +100,12 @@ class Cluster:
         return path
 
     def agent_config(
-        self, node: str, gpus: int, engines: dict[str, Any] | None = None, machine: str = ""
+        self,
+        node: str,
+        gpus: int,
+        engines: dict[str, Any] | None = None,
+        machine: str = "",
+        extra: dict[str, Any] | None = None,
     ) -> Path:
         # Nodes share this machine: each gets its own engine ports.
         base = 20000 + 100 * (len(list(self.root.glob("agent-*.yaml"))) + 1)
@@ -118,6 +123,7 @@ class Cluster:
                 "restart_backoff_s": 0.3,
                 "health_interval_s": 0.3,
                 "engines": engines or {},
+                **(extra or {}),
             },
             AgentConfig,
         )
@@ -144,9 +150,16 @@ class Cluster:
             f"placement-{identity}", [sys.executable, "-m", "llmgw_placement", "--config", str(path)]
         )
 
-    def start_node(self, node: str, gpus: int = 1, engines: dict[str, Any] | None = None) -> None:
-        """An installer and a launcher for `node`; `engines` as agent.yaml names them."""
-        path = str(self.agent_config(node, gpus, engines))
+    def start_node(
+        self,
+        node: str,
+        gpus: int = 1,
+        engines: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """An installer and a launcher for `node`; `engines` as agent.yaml names them, `extra`
+        more of agent.yaml (`github_api`, say)."""
+        path = str(self.agent_config(node, gpus, engines, extra=extra))
         self._spawn(f"installer-{node}", [sys.executable, "-m", "llmgw_installer", "--config", path])
         self._spawn(f"launcher-{node}", [sys.executable, "-m", "llmgw_launcher", "--config", path])
 

@@ -46,10 +46,12 @@ async def test_api_nodes_says_what_encoding_every_row_says_and_follows_changes(
     names = bus.names
 
     async def heartbeats(node: str, stop: anyio.Event) -> None:
+        # The node's launcher and its installer (one that is silent is said: not here).
         while not stop.is_set():
-            await bus.publish_core(
-                names.heartbeat(node, "launcher"), Heartbeat(node=node, service="launcher", at=now())
-            )
+            for service in ("launcher", "installer"):
+                await bus.publish_core(
+                    names.heartbeat(node, service), Heartbeat(node=node, service=service, at=now())
+                )
             await anyio.sleep(0.1)
 
     async with anyio.create_task_group() as tg:

@@ -345,6 +345,13 @@ def test_a_profile_change_without_room_replaces_in_place_and_one_that_fits_nowhe
     plan = w.step()
     assert plan.removals == [], "a profile that fits nowhere must not take the serving replica down"
     assert plan.refusals[0].refusal.reasons == (("n0", "GPU class H100-80G, profile needs A100-80G"),)
+    # Said, not left at `1 of 1 ready` as if nothing were waiting.
+    [report] = plan.reports
+    blocked = (
+        "rolling update blocked: no node fits the new profile: n0: GPU class H100-80G, profile needs A100-80G"
+    )
+    assert report.status.blocked == blocked
+    assert report.status.summary.endswith(f"; {blocked}"), report.status.summary
 
 
 def test_a_pool_places_only_on_the_nodes_its_patterns_name() -> None:
@@ -487,4 +494,8 @@ def test_a_drain_with_no_room_elsewhere_stops_nothing_and_says_why() -> None:
     assert plan.removals == [], "a drain must not take the only serving replica down"
     assert plan.refusals[0].refusal.reasons == (
         ("n0", "draining by ops at 2027-01-15 08:00:00 UTC: disk swap"),
+    )
+    [report] = plan.reports
+    assert report.status.blocked == (
+        "drain of n0 blocked: no other node fits: n0: draining by ops at 2027-01-15 08:00:00 UTC: disk swap"
     )

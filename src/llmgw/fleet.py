@@ -32,6 +32,9 @@ class Fleet:
     gpus_per_node: int = 8
     gpu_name: str = "NVIDIA H100 80GB HBM3"
     heartbeat_interval_s: float = 1.0
+    # Tests only: how far the simulated nodes' clocks run ahead of this machine's (negative:
+    # behind), in every time they stamp (heartbeats, statuses), as a node whose time sync broke.
+    clock_skew_s: float = 0.0
     ready: dict[str, ShardStatus] = field(default_factory=dict)
     ready_at: dict[str, float] = field(default_factory=dict)
     # Answers not yet written (NATS was away): spec, or None for a removed shard.
@@ -56,7 +59,12 @@ class Fleet:
             simulated=True,
             nvidia_driver="sim",
         )
-        return NodeStatus(node=node, facts=facts, engines=(SIM_ENGINE,), probed_at=now(), updated_at=now())
+        at = self.now()
+        return NodeStatus(node=node, facts=facts, engines=(SIM_ENGINE,), probed_at=at, updated_at=at)
+
+    def now(self) -> float:
+        """The simulated nodes' wall clock (`clock_skew_s` off this machine's)."""
+        return now() + self.clock_skew_s
 
     async def register(self) -> None:
         """Every node's status in the nodes bucket, a few writes in flight at a time."""
@@ -82,7 +90,7 @@ class Fleet:
                     try:
                         await self.bus.publish_core(
                             self.bus.names.heartbeat(node, "agent"),
-                            Heartbeat(node=node, service="agent", at=now()),
+                            Heartbeat(node=node, service="agent", at=self.now()),
                         )
                     except BusError:
                         break  # NATS is away: the next interval tries again
@@ -119,7 +127,7 @@ class Fleet:
                         writes.delete(names.shard_status_bucket, key)
                         answers[key] = None
                     else:
-                        status = answers[key] = self._ready(key, spec)
+                        status = answers[key] = self._ready(key, spec, self.now())
                         writes.put(names.shard_status_bucket, key, status)
                 try:
                     await self.bus.commit(writes)
@@ -137,7 +145,7 @@ class Fleet:
                         del self._unwritten[key]
 
     @staticmethod
-    def _ready(key: str, spec: ShardSpec) -> ShardStatus:
+    def _ready(key: str, spec: ShardSpec, at: float) -> ShardStatus:
         node, _, shard = key.partition(".")
         return ShardStatus(
             node=node,
@@ -151,7 +159,7 @@ class Fleet:
             pool=spec.pool,
             fabric=spec.fabric,
             rank=spec.rank,
-            at=now(),
+            at=at,
         )
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

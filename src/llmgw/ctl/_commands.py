@@ -398,7 +398,7 @@ async def get(bus: Bus, kind: str, name: str, output: str) -> str:
         headers = views.PROFILE_HEADERS + (views.PROFILE_WIDE if wide else [])
         rows = [views.profile_row(p, wide=wide, deployments=c.deployments) for p in items]
     else:
-        c = await read.cluster(bus, what=frozenset({"shards"}))
+        c = await read.cluster(bus, what=frozenset({"shards", "liveness"}))
         items = list(c.shards.values())
         if name:
             key = replica_key(name)
@@ -414,7 +414,8 @@ async def get(bus: Bus, kind: str, name: str, output: str) -> str:
                 shown=[views.shard_name(s.node, s.shard) for s in items],
             )
         headers = views.SHARD_HEADERS + (views.SHARD_WIDE if wide else [])
-        rows = [views.shard_row(s, wide=wide, now=now) for s in items]
+        judged = views.shard_readings(c)
+        rows = [views.shard_row(s, wide=wide, now=now, live=judged.get(s.node)) for s in items]
     if output == "name":
         return _names(kind, items)
     if output in ("json", "yaml"):
@@ -487,14 +488,7 @@ async def watch(bus: Bus, kind: str, name: str, output: str) -> None:
         if kind == "node" and value is not None:
             judged = await read.liveness(bus)
             live = {x.node: x for x in judged.nodes} if judged else {}
-            j = live.get(key)
-            value = views.NodeView(
-                node=key,
-                state=views.node_state(j, judged is not None),
-                silent_s=j.silent_s if j else -1.0,
-                status=value,
-                claimed=j.claimed if j else "",
-            )
+            value = views.node_view(key, value, live.get(key), judged is not None)
         elif kind == "deployment" and value is not None:
             value = views.DeploymentView(name=key, deployment=value, status=statuses.get(key))
         emit(key, value, value is None)

@@ -138,7 +138,8 @@ class Cluster:
 
 
 async def cluster(bus: Bus, *, what: frozenset[str]) -> Cluster:
-    """Read the parts named in `what` (nodes, deployments, replicas, shards, catalog) side by side."""
+    """Read the parts named in `what` (nodes, deployments, replicas, shards, catalog, liveness:
+    placement's judgement, read with the nodes too) side by side."""
     n = bus.names
     out: dict[str, object] = {}
     async with anyio.create_task_group() as tg:
@@ -152,6 +153,8 @@ async def cluster(bus: Bus, *, what: frozenset[str]) -> Cluster:
         if "nodes" in what:
             tg.start_soon(read, "nodes", n.nodes_bucket, NodeStatus)
             tg.start_soon(read, "intents", n.node_intent_bucket, NodeIntent)
+        if "nodes" in what or "liveness" in what:
+            # Placement's judgement: how a node stands, and how its shards read.
             tg.start_soon(judge)
         if "deployments" in what:
             tg.start_soon(read, "deployments", n.deployments_bucket, Deployment)

@@ -46,6 +46,16 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     intent: str = ""
     # The model files its launcher reports missing, as placement heard them.
     missing_models: tuple[str, ...] = ()
+    # What placement says is wrong with the node, each in one line (`installer on node-b silent
+    # for 53 s: install progress stale`, `clock 600 s ahead of placement's`).
+    problems: tuple[str, ...] = ()
+    # The install progress as shown: the status's, marked stale while the installer is silent.
+    install: str = ""
+    # `clock 600 s ahead of placement's` while placement warns of the node's clock, else "".
+    clock: str = ""
+    # The node's clock minus placement's while that is a warning (0 otherwise): what the node
+    # stamps is moved back by it, so that ages are placement's, never the node's.
+    clock_offset_s: float = 0.0
 
 
 class DeploymentView(msgspec.Struct, frozen=True, kw_only=True):
@@ -115,7 +125,7 @@ def node_state(live: NodeLiveness | None, judged: bool) -> str:
         left = ago(live.grace_left_s)
         return f"launcher silent {ago(live.silent_s)}, installer beats (fails over in {left})"
     if live.alive:
-        return "alive"
+        return f"alive, {live.installer_short()}" if live.installer_stale else "alive"
     if live.silent_s < 0:
         return "lost (not heard since placement started)"
     return f"lost {ago(live.silent_s)} ago"
@@ -125,22 +135,31 @@ def node_views(c: Cluster) -> list[NodeView]:
     live = {n.node: n for n in c.judged.nodes} if c.judged else {}
     views = []
     for node, status in sorted(c.nodes.items()):
-        judged = live.get(status.node)
         intent = c.intents.get(node)
         said = intent.state(replicas_on(c, node)) if intent is not None else ""
-        state = node_state(judged, c.judged is not None)
-        views.append(
-            NodeView(
-                node=node,
-                state=f"{state}; {said}" if said else state,
-                silent_s=judged.silent_s if judged is not None else -1.0,
-                status=status,
-                claimed=judged.claimed if judged is not None else "",
-                intent=said,
-                missing_models=judged.missing_models if judged is not None else (),
-            )
-        )
+        views.append(node_view(node, status, live.get(status.node), c.judged is not None, said))
     return views
+
+
+def node_view(
+    node: str, status: NodeStatus, judged: NodeLiveness | None, answered: bool, said: str = ""
+) -> NodeView:
+    """The node as placement judges it (`judged`; `answered`: whether a placement answered at
+    all) with its status, and the operator's intent in words (`said`)."""
+    state = node_state(judged, answered)
+    return NodeView(
+        node=node,
+        state=f"{state}; {said}" if said else state,
+        silent_s=judged.silent_s if judged is not None else -1.0,
+        status=status,
+        claimed=judged.claimed if judged is not None else "",
+        intent=said,
+        missing_models=judged.missing_models if judged is not None else (),
+        problems=judged.problems() if judged is not None else (),
+        install=judged.install_shown(status.install) if judged is not None else status.install,
+        clock=judged.clock_words() if judged is not None else "",
+        clock_offset_s=judged.clock_offset_s if judged is not None else 0.0,
+    )
 
 
 def missing_words(v: NodeView) -> tuple[str, ...]:
@@ -174,11 +193,12 @@ def node_row(v: NodeView, *, wide: bool = False, now: float | None = None) -> li
     gpus = status.facts.gpus
     gpu_text = f"{len(gpus)}x {gpus[0].name}" if gpus else "-"
     engines = ", ".join(engine_words(e) for e in status.engines)
-    install = status.install or "-"
-    if v.state.startswith("lost") and status.install:
+    shown = v.install or status.install
+    install = shown or "-"
+    if v.state.startswith("lost") and shown:
         # What a lost node said last is not news: say so.
-        install = f"{status.install} (last known)"
-    warnings = (v.claimed, *status.warnings) if v.claimed else status.warnings
+        install = f"{shown} (last known)"
+    warnings = tuple(w for w in (v.claimed, v.clock) if w) + status.warnings
     warnings = (*warnings, *missing_words(v))
     row = [v.node, v.state, gpu_text, engines or "none", install, "; ".join(warnings) or "-"]
     if wide:
@@ -187,7 +207,9 @@ def node_row(v: NodeView, *, wide: bool = False, now: float | None = None) -> li
             facts.arch or "-",
             str(facts.cores or "-"),
             f"{facts.memory_mb // 1024} GiB" if facts.memory_mb else "-",
-            f"{age(status.probed_at, now or time.time())} ago" if status.probed_at else "never",
+            f"{age(status.probed_at - v.clock_offset_s, now or time.time())} ago"
+            if status.probed_at
+            else "never",
         ]
     return row
 
@@ -279,14 +301,28 @@ SHARD_HEADERS = ["SHARD", "NODE", "STATE", "REPLICA", "RESTARTS", "SINCE", "REAS
 SHARD_WIDE = ["PIDS", "URL", "LOAD", "LAST FAILURE"]
 
 
-def shard_row(s: ShardStatus, *, wide: bool = False, now: float | None = None) -> list[str]:
+def shard_readings(c: Cluster) -> dict[str, NodeLiveness]:
+    """Placement's judgement of each node, for how its shards read (`NodeLiveness.shard_reading`)."""
+    return {n.node: n for n in c.judged.nodes} if c.judged else {}
+
+
+def shard_row(
+    s: ShardStatus,
+    *,
+    wide: bool = False,
+    now: float | None = None,
+    live: NodeLiveness | None = None,
+) -> list[str]:
+    """A shard as it reads now: a lost node's (by `live`, placement's word) is `unknown (node lost
+    13 s ago)`, never the `ready` it last stored; its age by placement's clock."""
+    offset = live.clock_offset_s if live is not None else 0.0
     row = [
         shard_name(s.node, s.shard),
         s.node,
-        s.state,
+        live.shard_reading(s.state) if live is not None else s.state,
         replica_name(s.deployment, s.replica) if s.deployment else s.replica,
         str(s.restarts),
-        age(s.at, now or time.time()),
+        age(s.at - offset if s.at else 0.0, now or time.time()),
         failures.reason_line(s) or "-",
     ]
     if wide:
@@ -438,9 +474,9 @@ def describe_node(v: NodeView, c: Cluster, history: list[Stamped], *, now: float
         + ("" if f.has_avx2 else " (no AVX2)"),
         f"Driver:       {f.nvidia_driver or 'none'}" + (f" (CUDA {f.cuda_driver})" if f.cuda_driver else ""),
         f"HCAs:         {', '.join(f.hcas) or 'none'}",
-        f"Probed:       {age(s.probed_at, now) + ' ago' if s.probed_at else 'never'}",
-        f"Install:      {s.install or '-'}",
-        f"Warnings:     {'; '.join((*s.warnings, *missing_words(v))) or '-'}",
+        f"Probed:       {age(s.probed_at - v.clock_offset_s, now) + ' ago' if s.probed_at else 'never'}",
+        f"Install:      {v.install or s.install or '-'}",
+        f"Warnings:     {'; '.join((*v.problems, *s.warnings, *missing_words(v))) or '-'}",
         "",
         "GPUs:",
     ]
@@ -471,7 +507,8 @@ def describe_node(v: NodeView, c: Cluster, history: list[Stamped], *, now: float
     shards = [st for st in c.shards.values() if st.node == v.node]
     lines += ["", "Shards:"]
     if shards:
-        rows = [shard_row(st, now=now) for st in sorted(shards, key=lambda st: st.shard)]
+        live = shard_readings(c).get(v.node)
+        rows = [shard_row(st, now=now, live=live) for st in sorted(shards, key=lambda st: st.shard)]
         lines.append(_indent(table(SHARD_HEADERS, rows)))
     else:
         lines.append("  (none)")

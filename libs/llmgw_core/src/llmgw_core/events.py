@@ -435,6 +435,67 @@ class NodeLiveness(Struct, frozen=True, kw_only=True, array_like=True):
     grace_left_s: float = -1.0
     # The model files its launcher reports missing: profiles reading them are placed elsewhere.
     missing_models: tuple[str, ...] = ()
+    # Its launcher beats but its installer has missed a few heartbeats: what the node's status
+    # says of its install is the installer's last word, not news (`installer_silent_s` says
+    # for how long; -1 there: not heard since the judging placement started).
+    installer_stale: bool = False
+    # The node's clock minus placement's, in seconds, while they differ by more than
+    # `CLOCK_OFFSET_S` (0 otherwise): every time the node stamps is off by this much.
+    clock_offset_s: float = 0.0
+
+    def installer_short(self) -> str:
+        """`installer silent 53 s` while the installer is stale, else ""."""
+        if not self.installer_stale:
+            return ""
+        if self.installer_silent_s < 0:
+            return "installer not heard since placement started"
+        return f"installer silent {int(self.installer_silent_s)} s"
+
+    def problems(self) -> tuple[str, ...]:
+        """What placement says is wrong with the node, each in one line: `installer on node-b
+        silent for 53 s: install progress stale`, `clock 600 s ahead of placement's`."""
+        said = []
+        if self.installer_stale:
+            if self.installer_silent_s < 0:
+                silent = "not heard since placement started"
+            else:
+                silent = f"silent for {int(self.installer_silent_s)} s"
+            said.append(f"installer on {self.node} {silent}: install progress stale")
+        clock = self.clock_words()
+        if clock:
+            said.append(clock)
+        return tuple(said)
+
+    def clock_words(self) -> str:
+        """`clock 600 s ahead of placement's` (or `behind`) while the offset is a warning, else ""."""
+        if not self.clock_offset_s:
+            return ""
+        way = "ahead of" if self.clock_offset_s > 0 else "behind"
+        return f"clock {abs(round(self.clock_offset_s))} s {way} placement's"
+
+    def install_shown(self, install: str) -> str:
+        """The node's install progress as its status keeps it, marked stale while the installer is
+        silent: `downloading … (92%, 6 MB of 7 MB), stale: no word for 53 s`."""
+        if not install or not self.installer_stale:
+            return install
+        if self.installer_silent_s < 0:
+            return f"{install}, stale: no word since placement started"
+        return f"{install}, stale: no word for {int(self.installer_silent_s)} s"
+
+    def shard_reading(self, state: str) -> str:
+        """A shard of this node as it reads now: its stored state is the node's last word, so a
+        lost node's shard is `unknown (node lost 13 s ago)`, never the `ready` it last said."""
+        if self.alive:
+            return state
+        if self.silent_s < 0:
+            return "unknown (node lost; not heard since placement started)"
+        return f"unknown (node lost {int(self.silent_s)} s ago)"
+
+
+# A node whose clock differs from placement's by more than this is warned of; the warning ends
+# once the offset is back under CLOCK_OFFSET_END_S (a clock near the line does not flap).
+CLOCK_OFFSET_S = 2.0
+CLOCK_OFFSET_END_S = 1.5
 
 
 class Liveness(Message, frozen=True):
@@ -657,6 +718,9 @@ class DeploymentStatus(Message, frozen=True):
     # Every node's reason for the refusal, when some replicas cannot be placed.
     reasons: tuple[NodeReason, ...] = ()
     at: float = 0.0
+    # Why a change cannot proceed while the replicas run on: `rolling update blocked: no node
+    # fits the new profile: …`, `drain of node-a blocked: no other node fits: …`; else "".
+    blocked: str = ""
 
 
 class ScaleDecision(Message, frozen=True):

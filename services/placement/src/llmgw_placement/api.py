@@ -1,5 +1,5 @@
-"""Placement's HTTP API: `/api/nodes`, `/api/deployments`, `/api/replicas`, `/api/explain/<d>`,
-`/api/warnings`, `/api/store`, `/api/catalog`, `/api/usage`, `/metrics`.
+"""Placement's HTTP API: `/api/nodes`, `/api/deployments`, `/api/replicas`, `/api/shards`,
+`/api/explain/<d>`, `/api/warnings`, `/api/store`, `/api/catalog`, `/api/usage`, `/metrics`.
 
 Every placement serves it; a standby answers from the same watched state, but
 replicas and decisions are the leader's: there a standby answers 503 naming the
@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from llmgw_core import failures
 from llmgw_core.engines import GPUInfo, Profile
 from llmgw_core.errors import BusError, ConfigError, StoreFull
-from llmgw_core.events import Deployment, EngineState, NodeStatus, ReplicaRecord, decoder
+from llmgw_core.events import Deployment, EngineState, NodeStatus, ReplicaRecord, ShardStatus, decoder
 from llmgw_core.limits import profile_problem
 from llmgw_core.metrics import exposition
 from llmgw_core.telemetry import context_from, current_traceparent
@@ -75,6 +75,21 @@ class NodeRow(msgspec.Struct, frozen=True, kw_only=True):
     intent: str = ""
     # The model files its launcher reports missing (profiles reading them go elsewhere).
     missing_models: tuple[str, ...] = ()
+    # What placement says is wrong with the node, each in one line (`installer on node-b silent
+    # for 53 s: install progress stale`, `clock 600 s ahead of placement's`); `install` is then
+    # marked stale too (`…, stale: no word for 53 s`).
+    problems: tuple[str, ...] = ()
+
+
+class ShardRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One shard in `/api/shards`: how it reads now, and its status as its node last stored it."""
+
+    shard: str
+    node: str
+    # The stored state, or `unknown (node lost 13 s ago)` while its node is lost.
+    state: str
+    replica: str
+    status: ShardStatus
 
 
 class _Reported(msgspec.Struct, frozen=True, kw_only=True):
@@ -201,6 +216,7 @@ class Api:
             Route("/api/deployments", self.get_deployments, methods=["GET"]),
             Route("/api/deployments", self.put_deployment, methods=["POST"]),
             Route("/api/replicas", self.get_replicas, methods=["GET"]),
+            Route("/api/shards", self.get_shards, methods=["GET"]),
             Route("/api/explain/{name}", self.get_explain, methods=["GET"]),
             Route("/api/warnings", self.get_warnings, methods=["GET"]),
             Route("/api/store", self.get_store, methods=["GET"]),
@@ -240,6 +256,23 @@ class Api:
         if held is None:
             return self.standby()
         return json_response({k: _builtins(v) for k, v in sorted(held.replicas.items())})
+
+    async def get_shards(self, _: Request) -> Response:
+        return json_response(_builtins(self.shards()))
+
+    def shards(self) -> list[ShardRow]:
+        statuses = self.service.state.shard_status
+        reading = self.service.view.shard_states(time.monotonic())
+        return [
+            ShardRow(
+                shard=f"{s.node}/{s.shard}",
+                node=s.node,
+                state=reading.get(k, s.state),
+                replica=f"{s.deployment}/{s.replica}" if s.deployment else s.replica,
+                status=s,
+            )
+            for k, s in sorted(statuses.items())
+        ]
 
     async def get_explain(self, request: Request) -> Response:
         if not self.service.is_leader:
@@ -330,28 +363,28 @@ class Api:
         return exposition(self.service.metrics.registry, request)
 
     def nodes(self) -> list[NodeRow]:
-        view = self.service.view
         at = time.monotonic()
-        out = []
-        for name in sorted(self.service.state.nodes):
-            status = self.service.state.nodes[name]
-            alive, since = view.alive(status.node, at)
-            out.append(
-                NodeRow(
-                    node=status.node,
-                    alive=alive,
-                    seen_s_ago=round(since, 1) if since != float("inf") else -1.0,
-                    claimed=self.service.state.claims.claimed(status.node, at) or "",
-                    gpus=status.facts.gpus,
-                    engines=status.engines,
-                    install=status.install,
-                    warnings=status.warnings,
-                    probed_at=status.probed_at,
-                    intent=view.intent(status.node),
-                    missing_models=tuple(sorted(self.service.state.missing_models.get(status.node, ()))),
-                )
-            )
-        return out
+        return [self.node_row(name, at) for name in sorted(self.service.state.nodes)]
+
+    def node_row(self, name: str, at: float) -> NodeRow:
+        view = self.service.view
+        status = self.service.state.nodes[name]
+        alive, since = view.alive(status.node, at)
+        judged = view.judged(status.node, at)
+        return NodeRow(
+            node=status.node,
+            alive=alive,
+            seen_s_ago=round(since, 1) if since != float("inf") else -1.0,
+            claimed=self.service.state.claims.claimed(status.node, at) or "",
+            gpus=status.facts.gpus,
+            engines=status.engines,
+            install=judged.install_shown(status.install),
+            warnings=status.warnings,
+            probed_at=status.probed_at,
+            intent=view.intent(status.node),
+            missing_models=tuple(sorted(self.service.state.missing_models.get(status.node, ()))),
+            problems=judged.problems(),
+        )
 
     def nodes_json(self) -> bytes:
         """`nodes()` as JSON, newline-ended: the text encoding it writes, made from each node's
@@ -368,8 +401,14 @@ class Api:
         kept: dict[str, tuple[NodeStatus, bytes, bytes]] = {}
         ages: dict[float, bytes] = {}
         parts: list[bytes] = [b"["]
+        liveness = self.service.view.liveness
+        clock_off = self.service.state.clock_off
         for name in sorted(nodes):
             status = nodes[name]
+            if name in clock_off or liveness.installer_stale(name, at):
+                # A node placement says something is wrong with: its whole row, made afresh.
+                parts += (_encode(self.node_row(name, at)), b",")
+                continue
             row = cached.get(name)
             if row is None or row[0] is not status:
                 rest = _Reported(
@@ -401,7 +440,7 @@ class Api:
                 b',"intent":' + _encode(self.service.view.intent(name)),
                 b',"missing_models":'
                 + _encode(sorted(self.service.state.missing_models.get(name, ())))
-                + b"}",
+                + b',"problems":[]}',
                 b",",
             )
         self._reported = kept  # a node that left is dropped here

@@ -8,8 +8,33 @@ heartbeats in its `ClusterState`).
 
 from __future__ import annotations
 
+from llmgw_core.events import CLOCK_OFFSET_END_S, CLOCK_OFFSET_S, NodeLiveness
+
 from .config import ServerConfig
 from .state import ClusterState
+
+
+def clock_off(offset: float, was_off: bool) -> bool:
+    """Whether a node's clock offset (its clock minus placement's) is a warning: over
+    `CLOCK_OFFSET_S` either way, and, once it is, until it is back under `CLOCK_OFFSET_END_S`
+    (a clock near the line would otherwise start and end a warning with every beat)."""
+    return abs(offset) > (CLOCK_OFFSET_END_S if was_off else CLOCK_OFFSET_S)
+
+
+def clock_turn(
+    offset: float, was_off: bool, crossed_at: float | None, at: float, settle_s: float
+) -> tuple[bool, float | None]:
+    """Whether the node's clock warning holds after a beat measured `offset` at `at`, and since
+    when the beats have said otherwise (None: they agree with `was_off`). The warning starts or
+    ends only once the beats have said so for `settle_s`: beats queued while placement was
+    behind arrive late, read as a clock behind by the delay, and a warning for every node of
+    the fleet after one stall would be noise."""
+    if clock_off(offset, was_off) == was_off:
+        return was_off, None
+    since = at if crossed_at is None else crossed_at
+    if at - since >= settle_s:
+        return not was_off, None
+    return was_off, since
 
 
 class Liveness:
@@ -80,4 +105,37 @@ class Liveness:
         if self.state.heard_from is None:
             return False
         seen = max(self.state.last_seen.get(node, float("-inf")), self.state.heard_from)
-        return at - seen > max(3 * self.config.heartbeat_interval_s, self.config.node_timeout_s / 2)
+        return at - seen > self._stale_after()
+
+    def installer_stale(self, node: str, at: float) -> bool:
+        """Whether the node's launcher beats while its installer has missed a few heartbeats: the
+        install progress its status shows is the installer's last word (a killed installer's
+        `downloading … (92%)` would otherwise read as live for good). Only for a node whose
+        launcher runs apart from an installer, and judged on what this placement could hear."""
+        heard_from = self.state.heard_from
+        if heard_from is None or node not in self.state.with_installer or self.launcher_stale(node, at):
+            return False
+        seen = max(self.state.installer_seen.get(node, float("-inf")), heard_from)
+        return at - seen > self._stale_after()
+
+    def _stale_after(self) -> float:
+        return max(3 * self.config.heartbeat_interval_s, self.config.node_timeout_s / 2)
+
+    def judged(self, node: str, at: float) -> NodeLiveness:
+        """The node as every surface shows it: alive or lost and for how long, its installer's
+        silence, a claim by two machines, an agent restart's grace, its clock's offset."""
+        state = self.state
+        alive, silent = self.alive(node, at)
+        installer = state.installer_seen.get(node)
+        grace = self.in_grace(node, at)
+        return NodeLiveness(
+            node=node,
+            alive=alive,
+            silent_s=round(silent, 1) if silent != float("inf") else -1.0,
+            installer_silent_s=round(at - installer, 1) if installer is not None else -1.0,
+            claimed=state.claims.claimed(node, at) or "",
+            grace_left_s=round(grace, 1) if grace is not None else -1.0,
+            installer_stale=self.installer_stale(node, at),
+            clock_offset_s=round(state.clock_offset.get(node, 0.0), 1) if node in state.clock_off else 0.0,
+            missing_models=tuple(sorted(state.missing_models.get(node, ()))),
+        )

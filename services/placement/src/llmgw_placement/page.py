@@ -146,12 +146,13 @@ class Page:
                 holders[(spec.node, gpu)] = f"{spec.deployment}/{spec.replica}"
         shard_status = dict(service.state.shard_status)
         nodes = self.nodes()
+        reading = view.shard_states(time.monotonic())
         return "\n".join(
             [
                 head,
                 self._summary(nodes, holders, statuses),
-                self._problems(replicas, statuses),
-                self._nodes(holders, nodes),
+                self._problems(replicas, statuses, nodes),
+                self._nodes(holders, nodes, shard_status, reading),
                 self._deployments(statuses),
                 self._replicas(replicas, shard_status),
                 self._catalog(),
@@ -202,10 +203,17 @@ class Page:
             f"{n(unplaceable, 'unplaceable', 'bad')}</p>"
         )
 
-    def _problems(self, replicas: dict[str, ReplicaRecord], statuses: dict[str, Any]) -> str:
-        """What is wrong, before the nodes: each failing replica with its reason, and each
-        deployment with replicas that cannot be placed."""
-        items = []
+    def _problems(
+        self, replicas: dict[str, ReplicaRecord], statuses: dict[str, Any], nodes: list[Any]
+    ) -> str:
+        """What is wrong, before the nodes: what placement says of a node (a silent installer, a
+        clock off), each failing replica with its reason, and each deployment with replicas that
+        cannot be placed or a change that cannot proceed."""
+        items = [
+            f"<li data-problem='{_e(row.node)}'>{_e(problem)}</li>"
+            for row in nodes
+            for problem in row.problems
+        ]
         for key in sorted(replicas):
             r = replicas[key]
             told = failures.failure_of(r)
@@ -224,7 +232,7 @@ class Page:
             )
         for name in sorted(statuses):
             status = statuses[name]
-            if status.unplaceable:
+            if status.unplaceable or status.blocked:
                 items.append(f"<li data-problem='{_e(name)}'>{_e(status.summary)}</li>")
         if not items:
             return "<section id=problems><h2>Problems (0)</h2><p>none</p></section>"
@@ -232,7 +240,21 @@ class Page:
             f"<section id=problems><h2>Problems ({len(items)})</h2><ul>" + "".join(items) + "</ul></section>"
         )
 
-    def _nodes(self, holders: dict[tuple[str, int], str], nodes: list[Any]) -> str:
+    def _nodes(
+        self,
+        holders: dict[tuple[str, int], str],
+        nodes: list[Any],
+        shard_status: dict[str, ShardStatus],
+        reading: dict[str, str],
+    ) -> str:
+        on_node: dict[str, list[str]] = {}
+        for k, st in sorted(shard_status.items()):
+            state = reading.get(k, st.state)
+            cls = "ok" if state == "ready" else "bad"
+            on_node.setdefault(st.node, []).append(
+                f"<div class=shard data-shard='{_e(k)}'>{_e(st.shard)}: "
+                f"<span class={cls}>{_e(state)}</span></div>"
+            )
         rows = []
         for row in nodes:
             status = self.service.state.nodes.get(row.node)
@@ -271,10 +293,12 @@ class Page:
                 engines += f"<div class=install>{_e(row.install)}{last}</div>"
             said = (
                 ((row.claimed,) if row.claimed else ())
+                + tuple(row.problems)
                 + row.warnings
                 + tuple(f"model file not found: {p}" for p in row.missing_models)
             )
             warnings = "".join(f"<div class=warn>{_e(w)}</div>" for w in said)
+            engines += "".join(on_node.get(row.node, ()))
             rows.append(
                 f"<tr data-node='{_e(row.node)}'><td>{_e(row.node)}</td><td>{state}</td>"
                 f"<td>{_e(system)}{warnings}</td><td class=gpus>{gpus or '—'}</td>"

@@ -193,6 +193,7 @@ class _Walk:
             # Roll one replica at a time: a new one ready before an old one goes,
             # where capacity allows; else one old one goes first.
             refused: Refusal | None = None
+            blocked = ""
             if in_flight:
                 pass
             elif len(current) + len(stale) > dep.replicas:
@@ -215,8 +216,12 @@ class _Walk:
                     # A drain never stops a replica before its replacement is ready.
                     if key(victim) not in drained and self._fits_without(victim, dep, profile):
                         self._remove(victim, "replaced in place: no room for a new replica first")
+                    else:
+                        blocked = _blocked(stale, drained, fp)
             yield False
-            self._report(dep, mine, refused=refused is not None, reasons=self._refused_reasons(dep))
+            self._report(
+                dep, mine, refused=refused is not None, reasons=self._refused_reasons(dep), blocked=blocked
+            )
             return
         missing = dep.replicas - len(current)
         refusal: Refusal | None = None
@@ -316,9 +321,11 @@ class _Walk:
         *,
         refused: bool,
         reasons: tuple[NodeReason, ...],
+        blocked: str = "",
     ) -> None:
         """The deployment's desired, ready, pending and unplaceable counts, with the refusal
-        that keeps some from being placed, when any of them changed."""
+        that keeps some from being placed (or a roll or drain from proceeding: `blocked`, with
+        every node's reason), when any of them changed."""
         held = self.held
         keys = {key(r) for r in observed}
         records = [held.replicas[k] for k in keys if k in held.replicas]
@@ -338,6 +345,9 @@ class _Walk:
             parts.append(", ".join(f"{n} {state}" for state, n in sorted(states.items())))
         if unplaceable:
             parts.append(f"{unplaceable} cannot be placed: {_reasons_text(reasons)}")
+        if blocked:
+            blocked = f"{blocked}: {_reasons_text(reasons)}"
+            parts.append(blocked)
         status = DeploymentStatus(
             deployment=dep.name,
             desired=dep.replicas,
@@ -347,6 +357,7 @@ class _Walk:
             summary="; ".join(parts),
             reasons=reasons,
             at=wall_now(),
+            blocked=blocked,
         )
         previous = held.statuses.get(dep.name)
         if previous is not None and msgspec.structs.replace(previous, at=status.at) == status:
@@ -507,6 +518,18 @@ class _Walk:
 def _reasons_text(reasons: tuple[NodeReason, ...], limit: int = 5) -> str:
     """`node-a 0 of 2 GPUs free, node-b lost: …` for a few nodes, counted past `limit`."""
     return Refusal(tuple((r.node, r.reason) for r in reasons)).summary(limit) if reasons else "no nodes known"
+
+
+def _blocked(stale: list[ReplicaRecord], drained: dict[str, str], fp: str) -> str:
+    """Why a roll cannot proceed, the replicas serving on meanwhile: a profile change that no
+    node fits, or a drain with nowhere to go (every node's reason follows in the summary)."""
+    said = []
+    if any(r.profile_fp != fp for r in stale):
+        said.append("rolling update blocked: no node fits the new profile")
+    nodes = sorted({n for r in stale if (on := drained.get(key(r))) for n in on.split(", ")})
+    if nodes:
+        said.append(f"drain of {', '.join(nodes)} blocked: no other node fits")
+    return "; ".join(said)
 
 
 def _pick_to_remove(stale: list[ReplicaRecord]) -> ReplicaRecord:

@@ -34,7 +34,6 @@ from llmgw_core.events import (
     Heartbeat,
     Liveness,
     NodeIntent,
-    NodeLiveness,
     NodeStatus,
     ShardStatus,
     decoder,
@@ -51,6 +50,7 @@ from .config import ServerConfig
 from .controller import ClusterState, Controller
 from .desired import PlacementFile, file_difference, last_good, placement_file
 from .lease import Lease, LeaseLost
+from .liveness import clock_turn
 from .metrics import PlacementMetrics
 from .view import ClusterView
 
@@ -189,8 +189,16 @@ class PlacementService:
                 target.pop(change.key, None)
                 if target is self.state.nodes:
                     # A node forgotten (`ctl delete node`): nothing of it is kept.
-                    for heard in (self.state.last_seen, self.state.last_seen_wall, self.state.installer_seen):
+                    for heard in (
+                        self.state.last_seen,
+                        self.state.last_seen_wall,
+                        self.state.installer_seen,
+                        self.state.clock_offset,
+                        self.state.clock_crossed,
+                    ):
                         heard.pop(change.key, None)
+                    self.state.with_installer.discard(change.key)
+                    self.state.clock_off.discard(change.key)
             elif problem is None and change.value is not None:
                 problem = check(change.key, change.value) if check else None
                 if problem is None:
@@ -322,12 +330,41 @@ class PlacementService:
                 # An agent that waits while another instance works for the node runs
                 # nothing: its beats say nothing about the node's engines.
                 return
+            wall = time.time()
+            offset = beat.at - wall
+            state.clock_offset[node] = offset
+            was_off = node in state.clock_off
+            off, crossed = clock_turn(
+                offset, was_off, state.clock_crossed.get(node), at, 3 * self.config.heartbeat_interval_s
+            )
+            if crossed is None:
+                state.clock_crossed.pop(node, None)
+            else:
+                state.clock_crossed[node] = crossed
+            if off != was_off:
+                # Said once when it starts and once when it ends: every time the node stamps
+                # (its statuses, its probes) is off by this much.
+                if was_off:
+                    state.clock_off.discard(node)
+                    log.warning("node %s: its clock agrees with placement's again (%+.1f s)", node, offset)
+                else:
+                    state.clock_off.add(node)
+                    way = "ahead of" if offset > 0 else "behind"
+                    log.warning(
+                        "node %s: its clock is %.0f s %s placement's: the times it stamps are off by "
+                        "as much (ages are computed from placement's clock); fix its time sync (NTP)",
+                        node,
+                        abs(offset),
+                        way,
+                    )
             if service == "installer":
                 state.installer_seen[node] = at
                 return
+            if service == "launcher":
+                state.with_installer.add(node)
             first = node not in state.last_seen
             state.last_seen[node] = at
-            state.last_seen_wall[node] = beat.at
+            state.last_seen_wall[node] = wall
             missing = frozenset(beat.missing_models)
             if missing != state.missing_models.get(node, frozenset()):
                 # The node lacks (or now has) a model file: its view changes, and a replica
@@ -383,22 +420,7 @@ class PlacementService:
         at = time.monotonic()
         view = self.view
         state = self.state
-        out = []
-        for node in sorted(state.nodes):
-            alive, silent = view.alive(node, at)
-            installer = state.installer_seen.get(node)
-            grace = view.in_grace(node, at)
-            out.append(
-                NodeLiveness(
-                    node=node,
-                    alive=alive,
-                    silent_s=round(silent, 1) if silent != float("inf") else -1.0,
-                    installer_silent_s=round(at - installer, 1) if installer is not None else -1.0,
-                    claimed=state.claims.claimed(node, at) or "",
-                    grace_left_s=round(grace, 1) if grace is not None else -1.0,
-                    missing_models=tuple(sorted(state.missing_models.get(node, ()))),
-                )
-            )
+        out = [view.liveness.judged(node, at) for node in sorted(state.nodes)]
         return Liveness(
             placement=self.identity,
             leader=self.is_leader,

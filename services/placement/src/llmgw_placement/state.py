@@ -16,14 +16,25 @@ class ClusterState:
 
     nodes: dict[str, NodeStatus]
     # The node's launcher (or all-in-one agent) last heard, by this placement's
-    # monotonic clock, and by the sender's wall clock (for "no heartbeat since …").
+    # monotonic clock (liveness is judged on it).
     last_seen: dict[str, float]
     catalog: dict[str, Profile]
     deployments: dict[str, Deployment]
     shard_status: dict[str, ShardStatus]
+    # When this placement last heard the node's launcher, by its own wall clock (never the
+    # node's: a node whose clock is off would read "no heartbeat since" ten minutes ahead).
     last_seen_wall: dict[str, float] = field(default_factory=dict)
     # The node's installer last heard (monotonic): shown, never a reason to fail over.
     installer_seen: dict[str, float] = field(default_factory=dict)
+    # Nodes whose launcher runs apart from an installer (it beats as `launcher`, not as an
+    # all-in-one `agent`): an installer is expected to beat for them too.
+    with_installer: set[str] = field(default_factory=set)
+    # The node's clock minus this placement's, as its last heartbeat showed (its `at` against
+    # when it arrived), and the nodes whose offset is a warning now (`CLOCK_OFFSET_S`).
+    clock_offset: dict[str, float] = field(default_factory=dict)
+    clock_off: set[str] = field(default_factory=set)
+    # Since when (monotonic) a node's beats have said otherwise than `clock_off` does.
+    clock_crossed: dict[str, float] = field(default_factory=dict)
     # Bumped on every change to `nodes`.
     nodes_version: int = 0
     # Nodes whose status changed since the controller last looked (it views only those again).

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from llmgw_core.engines import ShardSpec
-from llmgw_core.events import DeploymentStatus, PlacementDecision, ReplicaRecord
+from llmgw_core.events import DeploymentStatus, NodeLiveness, PlacementDecision, ReplicaRecord
 
 from .config import ServerConfig
 from .feasibility import NodeView
@@ -40,6 +40,21 @@ class ClusterView:
 
     def in_grace(self, node: str, at: float) -> float | None:
         return self.liveness.in_grace(node, at)
+
+    def judged(self, node: str, at: float) -> NodeLiveness:
+        return self.liveness.judged(node, at)
+
+    def shard_states(self, at: float) -> dict[str, str]:
+        """Every stored shard status's key and how it reads now (`NodeLiveness.shard_reading`):
+        a lost node's shard is `unknown (node lost 13 s ago)`, never the `ready` it last said."""
+        judged: dict[str, NodeLiveness] = {}
+        out = {}
+        for k, status in sorted(self.state.shard_status.items()):
+            live = judged.get(status.node)
+            if live is None:
+                live = judged[status.node] = self.liveness.judged(status.node, at)
+            out[k] = live.shard_reading(status.state)
+        return out
 
     def mine(self) -> Held | None:
         """What the leader holds; None on a standby (an ex-leader's memory is stale)."""
