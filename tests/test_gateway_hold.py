@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import httpx
 import msgspec
 import pytest
@@ -33,8 +34,10 @@ from llmgw_core.events import (
     ReplicaRecord,
 )
 from llmgw_core.lifecycle import connect_service
-from llmgw_gateway import Gateway, GatewayConfig
-from tests.cluster_support import Cluster, cluster
+from llmgw_gateway import Gateway, GatewayConfig, Table
+from llmgw_gateway.demand import DemandCounts
+from llmgw_gateway.holds import Held, Holds
+from tests.cluster_support import Cluster, cluster, sim_catalog
 from tests.test_auth import core_refused, subscribe_refused
 from tests.test_gateway import metric
 from tests.test_gateway_api import sim_engines
@@ -439,7 +442,7 @@ async def test_a_gateway_stopped_while_holding_answers_503_and_a_restarted_one_s
     with cluster(tmp_path, nats_url, prefix) as c, sim_engines([]) as (engine,):
         await engines_up([engine])
         await bus.put(bus.names.deployments_bucket, "chat", AT_ZERO)
-        async with httpx.AsyncClient(timeout=60) as client:
+        async with httpx.AsyncClient(timeout=60) as client, demand_reports(c) as heard:
             with gateway_process(c, tmp_path, "gw-1") as (proc, log):
                 url = await endpoint(log)
                 answers: list[httpx.Response] = []
@@ -466,6 +469,11 @@ async def test_a_gateway_stopped_while_holding_answers_503_and_a_restarted_one_s
                         error["message"],
                     ), error
                 assert await anyio.to_thread.run_sync(lambda: proc.wait(timeout=30)) == 0
+            # Its last report, sent as it stopped, holds nothing: the autoscaler does not count
+            # the two answered requests until it forgets the gateway.
+            rows = [of(d) for _, d in heard]
+            assert DeploymentDemand(deployment="chat", queued=2, arrived=2) in rows, heard
+            assert rows[-1] == DeploymentDemand(deployment="chat"), heard
 
             with gateway_process(c, tmp_path, "gw-1") as (proc, log):
                 url = await endpoint(log)
@@ -532,3 +540,108 @@ async def test_only_gateways_publish_demand_and_only_placement_hears_it(
             await gateway_bus.publish_core(subject, Demand(gateway="gw-x"))
             await eventually(lambda: heard == [(subject, Demand(gateway="gw-x"))], timeout=20)
             assert list(gateway_bus.nc.refusals) == []
+
+
+# --- the pure parts -------------------------------------------------------------------
+
+
+def test_a_report_says_a_deployment_while_it_has_demand_then_zero_once() -> None:
+    counts = DemandCounts()
+    counts.arrive("chat")
+    counts.arrive("chat")
+    counts.arrive("embed")
+    first = counts.report("gw", {"chat.r0": 1, "chat.r1": 0}, {"embed": 1}, interval_s=1.0, at=5.0)
+    assert first == Demand(
+        gateway="gw",
+        deployments=(
+            DeploymentDemand(
+                deployment="chat",
+                in_flight=1,
+                arrived=2,
+                replicas=(ReplicaInFlight(replica="r0", in_flight=1),),
+            ),
+            DeploymentDemand(deployment="embed", queued=1, arrived=1),
+        ),
+        interval_s=1.0,
+        at=5.0,
+    )
+    # Arrivals are counted once; chat still in flight, embed's request gone: its zero, once.
+    second = counts.report("gw", {"chat.r0": 1}, {}, interval_s=1.0, at=6.0)
+    assert [(d.deployment, d.in_flight, d.queued, d.arrived) for d in second.deployments] == [
+        ("chat", 1, 0, 0),
+        ("embed", 0, 0, 0),
+    ]
+    assert counts.report("gw", {"chat.r0": 1}, {}, interval_s=1.0, at=7.0).deployments[0].deployment == "chat"
+    assert len(counts.report("gw", {"chat.r0": 1}, {}, interval_s=1.0, at=7.0).deployments) == 1
+    assert counts.report("gw", {}, {}, interval_s=1.0, at=8.0).deployments == (
+        DeploymentDemand(deployment="chat"),
+    )
+    assert counts.report("gw", {}, {}, interval_s=1.0, at=9.0).deployments == ()
+
+
+async def test_held_requests_are_woken_first_come_first_served_and_bounded() -> None:
+    holds = Holds(limit=2, timeout_s=1.0)
+    a, b = holds.add("chat"), holds.add("chat")
+    assert a is not None
+    assert b is not None
+    assert holds.add("chat") is None  # full
+    assert holds.counts() == {"chat": 2}
+    order: list[str] = []
+
+    async def wait(name: str, held: Held) -> None:
+        await held.woken.wait()
+        order.append(name)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait, "b", b)
+        tg.start_soon(wait, "a", a)
+        # Both waiting, b first; release wakes them in the order they were held.
+        await anyio.lowlevel.checkpoint()
+        assert holds.release("chat") == 2
+    assert order == ["a", "b"]
+    assert holds.counts() == {}
+    c = holds.add("chat")
+    assert c is not None
+    holds.close()
+    assert c.closing
+    assert c.woken.is_set()
+    assert holds.closing
+    assert not Holds(limit=0).enabled
+    assert not Holds(timeout_s=0).enabled
+
+
+def test_a_deployment_at_zero_is_said_so_with_or_without_autoscale() -> None:
+    table = Table()
+    table.set_deployment("chat", AT_ZERO)
+    assert table.unavailable("chat") == (
+        "deployment chat has 0 ready replicas: it is scaled to 0 (autoscale, min_replicas 0) "
+        "and no replica was placed"
+    )
+    table.set_deployment("chat", Deployment(name="chat", profile="tiny", replicas=0))
+    assert table.unavailable("chat") == (
+        "deployment chat has 0 ready replicas: it is scaled to 0, with no autoscale "
+        "(`llmgw ctl scale chat --replicas N` starts it)"
+    )
+
+
+async def test_a_request_for_a_replica_placement_is_starting_is_held_until_it_is_ready(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """Through real placement, launcher and sim engine: the record placement writes when the
+    engine is ready releases the held request."""
+    with cluster(tmp_path, nats_url, prefix) as c:
+        c.start_placement(
+            "p1", [sim_catalog("--load-time", "5")], [{"name": "chat", "profile": "tiny", "replicas": 1}]
+        )
+        c.start_node("n1", gpus=1)
+        async with gateway(c) as (url, gw), httpx.AsyncClient(timeout=120) as client:
+            await eventually(lambda: "chat" in gw.table.deployments, timeout=60, interval=0.1)
+            # Not ready for at least the engine's 5 s of loading.
+            assert not gw.table.ready("chat")
+            r = await client.post(f"{url}/v1/chat/completions", json=BODY)
+            assert r.status_code == 200, r.text
+            assert gw.table.replicas["chat.r0"].state == "ready"
+            scrape = (await client.get(f"{url}/metrics")).text
+            assert (
+                metric(scrape, 'llmgw_gateway_hold_wait_seconds_count{deployment="chat",outcome="sent"}') == 1
+            )

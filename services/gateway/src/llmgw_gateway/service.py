@@ -44,6 +44,8 @@ log = logging.getLogger("llmgw.gateway")
 # The pause before following a bucket again after a failure, growing to the cap.
 RETRY_FIRST_S = 0.5
 RETRY_CAP_S = 10.0
+# How long a stopping gateway tries to send its last demand report.
+LAST_REPORT_S = 1.0
 
 
 class Gateway:
@@ -205,11 +207,19 @@ class Gateway:
 
     async def _answer_held_at_stop(self) -> None:
         """Until the gateway stops; then every held request is answered 503 (`gateway
-        restarting`) within the HTTP server's grace, instead of being cut off unanswered."""
+        restarting`) within the HTTP server's grace, instead of being cut off unanswered, and
+        a last report says it holds none (else the autoscaler would count them until it drops
+        the silent gateway's report)."""
         try:
             await anyio.sleep_forever()
         finally:
             self.proxy.holds.close()
+            if self.proxy.loaded.is_set():
+                with anyio.CancelScope(shield=True), anyio.move_on_after(LAST_REPORT_S):
+                    try:
+                        await self.bus.publish_core(self.bus.names.demand(self.id), self.demand())
+                    except BusError as exc:
+                        log.warning("cannot publish the last demand report: %s", exc)
 
     async def _acceptable(self, bucket: str, key: str, value: Deployment | ReplicaRecord | None) -> bool:
         """Whether a key may enter the routing table: one over the name limits or with a dot
