@@ -4,8 +4,8 @@ A bounded queue per deployment (`hold_queue`) and a bounded wait (`hold_timeout_
 proxy adds a request, waits on its `woken` event (or the wait's end, or its client
 leaving), and removes it. `release` wakes a deployment's held requests in the order
 they came, once the routing table has a replica that can take them: asyncio runs the woken
-tasks in that order, and each takes its replica before its first await, so the first held
-is the first sent. `close` (the gateway stopping) wakes every one with `closing` set, to
+tasks in that order, and each takes its replica before its first await, so they are routed
+first come, first served. `close` (the gateway stopping) wakes every one with `closing` set, to
 be answered 503 rather than cut off.
 """
 
