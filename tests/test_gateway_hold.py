@@ -471,9 +471,10 @@ async def test_a_gateway_stopped_while_holding_answers_503_and_a_restarted_one_s
                 assert await anyio.to_thread.run_sync(lambda: proc.wait(timeout=30)) == 0
             # Its last report, sent as it stopped, holds nothing: the autoscaler does not count
             # the two answered requests until it forgets the gateway.
-            rows = [of(d) for _, d in heard]
-            assert DeploymentDemand(deployment="chat", queued=2, arrived=2) in rows, heard
-            assert rows[-1] == DeploymentDemand(deployment="chat"), heard
+            rows = [row for _, d in heard if (row := of(d)) is not None]
+            assert any(row.queued for row in rows), heard
+            assert sum(row.arrived for row in rows) == 2, heard
+            assert (rows[-1].queued, rows[-1].in_flight) == (0, 0), heard
 
             with gateway_process(c, tmp_path, "gw-1") as (proc, log):
                 url = await endpoint(log)
