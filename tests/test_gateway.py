@@ -45,12 +45,16 @@ CHAT = [{"role": "user", "content": "hello"}]
 
 @contextlib.asynccontextmanager
 async def running_gateway(
-    c: Cluster, *, tracer_provider: TracerProvider | None = None, **http: Any
+    c: Cluster,
+    *,
+    tracer_provider: TracerProvider | None = None,
+    more: dict[str, Any] | None = None,
+    **http: Any,
 ) -> AsyncIterator[tuple[str, Gateway]]:
     """A gateway in this process, connected as the `gateway` identity, on a free port; open
-    (no key required) unless `http` says otherwise."""
+    (no key required) unless `http` says otherwise; `more` is more of gateway.yaml."""
     http = {"port": 0, "require_api_key": False, **http}
-    config = msgspec.convert({"nats": c.nats("gateway"), "http": http}, GatewayConfig)
+    config = msgspec.convert({"nats": c.nats("gateway"), "http": http, **(more or {})}, GatewayConfig)
     bus = await connect_service(config.nats, "gateway", ensure=False)
     tracer = tracer_provider.get_tracer("test") if tracer_provider else None
     async with bus, anyio.create_task_group() as tg:
@@ -101,7 +105,8 @@ async def test_openai_client_through_the_gateway_survives_an_engine_restart(
         c.start_node("n1", gpus=2)
         async with (
             contextlib.AsyncExitStack() as stack,
-            running_gateway(c, tracer_provider=provider) as (url, _),
+            # Held requests wait half a second for a ready replica, then get the 503.
+            running_gateway(c, tracer_provider=provider, more={"hold_timeout_s": 0.5}) as (url, _),
         ):
             client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             await stack.enter_async_context(client)
@@ -162,8 +167,11 @@ async def test_openai_client_through_the_gateway_survives_an_engine_restart(
                     await client.chat.completions.create(model="slow", messages=CHAT)  # type: ignore[arg-type]
                 assert none_ready.value.status_code == 503
                 why = failures.one_line(slow.reason) or failures.summary(failures.failure_of(slow))
-                expected = rf"deployment slow has 0 ready replicas: r0 {slow.state}( for \d+s)?" + (
-                    re.escape(f" ({why})") if why else ""
+                expected = (
+                    rf"deployment slow has 0 ready replicas: r0 {slow.state}( for \d+s)?"
+                    + (re.escape(f" ({why})") if why else "")
+                    + r"; the request was held 0\.\ds \(the gateway's hold_timeout_s: 0\.5s\) "
+                    r"and no replica became ready"
                 )
                 assert isinstance(none_ready.value.body, dict)
                 assert re.fullmatch(expected, none_ready.value.body["message"]), none_ready.value.body
@@ -392,7 +400,10 @@ async def test_a_deployment_placement_cannot_place_is_refused_in_placements_word
             return found[-1]
 
         await eventually(said, timeout=60, interval=0.5)
-        async with running_gateway(c) as (url, _), httpx.AsyncClient(timeout=30) as client:
+        async with (
+            running_gateway(c, more={"hold_timeout_s": 0.5}) as (url, _),
+            httpx.AsyncClient(timeout=30) as client,
+        ):
 
             async def refused() -> str:
                 r = await client.post(f"{url}/v1/chat/completions", json={"model": "big", "messages": CHAT})

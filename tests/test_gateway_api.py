@@ -229,11 +229,16 @@ async def test_the_openai_client_raises_on_a_stream_broken_off() -> None:
 async def test_a_deployment_with_no_replica_placed_names_the_command_that_says_why() -> None:
     async with proxy_over([]) as gw, httpx.AsyncClient(timeout=30) as raw:
         gw.table.set_deployment("big", Deployment(name="big", profile="huge", replicas=2))
+        gw.proxy.holds.timeout_s = 0.2
         r = await raw.post(f"{gw.url}/v1/embeddings", json={"model": "big", "input": "hi"})
         assert r.status_code == 503
-        assert r.json()["error"] == {
+        error = r.json()["error"]
+        held = re.search(r"; the request was held (0\.\d)s ", error["message"])
+        assert held, error
+        assert error == {
             "message": "deployment big has 0 ready replicas: none placed yet "
-            "(`llmgw ctl explain big` shows placement's reason)",
+            "(`llmgw ctl explain big` shows placement's reason); the request was held "
+            f"{held.group(1)}s (the gateway's hold_timeout_s: 0.2s) and no replica became ready",
             "type": "service_unavailable",
             "param": None,
             "code": "no_ready_replica",

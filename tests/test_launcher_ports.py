@@ -116,7 +116,9 @@ async def test_a_squatter_that_answers_health_never_gets_a_user_request(
             )
             port = loading.port
             with squatter(tmp_path, port) as (proc, requests):
-                async with running_gateway(c) as (url, _):
+                # Each request held half a second for a ready replica, then answered 503: the
+                # gateway is asked again and again while the squatter holds the port.
+                async with running_gateway(c, more={"hold_timeout_s": 0.5}) as (url, _):
                     answers: list[httpx.Response] = []
                     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
 

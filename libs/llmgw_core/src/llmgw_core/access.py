@@ -16,7 +16,8 @@ whose rights nats-server itself enforces, subject by subject:
                 writes nothing (and never sees shard specs: they carry environments)
     gateway     reads the replicas, deployments and keys buckets; reads and writes
                 the limits bucket (per-key counters, compare-and-set); writes usage;
-                reads placement's deployment statuses (the reason none is placed)
+                reads placement's deployment statuses (the reason none is placed);
+                publishes its demand (`<prefix>.demand.<gateway>`, plain NATS)
     node-<id>   one per node, shared by its installer and launcher: writes only its
                 own status, shard statuses, heartbeats and events; reads the desired
                 engines, only its own shard specs and shard statuses, and its own
@@ -70,7 +71,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, JetStreamManager, api
 
 from .errors import BusError, ConfigError
-from .subjects import ENGINES_KEY, Names
+from .subjects import ENGINES_KEY, ONE, Names
 from .topology import Needs, kv_stream, needs
 
 log = logging.getLogger("llmgw.access")
@@ -197,7 +198,15 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             *(rule for s in need["placement"].reads for rule in _read_all(s)),
         ]
         # The cluster page shows the events as they happen.
-        subscribe = (inbox, heartbeats, names.liveness_request, names.placement_file, names.events_all)
+        # The gateways' demand reports feed the autoscaler.
+        subscribe = (
+            inbox,
+            heartbeats,
+            names.liveness_request,
+            names.placement_file,
+            names.events_all,
+            names.demand(ONE),
+        )
         return Permissions(tuple(publish), subscribe, allow_responses=True)
     if role == "ctl":
         publish = [
@@ -227,6 +236,8 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             # Placement's word on each deployment (`DeploymentStatus`): why one with no
             # replica cannot be placed, quoted to the client that asked for it.
             *_read_filtered(names.events_stream, names.deployment_event("*")),
+            # Its demand reports, for placement's autoscaler (every gateway shares the identity).
+            names.demand(ONE),
         ]
         return Permissions(tuple(publish), (inbox,))
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)} or node-<node id>")

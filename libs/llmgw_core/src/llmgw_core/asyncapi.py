@@ -119,6 +119,16 @@ CHANNELS: list[tuple[str, str, type[msgspec.Struct], str, list[str], str]] = [
         "receive",
     ),
     (
+        "demand",
+        _N.demand("{gateway}"),
+        ev.Demand,
+        "Plain NATS, gateway to placement (not stored): one gateway's requests in flight, held and "
+        "arrived per deployment, and in flight per replica, every demand_interval_s (1 s) and at "
+        "once when it starts holding a request for a deployment with no ready replica.",
+        ["gateway"],
+        "receive",
+    ),
+    (
         "launcherLogs",
         _N.launcher_logs("{node}"),
         ev.ShardLogsRequest,
@@ -233,6 +243,7 @@ PARAMETERS = {
     "replica": "Replica id, matching [A-Za-z0-9_-]+.",
     "profile": "Profile name, matching [A-Za-z0-9_-]+.",
     "service": "The service that refused the message.",
+    "gateway": "A gateway's id (gateway.yaml's `id`; by default its host, pid and a random tail).",
     "key": "Client API key name, matching [A-Za-z0-9_-]+ (`_`: no key required).",
 }
 

@@ -73,6 +73,18 @@ class GatewayConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # a long generation streams slowly, and a queued request waits its turn).
     read_timeout_s: float = 600.0
     routing: RoutingConfig = RoutingConfig()
+    # This gateway's name in its demand reports (`<prefix>.demand.<id>`), which the autoscaler
+    # sums across gateways: letters, digits, '-' and '_'. "": the host's name, the process id
+    # and a random tail, new at each start (placement forgets a silent gateway's last report
+    # after a few of its intervals); a fixed id lets a restarted gateway's report replace its own.
+    id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]*$", max_length=96)] = ""
+    # Seconds between demand reports (a report also goes at once when a request starts being held).
+    demand_interval_s: Annotated[float, Meta(gt=0, le=60)] = 1.0
+    # A request for a deployment with no ready replica (scaled to zero, starting) waits for one:
+    # up to hold_queue requests per deployment (more: 429), each up to hold_timeout_s (then
+    # 503 quoting the replicas' states). Either 0: such a request is answered 503 at once.
+    hold_queue: Annotated[int, Meta(ge=0)] = 100
+    hold_timeout_s: Annotated[float, Meta(ge=0)] = 120.0
 
     def __post_init__(self) -> None:
         # ValueError: msgspec reports it with the file's name, as any other mistake in it.

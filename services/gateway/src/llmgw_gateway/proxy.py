@@ -41,6 +41,8 @@ from llmgw_core.keys import ApiKey, allows
 from llmgw_core.metrics import exposition, new_registry
 
 from .budgets import Budgets
+from .demand import DemandCounts
+from .holds import FULL_RETRY_AFTER_S, RESTART_RETRY_AFTER_S, TIMEOUT_RETRY_AFTER_S, Holds
 from .keyring import Keyring, file_keys
 from .limits import json_nests_deeper, shown
 from .routing import Table, prompt_blocks
@@ -95,8 +97,13 @@ def error_body(message: str, kind: str, code: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
-def _error(status: int, message: str, kind: str, code: str) -> JSONResponse:
-    return JSONResponse(error_body(message, kind, code), status_code=status)
+def _error(
+    status: int, message: str, kind: str, code: str, *, retry_after: int | None = None
+) -> JSONResponse:
+    response = JSONResponse(error_body(message, kind, code), status_code=status)
+    if retry_after is not None:
+        response.headers["Retry-After"] = str(retry_after)
+    return response
 
 
 class PassedResponse(StreamingResponse):
@@ -177,7 +184,9 @@ class Metrics:
             "reset (a replica closed the connection before answering, retried elsewhere), "
             "upstream (the replica failed after it had the request), "
             "upstream_stream (a streamed answer broke off; the client got an SSE error event), "
-            "upstream_status (the replica answered 5xx).",
+            "upstream_status (the replica answered 5xx), "
+            "hold_queue_full (no ready replica, and the deployment's held requests at hold_queue), "
+            "gateway_restarting (held when the gateway stopped), client_left (gone while held).",
             ["deployment", "reason"],
             registry=self.registry,
         )
@@ -192,6 +201,21 @@ class Metrics:
             "llmgw_gateway_outstanding_requests",
             "Requests in flight per deployment.",
             ["deployment"],
+            registry=self.registry,
+        )
+        self.held = Gauge(
+            "llmgw_gateway_held_requests",
+            "Requests held per deployment, waiting for a ready replica (hold_queue at most).",
+            ["deployment"],
+            registry=self.registry,
+        )
+        self.hold_wait = Histogram(
+            "llmgw_gateway_hold_wait_seconds",
+            "How long a request was held for a ready replica, by how the wait ended: sent (a replica "
+            "became ready), timeout (hold_timeout_s), left (the client went), restarting (the gateway "
+            "stopped).",
+            ["deployment", "outcome"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300),
             registry=self.registry,
         )
 
@@ -210,6 +234,7 @@ class Proxy:
         max_json_depth: int = 128,
         tracer: trace.Tracer | None = None,
         upstream: Upstream | None = None,
+        holds: Holds | None = None,
     ) -> None:
         self.table = table
         # `client` reads a replica's /v1/models once; `upstream` carries the requests.
@@ -222,6 +247,9 @@ class Proxy:
         self.max_json_depth = max_json_depth
         self.tracer = tracer or trace.get_tracer("llmgw.gateway")
         self.metrics = Metrics()
+        # Requests waiting for a deployment's first ready replica, and what the demand reports say.
+        self.holds = holds or Holds()
+        self.demand = DemandCounts()
         self.usage = usage or Usage(None, self.metrics.registry)
         # Set once the first snapshot of the buckets is in: until then "unknown model"
         # would be a lie.
@@ -431,20 +459,11 @@ class Proxy:
             self.metrics.errors.labels(UNKNOWN, "unknown_model").inc()
             return self._unknown_model(model, key)
         path = request.url.path
-        # Replicas whose engine does not serve the path.
-        unserved = frozenset(k for k, r in self.table.of(deployment) if not self._serves(r.engine, path))
-        candidates = {k for k, _ in [*self.table.ready(deployment), *self.table.unknown(deployment)]}
-        if candidates and candidates <= unserved:
-            engines = sorted({r.engine for k, r in self.table.of(deployment) if k in candidates})
+        unserved = self._unserved(deployment, path)
+        unsupported = self._unsupported(deployment, path, unserved)
+        if unsupported is not None:
             self.metrics.errors.labels(deployment, "unsupported_path").inc()
-            plural = "s" if len(engines) > 1 else ""
-            return _error(
-                400,
-                f"deployment {deployment} runs on engine{plural} {', '.join(engines)}, which does not "
-                f"serve {path}; it serves {', '.join(self._served_paths(engines))}",
-                "invalid_request_error",
-                "unsupported_endpoint",
-            )
+            return unsupported
         limited = await self.budgets.admit(key)
         if limited is not None:
             self.metrics.errors.labels(deployment, "rate_limited").inc()
@@ -469,6 +488,7 @@ class Proxy:
                 payload = {**payload, "stream_options": {**extra, "include_usage": True}}
                 body = json.dumps(payload).encode()
         self.metrics.requests.labels(deployment).inc()
+        self.demand.arrive(deployment)
         span = self.tracer.start_span(
             f"{request.method} {path}",
             # The client's trace continues here (its `traceparent`, if any), on to the engine.
@@ -485,6 +505,26 @@ class Proxy:
             span.set_status(trace.StatusCode.ERROR, str(exc))
             span.end()
             raise
+
+    def _unserved(self, deployment: str, path: str) -> frozenset[str]:
+        """The replicas of `deployment` whose engine does not serve `path`."""
+        return frozenset(k for k, r in self.table.of(deployment) if not self._serves(r.engine, path))
+
+    def _unsupported(self, deployment: str, path: str, unserved: frozenset[str]) -> JSONResponse | None:
+        """The 400 where every replica that could take the request runs an engine that does
+        not serve `path`; None otherwise."""
+        candidates = {k for k, _ in [*self.table.ready(deployment), *self.table.unknown(deployment)]}
+        if not candidates or not candidates <= unserved:
+            return None
+        engines = sorted({r.engine for k, r in self.table.of(deployment) if k in candidates})
+        plural = "s" if len(engines) > 1 else ""
+        return _error(
+            400,
+            f"deployment {deployment} runs on engine{plural} {', '.join(engines)}, which does not "
+            f"serve {path}; it serves {', '.join(self._served_paths(engines))}",
+            "invalid_request_error",
+            "unsupported_endpoint",
+        )
 
     def _serves(self, engine: str, path: str) -> bool:
         """Whether `engine`'s server answers `path`; an engine not named (by an older placement)
@@ -538,8 +578,24 @@ class Proxy:
             propagate.inject(headers)
         tried: set[str] = set(unserved)
         failures: list[str] = []
+        # When the request was first held: its waits, all told, last at most hold_timeout_s.
+        held_since: float | None = None
         while True:
             chosen = self.table.pick(deployment, frozenset(tried), blocks)
+            if chosen is None and not failures and self._holdable(deployment):
+                # No replica can take it yet (scaled to zero, starting): held until one is ready.
+                held_since = time.monotonic() if held_since is None else held_since
+                outcome = await self._hold(request, deployment, held_since + self.holds.timeout_s)
+                if outcome == "sent":
+                    # A replica is ready now; it may run an engine that does not serve the path.
+                    unserved = self._unserved(deployment, request.url.path)
+                    unsupported = self._unsupported(deployment, request.url.path, unserved)
+                    if unsupported is not None:
+                        return self._refuse(span, deployment, unsupported, "unsupported_path")
+                    tried = set(unserved)
+                    continue
+                answer, why = self._held_answer(deployment, outcome, held_since)
+                return self._refuse(span, deployment, answer, why)
             if chosen is None:
                 if failures:
                     attempts = len(tried - unserved)
@@ -550,11 +606,8 @@ class Proxy:
                     )
                 else:
                     reason = self.table.unavailable(deployment, time.time())
-                self.metrics.errors.labels(deployment, "no_ready_replica").inc()
-                span.set_attributes({"http.response.status_code": 503, "error.type": "no_ready_replica"})
-                span.set_status(trace.StatusCode.ERROR, reason)
-                span.end()
-                return _error(503, reason, "service_unavailable", "no_ready_replica")
+                refusal = _error(503, reason, "service_unavailable", "no_ready_replica")
+                return self._refuse(span, deployment, refusal, "no_ready_replica")
             chosen_key, record = chosen
             tried.add(chosen_key)
             # Counted at once, before any await: requests arriving together must see each other.
@@ -619,6 +672,103 @@ class Proxy:
             status_code=status,
             headers=out_headers,
         )
+
+    # --- held requests ------------------------------------------------------------
+
+    def _holdable(self, deployment: str) -> bool:
+        """Whether a request for `deployment` with no replica to take it waits for one: it is in
+        the deployments bucket, meant to run (an autoscale, or a count above 0) and holding is
+        on. A deployment scaled to 0 by hand is answered at once: nothing will start it."""
+        d = self.table.deployments.get(deployment)
+        return self.holds.enabled and d is not None and (d.autoscale is not None or d.replicas > 0)
+
+    async def _hold(self, request: Request, deployment: str, deadline: float) -> str:
+        """Hold the request until a replica of `deployment` can take it: `sent` (one can now),
+        `timeout` (past `deadline`), `full` (the queue is), `left` (the client went),
+        `restarting` (the gateway is stopping)."""
+        if self.holds.closing:
+            return "restarting"
+        held = self.holds.add(deployment)
+        if held is None:
+            return "full"
+        if self.holds.queued(deployment) == 1:
+            # The deployment's first held request: the autoscaler hears of it now, not at the
+            # next report.
+            self.demand.wanted.set()
+        self.metrics.held.labels(deployment).inc()
+        outcome = "timeout"
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def client_left() -> None:
+                    # The body is in: the next message the server has for this request is the
+                    # client's disconnect.
+                    nonlocal outcome
+                    while (await request.receive())["type"] != "http.disconnect":
+                        pass
+                    outcome = "left"
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(client_left)
+                with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+                    await held.woken.wait()
+                    outcome = "restarting" if held.closing else "sent"
+                tg.cancel_scope.cancel()
+        finally:
+            self.holds.remove(held)
+            self.metrics.held.labels(deployment).dec()
+            self.metrics.hold_wait.labels(deployment, outcome).observe(time.monotonic() - held.since)
+        return outcome
+
+    def replicas_changed(self, deployment: str) -> None:
+        """A replica or the deployment changed: held requests go where a replica can take them
+        now, and are answered where the deployment is no longer meant to run."""
+        can_take = self.table.ready(deployment) or self.table.unknown(deployment)
+        if can_take or not self._holdable(deployment):
+            self.holds.release(deployment)
+
+    def _held_answer(self, deployment: str, outcome: str, since: float) -> tuple[JSONResponse, str]:
+        """The answer to a request held and not sent, and its reason for the errors counter."""
+        waited = time.monotonic() - since
+        if outcome == "full":
+            return _error(
+                429,
+                f"deployment {deployment} has no ready replica and {self.holds.limit} requests are "
+                f"already held for one (the gateway's hold_queue); retry in {FULL_RETRY_AFTER_S}s",
+                "requests",
+                "hold_queue_full",
+                retry_after=FULL_RETRY_AFTER_S,
+            ), "hold_queue_full"
+        if outcome == "restarting":
+            return _error(
+                503,
+                f"gateway restarting: the request was held {waited:.1f}s for a ready replica of "
+                f"deployment {deployment} and was not sent; retry in {RESTART_RETRY_AFTER_S}s",
+                "service_unavailable",
+                "gateway_restarting",
+                retry_after=RESTART_RETRY_AFTER_S,
+            ), "gateway_restarting"
+        why = "client_left" if outcome == "left" else "no_ready_replica"
+        # The replicas' own words (`r0 starting for 38s (loading …)`), or placement's refusal.
+        reason = (
+            f"{self.table.unavailable(deployment, time.time())}; the request was held "
+            f"{waited:.1f}s (the gateway's hold_timeout_s: {self.holds.timeout_s:g}s) and no replica "
+            "became ready"
+        )
+        refusal = _error(
+            503, reason, "service_unavailable", "no_ready_replica", retry_after=TIMEOUT_RETRY_AFTER_S
+        )
+        return refusal, why
+
+    def _refuse(self, span: trace.Span, deployment: str, response: JSONResponse, reason: str) -> JSONResponse:
+        """Answer a routed request with the gateway's own error: counted under `reason`, its
+        span ended with it."""
+        error = json.loads(bytes(response.body))["error"]
+        self.metrics.errors.labels(deployment, reason).inc()
+        span.set_attributes({"http.response.status_code": response.status_code, "error.type": error["code"]})
+        span.set_status(trace.StatusCode.ERROR, error["message"])
+        span.end()
+        return response
 
     def _release(self, key: str, deployment: str) -> None:
         self.table.outstanding[key] -= 1

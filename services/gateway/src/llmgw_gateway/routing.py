@@ -20,6 +20,9 @@ that still has a URL is sent to: its launcher went silent while its engines
 were last heard ready (a launcher restarting, an agent upgrade), and placement
 keeps that URL only while it judges the node alive. A request it cannot take
 costs a connection attempt and goes to the next replica.
+
+A `draining` replica is never chosen, not even as a last resort: placement is about to stop
+it, and a request sent now would be cut off. Its requests in flight run to their end.
 """
 
 from __future__ import annotations
@@ -269,13 +272,21 @@ class Table:
         records = self.of(deployment)
         d = self.deployments.get(deployment)
         if not records:
-            if d is not None and d.replicas == 0:
-                return f"deployment {deployment} has 0 ready replicas: it is scaled to 0"
+            if d is not None and d.autoscale is None and d.replicas == 0:
+                return (
+                    f"deployment {deployment} has 0 ready replicas: it is scaled to 0, with no "
+                    f"autoscale (`llmgw ctl scale {deployment} --replicas N` starts it)"
+                )
             status = self.statuses.get(deployment)
             if status is not None and status.unplaceable and status.summary:
                 # Placement's own words, every node's reason included ("chat: 0 of 2 ready;
                 # 2 cannot be placed: node-a no GPU of class H100, …").
                 return f"deployment {deployment} has 0 ready replicas: {status.summary}"
+            if d is not None and d.autoscale is not None:
+                return (
+                    f"deployment {deployment} has 0 ready replicas: it is scaled to 0 "
+                    f"(autoscale, min_replicas {d.autoscale.min_replicas}) and no replica was placed"
+                )
             # Not refused (yet): placing it, or placement has not spoken of it.
             return (
                 f"deployment {deployment} has 0 ready replicas: none placed yet "

@@ -3,11 +3,16 @@
 Stateless: everything it routes by is in the replicas and deployments buckets,
 and every client key in the keys bucket, read through KV watches (every key's
 value first, then each change; a watch survives NATS restarts). Any number of gateways can run side by side.
+
+Each reports its demand (requests in flight, held and arrived per deployment) on
+`<prefix>.demand.<id>` every `demand_interval_s`, and at once when it starts holding a
+request for a deployment with no ready replica, for placement's autoscaler to sum.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -18,7 +23,7 @@ from opentelemetry import trace
 
 from llmgw_core.bus import Bus
 from llmgw_core.errors import BusError
-from llmgw_core.events import Deployment, DeploymentStatus, ReplicaRecord, encode
+from llmgw_core.events import Demand, Deployment, DeploymentStatus, ReplicaRecord, encode
 from llmgw_core.keys import ApiKey, KeyWindow
 from llmgw_core.limits import key_problem
 from llmgw_core.retry import Retry
@@ -26,6 +31,8 @@ from llmgw_core.retry import Retry
 from .budgets import Budgets
 from .config import GatewayConfig, load_api_keys
 from .connections import ACCEPT_BACKLOG, Connections, connection_limit, open_file_limit, protocol
+from .demand import default_id
+from .holds import Holds
 from .keyring import Keyring, file_keys
 from .proxy import Proxy
 from .routing import Table
@@ -37,6 +44,8 @@ log = logging.getLogger("llmgw.gateway")
 # The pause before following a bucket again after a failure, growing to the cap.
 RETRY_FIRST_S = 0.5
 RETRY_CAP_S = 10.0
+# How long a stopping gateway tries to send its last demand report.
+LAST_REPORT_S = 1.0
 
 
 class Gateway:
@@ -44,6 +53,8 @@ class Gateway:
         self.config = config
         self.bus = bus
         self.table = Table(routing=config.routing)
+        # Its name in its demand reports.
+        self.id = config.id or default_id()
         http = config.http
         secrets = load_api_keys(http.api_keys_file) if http.api_keys_file else frozenset()
         self.keyring = Keyring(required=http.require_api_key, file=file_keys(secrets))
@@ -72,6 +83,7 @@ class Gateway:
             max_json_depth=config.max_json_depth,
             tracer=tracer,
             upstream=self.upstream,
+            holds=Holds(config.hold_queue, config.hold_timeout_s),
         )
         self.usage = self.proxy.usage
         self.usage.bus = bus
@@ -141,7 +153,11 @@ class Gateway:
         async for change in self.bus.watch(bucket, ReplicaRecord):
             retry.succeeded()
             if await self._acceptable(bucket, change.key, change.value):
+                before = self.table.replicas.get(change.key)
                 self.table.set_replica(change.key, change.value)
+                record = change.value or before
+                if record is not None:
+                    self.proxy.replicas_changed(record.deployment)
 
     async def _follow_deployments(self, retry: Retry) -> None:
         bucket = self.bus.names.deployments_bucket
@@ -149,6 +165,7 @@ class Gateway:
             retry.succeeded()
             if await self._acceptable(bucket, change.key, change.value):
                 self.table.set_deployment(change.key, change.value)
+                self.proxy.replicas_changed(change.key)
 
     async def _follow_statuses(self, retry: Retry) -> None:
         """Placement's last word on each deployment: why one with no replica is not placed."""
@@ -156,6 +173,53 @@ class Gateway:
         async for _, status in self.bus.last_per_subject(subject, DeploymentStatus):
             retry.succeeded()
             self.table.set_status(status)
+
+    def demand(self) -> Demand:
+        """This gateway's demand report now (the arrivals since the last one are reset)."""
+        return self.proxy.demand.report(
+            self.id,
+            self.table.outstanding,
+            self.proxy.holds.counts(),
+            interval_s=self.config.demand_interval_s,
+            at=time.time(),
+        )
+
+    async def _report_demand(self) -> None:
+        """Publish the demand report every interval, and at once when the proxy asks (its first
+        held request for a deployment). Plain NATS: a report lost is replaced by the next."""
+        subject = self.bus.names.demand(self.id)
+        interval = self.config.demand_interval_s
+        failing = False
+        while True:
+            with anyio.move_on_after(interval):
+                await self.proxy.demand.wanted.wait()
+            self.proxy.demand.wanted = anyio.Event()
+            try:
+                await self.bus.publish_core(subject, self.demand())
+            except BusError as exc:
+                if not failing:
+                    log.warning("cannot publish demand on %s (retrying each interval): %s", subject, exc)
+                failing = True
+                continue
+            if failing:
+                log.info("demand reports on %s are published again", subject)
+            failing = False
+
+    async def _answer_held_at_stop(self) -> None:
+        """Until the gateway stops; then every held request is answered 503 (`gateway
+        restarting`) within the HTTP server's grace, instead of being cut off unanswered, and
+        a last report says it holds none (else the autoscaler would count them until it drops
+        the silent gateway's report)."""
+        try:
+            await anyio.sleep_forever()
+        finally:
+            self.proxy.holds.close()
+            if self.proxy.loaded.is_set():
+                with anyio.CancelScope(shield=True), anyio.move_on_after(LAST_REPORT_S):
+                    try:
+                        await self.bus.publish_core(self.bus.names.demand(self.id), self.demand())
+                    except BusError as exc:
+                        log.warning("cannot publish the last demand report: %s", exc)
 
     async def _acceptable(self, bucket: str, key: str, value: Deployment | ReplicaRecord | None) -> bool:
         """Whether a key may enter the routing table: one over the name limits or with a dot
@@ -208,6 +272,7 @@ class Gateway:
                     )
                 )
                 task_status.started(port)
+                tg.start_soon(self._answer_held_at_stop)
                 await tg.start(self.budgets.run)
                 tg.start_soon(self.usage.run)
                 await self._start_watches()
@@ -216,6 +281,8 @@ class Gateway:
                 tg.start_soon(self._forever, "placement's deployment statuses", self._follow_statuses)
                 tg.start_soon(self._forever, "the keys bucket", self._follow_keys)
                 tg.start_soon(self._forever, "the limits bucket", self._follow_limits)
+                tg.start_soon(self._report_demand)
+                log.info("reporting demand as gateway %s every %gs", self.id, self.config.demand_interval_s)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.client.aclose()
