@@ -117,7 +117,9 @@ class World:
         self.state.dirty_nodes.add(node)
         return intent
 
-    def step(self, at: float = NOW) -> Plan:
+    def step(
+        self, at: float = NOW, *, quiet: frozenset[str] = frozenset(), counts: dict[str, int] | None = None
+    ) -> Plan:
         alive = self.index.refresh(at)
         snap = Snapshot(
             deployments=dict(self.deployments),
@@ -128,6 +130,8 @@ class World:
             liveness=self.liveness,
             config=self.config,
             intents=dict(self.state.intents),
+            counts=counts or {},
+            quiet=quiet,
         )
         return reconcile(snap, self.held, self.index, at)
 
@@ -366,8 +370,15 @@ def test_a_deleted_deployment_loses_its_replicas_and_is_reported_deleted() -> No
         deployment="chat", desired=1, ready=1, summary="chat: 1 of 1 ready"
     )
     plan = w.step()
-    assert removed(plan) == [("r0", "stopping", "deployment deleted")]
+    # A ready replica drains first: gateways send it nothing new, its requests finish.
+    assert plan.removals == []
+    assert [(x.after.replica, x.after.state, x.after.reason) for x in plan.saves] == [
+        ("r0", "draining", "draining: deployment deleted")
+    ]
     assert [(r.status.summary, r.gone) for r in plan.reports] == [("chat: deleted", True)]
+    assert w.step(NOW + 1).removals == [], "requests may still be in flight on it"
+    plan = w.step(NOW + 2, quiet=frozenset({"chat.r0"}))
+    assert removed(plan) == [("r0", "stopping", "deployment deleted; drained")]
 
 
 def test_a_replica_left_placing_by_a_fault_is_removed_and_placed_again() -> None:
@@ -452,7 +463,7 @@ def test_a_cordoned_node_takes_no_new_replica_in_words_that_say_who_when_and_why
 
 
 def test_a_drained_nodes_replica_is_replaced_elsewhere_before_it_goes() -> None:
-    w = World({"n0": 1, "n1": 1})
+    w = World({"n0": 1, "n1": 1}, autoscaler={"drain_timeout_s": 2.0})
     w.holds("r0", "n0")
     w.deploy(replicas=1)
     w.intend("n0", drain=True)
@@ -475,7 +486,14 @@ def test_a_drained_nodes_replica_is_replaced_elsewhere_before_it_goes() -> None:
         "the old replica goes only once the new one's ready is written: the removal would land first"
     )
     plan = w.step()
-    assert removed(plan) == [("r0", "stopping", "node n0 draining: replaced by a replica placed elsewhere")]
+    assert plan.removals == []
+    why = "node n0 draining: replaced by a replica placed elsewhere"
+    assert [(x.after.replica, x.after.state, x.after.reason) for x in plan.saves] == [
+        ("r0", "draining", f"draining: {why}")
+    ]
+    # Requests still in flight on it past the drain timeout: it goes anyway.
+    plan = w.step(NOW + 3)
+    assert removed(plan) == [("r0", "stopping", f"{why}; drain timed out after 2 s with requests in flight")]
 
 
 def test_a_drain_with_no_room_elsewhere_stops_nothing_and_says_why() -> None:

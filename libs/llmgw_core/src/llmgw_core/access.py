@@ -185,6 +185,8 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             f"{p}.events.replica.>",
             f"{p}.events.placement.>",
             f"{p}.events.deployment.>",
+            # An autoscaled deployment's changes of count (`ScaleDecision`).
+            names.scale_event("*"),
             # A node's lifecycle (cordoned, draining, drained, uncordoned, deleted).
             names.node_intent("*"),
             f"{p}.dlq.placement",
@@ -197,7 +199,15 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             *(rule for s in need["placement"].reads for rule in _read_all(s)),
         ]
         # The cluster page shows the events as they happen.
-        subscribe = (inbox, heartbeats, names.liveness_request, names.placement_file, names.events_all)
+        # Every gateway's demand, for the autoscaler.
+        subscribe = (
+            inbox,
+            heartbeats,
+            names.liveness_request,
+            names.placement_file,
+            names.events_all,
+            names.demand("*"),
+        )
         return Permissions(tuple(publish), subscribe, allow_responses=True)
     if role == "ctl":
         publish = [
