@@ -11,6 +11,7 @@ import pytest
 
 from llmgw_core.engines import GPUInfo, Member, Profile, ShardSpec
 from llmgw_core.events import (
+    Autoscale,
     Deployment,
     DeploymentStatus,
     EngineState,
@@ -506,3 +507,43 @@ def test_a_drain_with_no_room_elsewhere_stops_nothing_and_says_why() -> None:
     assert plan.refusals[0].refusal.reasons == (
         ("n0", "draining by ops at 2027-01-15 08:00:00 UTC: disk swap"),
     )
+
+
+def test_an_autoscaled_deployment_keeps_the_chosen_count_and_drains_what_it_scales_down() -> None:
+    w = World({"n0": 3})
+    w.deployments["chat"] = Deployment(
+        name="chat", profile="tp1", replicas=1, autoscale=Autoscale(min_replicas=0, max_replicas=3)
+    )
+    for i in range(3):
+        w.holds(f"r{i}", "n0", gpus=(i,))
+    for i in range(3):
+        shard(w, f"r{i}", "n0", "ready")
+    w.step(counts={"chat": 3})
+    # The autoscaler asks for 1: `replicas` (1) was never the count; the two newest drain.
+    plan = w.step(counts={"chat": 1})
+    assert plan.removals == []
+    assert sorted((x.after.replica, x.after.state, x.after.reason) for x in plan.saves) == [
+        ("r1", "draining", "draining: scaled down to 1"),
+        ("r2", "draining", "draining: scaled down to 1"),
+    ]
+    assert summaries(plan) == ["chat: 1 of 1 ready; 2 draining; following demand, 0 to 3 replicas"]
+    plan = w.step(NOW + 1, counts={"chat": 1}, quiet=frozenset({"chat.r2"}))
+    assert removed(plan) == [("r2", "stopping", "scaled down to 1; drained")]
+    # Demand back while r1 drains: it serves on, and nothing new is placed.
+    plan = w.step(NOW + 2, counts={"chat": 2})
+    assert plan.places == []
+    assert plan.removals == []
+    assert [(x.after.replica, x.after.state, x.after.reason) for x in plan.saves] == [("r1", "ready", "")]
+    assert "chat.r1" not in w.held.draining
+
+
+def test_a_replica_that_never_served_goes_at_once_without_draining() -> None:
+    w = World({"n0": 2})
+    w.holds("r0", "n0", gpus=(0,))
+    w.holds("r1", "n0", gpus=(1,), state="starting")
+    shard(w, "r0", "n0", "ready")
+    shard(w, "r1", "n0", "starting")
+    w.deploy(replicas=1)
+    plan = w.step()
+    assert removed(plan) == [("r1", "stopping", "scaled down to 1")]
+    assert "draining" not in [x.after.state for x in plan.saves]

@@ -620,6 +620,7 @@ async def describe(bus: Bus, kind: str, name: str) -> str:
             n.replica_event(name, ALL),
             n.placement_event(name),
             n.deployment_event(name),
+            n.scale_event(name),
             *(n.shard_event(*k.split(".", 1)) for k in sorted(shard_keys)),
         ]
         history = await _history(bus, subjects)
@@ -655,6 +656,7 @@ async def events(bus: Bus, *, deployment: str, node: str, follow: bool, output: 
             n.replica_event(deployment, ALL),
             n.placement_event(deployment),
             n.deployment_event(deployment),
+            n.scale_event(deployment),
             n.shard_events_all,
         ]
     elif node:

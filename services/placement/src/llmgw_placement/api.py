@@ -439,6 +439,13 @@ class Api:
             "replicas": [_replica_entry(r) for r in replicas],
             "last_decision": _builtins(last) if last else None,
         }
+        if dep.autoscale is not None:
+            summed = self.service.demand.summed.get(name)
+            body["autoscale"] = {
+                "bounds": _builtins(dep.autoscale),
+                **(view.scaling(name) or {"count": None, "last_decision": None}),
+                "demand": summed.demand if summed is not None else 0.0,
+            }
         if profile is None:
             body["next_replica"] = {
                 "outcome": "refused",
