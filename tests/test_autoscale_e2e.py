@@ -47,13 +47,16 @@ class Gateway:
         self.bus = bus
         self.name = name
         self.in_flight = 0
+        self.queued = 0
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
             report = Demand(
                 gateway=self.name,
-                deployments=(DeploymentDemand(deployment="chat", in_flight=self.in_flight),),
+                deployments=(
+                    DeploymentDemand(deployment="chat", in_flight=self.in_flight, queued=self.queued),
+                ),
                 interval_s=0.3,
             )
             await self.bus.publish_core(self.bus.names.demand(self.name), report)
@@ -143,6 +146,54 @@ async def test_demand_raises_the_count_says_why_and_its_end_lowers_it_through_dr
     finally:
         for sub in subs:
             await sub.unsubscribe()
+
+
+async def test_a_request_held_at_zero_wakes_a_replica_and_none_for_the_delay_parks_it_again(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    decisions: list[ScaleDecision] = []
+
+    async def on_scale(msg: object) -> None:
+        decisions.append(decoder(ScaleDecision).decode(msg.data))  # type: ignore[attr-defined]
+
+    sub = await bus.nc.subscribe(bus.names.scale_event("chat"), cb=on_scale)
+    idle = {**CHAT, "autoscale": {**CHAT["autoscale"], "min_replicas": 0, "scale_down_after_s": 2}}  # type: ignore[dict-item]
+    gateway = Gateway(bus)
+    try:
+        with cluster(tmp_path, nats_url, prefix) as c:
+            c.start_node("node-1", gpus=1)
+            c.start_placement("p1", [sim_catalog()], [idle], AUTOSCALER)
+            await eventually(lambda: "active placement" in c.log("placement-p1"), timeout=30)
+            async with anyio.create_task_group() as tg:
+                await tg.start(gateway.run)
+                # At zero, with nothing asked: nothing is placed.
+                before = await eventually(lambda: c.steps("p1"), timeout=30)
+
+                async def stepped() -> bool:
+                    return await c.steps("p1") >= before + 3
+
+                await eventually(stepped, timeout=30, interval=0.3)
+                assert await records(bus) == []
+                gateway.queued = 1  # a gateway holds a request for it
+
+                async def woken() -> bool:
+                    assert [r.state for r in await records(bus)] == ["ready"]
+                    return True
+
+                await eventually(woken, timeout=60, interval=0.3)
+                assert decisions[0].reason == "scaled 0 → 1: 1 request waiting with no replica, target 2"
+                gateway.queued = 0
+
+                async def parked() -> bool:
+                    assert await records(bus) == []
+                    return True
+
+                await eventually(parked, timeout=60, interval=0.5)
+                tg.cancel_scope.cancel()
+            assert re.fullmatch(r"scaled to 0 after \d+ s without requests", decisions[-1].reason), decisions
+            assert (decisions[-1].before, decisions[-1].after) == (1, 0)
+    finally:
+        await sub.unsubscribe()
 
 
 @pytest.mark.parametrize(
