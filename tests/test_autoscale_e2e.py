@@ -249,6 +249,19 @@ async def test_bounds_are_written_as_given_through_ctl_and_the_api_and_bad_ones_
         assert stored.autoscale is not None
         assert (stored.autoscale.min_replicas, stored.autoscale.max_replicas) == (0, 4)
         assert (stored.autoscale.target_in_flight, stored.autoscale.scale_down_after_s) == (8.0, 120.0)
+        scaled = ctl(c, "scale", "chat", "--replicas", "3")
+        assert scaled.returncode == 4, scaled.stderr
+        assert (
+            "deployment chat follows demand (0 to 4 replicas): its count is placement's to choose"
+            in scaled.stderr
+        )
+
+        def listed() -> bool:
+            [row] = [line for line in ok(c, "get", "deployments").splitlines() if line.startswith("chat ")]
+            assert re.match(r"chat +tiny +0 \(0-4\) ", row), row
+            return True
+
+        await eventually(listed, timeout=30, interval=0.5)
         half = ctl(c, "deploy", "chat", "--profile", "tiny", "--max-replicas", "4")
         assert half.returncode == 2, half.stderr
         assert "--min-replicas is missing: following demand needs both bounds" in half.stderr

@@ -739,6 +739,14 @@ async def _dispatch(bus: Bus, args: argparse.Namespace) -> str | None:
         if args.replicas < 0:
             raise UsageError(f"--replicas {args.replicas}: a replica count is 0 or more")
         found = await stored_deployment(bus, args.name)
+        if found.autoscale is not None:
+            a = found.autoscale
+            raise Refused(
+                f"deployment {found.name} follows demand ({a.min_replicas} to {a.max_replicas} replicas): "
+                f"its count is placement's to choose; change the bounds with `llmgw ctl deploy {found.name} "
+                f"--profile {found.profile} --min-replicas N --max-replicas M`, or deploy it without them "
+                "for a fixed count"
+            )
         return await request_replicas(
             bus, msgspec.structs.replace(found, replicas=args.replicas), "requested"
         )

@@ -200,7 +200,12 @@ def deployment_views(c: Cluster) -> list[DeploymentView]:
 def deployment_row(v: DeploymentView, *, wide: bool = False) -> list[str]:
     d, s = v.deployment, v.status
     counts = [str(s.ready), str(s.pending), str(s.unplaceable)] if s else ["-", "-", "-"]
-    row = [v.name, d.profile, str(d.replicas), *counts, d.pool or "-"]
+    # An autoscaled deployment: the count placement chose, and its bounds (`2 (0-4)`).
+    a = d.autoscale
+    desired = (
+        str(d.replicas) if a is None else f"{s.desired if s else '-'} ({a.min_replicas}-{a.max_replicas})"
+    )
+    row = [v.name, d.profile, desired, *counts, d.pool or "-"]
     if wide:
         row += [d.strategy, (s.summary if s else "") or "no word from placement yet"]
     return row
