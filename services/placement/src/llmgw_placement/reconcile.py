@@ -12,8 +12,12 @@ under it) and what this placement holds, and for every deployment, in name order
   time, a new one ready before an old one goes where capacity allows; a replica on a
   draining node is rolled the same way, except that it never goes before its
   replacement is ready (a drain waits for room instead);
-- scales up and down; a deployment whose profile is not in the catalog is refused and
-  its value dead-lettered once;
+- scales up and down, to `replicas`, or to the autoscaler's count (`Snapshot.counts`)
+  for a deployment with `autoscale`; a deployment whose profile is not in the catalog is
+  refused and its value dead-lettered once;
+- drains before it stops: a serving replica that goes (scaled down, replaced, its
+  deployment deleted, its node drained) is first saved `draining`, and removed once the
+  gateways say nothing is in flight on it (`Snapshot.quiet`) or its drain timed out;
 - reports the deployment's status when it changed.
 
 What it decides is taken in memory at once (`held`, and the index, so the next
