@@ -547,3 +547,44 @@ def test_a_replica_that_never_served_goes_at_once_without_draining() -> None:
     plan = w.step()
     assert removed(plan) == [("r1", "stopping", "scaled down to 1")]
     assert "draining" not in [x.after.state for x in plan.saves]
+
+
+def test_a_profile_change_drains_the_old_replica_once_the_new_is_ready_and_waits_for_it() -> None:
+    w = World({"n0": 1, "n1": 1, "n2": 1})
+    w.holds("r0", "n0")
+    w.deploy(replicas=1)
+    shard(w, "r0", "n0", "ready")
+    w.step()
+    w.catalog["tp1"] = TP1_EDITED
+    w.held.replicas["chat.r1"] = Record(
+        deployment="chat",
+        replica="r1",
+        profile="tp1",
+        profile_fp=TP1_EDITED.fingerprint(),
+        state="ready",
+        members=(Member(node="n1", addr="127.0.0.1"),),
+        shards=("n1.chat-r1-0",),
+    )
+    w.held.shards["n1.chat-r1-0"] = ShardSpec(
+        replica="r1", shard="chat-r1-0", node="n1", profile=TP1_EDITED, profile_fp=TP1_EDITED.fingerprint()
+    )
+    w.index.reset(w.held.shards.values())
+    w.shard_status["n1.chat-r1-0"] = msgspec.structs.replace(
+        w.shard_status["n0.chat-r0-0"],
+        node="n1",
+        shard="chat-r1-0",
+        replica="r1",
+        profile_fp=TP1_EDITED.fingerprint(),
+    )
+    plan = w.step()
+    assert plan.removals == []
+    assert [(x.after.replica, x.after.reason) for x in plan.saves if x.after.state == "draining"] == [
+        ("r0", "draining: replaced by a replica of the new profile")
+    ]
+    assert summaries(plan) == ["chat: 1 of 1 ready; 1 draining"]
+    # While r0 drains it still serves: nothing else moves, and the status counts it.
+    plan = w.step(NOW + 1)
+    assert plan.removals == []
+    assert plan.places == []
+    plan = w.step(NOW + 2, quiet=frozenset({"chat.r0"}))
+    assert removed(plan) == [("r0", "stopping", "replaced by a replica of the new profile; drained")]
