@@ -196,6 +196,48 @@ async def test_a_request_held_at_zero_wakes_a_replica_and_none_for_the_delay_par
         await sub.unsubscribe()
 
 
+async def test_a_new_leader_starts_from_the_replicas_that_exist_and_changes_nothing_under_the_same_load(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    decisions: list[ScaleDecision] = []
+
+    async def on_scale(msg: object) -> None:
+        decisions.append(decoder(ScaleDecision).decode(msg.data))  # type: ignore[attr-defined]
+
+    sub = await bus.nc.subscribe(bus.names.scale_event("chat"), cb=on_scale)
+    gateway = Gateway(bus)
+    try:
+        with cluster(tmp_path, nats_url, prefix) as c:
+            c.start_node("node-1", gpus=2)
+            c.start_placement("p1", [sim_catalog()], [CHAT], AUTOSCALER)
+            async with anyio.create_task_group() as tg:
+                await tg.start(gateway.run)
+                gateway.in_flight = 4  # 2 replicas at 2 each
+
+                async def two() -> bool:
+                    assert [r.state for r in await records(bus)] == ["ready", "ready"]
+                    return True
+
+                await eventually(two, timeout=60, interval=0.5)
+                told = len(decisions)
+                ids = [r.replica for r in await records(bus)]
+                c.kill("placement-p1")
+                c.start_placement("p2", [sim_catalog()], [CHAT], AUTOSCALER)
+                await eventually(lambda: "active placement" in c.log("placement-p2"), timeout=30)
+                before = await eventually(lambda: c.steps("p2"), timeout=30)
+
+                async def stepped() -> bool:
+                    return await c.steps("p2") >= before + 10
+
+                await eventually(stepped, timeout=60, interval=0.5)
+                tg.cancel_scope.cancel()
+            assert len(decisions) == told, decisions[told:]
+            assert [r.replica for r in await records(bus)] == ids, "nothing stopped or started"
+            assert [r.state for r in await records(bus)] == ["ready", "ready"]
+    finally:
+        await sub.unsubscribe()
+
+
 @pytest.mark.parametrize(
     ("flags", "rule"),
     [
