@@ -72,7 +72,11 @@ class Cluster:
         return env
 
     def server_config(
-        self, identity: str, catalog: list[dict[str, Any]], deployments: list[dict[str, Any]]
+        self,
+        identity: str,
+        catalog: list[dict[str, Any]],
+        deployments: list[dict[str, Any]],
+        extra: dict[str, Any] | None = None,
     ) -> Path:
         http: dict[str, Any] = {"host": "127.0.0.1", "port": 0}
         if self.auth is not None:
@@ -92,6 +96,7 @@ class Cluster:
                 "node_timeout_s": self.node_timeout_s,
                 "http": http,
                 "identity": identity,
+                **(extra or {}),
             },
             ServerConfig,
         )
@@ -143,9 +148,14 @@ class Cluster:
         return self._spawn(name, self.argv[name])
 
     def start_placement(
-        self, identity: str, catalog: list[dict[str, Any]], deployments: list[dict[str, Any]]
+        self,
+        identity: str,
+        catalog: list[dict[str, Any]],
+        deployments: list[dict[str, Any]],
+        extra: dict[str, Any] | None = None,
     ) -> subprocess.Popen[bytes]:
-        path = self.server_config(identity, catalog, deployments)
+        """`extra`: more of server.yaml (the autoscaler's windows, say)."""
+        path = self.server_config(identity, catalog, deployments, extra)
         return self._spawn(
             f"placement-{identity}", [sys.executable, "-m", "llmgw_placement", "--config", str(path)]
         )

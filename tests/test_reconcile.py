@@ -11,6 +11,7 @@ import pytest
 
 from llmgw_core.engines import GPUInfo, Member, Profile, ShardSpec
 from llmgw_core.events import (
+    Autoscale,
     Deployment,
     DeploymentStatus,
     EngineState,
@@ -117,7 +118,9 @@ class World:
         self.state.dirty_nodes.add(node)
         return intent
 
-    def step(self, at: float = NOW) -> Plan:
+    def step(
+        self, at: float = NOW, *, quiet: frozenset[str] = frozenset(), counts: dict[str, int] | None = None
+    ) -> Plan:
         alive = self.index.refresh(at)
         snap = Snapshot(
             deployments=dict(self.deployments),
@@ -128,6 +131,8 @@ class World:
             liveness=self.liveness,
             config=self.config,
             intents=dict(self.state.intents),
+            counts=counts or {},
+            quiet=quiet,
         )
         return reconcile(snap, self.held, self.index, at)
 
@@ -373,8 +378,15 @@ def test_a_deleted_deployment_loses_its_replicas_and_is_reported_deleted() -> No
         deployment="chat", desired=1, ready=1, summary="chat: 1 of 1 ready"
     )
     plan = w.step()
-    assert removed(plan) == [("r0", "stopping", "deployment deleted")]
+    # A ready replica drains first: gateways send it nothing new, its requests finish.
+    assert plan.removals == []
+    assert [(x.after.replica, x.after.state, x.after.reason) for x in plan.saves] == [
+        ("r0", "draining", "draining: deployment deleted")
+    ]
     assert [(r.status.summary, r.gone) for r in plan.reports] == [("chat: deleted", True)]
+    assert w.step(NOW + 1).removals == [], "requests may still be in flight on it"
+    plan = w.step(NOW + 2, quiet=frozenset({"chat.r0"}))
+    assert removed(plan) == [("r0", "stopping", "deployment deleted; drained")]
 
 
 def test_a_replica_left_placing_by_a_fault_is_removed_and_placed_again() -> None:
@@ -459,7 +471,7 @@ def test_a_cordoned_node_takes_no_new_replica_in_words_that_say_who_when_and_why
 
 
 def test_a_drained_nodes_replica_is_replaced_elsewhere_before_it_goes() -> None:
-    w = World({"n0": 1, "n1": 1})
+    w = World({"n0": 1, "n1": 1}, autoscaler={"drain_timeout_s": 2.0})
     w.holds("r0", "n0")
     w.deploy(replicas=1)
     w.intend("n0", drain=True)
@@ -482,7 +494,14 @@ def test_a_drained_nodes_replica_is_replaced_elsewhere_before_it_goes() -> None:
         "the old replica goes only once the new one's ready is written: the removal would land first"
     )
     plan = w.step()
-    assert removed(plan) == [("r0", "stopping", "node n0 draining: replaced by a replica placed elsewhere")]
+    assert plan.removals == []
+    why = "node n0 draining: replaced by a replica placed elsewhere"
+    assert [(x.after.replica, x.after.state, x.after.reason) for x in plan.saves] == [
+        ("r0", "draining", f"draining: {why}")
+    ]
+    # Requests still in flight on it past the drain timeout: it goes anyway.
+    plan = w.step(NOW + 3)
+    assert removed(plan) == [("r0", "stopping", f"{why}; drain timed out after 2 s with requests in flight")]
 
 
 def test_a_drain_with_no_room_elsewhere_stops_nothing_and_says_why() -> None:
@@ -499,3 +518,84 @@ def test_a_drain_with_no_room_elsewhere_stops_nothing_and_says_why() -> None:
     assert report.status.blocked == (
         "drain of n0 blocked: no other node fits: n0: draining by ops at 2027-01-15 08:00:00 UTC: disk swap"
     )
+
+
+def test_an_autoscaled_deployment_keeps_the_chosen_count_and_drains_what_it_scales_down() -> None:
+    w = World({"n0": 3})
+    w.deployments["chat"] = Deployment(
+        name="chat", profile="tp1", replicas=1, autoscale=Autoscale(min_replicas=0, max_replicas=3)
+    )
+    for i in range(3):
+        w.holds(f"r{i}", "n0", gpus=(i,))
+    for i in range(3):
+        shard(w, f"r{i}", "n0", "ready")
+    w.step(counts={"chat": 3})
+    # The autoscaler asks for 1: `replicas` (1) was never the count; the two newest drain.
+    plan = w.step(counts={"chat": 1})
+    assert plan.removals == []
+    assert sorted((x.after.replica, x.after.state, x.after.reason) for x in plan.saves) == [
+        ("r1", "draining", "draining: scaled down to 1"),
+        ("r2", "draining", "draining: scaled down to 1"),
+    ]
+    assert summaries(plan) == ["chat: 1 of 1 ready; 2 draining; following demand, 0 to 3 replicas"]
+    plan = w.step(NOW + 1, counts={"chat": 1}, quiet=frozenset({"chat.r2"}))
+    assert removed(plan) == [("r2", "stopping", "scaled down to 1; drained")]
+    # Demand back while r1 drains: it serves on, and nothing new is placed.
+    plan = w.step(NOW + 2, counts={"chat": 2})
+    assert plan.places == []
+    assert plan.removals == []
+    assert [(x.after.replica, x.after.state, x.after.reason) for x in plan.saves] == [("r1", "ready", "")]
+    assert "chat.r1" not in w.held.draining
+
+
+def test_a_replica_that_never_served_goes_at_once_without_draining() -> None:
+    w = World({"n0": 2})
+    w.holds("r0", "n0", gpus=(0,))
+    w.holds("r1", "n0", gpus=(1,), state="starting")
+    shard(w, "r0", "n0", "ready")
+    shard(w, "r1", "n0", "starting")
+    w.deploy(replicas=1)
+    plan = w.step()
+    assert removed(plan) == [("r1", "stopping", "scaled down to 1")]
+    assert "draining" not in [x.after.state for x in plan.saves]
+
+
+def test_a_profile_change_drains_the_old_replica_once_the_new_is_ready_and_waits_for_it() -> None:
+    w = World({"n0": 1, "n1": 1, "n2": 1})
+    w.holds("r0", "n0")
+    w.deploy(replicas=1)
+    shard(w, "r0", "n0", "ready")
+    w.step()
+    w.catalog["tp1"] = TP1_EDITED
+    w.held.replicas["chat.r1"] = Record(
+        deployment="chat",
+        replica="r1",
+        profile="tp1",
+        profile_fp=TP1_EDITED.fingerprint(),
+        state="ready",
+        members=(Member(node="n1", addr="127.0.0.1"),),
+        shards=("n1.chat-r1-0",),
+    )
+    w.held.shards["n1.chat-r1-0"] = ShardSpec(
+        replica="r1", shard="chat-r1-0", node="n1", profile=TP1_EDITED, profile_fp=TP1_EDITED.fingerprint()
+    )
+    w.index.reset(w.held.shards.values())
+    w.shard_status["n1.chat-r1-0"] = msgspec.structs.replace(
+        w.shard_status["n0.chat-r0-0"],
+        node="n1",
+        shard="chat-r1-0",
+        replica="r1",
+        profile_fp=TP1_EDITED.fingerprint(),
+    )
+    plan = w.step()
+    assert plan.removals == []
+    assert [(x.after.replica, x.after.reason) for x in plan.saves if x.after.state == "draining"] == [
+        ("r0", "draining: replaced by a replica of the new profile")
+    ]
+    assert summaries(plan) == ["chat: 1 of 1 ready; 1 draining"]
+    # While r0 drains it still serves: nothing else moves, and the status counts it.
+    plan = w.step(NOW + 1)
+    assert plan.removals == []
+    assert plan.places == []
+    plan = w.step(NOW + 2, quiet=frozenset({"chat.r0"}))
+    assert removed(plan) == [("r0", "stopping", "replaced by a replica of the new profile; drained")]

@@ -16,6 +16,7 @@ examples:
   llmgw ctl get shards --watch              the table, then each changed row as it changes
   llmgw ctl describe deployment chat        desired vs ready, replicas, last failure, refusal, events
   llmgw ctl deploy chat --profile tiny --replicas 2
+  llmgw ctl deploy chat --profile tiny --min-replicas 0 --max-replicas 4   follows demand
   llmgw ctl scale chat --replicas 5
   llmgw ctl logs node-1/chat-r0-0 --tail 50 --follow
   llmgw ctl events --deployment chat --follow
@@ -116,6 +117,28 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
         default="binpack",
         help="binpack fills the fullest nodes first; spread prefers the nodes with the fewest of "
         "this deployment's replicas (default: %(default)s)",
+    )
+    p_deploy.add_argument(
+        "--min-replicas",
+        type=int,
+        default=None,
+        help="follow demand, never below this many replicas (0: scale to zero); needs --max-replicas",
+    )
+    p_deploy.add_argument(
+        "--max-replicas", type=int, default=None, help="follow demand, never above this many replicas"
+    )
+    p_deploy.add_argument(
+        "--target-in-flight",
+        type=float,
+        default=None,
+        help="requests in flight per replica the count aims at (default: 4)",
+    )
+    p_deploy.add_argument(
+        "--scale-down-after",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds demand stays low before a replica is stopped (default: 300)",
     )
     p_scale = add("scale", "change a deployment's replica count")
     p_scale.add_argument("name", help="the deployment")

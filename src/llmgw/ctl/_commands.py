@@ -21,6 +21,7 @@ from llmgw_core.bus import Bus
 from llmgw_core.engines import Profile, ShardSpec
 from llmgw_core.errors import BusError, ConfigError, StoreFull
 from llmgw_core.events import (
+    Autoscale,
     Deployment,
     DeploymentStatus,
     NodeStatus,
@@ -243,6 +244,34 @@ async def _acted_on(bus: Bus, written: str) -> None:
 # --- deploy and scale --------------------------------------------------------------------
 
 
+def autoscale_of(args: argparse.Namespace) -> Autoscale | None:
+    """The bounds `--min-replicas`/`--max-replicas` ask for; None when neither is given. Not
+    checked here: `check_deployment` refuses bad bounds with placement's own words (exit 4)."""
+    given = {
+        "--min-replicas": args.min_replicas,
+        "--max-replicas": args.max_replicas,
+        "--target-in-flight": args.target_in_flight,
+        "--scale-down-after": args.scale_down_after,
+    }
+    if args.min_replicas is None and args.max_replicas is None:
+        extra = [flag for flag, value in given.items() if value is not None]
+        if extra:
+            raise UsageError(
+                f"{' and '.join(extra)} need --min-replicas and --max-replicas "
+                "(the bounds to follow demand in)"
+            )
+        return None
+    if args.min_replicas is None or args.max_replicas is None:
+        missing = "--min-replicas" if args.min_replicas is None else "--max-replicas"
+        raise UsageError(f"{missing} is missing: following demand needs both bounds")
+    a = Autoscale(min_replicas=args.min_replicas, max_replicas=args.max_replicas)
+    if args.target_in_flight is not None:
+        a = msgspec.structs.replace(a, target_in_flight=args.target_in_flight)
+    if args.scale_down_after is not None:
+        a = msgspec.structs.replace(a, scale_down_after_s=args.scale_down_after)
+    return a
+
+
 async def request_replicas(bus: Bus, dep: Deployment, verb: str) -> str:
     """Check a deployment against the catalog, write it, and warn when the cluster is short of it."""
     check_name("deployment", dep.name)
@@ -261,7 +290,13 @@ async def request_replicas(bus: Bus, dep: Deployment, verb: str) -> str:
     got = anyio.Event()
 
     async def on_status(status: DeploymentStatus, _subject: str) -> None:
-        if status.desired == dep.replicas:
+        # An autoscaled deployment's count is placement's to choose within its bounds.
+        a = dep.autoscale
+        if (
+            status.desired == dep.replicas
+            if a is None
+            else a.min_replicas <= status.desired <= a.max_replicas
+        ):
             seen.append(status)
             got.set()
 
@@ -287,6 +322,12 @@ async def request_replicas(bus: Bus, dep: Deployment, verb: str) -> str:
                 f"warning: {shortfall} (placement has not said yet; "
                 f"`llmgw ctl describe deployment {dep.name}`)"
             )
+    if dep.autoscale is not None:
+        a = dep.autoscale
+        return (
+            f"deployment {dep.name}: {a.min_replicas} to {a.max_replicas} x {dep.profile} {verb}, "
+            f"following demand ({a.target_in_flight:g} requests in flight per replica)"
+        )
     return f"deployment {dep.name}: {dep.replicas} x {dep.profile} {verb}"
 
 
@@ -573,6 +614,7 @@ async def describe(bus: Bus, kind: str, name: str) -> str:
             n.replica_event(name, ALL),
             n.placement_event(name),
             n.deployment_event(name),
+            n.scale_event(name),
             *(n.shard_event(*k.split(".", 1)) for k in sorted(shard_keys)),
         ]
         history = await _history(bus, subjects)
@@ -608,6 +650,7 @@ async def events(bus: Bus, *, deployment: str, node: str, follow: bool, output: 
             n.replica_event(deployment, ALL),
             n.placement_event(deployment),
             n.deployment_event(deployment),
+            n.scale_event(deployment),
             n.shard_events_all,
         ]
     elif node:
@@ -682,6 +725,7 @@ async def _dispatch(bus: Bus, args: argparse.Namespace) -> str | None:
             replicas=args.replicas,
             pool=args.pool,
             strategy=args.strategy,
+            autoscale=autoscale_of(args),
         )
         return await request_replicas(bus, dep, "requested")
     if cmd == "scale":
@@ -689,6 +733,14 @@ async def _dispatch(bus: Bus, args: argparse.Namespace) -> str | None:
         if args.replicas < 0:
             raise UsageError(f"--replicas {args.replicas}: a replica count is 0 or more")
         found = await stored_deployment(bus, args.name)
+        if found.autoscale is not None:
+            a = found.autoscale
+            raise Refused(
+                f"deployment {found.name} follows demand ({a.min_replicas} to {a.max_replicas} replicas): "
+                f"its count is placement's to choose; change the bounds with `llmgw ctl deploy {found.name} "
+                f"--profile {found.profile} --min-replicas N --max-replicas M`, or deploy it without them "
+                "for a fixed count"
+            )
         return await request_replicas(
             bus, msgspec.structs.replace(found, replicas=args.replicas), "requested"
         )

@@ -30,6 +30,7 @@ from llmgw_core.events import (
     PlacementDecision,
     ReplicaRecord,
     ReplicaStatus,
+    ScaleDecision,
     ShardLogs,
     ShardLogsRequest,
     ShardStatus,
@@ -56,6 +57,7 @@ Event = (
     | ReplicaStatus
     | PlacementDecision
     | DeploymentStatus
+    | ScaleDecision
 )
 _event_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)
 

@@ -24,6 +24,7 @@ from llmgw_core.events import (
     PlacementDecision,
     ReplicaRecord,
     ReplicaStatus,
+    ScaleDecision,
     ShardStatus,
 )
 
@@ -230,7 +231,12 @@ def deployment_views(c: Cluster) -> list[DeploymentView]:
 def deployment_row(v: DeploymentView, *, wide: bool = False) -> list[str]:
     d, s = v.deployment, v.status
     counts = [str(s.ready), str(s.pending), str(s.unplaceable)] if s else ["-", "-", "-"]
-    row = [v.name, d.profile, str(d.replicas), *counts, d.pool or "-"]
+    # An autoscaled deployment: the count placement chose, and its bounds (`2 (0-4)`).
+    a = d.autoscale
+    desired = (
+        str(d.replicas) if a is None else f"{s.desired if s else '-'} ({a.min_replicas}-{a.max_replicas})"
+    )
+    row = [v.name, d.profile, desired, *counts, d.pool or "-"]
     if wide:
         row += [d.strategy, (s.summary if s else "") or "no word from placement yet"]
     return row
@@ -400,9 +406,20 @@ def describe_deployment(name: str, c: Cluster, history: list[Stamped], *, now: f
         f"Pool:         {dep.pool or '(any)'}",
         f"Strategy:     {dep.strategy}",
     ]
+    a = dep.autoscale
+    if a is not None:
+        lines.append(
+            f"Autoscale:    {a.min_replicas} to {a.max_replicas} replicas, {a.target_in_flight:g} requests "
+            f"in flight per replica, down after {a.scale_down_after_s:g} s"
+        )
+        scaled = [e.event for e in history if isinstance(e.event, ScaleDecision)]
+        if scaled:
+            last = scaled[-1]
+            lines.append(f"Last scaled:  {last.reason} ({age(last.at, now)} ago)")
+    desired = status.desired if status is not None and a is not None else dep.replicas
     if status is not None:
         lines.append(
-            f"Replicas:     {dep.replicas} desired, {status.ready} ready, {status.pending} pending, "
+            f"Replicas:     {desired} desired, {status.ready} ready, {status.pending} pending, "
             f"{status.unplaceable} unplaceable (placement, {age(status.at, now)} ago)"
         )
         if status.summary:
@@ -537,6 +554,8 @@ def event_text(e: object) -> tuple[str, str, str]:
     if isinstance(e, DeploymentStatus):
         text = e.summary or f"{e.ready} of {e.desired} ready"
         return "deployment", e.deployment, text
+    if isinstance(e, ScaleDecision):
+        return "scale", e.deployment, e.reason
     if isinstance(e, InstallProgress):
         return (
             "install",

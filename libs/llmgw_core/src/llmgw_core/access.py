@@ -186,6 +186,8 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             f"{p}.events.replica.>",
             f"{p}.events.placement.>",
             f"{p}.events.deployment.>",
+            # An autoscaled deployment's changes of count (`ScaleDecision`).
+            names.scale_event("*"),
             # A node's lifecycle (cordoned, draining, drained, uncordoned, deleted).
             names.node_intent("*"),
             f"{p}.dlq.placement",

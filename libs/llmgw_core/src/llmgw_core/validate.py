@@ -11,10 +11,12 @@ aliases, references to the catalog) are in `limits`.
 
 from __future__ import annotations
 
-from .events import Deployment, Profile
+import math
+
+from .events import Autoscale, Deployment, Profile
 from .limits import aliases_problem, key_problem, name_problem, replicas_problem
 
-__all__ = ["DEFAULT_MAX_REPLICAS", "check_deployment", "check_profile"]
+__all__ = ["DEFAULT_MAX_REPLICAS", "autoscale_problem", "check_deployment", "check_profile"]
 
 DEFAULT_MAX_REPLICAS = 10_000
 
@@ -35,7 +37,35 @@ def check_deployment(key: str, dep: Deployment, *, max_replicas: int = DEFAULT_M
         name_problem("profile", dep.profile)
         or replicas_problem(dep.name, dep.replicas, max_replicas)
         or aliases_problem(dep.name, dep.aliases)
+        or (autoscale_problem(dep.name, dep.autoscale, max_replicas) if dep.autoscale is not None else None)
     )
+
+
+def autoscale_problem(deployment: str, a: Autoscale, max_replicas: int = DEFAULT_MAX_REPLICAS) -> str | None:
+    """Why a deployment's autoscale bounds cannot be followed; None when they can."""
+    where = f"deployment {deployment}: autoscale"
+    if a.min_replicas < 0:
+        return f"{where} min_replicas is {a.min_replicas}: it is 0 (scale to zero) or more"
+    if a.max_replicas < 1:
+        return f"{where} max_replicas is {a.max_replicas}: it is 1 or more"
+    if a.min_replicas > a.max_replicas:
+        return (
+            f"{where} min_replicas {a.min_replicas} is above max_replicas {a.max_replicas}: "
+            "min_replicas must be at most max_replicas"
+        )
+    if a.max_replicas > max_replicas:
+        return (
+            f"{where} max_replicas {a.max_replicas} is over the maximum of {max_replicas} "
+            "(placement's max_replicas in server.yaml)"
+        )
+    if not math.isfinite(a.target_in_flight) or a.target_in_flight <= 0:
+        return (
+            f"{where} target_in_flight is {a.target_in_flight:g}: the requests in flight per replica "
+            "it aims at is more than 0 (4 is a fair start)"
+        )
+    if not math.isfinite(a.scale_down_after_s) or a.scale_down_after_s < 0:
+        return f"{where} scale_down_after_s is {a.scale_down_after_s:g}: it is 0 seconds or more"
+    return None
 
 
 def check_profile(key: str, profile: Profile) -> str | None:

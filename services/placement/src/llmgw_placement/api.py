@@ -33,7 +33,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from llmgw_core import failures
 from llmgw_core.engines import GPUInfo, Profile
 from llmgw_core.errors import BusError, ConfigError, StoreFull
-from llmgw_core.events import Deployment, EngineState, NodeStatus, ReplicaRecord, ShardStatus, decoder
+from llmgw_core.events import (
+    Autoscale,
+    Deployment,
+    EngineState,
+    NodeStatus,
+    ReplicaRecord,
+    ShardStatus,
+    decoder,
+)
 from llmgw_core.limits import profile_problem
 from llmgw_core.metrics import exposition
 from llmgw_core.telemetry import context_from, current_traceparent
@@ -127,6 +135,13 @@ class CatalogRow(msgspec.Struct, frozen=True, kw_only=True):
     deployments: tuple[str, ...]
 
 
+class _EnteredAutoscale(msgspec.Struct, frozen=True, kw_only=True):
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_in_flight: float = 4.0
+    scale_down_after_s: float = 300.0
+
+
 class _Entered(msgspec.Struct, frozen=True, kw_only=True):
     """The named and counted fields of a posted deployment, without the wire type's constraints."""
 
@@ -134,10 +149,18 @@ class _Entered(msgspec.Struct, frozen=True, kw_only=True):
     profile: str
     replicas: int = 1
     aliases: tuple[str, ...] = ()
+    autoscale: _EnteredAutoscale | None = None
 
     def deployment(self) -> Deployment:
         # Not decoded, so not validated: `check_deployment` judges these fields as they came.
-        return Deployment(name=self.name, profile=self.profile, replicas=self.replicas, aliases=self.aliases)
+        a = self.autoscale
+        return Deployment(
+            name=self.name,
+            profile=self.profile,
+            replicas=self.replicas,
+            aliases=self.aliases,
+            autoscale=Autoscale(**msgspec.structs.asdict(a)) if a is not None else None,
+        )
 
 
 _entered = msgspec.json.Decoder(_Entered)
@@ -469,6 +492,13 @@ class Api:
             "replicas": [_replica_entry(r) for r in replicas],
             "last_decision": _builtins(last) if last else None,
         }
+        if dep.autoscale is not None:
+            summed = self.service.demand.summed.get(name)
+            body["autoscale"] = {
+                "bounds": _builtins(dep.autoscale),
+                **(view.scaling(name) or {"count": None, "last_decision": None}),
+                "demand": summed.demand if summed is not None else 0.0,
+            }
         if profile is None:
             body["next_replica"] = {
                 "outcome": "refused",

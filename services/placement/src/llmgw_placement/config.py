@@ -9,8 +9,9 @@ from msgspec import Meta, Struct
 
 from llmgw_core.config import NatsConfig
 from llmgw_core.engines import Profile
-from llmgw_core.events import Deployment, EngineSpec
+from llmgw_core.events import Autoscale, Deployment, EngineSpec
 from llmgw_core.limits import REPLICAS_CEILING, Aliases, Name, replicas_problem
+from llmgw_core.validate import autoscale_problem
 
 # The llama.cpp build every node gets unless server.yaml says otherwise.
 DEFAULT_ENGINES = (EngineSpec(name="llamacpp", version="b11434", source="github:ggml-org/llama.cpp"),)
@@ -23,6 +24,13 @@ class ProfileConfig(Profile, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         return Profile(**msgspec.structs.asdict(self))
 
 
+class AutoscaleConfig(Autoscale, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`autoscale:` of a deployment in server.yaml: a typo (`max_replica: 4`) is an error here."""
+
+    def wire(self) -> Autoscale:
+        return Autoscale(**msgspec.structs.asdict(self))
+
+
 class DeploymentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: Name
     profile: Name
@@ -30,9 +38,29 @@ class DeploymentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     pool: str = ""
     strategy: Literal["binpack", "spread"] = "binpack"
     aliases: Aliases = ()
+    autoscale: AutoscaleConfig | None = None
 
     def wire(self) -> Deployment:
-        return Deployment(**msgspec.structs.asdict(self))
+        fields = msgspec.structs.asdict(self)
+        fields["autoscale"] = self.autoscale.wire() if self.autoscale is not None else None
+        return Deployment(**fields)
+
+
+class AutoscalerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How placement follows demand (docs/autoscaling.md): its windows, its step, its drains."""
+
+    # Demand averaged over this long decides the count in the steady state.
+    stable_window_s: Annotated[float, Meta(gt=0)] = 60.0
+    # Demand averaged over this long decides it when it asks for `panic_factor` times the count.
+    panic_window_s: Annotated[float, Meta(gt=0)] = 6.0
+    panic_factor: Annotated[float, Meta(ge=1)] = 2.0
+    # One step up at most multiplies the count by this (and adds at least one replica).
+    max_step_factor: Annotated[float, Meta(ge=1)] = 2.0
+    # A gateway's report older than this many of its intervals is dropped from the sum.
+    demand_stale_intervals: Annotated[float, Meta(gt=0)] = 3.0
+    # A draining replica is removed when every gateway says it has nothing in flight on it,
+    # or after this long whatever they say.
+    drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
 
 
 class FabricConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -76,6 +104,7 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     # routing to their engines for this long before they are placed elsewhere. A node whose
     # installer is silent too is lost after node_timeout_s, as ever.
     launcher_grace_s: Annotated[float, Meta(ge=0)] = 60.0
+    autoscaler: AutoscalerConfig = AutoscalerConfig()
 
     def __post_init__(self) -> None:
         # Refused at load, naming the entry: placement would only dead-letter it after seeding.
@@ -83,3 +112,7 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
             problem = replicas_problem(dep.name, dep.replicas, self.max_replicas)
             if problem is not None:
                 raise ValueError(f"{problem} - at `$.deployments[{i}].replicas`")
+            if dep.autoscale is not None:
+                problem = autoscale_problem(dep.name, dep.autoscale, self.max_replicas)
+                if problem is not None:
+                    raise ValueError(f"{problem} - at `$.deployments[{i}].autoscale`")

@@ -25,12 +25,22 @@ import msgspec
 
 from llmgw_core.bus import Bus
 from llmgw_core.engines import ShardSpec
-from llmgw_core.events import DeploymentStatus, NodeLifecycle, PlacementDecision, ReplicaRecord
+from llmgw_core.errors import BusError, StoreFull
+from llmgw_core.events import (
+    Deployment,
+    DeploymentStatus,
+    NodeLifecycle,
+    PlacementDecision,
+    ReplicaRecord,
+    ScaleDecision,
+)
 from llmgw_core.events import now as wall_now
 
 from .apply import BATCH_MAX, ID_BLOCK, ID_BLOCK_MAX, Applier, ReplicaIds
+from .autoscale import Windows, follow, start
 from .config import ServerConfig
 from .decide import NodeView
+from .demand import DemandBook, Summed, engine_demand
 from .held import Held
 from .index import KeptIndex, Usage
 from .liveness import Liveness
@@ -64,6 +74,7 @@ class Controller:
         clock: Callable[[], float] = time.monotonic,
         fence: Callable[[], Awaitable[None]] | None = None,
         metrics: PlacementMetrics | None = None,
+        demand: DemandBook | None = None,
     ) -> None:
         self.config = config
         self.bus = bus
@@ -76,6 +87,15 @@ class Controller:
         self.applier = Applier(config, bus, self.held, self.index, clock=clock, fence=fence, metrics=metrics)
         # When the buckets were last swept of what this leader does not hold (`load` does it first).
         self._reconciled_at = clock()
+        # The gateways' demand, as every placement hears it (the service's book, or one of its own).
+        a = config.autoscaler
+        self.demand = demand or DemandBook(started=clock(), stale_intervals=a.demand_stale_intervals)
+        self.windows = Windows(
+            stable_s=a.stable_window_s,
+            panic_s=a.panic_window_s,
+            panic_factor=a.panic_factor,
+            max_step_factor=a.max_step_factor,
+        )
 
     # --- what it holds, read by the view --------------------------------------------
 
@@ -144,6 +164,9 @@ class Controller:
         catalog = dict(state.catalog)
         shard_status = dict(state.shard_status)
         alive = self.index.refresh(at)
+        scaled = self._autoscale(deployments, at)
+        # Told as decided: the count is taken whether or not this step's writes land.
+        await self._tell_scaled(scaled[1])
         snap = Snapshot(
             deployments=deployments,
             catalog=catalog,
@@ -155,6 +178,8 @@ class Controller:
             deployments_bucket=self.bus.names.deployments_bucket,
             intents=dict(state.intents),
             missing_models=dict(state.missing_models),
+            counts=scaled[0],
+            quiet=self._quiet(at),
         )
         applier = self.applier
         plan = Plan()
@@ -180,6 +205,77 @@ class Controller:
         if at - self._reconciled_at >= self.config.reconcile_interval_s:
             await self.applier.sweep()
             self._reconciled_at = at
+
+    def _autoscale(
+        self, deployments: dict[str, Deployment], at: float
+    ) -> tuple[dict[str, int], list[ScaleDecision]]:
+        """The count of every autoscaled deployment, from the demand heard (`autoscale.follow`),
+        and the changes of count to tell. A new leader starts from the replicas that exist."""
+        held, book = self.held, self.demand
+        sums = book.sample(at, engine_demand(self.state.shard_status))
+        book.forget(set(book.series) - set(deployments))
+        counts: dict[str, int] = {}
+        told: list[ScaleDecision] = []
+        for name in sorted(deployments):
+            bounds = deployments[name].autoscale
+            if bounds is None:
+                held.scaling.pop(name, None)
+                held.scaled.pop(name, None)
+                continue
+            was = held.scaling.get(name)
+            if was is None:
+                serving = sum(
+                    1 for r in held.replicas.values() if r.deployment == name and r.state != "draining"
+                )
+                was = start(serving, bounds)
+            summed = sums.get(name, Summed())
+            now, change = follow(
+                was,
+                bounds,
+                book.history(name),
+                book.requested_at(name),
+                at,
+                self.windows,
+                waiting=summed.queued + summed.arrived,
+            )
+            held.scaling[name] = now
+            counts[name] = now.count
+            if change is not None:
+                decision = ScaleDecision(
+                    deployment=name,
+                    before=change.before,
+                    after=change.after,
+                    reason=change.reason,
+                    at=wall_now(),
+                )
+                held.scaled[name] = decision
+                told.append(decision)
+                log.info("%s: %s", name, change.reason)
+        for name in set(held.scaling) - set(deployments):
+            held.scaling.pop(name, None)
+            held.scaled.pop(name, None)
+        return counts, told
+
+    def _quiet(self, at: float) -> frozenset[str]:
+        """The draining replicas every gateway heard from says have nothing in flight."""
+        held, book = self.held, self.demand
+        return frozenset(
+            k
+            for k, r in held.replicas.items()
+            if r.state == "draining" and k in held.draining and book.quiet(r, held.draining[k], at)
+        )
+
+    async def _tell_scaled(self, decisions: list[ScaleDecision]) -> None:
+        """Each change of count as an event; one that cannot be published is logged only."""
+        for decision in decisions:
+            try:
+                await self.bus.publish(self.bus.names.scale_event(decision.deployment), decision)
+            except StoreFull:
+                pass  # the bus said the episode once
+            except BusError as exc:
+                log.warning(
+                    "could not publish to %s: %s", self.bus.names.scale_event(decision.deployment), exc
+                )
 
     async def _forget(self, at: float) -> None:
         """Forget each node `ctl delete node` asked for once it is lost and holds no replica:

@@ -7,9 +7,10 @@ import re
 from dataclasses import dataclass, field
 
 from llmgw_core.engines import ShardSpec
-from llmgw_core.events import Deployment, DeploymentStatus, PlacementDecision, ReplicaRecord
+from llmgw_core.events import Deployment, DeploymentStatus, PlacementDecision, ReplicaRecord, ScaleDecision
 from llmgw_core.subjects import Names
 
+from .autoscale import Scaling
 from .plan import Placed
 
 REPLICA_NUMBER = re.compile(r"^r(\d+)$")
@@ -34,6 +35,11 @@ class Held:
     ids: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Per node, its lifecycle as last told (`cordoned by …`, `draining (1 replica left) by …`).
     lifecycle: dict[str, str] = field(default_factory=dict)
+    # Per autoscaled deployment, what the autoscaler remembers, and its last change of count.
+    scaling: dict[str, Scaling] = field(default_factory=dict)
+    scaled: dict[str, ScaleDecision] = field(default_factory=dict)
+    # Draining replicas by key: since when (this leader's monotonic clock).
+    draining: dict[str, float] = field(default_factory=dict)
 
 
 def key(record: ReplicaRecord) -> str:

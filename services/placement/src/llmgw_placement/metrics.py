@@ -131,3 +131,21 @@ def _state(service: PlacementService) -> Iterator[Metric]:
         for state in REPLICA_STATES:
             replicas.add_metric([dep, state], counts.get((dep, state), 0))
     yield replicas
+    chosen = GaugeMetricFamily(
+        "llmgw_placement_autoscale_replicas",
+        "The replica count the autoscaler chose, by autoscaled deployment (the leader's; within "
+        "its bounds, never written into the deployment).",
+        labels=["deployment"],
+    )
+    for dep, scaling in sorted(view.held.scaling.items()) if view.held else ():
+        chosen.add_metric([dep], scaling.count)
+    yield chosen
+    demand = GaugeMetricFamily(
+        "llmgw_placement_demand",
+        "Requests in flight and queued by deployment: the gateways' fresh reports summed, or the "
+        "engines' running and waiting where larger (every placement, leader or standby).",
+        labels=["deployment"],
+    )
+    for dep, summed in sorted(service.demand.summed.items()):
+        demand.add_metric([dep], summed.demand)
+    yield demand

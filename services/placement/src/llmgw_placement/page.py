@@ -76,6 +76,8 @@ def event_line(subject: str, data: bytes) -> str | None:
         return f"cannot place {body.get('deployment')}: {reasons}"
     if kind == "DeploymentStatus":
         return str(body.get("summary", ""))
+    if kind == "ScaleDecision":
+        return f"{body.get('deployment')}: {body.get('reason')}"
     if kind == "InstallProgress":
         return f"{body.get('node')}: {body.get('message')}"
     if kind == "NodeLifecycle":

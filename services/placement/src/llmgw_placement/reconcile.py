@@ -12,8 +12,12 @@ under it) and what this placement holds, and for every deployment, in name order
   time, a new one ready before an old one goes where capacity allows; a replica on a
   draining node is rolled the same way, except that it never goes before its
   replacement is ready (a drain waits for room instead);
-- scales up and down; a deployment whose profile is not in the catalog is refused and
-  its value dead-lettered once;
+- scales up and down, to `replicas`, or to the autoscaler's count (`Snapshot.counts`)
+  for a deployment with `autoscale`; a deployment whose profile is not in the catalog is
+  refused and its value dead-lettered once;
+- drains before it stops: a serving replica that goes (scaled down, replaced, its
+  deployment deleted, its node drained) is first saved `draining`, and removed once the
+  gateways say nothing is in flight on it (`Snapshot.quiet`) or its drain timed out;
 - reports the deployment's status when it changed.
 
 What it decides is taken in memory at once (`held`, and the index, so the next
@@ -82,6 +86,10 @@ class Snapshot:
     intents: dict[str, NodeIntent] = field(default_factory=dict)
     # The model files each node's launcher reports missing.
     missing_models: dict[str, frozenset[str]] = field(default_factory=dict)
+    # The count the autoscaler chose, by autoscaled deployment (in place of `replicas`).
+    counts: dict[str, int] = field(default_factory=dict)
+    # Draining replicas (by key) that every gateway heard from says have nothing in flight.
+    quiet: frozenset[str] = frozenset()
 
 
 def reconcile(snapshot: Snapshot, held: Held, index: KeptIndex, now: float) -> Plan:
@@ -121,7 +129,10 @@ class _Walk:
                 continue
             if record.deployment not in snap.deployments:
                 held.unwritten.pop(k, None)
-                self._remove(record, "deployment deleted")
+                if record.state == "placing":
+                    self._remove(record, "deployment deleted")
+                else:
+                    self._retire(record, "deployment deleted")
                 yield False
             elif record.state == "placing":
                 planned = held.unwritten.pop(k, None)
@@ -162,7 +173,7 @@ class _Walk:
         just_ready: set[str] = set()
         for record in mine:
             # One still to be written has nothing to observe.
-            if record.state != "placing" and self._observe(record):
+            if record.state not in ("placing", "draining") and self._observe(record):
                 if record.state != "ready" and held.replicas[key(record)].state == "ready":
                     just_ready.add(key(record))
                 yield False
@@ -185,10 +196,19 @@ class _Walk:
             return
         held.told_unknown.pop(dep.name, None)
         fp = profile.fingerprint()
+        wanted = self._wanted(dep)
+        # Replicas draining: each goes once nothing is in flight on it (or its drain timed out);
+        # meanwhile it serves what it has, so a roll waits for it (never at zero).
+        leaving = [r for r in mine if r.state == "draining"]
+        for record in leaving:
+            if self._retire(record, record.reason.removeprefix("draining: ")):
+                yield False
+        mine = [r for r in mine if r.state != "draining"]
+        leaving = [r for r in leaving if key(r) in held.replicas]
         drained = {key(r): nodes for r in mine if (nodes := self._draining(r))}
         current = [r for r in mine if r.profile_fp == fp and key(r) not in drained]
         stale = [r for r in mine if r.profile_fp != fp or key(r) in drained]
-        in_flight = any(r.state != "ready" or key(r) in just_ready for r in current)
+        in_flight = bool(leaving) or any(r.state != "ready" or key(r) in just_ready for r in current)
         if stale:
             # Roll one replica at a time: a new one ready before an old one goes,
             # where capacity allows; else one old one goes first.
@@ -196,10 +216,10 @@ class _Walk:
             blocked = ""
             if in_flight:
                 pass
-            elif len(current) + len(stale) > dep.replicas:
+            elif len(current) + len(stale) > wanted:
                 victim = _pick_to_remove(stale)
                 on = drained.get(key(victim))
-                self._remove(
+                self._retire(
                     victim,
                     f"node {on} draining: replaced by a replica placed elsewhere"
                     if on
@@ -215,15 +235,35 @@ class _Walk:
                     victim = _pick_to_remove(stale)
                     # A drain never stops a replica before its replacement is ready.
                     if key(victim) not in drained and self._fits_without(victim, dep, profile):
-                        self._remove(victim, "replaced in place: no room for a new replica first")
+                        self._retire(victim, "replaced in place: no room for a new replica first")
                     else:
                         blocked = _blocked(stale, drained, fp)
             yield False
             self._report(
-                dep, mine, refused=refused is not None, reasons=self._refused_reasons(dep), blocked=blocked
+                dep,
+                mine + leaving,
+                refused=refused is not None,
+                reasons=self._refused_reasons(dep),
+                blocked=blocked,
             )
             return
-        missing = dep.replicas - len(current)
+        missing = wanted - len(current)
+        # Demand came back while replicas drain for a scale down: they serve on, none placed anew.
+        for record in leaving:
+            if missing <= 0 or not record.reason.startswith("draining: scaled down"):
+                continue
+            self._save(
+                msgspec.structs.replace(
+                    record,
+                    state="ready" if record.url else "starting",
+                    reason="",
+                    since=wall_now(),
+                    updated_at=wall_now(),
+                )
+            )
+            self.held.draining.pop(key(record), None)
+            missing -= 1
+            yield False
         refusal: Refusal | None = None
         for placed in range(missing):
             if placed % YIELD_EVERY == YIELD_EVERY - 1:
@@ -234,14 +274,20 @@ class _Walk:
             if refusal is not None:
                 break
         for record in sorted(current, key=replica_order, reverse=True)[: max(0, -missing)]:
-            self._remove(record, f"scaled down to {dep.replicas}")
+            self._retire(record, f"scaled down to {wanted}")
             yield False
         if refusal is None:
             # Nothing is missing: an earlier refusal no longer says anything about it.
             last = held.decisions.get(dep.name)
             if last is not None and last.outcome == "refused" and not self.placed[dep.name]:
                 del held.decisions[dep.name]
-        self._report(dep, mine, refused=refusal is not None, reasons=self._refused_reasons(dep))
+        self._report(dep, mine + leaving, refused=refusal is not None, reasons=self._refused_reasons(dep))
+
+    def _wanted(self, dep: Deployment) -> int:
+        """The count to keep: the autoscaler's choice where the deployment follows demand."""
+        if dep.autoscale is None:
+            return dep.replicas
+        return self.snap.counts.get(dep.name, dep.autoscale.min_replicas)
 
     def _draining(self, record: ReplicaRecord) -> str:
         """The draining nodes a replica has a rank on (`n1, n2`), else ""."""
@@ -335,9 +381,10 @@ class _Walk:
         )
         ready = sum(1 for r in records if r.state == "ready")
         pending = len(records) + placed_now - ready
-        unplaceable = max(0, dep.replicas - len(records) - placed_now) if refused else 0
+        wanted = self._wanted(dep)
+        unplaceable = max(0, wanted - len(records) - placed_now) if refused else 0
         reasons = reasons if refused else ()
-        parts = [f"{dep.name}: {ready} of {dep.replicas} ready"]
+        parts = [f"{dep.name}: {ready} of {wanted} ready"]
         if pending:
             states = Counter(r.state for r in records if r.state != "ready")
             if placed_now:
@@ -348,9 +395,16 @@ class _Walk:
         if blocked:
             blocked = f"{blocked}: {_reasons_text(reasons)}"
             parts.append(blocked)
+        if dep.autoscale is not None:
+            a = dep.autoscale
+            scaled = held.scaled.get(dep.name)
+            parts.append(
+                f"following demand, {a.min_replicas} to {a.max_replicas} replicas"
+                + (f", last {scaled.reason}" if scaled is not None else "")
+            )
         status = DeploymentStatus(
             deployment=dep.name,
-            desired=dep.replicas,
+            desired=wanted,
             ready=ready,
             pending=pending,
             unplaceable=unplaceable,
@@ -371,10 +425,47 @@ class _Walk:
         log.info("removing %s/%s: %s", record.deployment, record.replica, why)
         held = self.held
         held.replicas.pop(key(record), None)
+        held.draining.pop(key(record), None)
         specs = {k: spec for k in record.shards if (spec := held.shards.pop(k, None)) is not None}
         for spec in specs.values():
             self.index.remove(spec)
         self.plan.removals.append(Remove(record, specs, why, state))
+
+    def _retire(self, record: ReplicaRecord, why: str) -> bool:
+        """Drain a replica before it goes: its record says `draining` (gateways send it nothing
+        new); it is removed once every gateway heard from says nothing is in flight on it, or
+        after drain_timeout_s. One that never served (not ready) goes at once. Whether it was
+        removed now."""
+        k = key(record)
+        held = self.held
+        if record.state != "draining":
+            if record.state not in ("ready", "unknown"):
+                self._remove(record, why)
+                return True
+            held.draining[k] = self.now
+            self._save(
+                msgspec.structs.replace(
+                    record,
+                    state="draining",
+                    reason=f"draining: {why}",
+                    since=wall_now(),
+                    updated_at=wall_now(),
+                )
+            )
+            log.info("draining %s/%s: %s", record.deployment, record.replica, why)
+            return False
+        # Draining since a leader that is not this one: its drain starts over here.
+        since = held.draining.setdefault(k, self.now)
+        timeout = self.config.autoscaler.drain_timeout_s
+        if k in self.snap.quiet:
+            held.draining.pop(k, None)
+            self._remove(record, f"{why}; drained")
+            return True
+        if self.now - since >= timeout:
+            held.draining.pop(k, None)
+            self._remove(record, f"{why}; drain timed out after {timeout:g} s with requests in flight")
+            return True
+        return False
 
     def _save(self, record: ReplicaRecord) -> None:
         """Take a replica's new record in memory now, and queue its write."""

@@ -29,6 +29,7 @@ from llmgw_core.claims import Claims
 from llmgw_core.engines import Profile
 from llmgw_core.errors import BusError
 from llmgw_core.events import (
+    Demand,
     Deployment,
     DesiredEngines,
     Heartbeat,
@@ -42,12 +43,13 @@ from llmgw_core.events import (
 )
 from llmgw_core.limits import key_problem
 from llmgw_core.retry import Retry
-from llmgw_core.subjects import ENGINES_KEY, Names
+from llmgw_core.subjects import ENGINES_KEY, ONE, Names
 from llmgw_core.telemetry import current_traceparent
 from llmgw_core.validate import check_deployment, check_profile
 
 from .config import ServerConfig
 from .controller import ClusterState, Controller
+from .demand import DemandBook, engine_demand
 from .desired import PlacementFile, file_difference, last_good, placement_file
 from .lease import Lease, LeaseLost
 from .liveness import clock_turn
@@ -101,6 +103,10 @@ class PlacementService:
         self.files: dict[str, tuple[PlacementFile, float]] = {}
         self._file_asked = anyio.Event()
         self._wake = anyio.Event()
+        # The gateways' demand, heard by every placement (a new leader has its history).
+        self.demand = DemandBook(
+            started=time.monotonic(), stale_intervals=config.autoscaler.demand_stale_intervals
+        )
         self.metrics = PlacementMetrics()
         self.metrics.watch(self)
 
@@ -377,6 +383,25 @@ class PlacementService:
 
         await self.bus.subscribe_core(self.bus.names.heartbeat_all, Heartbeat, seen, task_status=task_status)
 
+    async def _demand(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Hear every gateway's `Demand`. A report holding a request for a deployment wakes the
+        control loop at once: a deployment at zero starts its first replica without waiting
+        for the next step."""
+        book, state = self.demand, self.state
+
+        async def heard(report: Demand, subject: str) -> None:
+            # The gateway is the one the subject names, whatever the payload says.
+            gateway = subject.rsplit(".", 1)[-1]
+            if report.gateway != gateway:
+                report = msgspec.structs.replace(report, gateway=gateway)
+            at = time.monotonic()
+            book.heard(report, at)
+            book.sample(at, engine_demand(state.shard_status))
+            if any(d.queued for d in report.deployments):
+                self.wake()
+
+        await self.bus.subscribe_core(self.bus.names.demand(ONE), Demand, heard, task_status=task_status)
+
     async def _hearing(self) -> None:
         """Keep `state.heard_from`: since when this placement could hear every heartbeat.
 
@@ -462,6 +487,7 @@ class PlacementService:
         max_replicas = self.config.max_replicas
         async with anyio.create_task_group() as tg:
             await tg.start(self._heartbeats)
+            await tg.start(self._demand)
             tg.start_soon(self._answer_liveness)
             tg.start_soon(self._hearing)
             tg.start_soon(self._files)
@@ -503,7 +529,13 @@ class PlacementService:
 
     async def _lead(self, lease: Lease) -> None:
         controller = Controller(
-            self.config, self.bus, self.state, clock=time.monotonic, fence=lease.renew, metrics=self.metrics
+            self.config,
+            self.bus,
+            self.state,
+            clock=time.monotonic,
+            fence=lease.renew,
+            metrics=self.metrics,
+            demand=self.demand,
         )
         async with anyio.create_task_group() as tg:
             tg.start_soon(lease.hold)

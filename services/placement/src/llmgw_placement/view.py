@@ -77,6 +77,25 @@ class ClusterView:
         mine = self.mine()
         return mine.decisions.get(deployment) if mine else None
 
+    def scaling(self, deployment: str) -> dict[str, object] | None:
+        """An autoscaled deployment's count now and its last change, as the leader holds them;
+        None on a standby, or for a deployment that does not autoscale."""
+        mine = self.mine()
+        if mine is None or deployment not in mine.scaling:
+            return None
+        last = mine.scaled.get(deployment)
+        return {
+            "count": mine.scaling[deployment].count,
+            "last_decision": {
+                "before": last.before,
+                "after": last.after,
+                "reason": last.reason,
+                "at": last.at,
+            }
+            if last is not None
+            else None,
+        }
+
     def views(self, at: float | None = None) -> list[NodeView] | None:
         """Every node's view as the leader would decide over it now; None on a standby."""
         if self._index is None or not self._leading():
