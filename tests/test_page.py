@@ -83,7 +83,7 @@ async def test_the_cluster_page_follows_the_cluster_live(
                 await expect(page.locator("tr[data-replica='chat.r0'] .state")).to_have_text("ready")
                 await expect(row.locator(".gpu.held")).to_contain_text("chat/r0")
                 await expect(summary).to_contain_text(
-                    "nodes 1 alive, 0 lost · GPUs 1 held, 1 free, 0 unusable"
+                    "nodes 1 alive, 0 lost, 0 cordoned · GPUs 1 held, 1 free, 0 unusable"
                 )
                 await expect(summary).to_contain_text("deployments 1 ready")
 
