@@ -58,13 +58,15 @@ def _e(text: object) -> str:
     return html.escape(str(text), quote=True)
 
 
-def _ago(seconds: float) -> str:
-    s = max(0, int(seconds))
-    if s < 120:
-        return f"{s} s"
-    if s < 7200:
-        return f"{s // 60} min"
-    return f"{s // 3600} h"
+def _when(at: float) -> str:
+    """A moment as the page shows it: its UTC time, which a script turns into `5 s ago` and
+    keeps current in the browser. A text that the server rewrote every second would change
+    every replica's row on every tick, and the stream would send them all again."""
+    at = int(at)
+    return (
+        f"<time data-at={at} title='{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(at))}'>"
+        f"{time.strftime('%H:%M:%S', time.gmtime(at))} UTC</time>"
+    )
 
 
 def event_line(subject: str, data: bytes) -> str | None:
@@ -566,8 +568,8 @@ class Page:
             Frag("listed-h", f"<h3 id=listed-h>{title}</h3>"),
             Keyed(
                 "listed",
-                "<div class=wide><table><thead><tr><th>node</th><th>state</th><th>system</th><th>GPUs</th>"
-                "<th>engines</th></tr></thead><tbody id=listed>",
+                "<div class=wide><table><thead><tr><th>node</th><th>state</th><th class=sys>system</th>"
+                "<th>GPUs</th><th>engines</th></tr></thead><tbody id=listed>",
                 rows,
                 "</tbody></table></div>",
             ),
@@ -594,7 +596,8 @@ class Page:
         elif row.seen_s_ago < 0:
             state = "<span class=bad>lost</span> (not heard since placement started)"
         else:
-            state = f"<span class=bad>lost {_ago(row.seen_s_ago)} ago</span>"
+            heard = self.service.state.last_seen_wall.get(row.node) or time.time() - row.seen_s_ago
+            state = f"<span class=bad>lost, last heard {_when(heard)}</span>"
         if row.intent:
             state += f" <span class=warn>{_e(row.intent)}</span>"
         system = f"{facts.os_id} {facts.os_version} {facts.arch}".strip() if facts else ""
@@ -618,8 +621,9 @@ class Page:
         said = ((row.claimed,) if row.claimed else ()) + row.warnings
         warnings = "".join(f"<div class=warn>{_e(w)}</div>" for w in said)
         return (
-            f"<tr id='n-{_e(row.node)}' data-node='{_e(row.node)}'><td>{_e(row.node)}</td><td>{state}</td>"
-            f"<td>{_e(system)}{warnings}</td><td class=gpus>{gpus or '—'}</td>"
+            f"<tr id='n-{_e(row.node)}' data-node='{_e(row.node)}'><td>{_e(row.node)}</td>"
+            f"<td>{state}{warnings}</td>"
+            f"<td class=sys>{_e(system)}</td><td class=gpus>{gpus or '—'}</td>"
             f"<td>{engines or '—'}</td></tr>"
         )
 
@@ -661,11 +665,10 @@ class Page:
         self, replicas: dict[str, ReplicaRecord], shard_status: dict[str, ShardStatus], query: Query
     ) -> list[Part]:
         rows = []
-        now = time.time()
         for key in sorted(replicas):
             r = replicas[key]
             nodes = ", ".join(sorted({k.split(".", 1)[0] for k in r.shards}))
-            since = f"{_ago(now - r.since)}" if r.since else ""
+            since = _when(r.since) if r.since else ""
             # The failure's own lines, unless the reason already quotes them whole (as a
             # placement that predates the failure's fields wrote it).
             told = failures.failure_of(r)
@@ -849,7 +852,7 @@ PAGE = """<!doctype html>
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}
 h1{font-size:1.3em;margin:0 0 .3em}h2{font-size:1.1em;margin:1.2em 0 .4em}h3{font-size:1em;margin:.8em 0 .3em}
 table{border-collapse:collapse;width:100%}td,th{border-bottom:1px solid #ddd;padding:.3em .5em;
-text-align:left;vertical-align:top;overflow-wrap:anywhere}th{background:#f4f4f4}
+text-align:left;vertical-align:top;overflow-wrap:break-word}th{background:#f4f4f4}
 .wide{overflow-x:auto;max-width:100%}
 .ok{color:#176117;font-weight:600}.bad{color:#a11;font-weight:600}.warn{color:#8a5a00}
 .gpu{display:inline-block;min-width:4.5em;margin:1px;padding:1px 4px;border-radius:3px;font-size:12px}
@@ -872,7 +875,8 @@ ul.reasons{margin:.2em 0;padding-left:1.2em}time{color:#777}.nowrap{white-space:
 .hint{background:#fff6dc;padding:.4em .6em;border-radius:3px}
 #deployment{border:1px solid #ccd;padding:.2em .8em .6em;border-radius:4px}.close{float:right}
 #chat label{display:block;margin:.3em 0}#chat textarea,#chat input{width:100%;box-sizing:border-box}
-@media (max-width:600px){body{margin:.6em}td,th{padding:.2em .3em}#live{float:none;display:block}}
+@media (max-width:600px){body{margin:.6em}td,th{padding:.2em .3em}#live{float:none;display:block}
+.gpu{min-width:0;padding:0 3px}.gpu small{display:none}.sys{display:none}table.groups{font-size:12px}}
 </style></head>
 <body><h1>llmgw cluster <span id=live>as of {when}</span></h1>
 <noscript><p class=hint id=nojs>This page is live only with JavaScript: without it, it reloads
@@ -919,7 +923,16 @@ function patch(p) {
     if (el) el.replaceWith(make(html));
   }
 }
-function seen() { live.textContent = "live " + new Date().toLocaleTimeString(); dim(); }
+function ago() {
+  const now = Date.now() / 1000;
+  for (const t of document.querySelectorAll("time[data-at]")) {
+    const s = Math.max(0, Math.floor(now - Number(t.dataset.at)));
+    t.textContent = s < 120 ? s + " s ago" : s < 7200 ? Math.floor(s / 60) + " min ago"
+      : Math.floor(s / 3600) + " h ago";
+  }
+}
+setInterval(ago, 1000);
+function seen() { live.textContent = "live " + new Date().toLocaleTimeString(); dim(); ago(); }
 const source = new EventSource("page/stream" + location.search);
 source.addEventListener("view", (e) => { whole(e.data); seen(); });
 source.addEventListener("patch", (e) => { patch(JSON.parse(e.data)); seen(); });
