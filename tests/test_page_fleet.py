@@ -46,6 +46,8 @@ BUDGET_BYTES_PER_S = 20_000
 WINDOW_S = 20.0
 SCREENS = {"desktop": {"width": 1400, "height": 900}, "phone": {"width": 390, "height": 844}}
 CORDONED = "sim-00007"
+# How long the page may take to show what the fleet settled on.
+SETTLE_MS = 60_000
 
 
 @dataclass
@@ -191,15 +193,18 @@ async def test_the_first_screen_shows_the_summary_and_the_failing_replica(
                 await expect(problem).to_contain_text("crashes/r0")
                 await expect(page.locator("#live")).to_contain_text("live", timeout=30_000)
                 summary = page.locator("#summary")
+                # Lost nodes' GPUs, and the cordoned node's unheld ones, are never free. (Waited
+                # for: a placement whose loop ran late grants every node a full timeout again,
+                # and the lost ones are alive on the page until it has caught up.)
+                expected = {"alive": NODES + 1, "lost": 2, "cordoned": 1, "unusable": 3 * GPUS}
+                for what, count in expected.items():
+                    await expect(summary.locator(f"[data-count='{what}']")).to_have_text(
+                        str(count), timeout=SETTLE_MS
+                    )
                 counts = {
                     what: int(await summary.locator(f"[data-count='{what}']").inner_text())
-                    for what in ("alive", "lost", "cordoned", "held", "free", "unusable", "ready", "degraded")
+                    for what in ("held", "free", "unusable", "ready", "degraded")
                 }
-                # Lost nodes' GPUs, and the cordoned node's unheld ones, are never free.
-                assert counts["alive"] == NODES + 1, counts
-                assert counts["lost"] == 2, counts
-                assert counts["cordoned"] == 1, counts
-                assert counts["unusable"] == 2 * GPUS + GPUS, counts
                 assert counts["held"] + counts["free"] + counts["unusable"] == (NODES + 2) * GPUS + 2, counts
                 assert counts["held"] >= 21, counts
                 assert counts["ready"] >= 2, counts
@@ -209,7 +214,7 @@ async def test_the_first_screen_shows_the_summary_and_the_failing_replica(
                     assert box is not None
                     assert box["y"] + box["height"] <= viewport["height"], (screen, box)
                 await expect(page.locator("#problems [data-problem='nodes-lost']")).to_contain_text(
-                    "2 nodes lost: gone-00000, gone-00001"
+                    "2 nodes lost: gone-00000, gone-00001", timeout=SETTLE_MS
                 )
 
                 # Nodes compact: one group per GPU class and pool, one square each in a grid,
@@ -218,11 +223,13 @@ async def test_the_first_screen_shows_the_summary_and_the_failing_replica(
                 await expect(groups).to_have_count(3)
                 fleet_group = page.locator("#groups tr[data-group='H100-80G|fleet']")
                 await expect(fleet_group.locator(".nodes")).to_have_text(str(NODES))
+                await expect(fleet_group.locator(".alive")).to_have_text(str(NODES))
+                await expect(fleet_group.locator(".cordoned")).to_have_text("1")
                 await expect(page.locator(".grid .c")).to_have_count(NODES + 3)
-                await expect(page.locator(".grid .c.lost")).to_have_count(2)
+                await expect(page.locator(".grid .c.lost")).to_have_count(2, timeout=SETTLE_MS)
                 await expect(page.locator(f".grid #c-{CORDONED}.cordoned")).to_have_count(1)
                 listed = page.locator("#listed tr[data-node]")
-                await expect(listed).to_have_count(3)
+                await expect(listed).to_have_count(3, timeout=SETTLE_MS)
                 await expect(page.locator(f"#listed tr[data-node='{CORDONED}']")).to_contain_text(
                     "cordoned by ops"
                 )
@@ -264,6 +271,11 @@ async def test_an_open_tab_costs_under_20_kb_a_second_with_1000_idle_nodes(fleet
         assert snapshot.startswith(b"event: view\n"), snapshot[:100]
         assert b"c-sim-00999" in snapshot, "the first snapshot is the whole view"
         wire = bytearray(rest)
+        # What one render of the whole page costs placement at this size (a tab's first view).
+        began = time.monotonic()
+        index = await client.get("/")
+        assert index.status_code == 200
+        print(f"GET / ({len(index.content)} bytes) took {time.monotonic() - began:.3f} s")
         start = time.monotonic()
         cordon = await writer.post(f"/api/nodes/{touched}/cordon", json={"reason": "fan", "by": "ops"})
         assert cordon.status_code == 200, cordon.text
@@ -353,6 +365,8 @@ async def test_the_chat_box_sends_one_request_through_the_gateway(fleet: Fleet) 
             assert await page.evaluate("sessionStorage.getItem('llmgw-key')") == fleet.key
             assert all(fleet.key not in c["value"] for c in await page.context.cookies())
             print(f"chat box answer: {answer!r}")
+            width = await page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+            assert width[0] <= width[1], width
         finally:
             await browser.close()
     # The request was the gateway's: counted against the key.

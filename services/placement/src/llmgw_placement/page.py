@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
+from urllib.parse import urlencode
 
 import anyio
 import msgspec
@@ -50,6 +51,10 @@ SMALL_FLEET = 24
 LISTED_MAX = 50
 # Renders younger than this are shared by the streams of every open tab.
 SHARED_S = 0.4
+# The streams look again only after this many times what the last render took: rendering
+# runs on the loop that hears the nodes' heartbeats, and a large fleet's page must not take
+# more than a small share of it (a late loop makes placement grant every node a full timeout).
+RENDER_SHARE = 20
 # How long a page without JavaScript waits before it reloads itself.
 NOSCRIPT_RELOAD_S = 30
 
@@ -196,8 +201,6 @@ class Query(NamedTuple):
 
     def href(self, **changed: str) -> str:
         """This query with `changed`, as a link's `href`."""
-        from urllib.parse import urlencode
-
         values = {**self._asdict(), **changed}
         return "?" + urlencode({k: v for k, v in values.items() if v})
 
@@ -273,6 +276,8 @@ class Page:
         self._heard = 0
         self._pools: dict[str, str] = {}
         self._shared: dict[Query, tuple[float, list[Part]]] = {}
+        # What the last render took (seconds).
+        self.render_s = 0.0
 
     def heard(self, line: str) -> None:
         self._heard += 1
@@ -312,6 +317,7 @@ class Page:
         if kept is not None and at - kept[0] < SHARED_S:
             return kept[1]
         parts = self.parts(query)
+        self.render_s = time.monotonic() - at
         self._shared = {q: v for q, v in self._shared.items() if at - v[0] < SHARED_S}
         self._shared[query] = (at, parts)
         return parts
@@ -449,7 +455,7 @@ class Page:
         if dep is None:
             return [
                 f"<section id=deployment><h2>Deployment {_e(name)}</h2>{close}"
-                f"<p class=warn>no deployment {_e(name)!s} (the deployments are listed below)</p></section>"
+                f"<p class=warn>no deployment {_e(name)} (the deployments are listed below)</p></section>"
             ]
         status = statuses.get(name)
         mine = [replicas[k] for k in sorted(replicas) if replicas[k].deployment == name]
@@ -538,8 +544,9 @@ class Page:
                     f"grp-{slug}",
                     f"<tr id='grp-{slug}' data-group='{_e(cls)}|{_e(pools)}'><td>{_e(cls)}</td>"
                     f"<td>{_e(pools) or '—'}</td><td class=nodes>{len(members)}</td>"
-                    f"<td>{states['held'] + states['free']}</td><td class=lost>{states['lost']}</td>"
-                    f"<td>{states['cordoned']}</td><td>{sum(x.held for x in c)}</td>"
+                    f"<td class=alive>{states['held'] + states['free'] + states['cordoned']}</td>"
+                    f"<td class=lost>{states['lost']}</td>"
+                    f"<td class=cordoned>{states['cordoned']}</td><td>{sum(x.held for x in c)}</td>"
                     f"<td>{sum(x.free for x in c)}</td><td>{sum(x.unusable for x in c)}</td></tr>",
                 )
             )
@@ -793,8 +800,9 @@ class Page:
         )
 
     async def stream(self, query: Query = EVERYTHING) -> AsyncIterator[bytes]:
-        """Server-sent events: the view first, then what changed in it (`changes`), and a
-        comment now and then, so a proxy keeps the connection open."""
+        """Server-sent events: the view first, then what changed in it (`changes`), looked
+        for twice a second (less often where a render takes more than a twentieth of that),
+        and a comment now and then, so a proxy keeps the connection open."""
         sent: Sent | None = None
         quiet = 0.0
         while True:
@@ -805,8 +813,9 @@ class Page:
             elif quiet >= KEEPALIVE_S:
                 quiet = 0.0
                 yield b": still here\n\n"
-            await anyio.sleep(REFRESH_S)
-            quiet += REFRESH_S
+            pause = max(REFRESH_S, RENDER_SHARE * self.render_s)
+            await anyio.sleep(pause)
+            quiet += pause
 
 
 def _find(query: Query) -> str:
