@@ -83,7 +83,7 @@ async def test_the_cluster_page_follows_the_cluster_live(
                 await expect(page.locator("tr[data-replica='chat.r0'] .state")).to_have_text("ready")
                 await expect(row.locator(".gpu.held")).to_contain_text("chat/r0")
                 await expect(summary).to_contain_text(
-                    "nodes 1 alive, 0 lost · GPUs 1 held, 1 free, 0 unusable"
+                    "nodes 1 alive, 0 lost, 0 cordoned · GPUs 1 held, 1 free, 0 unusable"
                 )
                 await expect(summary).to_contain_text("deployments 1 ready")
 
@@ -184,3 +184,77 @@ async def test_the_cluster_page_follows_the_cluster_live(
                 print(f"cluster page screenshot: {shot}")
             finally:
                 await browser.close()
+
+
+def test_the_stream_sends_the_view_first_then_only_what_changed() -> None:
+    import msgspec
+
+    from llmgw_placement.page import Frag, Keyed, Part, changes
+
+    def parts(summary: str, cells: list[tuple[str, str]], extra: bool = False) -> list[Part]:
+        return [
+            "<main>",
+            Frag("summary", f"<p id=summary>{summary}</p>"),
+            Keyed(
+                "grid", "<div id=grid>", [Frag(i, f"<a id={i} class={c}></a>") for i, c in cells], "</div>"
+            ),
+            *(["<p>more</p>"] if extra else []),
+            "</main>",
+        ]
+
+    cells = [(f"c-{i}", "free") for i in range(1000)]
+    sent, first = changes(None, parts("1000 alive", cells))
+    assert first is not None
+    assert first.startswith(b"event: view\ndata: <main><p id=summary>1000 alive</p><div id=grid>")
+    # Nothing changed: nothing sent.
+    sent, nothing = changes(sent, parts("1000 alive", cells))
+    assert nothing is None
+    # One node lost: its cell and the summary, nothing else.
+    lost = [*cells[:7], ("c-7", "lost"), *cells[8:]]
+    sent, patch = changes(sent, parts("999 alive", lost))
+    assert patch is not None
+    assert patch.startswith(b"event: patch\ndata: ")
+    assert patch.endswith(b"\n\n")
+    body = msgspec.json.decode(patch.split(b"data: ", 1)[1])
+    assert body == {
+        "set": {"summary": "<p id=summary>999 alive</p>", "c-7": "<a id=c-7 class=lost></a>"},
+        "order": {},
+    }
+    # A node added: the container's new order and the new cell only.
+    added = [*lost, ("c-new", "free")]
+    sent, patch = changes(sent, parts("999 alive", added))
+    assert patch is not None
+    body = msgspec.json.decode(patch.split(b"data: ", 1)[1])
+    assert body["set"] == {"c-new": "<a id=c-new class=free></a>"}
+    assert body["order"] == {"grid": [i for i, _ in added]}
+    # A section came: the whole view again.
+    sent, whole = changes(sent, parts("999 alive", added, extra=True))
+    assert whole is not None
+    assert whole.startswith(b"event: view\n")
+    assert b"<p>more</p>" in whole
+
+
+def test_lost_claimed_and_cordoned_nodes_have_no_free_gpu() -> None:
+    from llmgw_core.engines import GPUInfo
+    from llmgw_placement.api import NodeRow
+    from llmgw_placement.page import Counted, counted
+
+    gpus = tuple(GPUInfo(index=i, name="NVIDIA H100 80GB HBM3", memory_mb=81559) for i in range(4))
+
+    def row(**more: object) -> NodeRow:
+        fields = {
+            "alive": True,
+            "seen_s_ago": 0.5,
+            "engines": (),
+            "install": "",
+            "warnings": (),
+            "probed_at": 0.0,
+        }
+        return NodeRow(node="n1", gpus=gpus, **{**fields, **more})  # type: ignore[arg-type]
+
+    held = {("n1", 0): "chat/r0"}
+    assert counted(row(), held) == Counted("held", 1, 3, 0)
+    assert counted(row(), {}) == Counted("free", 0, 4, 0)
+    assert counted(row(alive=False, seen_s_ago=30.0), held) == Counted("lost", 0, 0, 4)
+    assert counted(row(claimed="n1 is claimed by two machines"), held) == Counted("claimed", 0, 0, 4)
+    assert counted(row(intent="cordoned by ops at …"), held) == Counted("cordoned", 1, 0, 3)

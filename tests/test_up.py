@@ -194,6 +194,20 @@ async def test_dev_up_brings_up_a_cluster_that_answers_and_stops_cleanly(tmp_pat
                 assert r.json()["model"] == "tiny-chat"
             r = await client.post(f"{url}/v1/chat/completions", json={"model": "chat", "messages": []})
             assert r.status_code == 401
+            # The cluster page's chat box: placement names the gateway, whose answers the
+            # page's scripts may read (a browser's preflight from the page's origin is allowed).
+            http = msgspec.yaml.decode((data / "server.yaml").read_bytes())["http"]
+            assert http["gateway_url"] == url
+            page = f"http://127.0.0.1:{http['port']}"
+            asked = {
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization",
+            }
+            r = await client.options(f"{url}/v1/chat/completions", headers={"Origin": page, **asked})
+            assert r.status_code == 200, r.text
+            assert r.headers["access-control-allow-origin"] == page
+            r = await client.options(f"{url}/v1/chat/completions", headers={"Origin": "http://evil", **asked})
+            assert "access-control-allow-origin" not in r.headers
         await operator_sees_the_cluster(text, data)
         port = engine.rsplit(":", 1)[1]
         engines = processes_with(f"--port {port} --model tiny-chat", under=data)

@@ -117,9 +117,15 @@ SIM_PROFILE: dict[str, Any] = {
 
 
 def server_yaml(
-    url: str, api_port: int, auth: AuthDir | None, profile: dict[str, Any] | None = None
+    url: str,
+    api_port: int,
+    auth: AuthDir | None,
+    profile: dict[str, Any] | None = None,
+    *,
+    gateway_url: str = "",
 ) -> dict[str, Any]:
-    """With `profile` (a real model, `model_profile`), that is the catalog; else the simulated one."""
+    """With `profile` (a real model, `model_profile`), that is the catalog; else the simulated one.
+    `gateway_url`: the gateway the cluster page's chat box sends to."""
     if auth is None:
         nats: dict[str, Any] = {"url": url, "insecure": True}
         http: dict[str, Any] = {"host": "127.0.0.1", "port": api_port, "insecure": True}
@@ -147,7 +153,7 @@ def server_yaml(
                 "aliases": [(profile or SIM_PROFILE)["name"]],
             }
         ],
-        "http": http,
+        "http": {**http, **({"gateway_url": gateway_url} if gateway_url else {})},
     }
 
 
@@ -285,13 +291,18 @@ def place_model(source: str) -> tuple[dict[str, Any], str]:
     return on_gpu, f"llama.cpp runs the model on one {cls}: it {need.text()}"
 
 
-def gateway_yaml(url: str, port: int, auth: AuthDir | None) -> dict[str, Any]:
+def gateway_yaml(url: str, port: int, auth: AuthDir | None, *, page: str = "") -> dict[str, Any]:
+    """`page`: the cluster page's origin, whose chat box calls the gateway from the browser."""
     nats: dict[str, Any] = (
         {"url": url, "insecure": True}
         if auth is None
         else {"url": url, "nkey_seed_file": str(auth.seed("gateway"))}
     )
-    return {"nats": nats, "http": {"host": "127.0.0.1", "port": port}}
+    http: dict[str, Any] = {"host": "127.0.0.1", "port": port}
+    if page:
+        # A browser that opened the page as localhost is another origin than 127.0.0.1.
+        http["cors_origins"] = [page, page.replace("//127.0.0.1:", "//localhost:")]
+    return {"nats": nats, "http": http}
 
 
 def _write(path: Path, value: dict[str, Any], kind: type[msgspec.Struct]) -> Path:
@@ -618,8 +629,14 @@ async def _bring_up(
     ports: dict[str, dict[str, int]],
     auth: AuthDir | None,
 ) -> None:
+    # The page's chat box calls the gateway from the browser: placement names the gateway, the
+    # gateway lets the page's origin read its answers (a port 0 has no address to name).
+    gateway_url = f"http://127.0.0.1:{options.gateway_port}" if options.gateway_port else ""
+    page = f"http://127.0.0.1:{options.api_port}" if options.api_port and gateway_url else ""
     server_cfg = _write(
-        data_dir / "server.yaml", server_yaml(url, options.api_port, auth, options.profile), ServerConfig
+        data_dir / "server.yaml",
+        server_yaml(url, options.api_port, auth, options.profile, gateway_url=gateway_url),
+        ServerConfig,
     )
     logs = data_dir / "logs"
     py = sys.executable
@@ -660,7 +677,7 @@ async def _bring_up(
             )
         )
     gateway_cfg = _write(
-        data_dir / "gateway.yaml", gateway_yaml(url, options.gateway_port, auth), GatewayConfig
+        data_dir / "gateway.yaml", gateway_yaml(url, options.gateway_port, auth, page=page), GatewayConfig
     )
     gateway_log = logs / "gateway.log"
     since = gateway_log.stat().st_size if gateway_log.exists() else 0

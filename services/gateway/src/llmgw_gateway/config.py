@@ -36,6 +36,10 @@ class HttpConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # Descriptors kept out of that count: NATS, logs, the listener, and the up to 128
     # connections that one pass of the accept loop takes before any of them is counted.
     reserved_fds: Annotated[int, Meta(ge=160)] = 256
+    # Web pages (origins: `http://placement.example:8080`) whose scripts may call the API from
+    # a browser, such as the cluster page's chat box; `*` for any. The key still comes from
+    # the user: this only lets the browser hand over the answer. (): none (no CORS headers).
+    cors_origins: tuple[str, ...] = ()
 
 
 class RoutingConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -37,7 +37,7 @@ from .keyring import Keyring, file_keys
 from .proxy import Proxy
 from .routing import Table
 from .upstream import Upstream
-from .web import serve_app
+from .web import cors, serve_app
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -264,7 +264,7 @@ class Gateway:
                 port = await tg.start(
                     partial(
                         serve_app,
-                        self.proxy.app,
+                        cors(self.proxy.app, self.config.http.cors_origins),
                         self.config.http.host,
                         self.config.http.port,
                         protocol=protocol(self.connections),

@@ -12,7 +12,7 @@ from starlette.types import ASGIApp
 from llmgw_core.errors import ConfigError
 from llmgw_core.web import bind, serve
 
-__all__ = ["bind", "serve_app"]
+__all__ = ["bind", "cors", "serve_app"]
 
 
 async def serve_app(
@@ -32,3 +32,20 @@ async def serve_app(
         raise ConfigError(
             f"{exc.strerror or exc}; choose another http: port (0 takes a free one) or stop what holds it"
         ) from exc
+
+
+def cors(app: ASGIApp, origins: tuple[str, ...]) -> ASGIApp:
+    """`app`, answering browsers' preflights and letting scripts of `origins` read its answers
+    (`http: cors_origins`); `app` itself when there are none. Only the headers a client of
+    the API sends are allowed: its key and its body's type."""
+    if not origins:
+        return app
+    from starlette.middleware.cors import CORSMiddleware
+
+    return CORSMiddleware(
+        app,
+        allow_origins=list(origins),
+        allow_methods=["GET", "POST"],
+        allow_headers=["authorization", "content-type", "traceparent"],
+        max_age=600,
+    )

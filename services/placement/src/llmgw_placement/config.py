@@ -78,6 +78,10 @@ class HttpConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     read_token_file: str = ""
     # Serve without tokens: anyone who reaches the port may change deployments.
     insecure: bool = False
+    # The gateway as a browser reaches it (`http://gateway.example:8000`), for the cluster
+    # page's chat box: the browser sends its request there itself, with a key the user types
+    # (the gateway's `http: cors_origins` must name this page's origin). "": no chat box.
+    gateway_url: str = ""
 
 
 class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

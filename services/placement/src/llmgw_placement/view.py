@@ -56,6 +56,16 @@ class ClusterView:
             out[k] = live.shard_reading(status.state)
         return out
 
+    def shard_states_of(self, nodes: set[str], at: float) -> dict[str, list[tuple[str, str]]]:
+        """`shard_states` for the shards of `nodes`, by node, each list by key."""
+        judged = {node: self.liveness.judged(node, at) for node in nodes}
+        out: dict[str, list[tuple[str, str]]] = {}
+        for k, status in sorted(self.state.shard_status.items()):
+            live = judged.get(status.node)
+            if live is not None:
+                out.setdefault(status.node, []).append((k, live.shard_reading(status.state)))
+        return out
+
     def mine(self) -> Held | None:
         """What the leader holds; None on a standby (an ex-leader's memory is stale)."""
         return self.held if self._leading() else None
