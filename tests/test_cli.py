@@ -4,6 +4,7 @@ process, with its stdout, stderr and exit code as an operator or a script sees t
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -277,3 +278,28 @@ def test_traces_carry_the_version_that_version_prints() -> None:
     attributes = resource_attributes("llmgw-placement", "n1")
     assert attributes["service.version"] == llmgw_version()
     assert llmgw("--version").stdout == f"llmgw {attributes['service.version']}\n"
+
+
+def test_a_broken_file_for_apply_is_said_before_any_cluster_is_reached(tmp_path: Path) -> None:
+    """Regression: `ctl apply -f` with a YAML syntax error said only that NATS could not be
+    reached; the file is now read and checked first, and its error names the line and column."""
+    unreachable = ("--insecure", "--nats-url", "nats://127.0.0.1:1")
+    broken = tmp_path / "server.yaml"
+    broken.write_text("deployments:\n  - name: chat\n    profile: [tiny\n")
+    done = llmgw("ctl", "apply", "-f", str(broken), *unreachable)
+    assert done.returncode == 2, done.stderr
+    assert re.search(rf"^llmgw: {re.escape(str(broken))}:\d+:\d+: not valid YAML", done.stderr, re.M), (
+        done.stderr
+    )
+    assert "NATS" not in done.stderr
+    negative = tmp_path / "negative.yaml"
+    negative.write_text("deployments:\n  - name: chat\n    profile: tiny\n    replicas: -1\n")
+    done = llmgw("ctl", "apply", "-f", str(negative), "--dry-run", *unreachable)
+    assert done.returncode == 2, done.stderr
+    assert "$.deployments[0].replicas" in done.stderr, done.stderr
+    # A good file goes on to the cluster, and is told that none answers.
+    good = tmp_path / "good.yaml"
+    good.write_text("deployments:\n  - name: chat\n    profile: tiny\n")
+    done = llmgw("ctl", "apply", "-f", str(good), *unreachable)
+    assert done.returncode != 0
+    assert "cannot connect to NATS" in done.stderr, done.stderr

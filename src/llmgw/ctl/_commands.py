@@ -9,7 +9,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -40,6 +40,9 @@ from . import _read as read
 from . import _views as views
 from ._args import KINDS
 from ._errors import CannotStore, CtlError, NotFound, Refused, Unreachable, UsageError
+
+if TYPE_CHECKING:
+    from llmgw_placement.config import ServerConfig
 
 tracer = trace.get_tracer("llmgw.ctl")
 
@@ -111,19 +114,13 @@ async def deploy(bus: Bus, deployment: Deployment) -> Deployment:
     return deployment
 
 
-async def apply(bus: Bus, path: str, *, dry_run: bool = False, prune: bool = False) -> str:
-    """Write what a server.yaml names (its engines, profiles and deployments), and nothing else.
-
-    A section the file omits is left as it is; what a named section omits is deleted only with
-    `prune`. Every reference is checked against the file and the live state before anything is
-    written (Refused, nothing written). `dry_run` says what would change and writes nothing.
-    """
+def read_apply_file(path: str) -> tuple[ServerConfig, frozenset[str]]:
+    """A server.yaml for `apply`, read and checked on its own (ConfigError naming the file, and
+    the line and column of a syntax error): its config, and the sections it names. Done before
+    ctl connects, so that a broken file is told as such with or without a cluster."""
     from pathlib import Path
 
     from llmgw_core.config import loads
-    from llmgw_core.engines import default_registry
-    from llmgw_core.events import DesiredEngines
-    from llmgw_placement.config import ServerConfig
 
     from . import _apply
 
@@ -131,9 +128,10 @@ async def apply(bus: Bus, path: str, *, dry_run: bool = False, prune: bool = Fal
         raw = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    from llmgw_placement.config import ServerConfig
+
     config = loads(raw, ServerConfig, source=path)
     named = _apply.named_sections(raw)
-    names = bus.names
     for dep in config.deployments if "deployments" in named else ():
         problem = check_deployment(dep.name, dep.wire(), max_replicas=config.max_replicas)
         if problem:
@@ -142,6 +140,31 @@ async def apply(bus: Bus, path: str, *, dry_run: bool = False, prune: bool = Fal
         problem = check_profile(entry.name, entry.wire())
         if problem:
             raise ConfigError(f"{path}: {problem}")
+    return config, named
+
+
+async def apply(
+    bus: Bus,
+    path: str,
+    *,
+    dry_run: bool = False,
+    prune: bool = False,
+    checked: tuple[ServerConfig, frozenset[str]] | None = None,
+) -> str:
+    """Write what a server.yaml names (its engines, profiles and deployments), and nothing else.
+
+    A section the file omits is left as it is; what a named section omits is deleted only with
+    `prune`. Every reference is checked against the file and the live state before anything is
+    written (Refused, nothing written). `dry_run` says what would change and writes nothing.
+    `checked`: the file as `read_apply_file` gave it, if it was read already.
+    """
+    from llmgw_core.engines import default_registry
+    from llmgw_core.events import DesiredEngines
+
+    from . import _apply
+
+    config, named = checked or read_apply_file(path)
+    names = bus.names
     found = await bus.get(names.config_bucket, ENGINES_KEY, DesiredEngines)
     catalog = await bus.entries(names.catalog_bucket, Profile)
     deployments = await bus.entries(names.deployments_bucket, Deployment)
@@ -746,7 +769,9 @@ async def _dispatch(bus: Bus, args: argparse.Namespace) -> str | None:
         )
     if cmd == "apply":
         try:
-            return await apply(bus, args.file, dry_run=args.dry_run, prune=args.prune)
+            return await apply(
+                bus, args.file, dry_run=args.dry_run, prune=args.prune, checked=getattr(args, "checked", None)
+            )
         except ConfigError as exc:
             raise UsageError(str(exc)) from exc
     if cmd in ("cordon", "drain", "uncordon") or (cmd == "delete" and args.kind == "node"):
@@ -797,6 +822,12 @@ def run(args: argparse.Namespace) -> int:
     follows = getattr(args, "watch", False) or getattr(args, "follow", False)
 
     async def main() -> str | None:
+        if args.ctl == "apply":
+            # The file first: a broken one is said as such, with or without a cluster to reach.
+            try:
+                args.checked = read_apply_file(args.file)
+            except ConfigError as exc:
+                raise UsageError(str(exc)) from exc
         bus = await connect(args)
         try:
             if args.ctl == "get" and args.watch:
