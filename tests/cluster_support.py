@@ -100,7 +100,12 @@ class Cluster:
         return path
 
     def agent_config(
-        self, node: str, gpus: int, engines: dict[str, Any] | None = None, machine: str = ""
+        self,
+        node: str,
+        gpus: int,
+        engines: dict[str, Any] | None = None,
+        machine: str = "",
+        simulate: dict[str, Any] | None = None,
     ) -> Path:
         # Nodes share this machine: each gets its own engine ports.
         base = 20000 + 100 * (len(list(self.root.glob("agent-*.yaml"))) + 1)
@@ -112,7 +117,7 @@ class Cluster:
                 "node": node,
                 "state_dir": str(self.root / (f"{node}@{machine}" if machine else node)),
                 "nats": self.nats(f"node-{node}"),
-                "simulate": {"gpu_count": gpus},
+                "simulate": {"gpu_count": gpus, **(simulate or {})},
                 "heartbeat_interval_s": self.heartbeat_s,
                 "stop_grace_s": 3.0,
                 "restart_backoff_s": 0.3,
@@ -144,9 +149,16 @@ class Cluster:
             f"placement-{identity}", [sys.executable, "-m", "llmgw_placement", "--config", str(path)]
         )
 
-    def start_node(self, node: str, gpus: int = 1, engines: dict[str, Any] | None = None) -> None:
-        """An installer and a launcher for `node`; `engines` as agent.yaml names them."""
-        path = str(self.agent_config(node, gpus, engines))
+    def start_node(
+        self,
+        node: str,
+        gpus: int = 1,
+        engines: dict[str, Any] | None = None,
+        simulate: dict[str, Any] | None = None,
+    ) -> None:
+        """An installer and a launcher for `node`; `engines` as agent.yaml names them, `simulate`
+        more of its pretend hardware (`memory_mb`, `gpu_memory_mb`, …)."""
+        path = str(self.agent_config(node, gpus, engines, simulate=simulate))
         self._spawn(f"installer-{node}", [sys.executable, "-m", "llmgw_installer", "--config", path])
         self._spawn(f"launcher-{node}", [sys.executable, "-m", "llmgw_launcher", "--config", path])
 

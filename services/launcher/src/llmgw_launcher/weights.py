@@ -835,7 +835,7 @@ def _record_shape(view: Path) -> None:
     placement fits the model with it). Weights whose shape cannot be read (a file that is not
     a model, an architecture without the counts) are staged all the same, only not fitted."""
     target = shape_file(view)
-    if target.exists():
+    if target.exists() or not (view.is_dir() or view.suffix in (".gguf", ".safetensors")):
         return
     try:
         shape = read_shape(view)

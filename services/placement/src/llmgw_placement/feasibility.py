@@ -217,18 +217,19 @@ def weights_rank(node: NodeView, key: str) -> int:
 
 
 def score(node: NodeView, profile: Profile, deployment: Deployment) -> tuple[object, ...]:
-    held = weights_rank(node, profile.weights_key)
     free_after = len(node.free_gpus(profile.gpu_class)) - gpus_needed(profile) if profile.gpu_class else 0
     if deployment.strategy == "spread":
+        # Only weights the node holds count here: counting those it is staging would stack a
+        # new deployment's replicas on the node its first one went to.
         return (
-            held,
+            profile.weights_key not in node.weights,
             node.replicas_of.get(deployment.name, 0),
             -free_after,
             node.shards,
             node.node,
         )
     # binpack: the tightest fit first, keeping whole nodes free for big models.
-    return (held, free_after, -node.shards, node.node)
+    return (weights_rank(node, profile.weights_key), free_after, -node.shards, node.node)
 
 
 def cached_score(node: NodeView, profile: Profile, deployment: Deployment, fp: str) -> tuple[object, ...]:
