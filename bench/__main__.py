@@ -24,6 +24,7 @@ from bench import (
     placement,
     routing,
     scale,
+    weights,
 )
 
 ROOT = Path(__file__).parent.parent
@@ -59,6 +60,7 @@ MODULES = (
     scale,
     launcher,
     fit,
+    weights,
     gateway,
     routing,
 )

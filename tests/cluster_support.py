@@ -111,6 +111,7 @@ class Cluster:
         engines: dict[str, Any] | None = None,
         machine: str = "",
         extra: dict[str, Any] | None = None,
+        simulate: dict[str, Any] | None = None,
     ) -> Path:
         # Nodes share this machine: each gets its own engine ports.
         base = 20000 + 100 * (len(list(self.root.glob("agent-*.yaml"))) + 1)
@@ -122,7 +123,7 @@ class Cluster:
                 "node": node,
                 "state_dir": str(self.root / (f"{node}@{machine}" if machine else node)),
                 "nats": self.nats(f"node-{node}"),
-                "simulate": {"gpu_count": gpus},
+                "simulate": {"gpu_count": gpus, **(simulate or {})},
                 "heartbeat_interval_s": self.heartbeat_s,
                 "stop_grace_s": 3.0,
                 "restart_backoff_s": 0.3,
@@ -166,10 +167,12 @@ class Cluster:
         gpus: int = 1,
         engines: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
+        simulate: dict[str, Any] | None = None,
     ) -> None:
         """An installer and a launcher for `node`; `engines` as agent.yaml names them, `extra`
-        more of agent.yaml (`github_api`, say)."""
-        path = str(self.agent_config(node, gpus, engines, extra=extra))
+        more of agent.yaml (`github_api`, say), `simulate` more of its pretend hardware
+        (`memory_mb`, `gpu_memory_mb`, …)."""
+        path = str(self.agent_config(node, gpus, engines, extra=extra, simulate=simulate))
         self._spawn(f"installer-{node}", [sys.executable, "-m", "llmgw_installer", "--config", path])
         self._spawn(f"launcher-{node}", [sys.executable, "-m", "llmgw_launcher", "--config", path])
 

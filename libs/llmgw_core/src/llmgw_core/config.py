@@ -34,6 +34,8 @@ class Simulate(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     gpu_name: str = "NVIDIA H100 80GB HBM3"
     gpu_capability: str = "9.0"
     gpu_memory_mb: int = 81559
+    # The host's memory in MB (0: the machine's own), what CPU profiles are fitted against.
+    memory_mb: int = 0
 
     def gpu_list(self) -> tuple[GPUInfo, ...]:
         if self.gpus:

@@ -37,6 +37,7 @@ __all__ = [
     "InstallProgress",
     "Liveness",
     "Member",
+    "ModelShape",
     "NetInterface",
     "NodeFacts",
     "NodeIntent",
@@ -233,6 +234,27 @@ class NetInterface(Struct, frozen=True, kw_only=True):
     up: bool = True
 
 
+class ModelShape(Struct, frozen=True, kw_only=True):
+    """What the memory estimate needs to know of a model, read from its metadata
+    (`llmgw_core.fit.read_shape`); a node reports it for each model it holds."""
+
+    format: Literal["gguf", "safetensors"]
+    # Bytes of every weight tensor as stored (a GGUF's quantised blocks; safetensors' dtypes).
+    weight_bytes: int
+    n_layer: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    # The context the model was trained for: the default when a profile sets none.
+    context_length: int
+    # Elements of floating-point tensors, which vLLM casts to its `--dtype`; 0 for GGUF.
+    float_params: int = 0
+    # Bytes of the other tensors (quantised weights and scales), kept as stored.
+    other_bytes: int = 0
+    # The checkpoint's dtype from config.json (`torch_dtype`), vLLM's `--dtype auto`.
+    dtype: str = ""
+
+
 class NodeFacts(Message, frozen=True):
     node: Name
     os_id: str = ""
@@ -253,6 +275,10 @@ class NodeFacts(Message, frozen=True):
     simulated: bool = False
     # The interface that holds mgmt_addr: shards pin NCCL's and Gloo's bootstrap to it.
     mgmt_iface: str = ""
+    # The shape of each model in `weights` whose metadata the node could read (the same
+    # keys): read once, when the node staged it. The shape is the model's, not the node's,
+    # so placement fits a profile with it on every node (`llmgw_core.fit`).
+    shapes: dict[str, ModelShape] = {}
 
     @property
     def has_avx2(self) -> bool:

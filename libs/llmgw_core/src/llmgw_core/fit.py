@@ -31,11 +31,22 @@ import math
 import re
 import struct
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from msgspec import Struct
 
 from .engines import GPUInfo, Profile
+from .events import ModelShape
+
+__all__ = [
+    "Estimate",
+    "FitError",
+    "ModelShape",
+    "check",
+    "check_host",
+    "estimate",
+    "read_shape",
+]
 
 GiB = 1024**3
 MiB = 1024**2
@@ -103,26 +114,6 @@ class FitError(Exception):
     retryable = False
 
 
-class ModelShape(Struct, frozen=True, kw_only=True):
-    """What the memory estimate needs to know of a model, read from its metadata."""
-
-    format: Literal["gguf", "safetensors"]
-    # Bytes of every weight tensor as stored (a GGUF's quantised blocks; safetensors' dtypes).
-    weight_bytes: int
-    n_layer: int
-    n_head_kv: int
-    head_dim_k: int
-    head_dim_v: int
-    # The context the model was trained for: the default when a profile sets none.
-    context_length: int
-    # Elements of floating-point tensors, which vLLM casts to its `--dtype`; 0 for GGUF.
-    float_params: int = 0
-    # Bytes of the other tensors (quantised weights and scales), kept as stored.
-    other_bytes: int = 0
-    # The checkpoint's dtype from config.json (`torch_dtype`), vLLM's `--dtype auto`.
-    dtype: str = ""
-
-
 class Estimate(Struct, frozen=True, kw_only=True):
     """The memory one GPU of a shard needs, with the figures it is made of."""
 
@@ -142,10 +133,10 @@ class Estimate(Struct, frozen=True, kw_only=True):
     def per_gpu(self) -> int:
         return self.weights_per_gpu + self.kv_bytes_per_gpu
 
-    def text(self) -> str:
+    def text(self, per: str = "per GPU") -> str:
         split = f" / {self.split_label}" if self.split > 1 else ""
         return (
-            f"needs ~{gib(self.per_gpu)} GiB per GPU (weights {gib(self.weight_bytes)} GiB{split}"
+            f"needs ~{gib(self.per_gpu)} GiB {per} (weights {gib(self.weight_bytes)} GiB{split}"
             f" + KV cache {gib(self.kv_bytes_per_gpu)} GiB at {context_label(self.context)} context)"
         )
 
@@ -180,10 +171,10 @@ def read_shape(path: str | Path) -> ModelShape:
 
 
 def _read_gguf(path: Path) -> ModelShape:
-    try:
-        import gguf
-    except ImportError as exc:  # pragma: no cover - the engines dependency group has it
-        raise FitError(f"{path}: reading a GGUF header needs the gguf package (pip install gguf)") from exc
+    # Imported here, not at the top: gguf brings numpy, which placement (it imports this
+    # module for the estimate) never needs. It is a dependency of llmgw-core.
+    import gguf
+
     parts = _gguf_splits(path)
     weight_bytes = 0
     first: Any = None
@@ -359,8 +350,11 @@ _CONTEXT_ARGS = {
     "llamacpp": ("-c", "--ctx-size"),
     "vllm": ("--max-model-len",),
     "sglang": ("--context-length",),
+    # The simulated engine sizes its pretend cache by `--kv-tokens` (4096 without it).
+    "sim": ("--kv-tokens",),
 }
 _CONTEXT_ENV = {"llamacpp": "LLAMA_ARG_CTX_SIZE"}
+_CONTEXT_DEFAULT = {"sim": 4096}
 
 
 def profile_context(profile: Profile, shape: ModelShape) -> int:
@@ -374,7 +368,7 @@ def profile_context(profile: Profile, shape: ModelShape) -> int:
     except ValueError:
         value = 0
     # llama.cpp's `-c 0` means the model's own context.
-    return value if value > 0 else shape.context_length
+    return value if value > 0 else _CONTEXT_DEFAULT.get(profile.engine, shape.context_length)
 
 
 def _tokens(raw: str) -> int:
@@ -455,3 +449,27 @@ def check(est: Estimate, gpu: GPUInfo, gpu_class: str, profile: Profile) -> str 
     if est.per_gpu <= usable:
         return None
     return f"{est.text()}, {gpu_class or gpu.name} has {gib(usable)} GiB usable"
+
+
+# Of a CPU node's memory, what the OS, llmgw's agents and the engine's compute buffers keep
+# (this share, and at least HOST_RESERVE_MB): an engine on the CPU holds its model and KV
+# cache in the host's memory, and a model bigger than that pages from disk at every token.
+HOST_RESERVE_FRACTION = 0.1
+HOST_RESERVE_MB = 1024
+
+
+def host_usable_bytes(memory_mb: int) -> int:
+    total = memory_mb * MiB
+    return max(0, total - max(int(total * HOST_RESERVE_FRACTION), HOST_RESERVE_MB * MiB))
+
+
+def check_host(est: Estimate, memory_mb: int) -> str | None:
+    """`None` when a CPU shard fits a node with `memory_mb` of memory (0: not known, no check),
+    else the refusal with the figures. Only the one shard is counted: placement does not
+    track what other CPU replicas on the node already hold."""
+    if memory_mb <= 0:
+        return None
+    usable = host_usable_bytes(memory_mb)
+    if est.per_gpu <= usable:
+        return None
+    return f"{est.text('of memory')}, the node has {gib(usable)} GiB usable of {gib(memory_mb * MiB)} GiB"

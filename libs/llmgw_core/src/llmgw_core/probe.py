@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import ipaddress
+import logging
 import os
 import platform
 import socket
@@ -27,8 +28,9 @@ from pathlib import Path
 
 import msgspec
 
-from .events import GPUInfo, NetInterface, NodeFacts
-from .staged import held
+from .events import GPUInfo, ModelShape, NetInterface, NodeFacts
+from .fit import FitError, read_shape
+from .staged import held, shapes
 
 CommandRunner = Callable[[list[str]], "CommandResult"]
 
@@ -250,6 +252,26 @@ def weights_fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+# The shape of each configured model path, by its fingerprint: a path's headers are read once,
+# and again only when its files change (the probe runs every recheck).
+_path_shapes: dict[tuple[str, str], ModelShape | None] = {}
+
+
+def path_shape(path: str, fingerprint: str) -> ModelShape | None:
+    """The shape of the model at a configured `model_paths` entry, None where it has none
+    (not there, not a model, a header that cannot be read: then placement does not fit it)."""
+    key = (path, fingerprint)
+    if key not in _path_shapes:
+        try:
+            _path_shapes[key] = read_shape(path) if fingerprint else None
+        except FitError:
+            _path_shapes[key] = None
+        except Exception:  # a reader's surprise on odd bytes costs the fit check, never the probe
+            logging.getLogger("llmgw.probe").exception("cannot read the shape of %s", path)
+            _path_shapes[key] = None
+    return _path_shapes[key]
+
+
 @dataclass
 class Probe:
     node: str
@@ -314,8 +336,10 @@ class Probe:
         gpus, driver, cuda = self.gpus()
         kernel = self._read("proc/sys/kernel/osrelease").strip() or platform.release()
         weights = {p: weights_fingerprint(Path(p)) for p in self.model_paths}
+        model_shapes = {p: s for p, fp in weights.items() if (s := path_shape(p, fp)) is not None}
         if self.models_dir is not None:
             weights.update(held(self.models_dir))
+            model_shapes.update(shapes(self.models_dir))
         mgmt_addr = self.mgmt_addr or socket.gethostbyname("localhost")
         interfaces = self.interfaces()
         return NodeFacts(
@@ -336,4 +360,5 @@ class Probe:
             mgmt_addr=mgmt_addr,
             weights=weights,
             mgmt_iface=self.mgmt_iface or interface_holding(interfaces, mgmt_addr),
+            shapes=model_shapes,
         )

@@ -9,13 +9,22 @@ prefer a node that already holds a profile's weights.
     hf/<org>/<repo>/<commit>/snapshot/         a whole repository
     hf/<org>/<repo>/refs/<revision>            the commit a branch or tag resolved to when last staged
     url/<sha256>/<name>                        a file from a URL
+    <dir>/.<view>.shape.json                   the model's shape (`ModelShape`), read from its
+                                               headers once when staged
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import msgspec
+
 from .engines import ModelSource
+from .events import ModelShape
+
+log = logging.getLogger("llmgw.staged")
+_shape_decoder = msgspec.json.Decoder(ModelShape)
 
 
 def hf_dir(root: Path, source: ModelSource) -> Path:
@@ -31,31 +40,65 @@ def url_view(root: Path, source: ModelSource) -> Path:
     return root / "url" / source.sha256 / source.name
 
 
+def shape_file(view: Path) -> Path:
+    """Where the shape of the model at `view` is kept: a dot-file beside it."""
+    return view.parent / f".{view.name}.shape.json"
+
+
 def held(root: Path) -> dict[str, str]:
     """Every source staged under `root`, as `weights_key` names it, to the commit or digest it holds.
 
     A branch counts as held at the commit it resolved to when last staged. Reading only
     directory names (and the small ref files), it costs no read of any model.
     """
-    found: dict[str, str] = {}
+    return {key: digest for key, (digest, _view) in _held_views(root).items()}
+
+
+def shapes(root: Path) -> dict[str, ModelShape]:
+    """The shape of every model staged under `root` that has one recorded, keyed as `held` keys it."""
+    found: dict[str, ModelShape] = {}
+    read: dict[Path, ModelShape | None] = {}
+    for key, (_digest, view) in _held_views(root).items():
+        if view not in read:
+            read[view] = _read_shape_file(shape_file(view))
+        shape = read[view]
+        if shape is not None:
+            found[key] = shape
+    return found
+
+
+def _read_shape_file(path: Path) -> ModelShape | None:
+    try:
+        return _shape_decoder.decode(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, msgspec.DecodeError) as exc:
+        # A shape that cannot be read costs the fit check for this model, never the probe.
+        log.warning("cannot read %s: %s", path, exc)
+        return None
+
+
+def _held_views(root: Path) -> dict[str, tuple[str, Path]]:
+    """`held`'s keys, each to the digest it holds and the view the engine reads."""
+    found: dict[str, tuple[str, Path]] = {}
     hf = root / "hf"
     for repo_dir in _dirs(hf, depth=2):
         repo = "/".join(repo_dir.relative_to(hf).parts)
-        by_commit: dict[str, list[str]] = {}
+        by_commit: dict[str, list[tuple[str, Path]]] = {}
         for commit_dir in _dirs(repo_dir):
             if commit_dir.name == "refs":
                 continue
             commit = commit_dir.name
             keys = by_commit.setdefault(commit, [])
             if (commit_dir / "snapshot").is_dir():
-                keys.append(f"hf://{repo}")
+                keys.append((f"hf://{repo}", commit_dir / "snapshot"))
             files = commit_dir / "files"
             for f in sorted(files.rglob("*")) if files.is_dir() else ():
                 if f.is_file() and not f.name.startswith("."):
-                    keys.append(f"hf://{repo}/{f.relative_to(files).as_posix()}")
+                    keys.append((f"hf://{repo}/{f.relative_to(files).as_posix()}", f))
         for commit, keys in by_commit.items():
-            for key in keys:
-                found[f"{key}@{commit}"] = commit[:16]
+            for key, view in keys:
+                found[f"{key}@{commit}"] = (commit[:16], view)
         refs = repo_dir / "refs"
         for ref in sorted(refs.rglob("*")) if refs.is_dir() else ():
             if not ref.is_file() or ref.name.startswith("."):
@@ -64,11 +107,12 @@ def held(root: Path) -> dict[str, str]:
                 commit = ref.read_text().strip()
             except OSError:
                 continue
-            for key in by_commit.get(commit, ()):
-                found[f"{key}@{ref.relative_to(refs).as_posix()}"] = commit[:16]
+            for key, view in by_commit.get(commit, ()):
+                found[f"{key}@{ref.relative_to(refs).as_posix()}"] = (commit[:16], view)
     for digest_dir in _dirs(root / "url"):
-        if any(p.is_file() and not p.name.startswith(".") for p in digest_dir.iterdir()):
-            found[f"sha256:{digest_dir.name}"] = digest_dir.name[:16]
+        named = [p for p in sorted(digest_dir.iterdir()) if p.is_file() and not p.name.startswith(".")]
+        if named:
+            found[f"sha256:{digest_dir.name}"] = (digest_dir.name[:16], named[0])
     return dict(sorted(found.items()))
 
 

@@ -44,6 +44,7 @@ from llmgw_core.installed import engines_root, read_marker
 from llmgw_core.metrics import SLOW_BUCKETS, Collect, add_bus, counter, new_registry, serve_metrics
 from llmgw_core.probe import Probe
 from llmgw_core.retry import Backoff, Outage, Retry
+from llmgw_core.staged import held, shapes
 from llmgw_core.subjects import ENGINES_KEY
 from llmgw_core.telemetry import context_from
 
@@ -63,6 +64,17 @@ NO_AVX2 = (
 )
 
 
+# How often the installer looks at the weights store for a model staged or evicted since it last
+# reported (directory names and small files only): placement hears of it within this, not at the
+# next recheck, so a failover goes where the weights now are and a model is fitted once staged.
+WEIGHTS_POLL_S = 2.0
+
+
+def staged_state(models: Path) -> tuple[dict[str, str], tuple[str, ...]]:
+    """What the node's weights store holds, as the probe reports it (keys and their shapes)."""
+    return held(models), tuple(sorted(shapes(models)))
+
+
 def node_facts(config: AgentConfig, probe: Probe | None = None) -> NodeFacts:
     probe = probe or Probe(
         config.node,
@@ -79,6 +91,7 @@ def node_facts(config: AgentConfig, probe: Probe | None = None) -> NodeFacts:
             hcas=config.simulate.hcas,
             simulated=True,
             nvidia_driver=facts.nvidia_driver or ("sim" if config.simulate.gpu_list() else ""),
+            memory_mb=config.simulate.memory_mb or facts.memory_mb,
         )
     return facts
 
@@ -369,6 +382,26 @@ class Installer:
                 retry.failed(exc)
             await retry.wait()
 
+    async def _watch_weights(self) -> None:
+        """Report the node's facts again when its weights store changed (see WEIGHTS_POLL_S)."""
+        models = self.config.state_path / "models"
+        last: tuple[dict[str, str], tuple[str, ...]] | None = None
+        while True:
+            try:
+                found = await anyio.to_thread.run_sync(staged_state, models)
+                if found != last:
+                    async with self._lock:
+                        if self.facts is not None:
+                            facts = await anyio.to_thread.run_sync(node_facts, self.config, self.probe)
+                            if facts != self.facts:
+                                await self.bus.publish(self.bus.names.node_facts(self.config.node), facts)
+                                self.facts = facts
+                                await self._status()
+                    last = found
+            except Exception as exc:  # the next look, or the next pass, reports it
+                log.warning("could not report the weights this node holds: %s", exc)
+            await anyio.sleep(WEIGHTS_POLL_S)
+
     def next_pass_in(self) -> float:
         """Seconds until the next pass: the recheck interval, or sooner while an engine is not running."""
         recheck = self.config.recheck_interval_s
@@ -394,6 +427,7 @@ class Installer:
                 )
             await self.converge_once()
             tg.start_soon(self._watch_desired)
+            tg.start_soon(self._watch_weights)
             task_status.started()
             while True:
                 delay = self.next_pass_in()

@@ -39,10 +39,12 @@ from urllib.parse import urlsplit
 
 import anyio
 import httpx
+import msgspec
 from anyio import CapacityLimiter
 
 from llmgw_core.engines import ModelSource
-from llmgw_core.staged import hf_dir, hf_view, url_view
+from llmgw_core.fit import FitError, read_shape
+from llmgw_core.staged import hf_dir, hf_view, shape_file, url_view
 
 from .peers import Peers
 
@@ -268,6 +270,7 @@ class Weights:
         staged = self._already_staged(source)
         if staged is not None:
             _touch(staged)
+            _record_shape(staged)
             return staged
         progress.label, progress.phase, progress.file = source.name, "resolving", ""
         progress.done = progress.total = 0
@@ -280,6 +283,7 @@ class Weights:
                 raise
             log.warning("%s; using %s, staged when the hub last answered", exc.reason, fallback)
             _touch(fallback)
+            _record_shape(fallback)
             return fallback
         progress.label = plan.label
         if not plan.view.exists():
@@ -295,6 +299,7 @@ class Weights:
         if plan.ref is not None:
             _write_atomic(plan.ref, plan.commit.encode())
         _touch(plan.view)
+        _record_shape(plan.view)
         return plan.view
 
     def _sweep(self) -> None:
@@ -396,6 +401,7 @@ class Weights:
         gone.parent.mkdir(parents=True, exist_ok=True)
         os.rename(victim.path, gone)
         _marker(victim.path).unlink(missing_ok=True)
+        shape_file(victim.path).unlink(missing_ok=True)
         _fsync_dir(victim.path.parent)
         if gone.is_dir():
             shutil.rmtree(gone, ignore_errors=True)
@@ -822,6 +828,27 @@ def _reads(source: ModelSource, view: Staged) -> bool:
 def _marker(view: Path) -> Path:
     """When a shard last asked for `view`: the mtime of a dot-file beside it."""
     return view.parent / f".{view.name}.used"
+
+
+def _record_shape(view: Path) -> None:
+    """The model's shape from its headers, kept beside the view once (the probe reports it and
+    placement fits the model with it). Weights whose shape cannot be read (a file that is not
+    a model, an architecture without the counts) are staged all the same, only not fitted."""
+    target = shape_file(view)
+    if target.exists() or not (view.is_dir() or view.suffix in (".gguf", ".safetensors")):
+        return
+    try:
+        shape = read_shape(view)
+    except FitError as exc:
+        log.info("weights %s: no memory estimate for placement: %s", view, exc)
+        return
+    except Exception:  # a reader's surprise on odd bytes must not fail a verified staging
+        log.exception("weights %s: no memory estimate for placement: its header could not be read", view)
+        return
+    try:
+        _write_atomic(target, msgspec.json.encode(shape))
+    except OSError as exc:
+        log.warning("cannot record the shape of %s: %s", view, exc.strerror or exc)
 
 
 def _touch(view: Path) -> None:

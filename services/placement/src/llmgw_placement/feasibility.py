@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from llmgw_core import fit
 from llmgw_core.engines import GPUInfo, Profile, validate_profile
-from llmgw_core.events import Deployment, EngineState
+from llmgw_core.events import Deployment, EngineState, ModelShape
 
 from .gpuclass import gpu_class
 
@@ -51,6 +52,14 @@ class NodeView:
     # The model files the node's launcher found missing (`Profile.node_file`): the profiles
     # that read them are placed elsewhere until the file is there.
     missing_models: frozenset[str] = frozenset()
+    # The shape of every model any node reported (`NodeFacts.shapes`), by weights key: the
+    # shape is the model's, so a node that never held it is fitted with it too.
+    shapes: Mapping[str, ModelShape] = field(default_factory=dict)
+    # The host's memory, for CPU profiles (0: not reported, not checked).
+    memory_mb: int = 0
+    # Weights keys of shards placed here that the node does not report holding yet: it is
+    # staging them (or will, once its launcher sees the shard).
+    coming: frozenset[str] = frozenset()
 
     # A view never changes once made: what is derived from it is computed once.
     _free: dict[str, list[GPUInfo]] = field(default_factory=dict, compare=False, repr=False)
@@ -154,11 +163,11 @@ def unfit(
         kind = tuple((g.name, g.compute_capability, g.memory_mb) for g in chosen)
         problems = memo.get(kind) if memo is not None else None
         if problems is None:
-            problems = validate_profile(profile, chosen)
+            problems = _gpu_problems(profile, chosen, node.shapes.get(profile.weights_key))
             if memo is not None:
                 memo[kind] = problems
         if problems:
-            return problems[0].split(": ", 1)[1]
+            return problems[0]
     elif not node.avx2 and profile.engine != "sim":
         # Refused, not only warned: a CPU replica there looks as healthy as any other
         # and answers several times slower (docs/placement.md, "No AVX2").
@@ -168,9 +177,27 @@ def unfit(
             "place CPU profiles on nodes with AVX2 (`llmgw ctl nodes` marks those without), "
             "or give the profile a gpu_class"
         )
+    else:
+        shape = node.shapes.get(profile.weights_key)
+        if shape is not None:
+            too_big = fit.check_host(fit.estimate(shape, profile), node.memory_mb)
+            if too_big:
+                return too_big
     if profile.nodes > 1 and not node.fabric:
         return f"on no fabric; profile needs {profile.nodes} nodes on one fabric"
     return None
+
+
+def _gpu_problems(profile: Profile, chosen: list[GPUInfo], shape: ModelShape | None) -> list[str]:
+    """Why `profile` cannot run on the GPUs `chosen`: the engine's own checks, then whether the
+    model's share fits the smallest of them (they are of one class) with its KV cache."""
+    problems = [p.split(": ", 1)[1] for p in validate_profile(profile, chosen)]
+    if not problems and shape is not None and chosen:
+        smallest = min(chosen, key=lambda g: g.memory_mb)
+        too_small = fit.check(fit.estimate(shape, profile), smallest, profile.gpu_class, profile)
+        if too_small:
+            problems.append(too_small)
+    return problems
 
 
 def choose_gpus(free: Sequence[GPUInfo], n: int) -> list[GPUInfo]:
@@ -189,19 +216,25 @@ def choose_gpus(free: Sequence[GPUInfo], n: int) -> list[GPUInfo]:
     return ordered[:n]
 
 
+def weights_rank(node: NodeView, key: str) -> int:
+    """0: the node holds the weights; 1: it is staging them; 2: neither (the origin, or a peer)."""
+    return 0 if key in node.weights else 1 if key in node.coming else 2
+
+
 def score(node: NodeView, profile: Profile, deployment: Deployment) -> tuple[object, ...]:
-    has_weights = profile.weights_key in node.weights
     free_after = len(node.free_gpus(profile.gpu_class)) - gpus_needed(profile) if profile.gpu_class else 0
     if deployment.strategy == "spread":
+        # Only weights the node holds count here: counting those it is staging would stack a
+        # new deployment's replicas on the node its first one went to.
         return (
-            not has_weights,
+            profile.weights_key not in node.weights,
             node.replicas_of.get(deployment.name, 0),
             -free_after,
             node.shards,
             node.node,
         )
     # binpack: the tightest fit first, keeping whole nodes free for big models.
-    return (not has_weights, free_after, -node.shards, node.node)
+    return (weights_rank(node, profile.weights_key), free_after, -node.shards, node.node)
 
 
 def cached_score(node: NodeView, profile: Profile, deployment: Deployment, fp: str) -> tuple[object, ...]:

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from sortedcontainers import SortedList
 
 from llmgw_core.engines import Profile, ShardSpec
-from llmgw_core.events import Deployment
+from llmgw_core.events import Deployment, ModelShape
 
 from .config import ServerConfig
-from .feasibility import NodeView, cached_score, unfit
+from .feasibility import NodeView, cached_score, unfit, weights_rank
 from .liveness import Liveness
 from .state import ClusterState
 
@@ -76,7 +76,8 @@ class NodeIndex:
             self._sorted.pop(key, None)
             self._buckets[key].add(view.node)
             self._by_free[key][free].add((-view.shards, view.node))
-        for path in view.weights:
+        # A node staging a profile's weights is ranked with those that hold them (after them).
+        for path in view.weights | view.coming:
             self._by_weights[path].add(view.node)
         if keys:
             buckets = {key for key, _ in keys}
@@ -93,7 +94,7 @@ class NodeIndex:
             self._sorted.pop(key, None)
             self._buckets[key].discard(node)
             self._by_free[key][free].discard((-old.shards, node))
-        for path in old.weights:
+        for path in old.weights | old.coming:
             self._by_weights[path].discard(node)
         for table in self._fabric_fits.values():
             table.remove(node)
@@ -162,7 +163,7 @@ class _FabricFit:
         self._memo: dict[tuple[tuple[str, str, int], ...], list[str]] = {}
         # node -> (its fabric, its rank key): the key is binpack's score (see `score`) with
         # free GPUs for free GPUs left, which orders the same for one profile.
-        self._fits: dict[str, tuple[str, tuple[bool, int, int, str]]] = {}
+        self._fits: dict[str, tuple[str, tuple[int, int, int, str]]] = {}
         self._views: dict[str, NodeView] = {}
         self._members: dict[str, SortedList] = {}
         self._free: dict[str, int] = {}
@@ -171,7 +172,7 @@ class _FabricFit:
 
     def fill(self, views: Sequence[NodeView]) -> None:
         """Every candidate at once into an empty table: each sorted list made once, not grown."""
-        ranks: dict[str, list[tuple[bool, int, int, str]]] = defaultdict(list)
+        ranks: dict[str, list[tuple[int, int, int, str]]] = defaultdict(list)
         for view in views:
             rank = self._rank(view)
             if rank is not None:
@@ -185,11 +186,11 @@ class _FabricFit:
             (self._free[f], f) for f, members in self._members.items() if len(members) >= self.profile.nodes
         )
 
-    def _rank(self, view: NodeView) -> tuple[bool, int, int, str] | None:
+    def _rank(self, view: NodeView) -> tuple[int, int, int, str] | None:
         if unfit(view, self.profile, self.deployment, self._memo) is not None:
             return None
         free = len(view.free_gpus(self.profile.gpu_class))
-        return (self.profile.weights_key not in view.weights, free, -view.shards, view.node)
+        return (weights_rank(view, self.profile.weights_key), free, -view.shards, view.node)
 
     def add(self, view: NodeView) -> None:
         """Take `view` in if one rank fits on it; the index removed its old view first."""
@@ -257,6 +258,8 @@ class Usage:
     ports: defaultdict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
     shards: Counter[str] = field(default_factory=Counter)
     replicas_of: defaultdict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    # Per node, the weights keys of its shards (the node holds them, or is staging them).
+    weights: defaultdict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
 
     @classmethod
     def of(cls, specs: Iterable[ShardSpec]) -> Usage:
@@ -271,29 +274,38 @@ class Usage:
             defaultdict(set, {n: set(p) for n, p in self.ports.items()}),
             Counter(self.shards),
             defaultdict(Counter, {n: Counter(c) for n, c in self.replicas_of.items()}),
+            defaultdict(Counter, {n: Counter(c) for n, c in self.weights.items()}),
         )
 
     def add(self, spec: ShardSpec) -> None:
         port = spec.members[spec.rank].port if spec.members else None
-        self.take(spec.node, spec.gpus, port, spec.deployment)
+        self.take(spec.node, spec.gpus, port, spec.deployment, spec.profile.weights_key)
 
     def remove(self, spec: ShardSpec) -> None:
         port = spec.members[spec.rank].port if spec.members else None
-        self.give_back(spec.node, spec.gpus, port, spec.deployment)
+        self.give_back(spec.node, spec.gpus, port, spec.deployment, spec.profile.weights_key)
 
-    def take(self, node: str, gpus: Iterable[int], port: int | None, deployment: str) -> None:
+    def take(
+        self, node: str, gpus: Iterable[int], port: int | None, deployment: str, weights: str = ""
+    ) -> None:
         self.gpus[node].update(gpus)
         self.shards[node] += 1
         self.replicas_of[node][deployment] += 1
         if port is not None:
             self.ports[node].add(port)
+        if weights:
+            self.weights[node][weights] += 1
 
-    def give_back(self, node: str, gpus: Iterable[int], port: int | None, deployment: str) -> None:
+    def give_back(
+        self, node: str, gpus: Iterable[int], port: int | None, deployment: str, weights: str = ""
+    ) -> None:
         self.gpus[node].difference_update(gpus)
         self.shards[node] -= 1
         self.replicas_of[node][deployment] -= 1
         if port is not None:
             self.ports[node].discard(port)
+        if weights:
+            self.weights[node][weights] -= 1
 
 
 def _matches(node: str, patterns: tuple[str, ...]) -> bool:
@@ -324,6 +336,9 @@ class KeptIndex:
         self.at = 0.0
         # Nodes whose status was deleted since the controller last took them (`ctl delete node`).
         self.gone: set[str] = set()
+        # Every model shape the nodes reported, by weights key, and each node's part of it.
+        self.shapes: dict[str, ModelShape] = {}
+        self._shapes_of: dict[str, dict[str, ModelShape]] = {}
 
     def reset(self, specs: Iterable[ShardSpec]) -> None:
         """What the held shards take, from scratch (after loading the buckets)."""
@@ -336,6 +351,10 @@ class KeptIndex:
         claimed = frozenset(self.state.claims.contested(at))
         dirty = self.state.dirty_nodes
         self.state.dirty_nodes = set()
+        if self._shapes_changed(dirty):
+            # Every view is fitted with the cluster's shapes: a model one node reported for the
+            # first time changes what fits on every node (a rare event: once per model staged).
+            self.alive = None
         if self.alive is None:
             self.index = NodeIndex([self.view(n, at) for n in sorted(self.state.nodes)])
             self.id += 1
@@ -349,6 +368,30 @@ class KeptIndex:
         self.alive = alive
         self._claimed = claimed
         return alive
+
+    def _shapes_changed(self, dirty: set[str]) -> bool:
+        """Take the shapes the `dirty` nodes report now (all of them on the first step); whether
+        the cluster's shapes changed."""
+        names = set(self.state.nodes) | set(self._shapes_of) if self.alive is None else dirty
+        moved = False
+        for name in names:
+            status = self.state.nodes.get(name)
+            mine = dict(status.facts.shapes) if status is not None else {}
+            if self._shapes_of.get(name, {}) != mine:
+                moved = True
+                if mine:
+                    self._shapes_of[name] = mine
+                else:
+                    self._shapes_of.pop(name, None)
+        if not moved:
+            return False
+        shapes: dict[str, ModelShape] = {}
+        for name in sorted(self._shapes_of, reverse=True):  # the lowest node id's, where two differ
+            shapes.update(self._shapes_of[name])
+        if shapes == self.shapes:
+            return False
+        self.shapes = shapes
+        return True
 
     def views(self, at: float, usage: Usage | None = None) -> list[NodeView]:
         return [self.view(name, at, usage) for name in sorted(self.state.nodes)]
@@ -367,6 +410,7 @@ class KeptIndex:
                 else "this placement started"
             )
         config = self.config
+        held = frozenset(p for p, fp in facts.weights.items() if fp)
         return NodeView(
             node=name,
             alive=alive,
@@ -380,7 +424,7 @@ class KeptIndex:
             install=status.install,
             avx2=facts.has_avx2,
             hcas=facts.hcas,
-            weights=frozenset(p for p, fp in facts.weights.items() if fp),
+            weights=held,
             mgmt_addr=facts.mgmt_addr or "127.0.0.1",
             shards=usage.shards[name],
             used_ports=frozenset(usage.ports[name]),
@@ -389,6 +433,9 @@ class KeptIndex:
             claimed=self.state.claims.claimed(name, at) or "",
             cordoned=intent.words() if (intent := self.state.intents.get(name)) is not None else "",
             missing_models=self.state.missing_models.get(name, frozenset()),
+            shapes=self.shapes,
+            memory_mb=facts.memory_mb,
+            coming=frozenset(k for k, n in usage.weights[name].items() if n > 0) - held,
         )
 
     def reindex(self, node: str) -> None:
@@ -404,11 +451,15 @@ class KeptIndex:
         self.usage.remove(spec)
         self.reindex(spec.node)
 
-    def take(self, node: str, gpus: Iterable[int], port: int | None, deployment: str) -> None:
+    def take(
+        self, node: str, gpus: Iterable[int], port: int | None, deployment: str, weights: str = ""
+    ) -> None:
         """A rank decided and not yet named: its GPUs (and port) are taken for the next decision."""
-        self.usage.take(node, gpus, port, deployment)
+        self.usage.take(node, gpus, port, deployment, weights)
         self.reindex(node)
 
-    def give_back(self, node: str, gpus: Iterable[int], port: int | None, deployment: str) -> None:
-        self.usage.give_back(node, gpus, port, deployment)
+    def give_back(
+        self, node: str, gpus: Iterable[int], port: int | None, deployment: str, weights: str = ""
+    ) -> None:
+        self.usage.give_back(node, gpus, port, deployment, weights)
         self.reindex(node)

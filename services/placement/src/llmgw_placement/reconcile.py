@@ -327,7 +327,7 @@ class _Walk:
         held.refused.pop(dep.name, None)
         multi = len(decision.members) > 1
         for a in decision.members:
-            index.take(a.node, a.gpus, a.port if multi else None, dep.name)
+            index.take(a.node, a.gpus, a.port if multi else None, dep.name, profile.weights_key)
         self.plan.places.append(Place(dep, profile, fp, decision, wanted))
         self.placed[dep.name] += 1
         return None
@@ -390,6 +390,9 @@ class _Walk:
             if placed_now:
                 states["placing"] += placed_now
             parts.append(", ".join(f"{n} {state}" for state, n in sorted(states.items())))
+            # Why the first replicas still starting are not ready (a few, in replica order).
+            waiting = [r for r in sorted(records, key=replica_order) if r.state == "starting" and r.reason]
+            parts += [f"{r.replica}: {r.reason}" for r in waiting[:3]]
         if unplaceable:
             parts.append(f"{unplaceable} cannot be placed: {_reasons_text(reasons)}")
         if blocked:
@@ -571,6 +574,10 @@ class _Walk:
         failure = failures.failure_of(last) if last is not None and state != "ready" else None
         if state == "starting" and failure is not None:
             reason = failures.retrying(restarts + 1, failure)
+        elif state == "starting":
+            # What its shards wait for, in their nodes' words: the weights staging with its
+            # progress (`n1: weights qwen@a1b2c3: downloading m.gguf (38%, 5.1 of 13.4 GB)`).
+            reason = "; ".join(f"{s.node}: {s.reason}" for s in known if s.state == "waiting" and s.reason)
         if (state, reason, url, restarts, last_failure, failure) == (
             record.state,
             record.reason,
