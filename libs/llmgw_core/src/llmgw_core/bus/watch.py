@@ -175,8 +175,15 @@ class Watches:
         except (nats.errors.Error, OSError) as exc:
             self.conn.raise_if_final(exc)
             raise BusError(f"cannot subscribe to {subject}: {exc or type(exc).__name__}") from exc
-        task_status.started()
         try:
+            # Started means the server holds the subscription: what another connection
+            # publishes after that is heard (before the round trip it could be missed).
+            try:
+                await self.conn.nc.flush()
+            except (nats.errors.Error, OSError) as exc:
+                self.conn.raise_if_final(exc)
+                raise BusError(f"cannot subscribe to {subject}: {exc or type(exc).__name__}") from exc
+            task_status.started()
             await anyio.sleep_forever()
         finally:
             with anyio.CancelScope(shield=True):
