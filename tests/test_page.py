@@ -258,3 +258,29 @@ def test_lost_claimed_and_cordoned_nodes_have_no_free_gpu() -> None:
     assert counted(row(alive=False, seen_s_ago=30.0), held) == Counted("lost", 0, 0, 4)
     assert counted(row(claimed="n1 is claimed by two machines"), held) == Counted("claimed", 0, 0, 4)
     assert counted(row(intent="cordoned by ops at …"), held) == Counted("cordoned", 1, 0, 3)
+
+
+def test_an_installs_progress_within_a_step_is_not_an_event_but_its_steps_and_end_are() -> None:
+    """Regression: every progress report of a download was a line in the page's event list,
+    and pushed a failure out of sight within seconds."""
+    from llmgw_core.events import InstallProgress, encode
+    from llmgw_placement.page import event_line
+
+    steps: dict[tuple[str, str], str] = {}
+
+    def line(step: str, message: str, outcome: str = "running", node: str = "n1") -> str | None:
+        report = InstallProgress(node=node, engine="llamacpp", step=step, message=message, outcome=outcome)  # type: ignore[arg-type]
+        return event_line(f"x.events.node.{node}.install", encode(report), steps)
+
+    assert line("download", "downloading b1 (1%)") == "n1: downloading b1 (1%)"
+    assert line("download", "downloading b1 (38%)") is None
+    assert line("download", "downloading b1 (92%)") is None
+    # Another node's install is its own.
+    assert line("download", "downloading b1 (5%)", node="n2") == "n2: downloading b1 (5%)"
+    assert line("verify", "verifying sha256") == "n1: verifying sha256"
+    assert line("verify", "installed b1", outcome="done") == "n1: installed b1"
+    # A new install after the end starts over.
+    assert line("download", "downloading b2 (1%)") == "n1: downloading b2 (1%)"
+    assert line("download", "downloading b2 (2%)", outcome="failed") == "n1: downloading b2 (2%)"
+    # Without `steps` (a caller that keeps none) every report is a line.
+    assert event_line("x", encode(InstallProgress(node="n1", engine="e", step="s", message="m"))) == "n1: m"

@@ -74,8 +74,12 @@ def _when(at: float) -> str:
     )
 
 
-def event_line(subject: str, data: bytes) -> str | None:
-    """One line for an event, in the words its writer gave; None for the ones the page skips."""
+def event_line(subject: str, data: bytes, steps: dict[tuple[str, str], str] | None = None) -> str | None:
+    """One line for an event, in the words its writer gave; None for the ones the page skips.
+
+    `steps`: each install's step so far, by (node, engine). Given it, progress within a step
+    (`downloading … (38%, …)`, every second or so) is skipped: it updates the node's row, and
+    the event list keeps what matters, a new step and how the install ended."""
     try:
         body = msgspec.json.decode(data)
     except msgspec.DecodeError:
@@ -101,6 +105,14 @@ def event_line(subject: str, data: bytes) -> str | None:
     if kind == "ScaleDecision":
         return f"{body.get('deployment')}: {body.get('reason')}"
     if kind == "InstallProgress":
+        if steps is not None:
+            install = (str(body.get("node")), str(body.get("engine")))
+            if body.get("outcome", "running") != "running":
+                steps.pop(install, None)
+            elif steps.get(install) == body.get("step"):
+                return None
+            else:
+                steps[install] = str(body.get("step"))
         return f"{body.get('node')}: {body.get('message')}"
     if kind == "NodeLifecycle":
         return f"node {body.get('node')} {body.get('state')}"
@@ -278,6 +290,8 @@ class Page:
         # (number, time, line): the number names the event's element on the page.
         self.events: collections.deque[tuple[int, float, str]] = collections.deque(maxlen=EVENTS_KEPT)
         self._heard = 0
+        # Each install's step so far (`event_line`).
+        self._install_steps: dict[tuple[str, str], str] = {}
         self._pools: dict[str, str] = {}
         self._shared: dict[Query, tuple[float, list[Part]]] = {}
         # What the last render took (seconds).
@@ -292,7 +306,7 @@ class Page:
         bus = self.service.bus
 
         async def on_msg(msg: Msg) -> None:
-            line = event_line(msg.subject, msg.data)
+            line = event_line(msg.subject, msg.data, self._install_steps)
             if line:
                 self.heard(line)
 
