@@ -273,7 +273,8 @@ async def test_an_agent_killed_mid_download_converges_without_leftovers(
             second = start()
             try:
                 await eventually(lambda: "llamacpp" in installed(config.state_dir), timeout=30)
-                assert list(staging.iterdir()) == []
+                # The staging directory goes just after the install is renamed into place.
+                await eventually(lambda: list(staging.iterdir()) == [], timeout=10)
                 status = await eventually(lambda: _node(bus), timeout=10)
                 assert engine(status)["state"] == "installed"
             finally:
