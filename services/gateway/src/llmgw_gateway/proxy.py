@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
@@ -31,6 +31,7 @@ import anyio
 import httpx
 from opentelemetry import propagate, trace
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -39,7 +40,7 @@ from starlette.routing import Route
 from llmgw_core.engines import BASE_API_PATHS, default_registry
 from llmgw_core.events import ReplicaRecord
 from llmgw_core.keys import ApiKey, allows
-from llmgw_core.metrics import exposition, new_registry
+from llmgw_core.metrics import Collect, exposition, new_registry
 
 from .budgets import Budgets
 from .demand import DemandCounts
@@ -268,6 +269,7 @@ class Proxy:
         self.max_json_depth = max_json_depth
         self.tracer = tracer or trace.get_tracer("llmgw.gateway")
         self.metrics = Metrics()
+        self.metrics.registry.register(Collect(self._routed))
         # Requests waiting for a deployment's first ready replica, and what the demand reports say.
         self.holds = holds or Holds()
         self.demand = DemandCounts()
@@ -300,6 +302,19 @@ class Proxy:
     async def __aexit__(self, *exc_info: object) -> None:
         with anyio.CancelScope(shield=True):
             await self.aclose()
+
+    def _routed(self) -> Iterator[Metric]:
+        # Read from the table's counts at scrape time: nothing added to a request's path.
+        family = CounterMetricFamily(
+            "llmgw_gateway_routed",
+            "Replicas chosen per deployment, by what chose them: prefix (the replica the prompt's "
+            "leading blocks were last sent to, within the load bound) or load (least outstanding "
+            "requests: no match, none within the bound, or no prompt to match). A retry counts again.",
+            labels=["deployment", "how"],
+        )
+        for (deployment, how), n in sorted(self.table.routed.items()):
+            family.add_metric([deployment, how], n)
+        yield family
 
     # --- plain endpoints ------------------------------------------------------
 
