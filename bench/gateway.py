@@ -46,6 +46,10 @@ LONG = json.dumps(
     {"model": MODEL, "messages": [{"role": "user", "content": "word " * 40_000}], "max_tokens": 4}
 )
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# `python -c` running the gateway of the config in argv[1] on asyncio's own event loop.
+_ON_ASYNCIO = (
+    "import sys; from llmgw_gateway.__main__ import run; sys.exit(run(sys.argv[1], use_uvloop=False))"
+)
 
 
 def _cache() -> Path:
@@ -256,6 +260,10 @@ def _litellm_config(path: Path, engine: str) -> None:
     )
 
 
+def _loadavg(values: tuple[float, ...]) -> str:
+    return ", ".join(f"{v:.2f}" for v in values)
+
+
 def _met(ok: bool) -> str:
     return "met" if ok else "not met"
 
@@ -316,9 +324,15 @@ def run(quick: bool = False) -> str:
         )
         gateway_url = _gateway_url(gateway_log, gateway)
         _answers(f"{gateway_url}/v1/chat/completions", secret, CHAT, 60, gateway)
+        # The same gateway on asyncio's own event loop instead of uvloop, side by side.
+        plain_log = root / "gateway-asyncio.log"
+        plain = stack.enter_context(_process([sys.executable, "-c", _ON_ASYNCIO, str(config)], plain_log))
+        plain_url = _gateway_url(plain_log, plain)
+        _answers(f"{plain_url}/v1/chat/completions", secret, CHAT, 60, plain)
         sides = [
             Side("direct", engine_url, "", sim.pid),
             Side("llmgw gateway", gateway_url, secret, gateway.pid),
+            Side("llmgw gateway, asyncio loop", plain_url, secret, plain.pid),
         ]
         if litellm is not None:
             lport = _free_port()
@@ -333,7 +347,9 @@ def run(quick: bool = False) -> str:
             except RuntimeError as exc:
                 log_tail = (root / "litellm.log").read_text(errors="replace")[-500:]
                 litellm_problem = f"LiteLLM's proxy did not serve: {exc}; its log ends: {log_tail}"
+        load_before = os.getloadavg()
         _measure(sides, chat_body, levels, rounds, duration_s)
+        load_after = os.getloadavg()
         long_sides = [
             Side("direct", engine_url, "", sim.pid),
             Side("llmgw gateway", gateway_url, secret, gateway.pid),
@@ -342,7 +358,17 @@ def run(quick: bool = False) -> str:
         usage = httpx.get(
             f"{gateway_url}/metrics", headers={"Authorization": f"Bearer {secret}"}, timeout=10
         ).text
-    return _section(sides, long_sides, levels, long_levels, rounds, duration_s, litellm_problem, usage)
+    return _section(
+        sides,
+        long_sides,
+        levels,
+        long_levels,
+        rounds,
+        duration_s,
+        litellm_problem,
+        usage,
+        (load_before, load_after),
+    )
 
 
 def _counter(metrics: str, name: str) -> float:
@@ -358,9 +384,10 @@ def _section(
     duration_s: float,
     litellm_problem: str,
     metrics: str,
+    load: tuple[tuple[float, ...], tuple[float, ...]],
 ) -> str:
-    direct, gw = sides[0], sides[1]
-    lite = sides[2] if len(sides) > 2 else None
+    direct, gw, plain = sides[0], sides[1], sides[2]
+    lite = sides[3] if len(sides) > 3 else None
     lines = [
         "## Gateway: added latency and throughput (against direct and LiteLLM's proxy)",
         "",
@@ -371,10 +398,15 @@ def _section(
         "LiteLLM's proxy (`litellm[proxy]` from PyPI in a virtualenv of its own, one worker, its "
         "master key, pointed at the same engine as an OpenAI-compatible backend). The load comes "
         "from `bench.load`, one process of plain asyncio streams on kept-alive connections, on the "
-        f"same machine as the servers. {rounds} alternated rounds of {duration_s:g} s per side and "
+        "same machine as the servers. The gateway runs on uvloop; `llmgw gateway, asyncio loop` is "
+        "a second gateway process of the same code and config on asyncio's own event loop. "
+        f"{rounds} alternated rounds of {duration_s:g} s per side and "
         "concurrency; latencies pooled over the rounds, throughput the median round. CPU per "
         "request: user + system seconds of the server's process (/proc/PID/stat) over the round, "
         "divided by the requests it answered.",
+        "",
+        f"The machine's load average (1, 5, 15 min) before the rounds: {_loadavg(load[0])}; "
+        f"after them: {_loadavg(load[1])}.",
         "",
     ]
     if litellm_problem:
@@ -413,8 +445,14 @@ def _section(
             f"- against LiteLLM's proxy: {each} in flight (target never below 5x: {_met(worst >= 5)});"
         )
     cpu = ", ".join(f"{gw.cpu_ms(n):.3f} ms at {n}" for n in levels)
+    loops = ", ".join(
+        f"{gw.cpu_ms(n):.3f} against {plain.cpu_ms(n):.3f} ms CPU and "
+        f"{_fmt(gw.rate(n) / plain.rate(n))}x the requests per second at {n}"
+        for n in levels
+    )
     lines += [
-        f"- the gateway's CPU per request: {cpu} in flight.",
+        f"- the gateway's CPU per request: {cpu} in flight;",
+        f"- uvloop against asyncio's own loop: {loops} in flight.",
         "",
         "Usage the gateway recorded in the run (its `/metrics`): "
         f"{_counter(metrics, 'llmgw_gateway_key_requests_total'):,.0f} requests, "

@@ -178,8 +178,8 @@ async def _run(urls: list[str], prompts: list[str], run: Run) -> Run:
             for _ in range(CLIENTS):
                 tg.start_soon(worker)
         run.wall_s = time.monotonic() - started
-        run.by_prefix = table.routed["prefix"]
-        run.routed = table.routed["prefix"] + table.routed["load"]
+        run.by_prefix = table.routed_by("prefix")
+        run.routed = table.routed_by("prefix") + table.routed_by("load")
     return run
 
 

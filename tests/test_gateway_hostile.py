@@ -4,6 +4,7 @@ their headers or body, floods of idle connections under a low open-file limit, J
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -29,7 +30,7 @@ from llmgw_core.bus import Bus
 from llmgw_core.errors import ConfigError
 from llmgw_core.events import Deployment
 from llmgw_gateway import Gateway, GatewayConfig
-from llmgw_gateway.connections import connection_limit
+from llmgw_gateway.connections import CorkedTransport, connection_limit
 from llmgw_gateway.limits import json_nests_deeper, shown
 from tests.cluster_support import Cluster, cluster
 from tests.test_gateway import metric, running_gateway
@@ -462,3 +463,60 @@ def test_long_strings_are_shown_cut_short() -> None:
     assert shown("chat") == "'chat'"
     assert shown("x" * 64) == repr("x" * 64)
     assert shown("x" * 65) == f"{'x' * 64!r}… (65 characters)"
+
+
+class _Recording:
+    """A transport that records what is written to it (the seam `CorkedTransport` wraps)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.state = "open"
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return self.state != "open"
+
+    def close(self) -> None:
+        self.state = "closed"
+
+    def abort(self) -> None:
+        self.state = "aborted"
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return {"peername": ("127.0.0.1", 1)}.get(name, default)
+
+
+async def test_a_connections_writes_in_one_pass_of_the_loop_go_out_as_one_system_call() -> None:
+    loop = asyncio.get_running_loop()
+    raw = _Recording()
+    corked = CorkedTransport(raw, loop)  # type: ignore[arg-type]
+    # uvicorn's three writes of an answer not streamed: headers, the body, the chunked end.
+    corked.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+    corked.write(b"5\r\nhello\r\n")
+    corked.write(b"")
+    corked.write(b"0\r\n\r\n")
+    assert raw.writes == []
+    # Other attributes are the transport's own.
+    assert corked.get_extra_info("peername") == ("127.0.0.1", 1)
+    await asyncio.sleep(0)  # one pass of the event loop: what was written goes out, as one
+    assert raw.writes == [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"]
+    # The next pass's writes are sent in the next pass, never held for more.
+    corked.write(b"data: 1\n\n")
+    await asyncio.sleep(0)
+    assert raw.writes[1:] == [b"data: 1\n\n"]
+    # A close sends what is held first; nothing is written to a closed connection.
+    corked.write(b"last")
+    corked.close()
+    assert (raw.writes[2:], raw.state) == ([b"last"], "closed")
+    corked.write(b"after the close")
+    await asyncio.sleep(0)
+    assert raw.writes[3:] == []
+    # An abort drops what is held (a client that does not read holds nothing open).
+    aborted = _Recording()
+    corked = CorkedTransport(aborted, loop)  # type: ignore[arg-type]
+    corked.write(b"unsent")
+    corked.abort()
+    await asyncio.sleep(0)
+    assert (aborted.writes, aborted.state) == ([], "aborted")

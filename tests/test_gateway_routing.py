@@ -59,7 +59,7 @@ async def ask(client: httpx.AsyncClient, base: str, messages: list[dict[str, str
 
 async def test_one_customers_long_prefix_lands_on_one_replica_and_others_take_the_rest() -> None:
     with sim_engines([], [], []) as urls:
-        async with gateway(urls) as (base, table, client):
+        async with gateway(urls) as (base, _, client):
             expected = [0, 0, 0]
             for customer in range(3):
                 for q in range(4):
@@ -71,8 +71,11 @@ async def test_one_customers_long_prefix_lands_on_one_replica_and_others_take_th
             # Back to customer 1: to the replica that holds its prefix, not the one chosen longest ago.
             await ask(client, base, chat(1, "one more question"))
             assert await served(client, urls) == [4, 5, 4]
-            # Each customer's first request went by load, every later one by its prefix.
-            assert table.routed == {"load": 3, "prefix": 10}
+            # Each customer's first request went by load, every later one by its prefix: so the
+            # operator's scrape says.
+            scrape = (await client.get(f"{base}/metrics")).text
+            assert metric(scrape, 'llmgw_gateway_routed_total{deployment="chat",how="load"}') == 3
+            assert metric(scrape, 'llmgw_gateway_routed_total{deployment="chat",how="prefix"}') == 10
 
 
 async def test_the_load_bound_spills_a_prefix_to_another_replica_when_its_own_is_busy() -> None:
@@ -122,6 +125,10 @@ async def test_prefix_aware_off_is_least_outstanding_again() -> None:
                 await ask(client, base, chat(0, f"question {q}"))
             assert await served(client, urls) == [2, 2, 2]
             assert len(table.prefixes) == 0
+            # Every choice by load, none by a prefix.
+            scrape = (await client.get(f"{base}/metrics")).text
+            assert metric(scrape, 'llmgw_gateway_routed_total{deployment="chat",how="load"}') == 6
+            assert 'how="prefix"' not in scrape
 
 
 async def test_a_replica_removed_from_the_table_moves_its_prefixes_elsewhere() -> None:

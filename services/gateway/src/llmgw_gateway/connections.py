@@ -194,6 +194,51 @@ class Connections:
         )
 
 
+class CorkedTransport:
+    """A client connection's transport whose writes in one pass of the event loop go out as
+    one: uvicorn writes an answer's status line and headers, each body chunk and the end of
+    its chunked framing apart, each a system call and, with Nagle's algorithm off, a packet
+    that wakes the client. An answer not streamed as events came from its replica at once,
+    so its three writes become one. What is held waits for the end of the loop's pass, never
+    for more data: a streamed event goes out as soon as the task that wrote it yields."""
+
+    __slots__ = ("_loop", "_pending", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] | None = None
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if self._pending is None:
+            self._pending = [data]
+            self._loop.call_soon(self.flush)
+        else:
+            self._pending.append(data)
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending and not self._transport.is_closing():
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending = None
+        self._transport.abort()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        # The rest (get_extra_info, pause_reading, resume_reading, set_protocol) as they are.
+        return getattr(self._transport, name)
+
+
 class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, counted by `guard` and with a deadline per request phase.
 
@@ -210,7 +255,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._phase: Phase | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(CorkedTransport(transport, self.loop))  # type: ignore[arg-type]
         if not self.guard.admit(self):
             transport.write(self.guard.refusal)
             transport.close()

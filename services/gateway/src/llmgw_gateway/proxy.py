@@ -22,14 +22,16 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, NamedTuple
+from urllib.parse import urlsplit
 
 import aiohttp
 import anyio
 import httpx
 from opentelemetry import propagate, trace
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -38,7 +40,7 @@ from starlette.routing import Route
 from llmgw_core.engines import BASE_API_PATHS, default_registry
 from llmgw_core.events import ReplicaRecord
 from llmgw_core.keys import ApiKey, allows
-from llmgw_core.metrics import exposition, new_registry
+from llmgw_core.metrics import Collect, exposition, new_registry
 
 from .budgets import Budgets
 from .demand import DemandCounts
@@ -166,8 +168,18 @@ async def _internal(request: Request, exc: Exception) -> Response:
     )
 
 
+class DeploymentMetrics(NamedTuple):
+    """One deployment's series that every request touches, looked up once: `labels()` takes a
+    lock and checks its arguments at each call, four times per request."""
+
+    requests: Counter
+    outstanding: Gauge
+    ttfb: Histogram
+
+
 class Metrics:
     def __init__(self) -> None:
+        self._of: dict[str, DeploymentMetrics] = {}
         self.registry = new_registry("gateway")
         self.requests = Counter(
             "llmgw_gateway_requests",
@@ -219,6 +231,16 @@ class Metrics:
             registry=self.registry,
         )
 
+    def of(self, deployment: str) -> DeploymentMetrics:
+        found = self._of.get(deployment)
+        if found is None:
+            found = self._of[deployment] = DeploymentMetrics(
+                self.requests.labels(deployment),
+                self.outstanding.labels(deployment),
+                self.ttfb.labels(deployment),
+            )
+        return found
+
 
 class Proxy:
     def __init__(
@@ -247,6 +269,7 @@ class Proxy:
         self.max_json_depth = max_json_depth
         self.tracer = tracer or trace.get_tracer("llmgw.gateway")
         self.metrics = Metrics()
+        self.metrics.registry.register(Collect(self._routed))
         # Requests waiting for a deployment's first ready replica, and what the demand reports say.
         self.holds = holds or Holds()
         self.demand = DemandCounts()
@@ -279,6 +302,19 @@ class Proxy:
     async def __aexit__(self, *exc_info: object) -> None:
         with anyio.CancelScope(shield=True):
             await self.aclose()
+
+    def _routed(self) -> Iterator[Metric]:
+        # Read from the table's counts at scrape time: nothing added to a request's path.
+        family = CounterMetricFamily(
+            "llmgw_gateway_routed",
+            "Replicas chosen per deployment, by what chose them: prefix (the replica the prompt's "
+            "leading blocks were last sent to, within the load bound) or load (least outstanding "
+            "requests: no match, none within the bound, or no prompt to match). A retry counts again.",
+            labels=["deployment", "how"],
+        )
+        for (deployment, how), n in sorted(self.table.routed.items()):
+            family.add_metric([deployment, how], n)
+        yield family
 
     # --- plain endpoints ------------------------------------------------------
 
@@ -334,6 +370,9 @@ class Proxy:
 
     async def _not_loaded(self) -> JSONResponse | None:
         """None once the buckets' first snapshot is in (waiting a little for it); else a 503."""
+        if self.loaded.is_set():
+            # No cancel scope per request once loaded: it cost about 3% of a request's CPU.
+            return None
         with anyio.move_on_after(LOAD_WAIT_S):
             await self.loaded.wait()
             return None
@@ -458,7 +497,7 @@ class Proxy:
         if deployment is None:
             self.metrics.errors.labels(UNKNOWN, "unknown_model").inc()
             return self._unknown_model(model, key)
-        path = request.url.path
+        path: str = request.scope["path"]
         unserved = self._unserved(deployment, path)
         unsupported = self._unsupported(deployment, path, unserved)
         if unsupported is not None:
@@ -487,7 +526,7 @@ class Proxy:
                 extra = options if isinstance(options, dict) else {}
                 payload = {**payload, "stream_options": {**extra, "include_usage": True}}
                 body = json.dumps(payload).encode()
-        self.metrics.requests.labels(deployment).inc()
+        self.metrics.of(deployment).requests.inc()
         self.demand.arrive(deployment)
         span = self.tracer.start_span(
             f"{request.method} {path}",
@@ -571,8 +610,9 @@ class Proxy:
         key: ApiKey,
         strip: bool = False,
     ) -> Response:
+        path: str = request.scope["path"]
         # The prompt's leading blocks, hashed once for every attempt (bounded: routing: max_blocks).
-        blocks = prompt_blocks(self.table.routing, deployment, request.url.path, payload)
+        blocks = prompt_blocks(self.table.routing, deployment, path, payload)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         with trace.use_span(span, end_on_exit=False):
             propagate.inject(headers)
@@ -588,8 +628,8 @@ class Proxy:
                 outcome = await self._hold(request, deployment, held_since + self.holds.timeout_s)
                 if outcome == "sent":
                     # A replica is ready now; it may run an engine that does not serve the path.
-                    unserved = self._unserved(deployment, request.url.path)
-                    unsupported = self._unsupported(deployment, request.url.path, unserved)
+                    unserved = self._unserved(deployment, path)
+                    unsupported = self._unsupported(deployment, path, unserved)
                     if unsupported is not None:
                         return self._refuse(span, deployment, unsupported, "unsupported_path")
                     tried = set(unserved)
@@ -612,7 +652,7 @@ class Proxy:
             tried.add(chosen_key)
             # Counted at once, before any await: requests arriving together must see each other.
             self.table.outstanding[chosen_key] += 1
-            self.metrics.outstanding.labels(deployment).inc()
+            self.metrics.of(deployment).outstanding.inc()
             span.set_attributes({"llmgw.replica": record.replica, "llmgw.replica_url": record.url})
             try:
                 served = await self._served_name(record)
@@ -620,7 +660,7 @@ class Proxy:
                 if served is not None and served != model:
                     content = json.dumps({**payload, "model": served}).encode()
                 upstream = await self.upstream.session.request(
-                    request.method, record.url + request.url.path, data=content, headers=headers
+                    request.method, record.url + path, data=content, headers=headers
                 )
             except FAILED as exc:
                 if not before_answer(exc):
@@ -665,7 +705,7 @@ class Proxy:
                 deployment,
                 span,
                 arrived,
-                sse=request.url.path if sse else "",
+                sse=path if sse else "",
                 api_key=key,
                 strip=strip,
             ),
@@ -774,7 +814,7 @@ class Proxy:
         self.table.outstanding[key] -= 1
         if self.table.outstanding[key] <= 0:
             del self.table.outstanding[key]
-        self.metrics.outstanding.labels(deployment).dec()
+        self.metrics.of(deployment).outstanding.dec()
 
     async def _relay(
         self,
@@ -800,7 +840,7 @@ class Proxy:
             async for chunk in upstream.content.iter_any():
                 if first:
                     first = False
-                    self.metrics.ttfb.labels(deployment).observe(time.monotonic() - arrived)
+                    self.metrics.of(deployment).ttfb.observe(time.monotonic() - arrived)
                 if sse:
                     chunk = pending + chunk
                     end = chunk.rfind(b"\n\n")
@@ -855,21 +895,31 @@ class Proxy:
 def _server_attributes(request: Request, model: str, deployment: str) -> dict[str, str | int]:
     """A routed request's server span attributes, by OpenTelemetry's HTTP and GenAI semantic
     conventions (the stable names: `http.request.method`, `url.path`, `server.address`…;
-    the response's status and the token counts are added when they are known)."""
-    path = request.url.path
+    the response's status and the token counts are added when they are known). Read from the
+    ASGI scope and the `Host` header, not `request.url`: building the whole URL cost more than
+    the rest of this."""
+    scope = request.scope
+    path: str = scope["path"]
     attributes: dict[str, str | int] = {
         "http.request.method": request.method,
         "http.route": path,
         "url.path": path,
-        "url.scheme": request.url.scheme,
+        "url.scheme": scope["scheme"],
         "gen_ai.operation.name": _OPERATION.get(path, "chat"),
         "gen_ai.request.model": model[:256],
         "llmgw.deployment": deployment,
     }
-    if request.url.hostname:
-        attributes["server.address"] = request.url.hostname
-    if request.url.port:
-        attributes["server.port"] = request.url.port
+    host = request.headers.get("host")
+    if host:
+        try:
+            where = urlsplit(f"//{host}")
+            hostname, port = where.hostname, where.port
+        except ValueError:  # a Host header that names no host and port: no attribute from it
+            hostname, port = None, None
+        if hostname:
+            attributes["server.address"] = hostname
+        if port:
+            attributes["server.port"] = port
     if request.client:
         attributes["client.address"] = request.client.host
     agent = request.headers.get("user-agent")

@@ -158,9 +158,10 @@ class Table:
     _last_pick: dict[str, int] = field(default_factory=dict)
     _picks: itertools.count[int] = field(default_factory=itertools.count)
     prefixes: PrefixIndex = field(init=False)
-    # Requests with a prompt of at least one block, by what chose their replica: `prefix`
-    # (a match) or `load` (none, or none within the bound).
-    routed: Counter[str] = field(default_factory=Counter)
+    # Replicas chosen, by (deployment, what chose it): `prefix` (a match of the prompt's
+    # blocks) or `load` (least outstanding: no match, none within the bound, or no prompt
+    # blocks to match). A retry chooses again and counts again.
+    routed: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         self.prefixes = PrefixIndex(self.routing.index_blocks)
@@ -243,7 +244,7 @@ class Table:
         self._last_pick[key] = next(self._picks)
         if blocks:
             self.prefixes.record(blocks, key)
-            self.routed["prefix" if matched else "load"] += 1
+        self.routed[deployment, "prefix" if matched else "load"] += 1
         return key, records[key]
 
     def _by_load(self, key: str) -> tuple[int, int]:
@@ -300,3 +301,7 @@ class Table:
             why = failures.one_line(r.reason) or failures.summary(failures.failure_of(r))
             parts.append(f"{part} ({why})" if why else part)
         return f"deployment {deployment} has 0 ready replicas: {'; '.join(parts)}"
+
+    def routed_by(self, how: str) -> int:
+        """Replicas chosen by `how` (`prefix` or `load`), every deployment summed."""
+        return sum(n for (_, h), n in self.routed.items() if h == how)
