@@ -236,7 +236,9 @@ class Controller:
                 book.requested_at(name),
                 at,
                 self.windows,
-                waiting=summed.queued + summed.arrived,
+                # A held request is in its gateway's `queued` and, in the report after it
+                # came, in `arrived` too: adding them said one request at zero was two.
+                waiting=max(summed.queued, summed.arrived),
             )
             held.scaling[name] = now
             counts[name] = now.count
