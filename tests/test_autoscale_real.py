@@ -41,8 +41,8 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 AUTOSCALER = {
     "autoscaler": {"stable_window_s": 6.0, "panic_window_s": 1.0, "drain_timeout_s": 30.0},
 }
-# Each request takes about half a second on the engine (10 tokens at 20 a second): a client
-# sending its next as its last is answered keeps about one request in flight.
+# Each streamed request takes about half a second on the engine (10 tokens at 20 a second): a
+# client sending its next as its last is answered keeps about one request in flight.
 SLOW = ("--tokens-per-second", "20")
 BODY = {"model": "chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 10}
 # The gateway reports twice a second; holding for up to a minute.
@@ -116,7 +116,8 @@ async def serving(bus: Bus, n: int, profile: str = "") -> list[ReplicaRecord]:
 
 
 class Load:
-    """Clients through the gateway, each sending its next request as its last is answered;
+    """Clients through the gateway, each streaming a chat and sending its next request as its
+    last is answered in full;
     `set(n)` changes how many (a client told to stop finishes the request it has in flight,
     as a real client would: nothing is cut off by the test). Every answer is kept."""
 
@@ -140,8 +141,14 @@ class Load:
         try:
             while i < self.wanted:
                 try:
-                    r = await self.client.post(f"{self.url}/v1/chat/completions", json=BODY)
-                    self.answers.append((r.status_code, "" if r.status_code == 200 else r.text))
+                    async with self.client.stream(
+                        "POST", f"{self.url}/v1/chat/completions", json={**BODY, "stream": True}
+                    ) as r:
+                        body = await r.aread()
+                    # A stream cut short, or ended with an error event, is a failure too.
+                    whole = body.endswith(b"data: [DONE]\n\n") and b'"error"' not in body
+                    status = r.status_code if whole or r.status_code != 200 else -1
+                    self.answers.append((status, "" if status == 200 else body.decode(errors="replace")))
                 except httpx.TransportError as exc:
                     self.answers.append((0, f"{type(exc).__name__}: {exc}"))
                 self.last_answer = time.time()

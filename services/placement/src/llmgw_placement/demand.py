@@ -80,7 +80,13 @@ class DemandBook:
             sums[name] = Summed(s.in_flight, s.queued, s.arrived, engines=running)
         for name in set(self.series) | set(sums):
             s = sums.get(name, Summed())
-            points = self.series.setdefault(name, [])
+            points = self.series.get(name)
+            if points is None:
+                # Nothing heard of it since this placement began listening: no demand since
+                # then. A series begun at its first request instead made the stable window
+                # average the first burst alone, and a spike of a second asked the stable
+                # window's full count.
+                points = self.series[name] = [(self.started, 0.0)] if at > self.started else []
             if not points or points[-1][1] != s.demand:
                 points.append((at, s.demand))
             while len(points) > 1 and points[1][0] <= at - self.history_s:
