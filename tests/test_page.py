@@ -276,50 +276,58 @@ async def test_a_deployments_view_charts_its_demand_and_replicas_and_streams_the
     with cluster(tmp_path, nats_url, prefix) as c:
         c.start_placement("p1", [sim_catalog()], [chat])
         api = await eventually(lambda: re.search(r"API on (http://\S+)", c.log("placement-p1")), timeout=30)
-        await eventually(lambda: "active placement" in c.log("placement-p1"), timeout=30)
         async with (
             httpx.AsyncClient(base_url=api.group(1), headers=c.api_headers, timeout=60) as client,
-            client.stream("GET", "/page/stream?deployment=chat") as stream,
             anyio.create_task_group() as tg,
         ):
-            assert stream.status_code == 200
-            chunks = stream.aiter_raw()
-            wire = b""
 
-            async def message() -> bytes:
-                nonlocal wire
-                while b"\n\n" not in wire:
-                    wire += await chunks.__anext__()
-                one, _, wire = wire.partition(b"\n\n")
-                return one
+            async def led() -> bool:
+                # The leader has chosen its count (0: nothing asked for it).
+                r = await client.get("/api/explain/chat")
+                assert r.status_code == 200, r.text
+                assert r.json()["autoscale"]["count"] == 0, r.json()
+                return True
 
-            first = await message()
-            assert first.startswith(b"event: view\n"), first[:200]
-            assert b"<figure id=dep-chart data-demand='0' data-replicas='0'><svg " in first, first
-            assert b"demand now 0, at most 0 in the last 5 min" in first
+            await eventually(led, timeout=30, interval=0.2)
+            async with client.stream("GET", "/page/stream?deployment=chat") as stream:
+                assert stream.status_code == 200
+                chunks = stream.aiter_raw()
+                wire = b""
 
-            async def report() -> None:
-                # 5 requests held by a gateway (there is no node: no replica gets ready).
-                while True:
-                    demand = Demand(
-                        gateway="gw-test",
-                        deployments=(DeploymentDemand(deployment="chat", queued=5),),
-                        interval_s=0.3,
-                    )
-                    await bus.publish_core(bus.names.demand("gw-test"), demand)
-                    await anyio.sleep(0.3)
+                async def message() -> bytes:
+                    nonlocal wire
+                    while b"\n\n" not in wire:
+                        wire += await chunks.__anext__()
+                    one, _, wire = wire.partition(b"\n\n")
+                    return one
 
-            tg.start_soon(report)
-            with anyio.fail_after(60):
-                while True:
-                    m = await message()
-                    if not m.startswith(b"event: patch\n"):
-                        continue
-                    sent = msgspec.json.decode(m.split(b"data: ", 1)[1])["set"]
-                    chart = sent.get("dep-chart", "")
-                    if "data-replicas='3'" in chart:
-                        break
-            tg.cancel_scope.cancel()
+                first = await message()
+                assert first.startswith(b"event: view\n"), first[:200]
+                assert b"<figure id=dep-chart data-demand='0' data-replicas='0'><svg " in first, first
+                assert b"demand now 0, at most 0 in the last 5 min" in first
+
+                async def report() -> None:
+                    # 5 requests held by a gateway (there is no node: no replica gets ready).
+                    while True:
+                        demand = Demand(
+                            gateway="gw-test",
+                            deployments=(DeploymentDemand(deployment="chat", queued=5),),
+                            interval_s=0.3,
+                        )
+                        await bus.publish_core(bus.names.demand("gw-test"), demand)
+                        await anyio.sleep(0.3)
+
+                tg.start_soon(report)
+                with anyio.fail_after(60):
+                    while True:
+                        m = await message()
+                        if not m.startswith(b"event: patch\n"):
+                            continue
+                        sent = msgspec.json.decode(m.split(b"data: ", 1)[1])["set"]
+                        chart = sent.get("dep-chart", "")
+                        if "data-replicas='3'" in chart:
+                            break
+                tg.cancel_scope.cancel()
         # The chart as sent: demand 5 now, the count chosen (5 at 2 each: 3), both drawn.
         assert chart.startswith("<figure id=dep-chart data-demand='5' data-replicas='3'><svg "), chart
         assert "demand now 5, at most 5 in the last 5 min" in chart
