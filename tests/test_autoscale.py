@@ -176,6 +176,24 @@ def test_the_book_sums_the_gateways_drops_a_silent_one_and_takes_the_engines_whe
     assert book.requested_at("other") == 0.0
 
 
+def test_a_deployment_first_named_had_no_demand_since_a_gateway_was_first_heard() -> None:
+    """Regression: the series began at the first report that named the deployment, so the
+    stable window averaged a first burst over itself alone and asked for its full count."""
+    book = DemandBook(started=0.0)
+    book.heard(Demand(gateway="gw-a", interval_s=1.0), 5.0)
+    book.sample(5.0, {})
+    assert book.history("chat") == ()
+    book.heard(_report("gw-a", 6), 59.0)
+    book.sample(59.0, {})
+    assert book.history("chat") == ((5.0, 0.0), (59.0, 6.0))
+    assert average(book.history("chat"), 0.0, 60.0) == pytest.approx(6 / 55)
+    # A new placement whose first report names it knows nothing before: no zero put in.
+    fresh = DemandBook(started=0.0)
+    fresh.heard(_report("gw-a", 6), 3.0)
+    fresh.sample(3.0, {})
+    assert fresh.history("chat") == ((3.0, 6.0),)
+
+
 def test_a_draining_replica_is_quiet_once_every_gateway_reported_it_empty_after_the_drain_began() -> None:
     book = DemandBook(started=0.0)
     record = Record(deployment="chat", replica="r1", profile="tp1", profile_fp="x", state="draining")

@@ -12,11 +12,14 @@ import re
 import shutil
 from pathlib import Path
 
+import anyio
 import httpx
+import msgspec
 import pytest
 
 from llmgw_core.bus import Bus
-from llmgw_core.events import Deployment
+from llmgw_core.events import Demand, Deployment, DeploymentDemand
+from llmgw_placement.chart import demand_chart
 from tests.cluster_support import cluster, sim_catalog
 from tests.test_gateway import running_gateway
 from tests.test_gateway_keys import PROMPT_TOKENS, ctl_json, new_key
@@ -284,3 +287,93 @@ def test_an_installs_progress_within_a_step_is_not_an_event_but_its_steps_and_en
     assert line("download", "downloading b2 (2%)", outcome="failed") == "n1: downloading b2 (2%)"
     # Without `steps` (a caller that keeps none) every report is a line.
     assert event_line("x", encode(InstallProgress(node="n1", engine="e", step="s", message="m"))) == "n1: m"
+
+
+async def test_a_deployments_view_charts_its_demand_and_replicas_and_streams_their_change(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """`?deployment=chat`: an inline SVG of the demand the gateways report and the count placement
+    chose, sent again through the page's stream as a patch of that part when a demand is heard."""
+    chat = {
+        "name": "chat",
+        "profile": "tiny",
+        "autoscale": {"min_replicas": 0, "max_replicas": 3, "target_in_flight": 2},
+    }
+    with cluster(tmp_path, nats_url, prefix) as c:
+        c.start_placement("p1", [sim_catalog()], [chat])
+        api = await eventually(lambda: re.search(r"API on (http://\S+)", c.log("placement-p1")), timeout=30)
+        async with (
+            httpx.AsyncClient(base_url=api.group(1), headers=c.api_headers, timeout=60) as client,
+            anyio.create_task_group() as tg,
+        ):
+
+            async def led() -> bool:
+                # The leader has chosen its count (0: nothing asked for it).
+                r = await client.get("/api/explain/chat")
+                assert r.status_code == 200, r.text
+                assert r.json()["autoscale"]["count"] == 0, r.json()
+                return True
+
+            await eventually(led, timeout=30, interval=0.2)
+            async with client.stream("GET", "/page/stream?deployment=chat") as stream:
+                assert stream.status_code == 200
+                chunks = stream.aiter_raw()
+                wire = b""
+
+                async def message() -> bytes:
+                    nonlocal wire
+                    while b"\n\n" not in wire:
+                        wire += await chunks.__anext__()
+                    one, _, wire = wire.partition(b"\n\n")
+                    return one
+
+                first = await message()
+                assert first.startswith(b"event: view\n"), first[:200]
+                assert b"<figure id=dep-chart data-demand='0' data-replicas='0'><svg " in first, first
+                assert b"demand now 0, at most 0 in the last 5 min" in first
+
+                async def report() -> None:
+                    # 5 requests held by a gateway (there is no node: no replica gets ready).
+                    while True:
+                        demand = Demand(
+                            gateway="gw-test",
+                            deployments=(DeploymentDemand(deployment="chat", queued=5),),
+                            interval_s=0.3,
+                        )
+                        await bus.publish_core(bus.names.demand("gw-test"), demand)
+                        await anyio.sleep(0.3)
+
+                tg.start_soon(report)
+                with anyio.fail_after(60):
+                    while True:
+                        m = await message()
+                        if not m.startswith(b"event: patch\n"):
+                            continue
+                        sent = msgspec.json.decode(m.split(b"data: ", 1)[1])["set"]
+                        chart = sent.get("dep-chart", "")
+                        if "data-replicas='3'" in chart:
+                            break
+                tg.cancel_scope.cancel()
+        # The chart as sent: demand 5 now, the count chosen (5 at 2 each: 3), both drawn.
+        assert chart.startswith("<figure id=dep-chart data-demand='5' data-replicas='3'><svg "), chart
+        assert "demand now 5, at most 5 in the last 5 min" in chart
+        assert "replicas 3, at most 3" in chart
+        assert "<polyline class=demand points='" in chart
+        assert "<polyline class=replicas points='" in chart
+        # The highest point of the demand's line is the top of the chart (5 of a scale to 5).
+        demand_line = re.search(r"<polyline class=demand points='([^']+)'", chart)
+        assert demand_line
+        ys = [float(p.split(",")[1]) for p in demand_line.group(1).split()]
+        assert min(ys) == 1.0, ys
+
+
+def test_the_chart_changes_only_when_a_bucket_ends_or_what_it_holds_changes() -> None:
+    """Buckets aligned on the clock: two looks within one bucket render the same chart (the
+    stream sends nothing), the next bucket shifts it; a burst shorter than a bucket still shows."""
+    demand = [(0.0, 0.0), (100.0, 4.0), (100.5, 0.0)]
+    counts = [(0.0, 1.0)]
+    assert demand_chart(demand, counts, 101.0) == demand_chart(demand, counts, 104.0)
+    assert demand_chart(demand, counts, 106.0) != demand_chart(demand, counts, 104.0)
+    shown = demand_chart(demand, counts, 104.0)
+    assert "demand now 0, at most 4 in the last 5 min" in shown
+    assert "replicas 1, at most 1" in shown

@@ -221,6 +221,7 @@ class Controller:
             if bounds is None:
                 held.scaling.pop(name, None)
                 held.scaled.pop(name, None)
+                held.counts.pop(name, None)
                 continue
             was = held.scaling.get(name)
             if was is None:
@@ -236,10 +237,17 @@ class Controller:
                 book.requested_at(name),
                 at,
                 self.windows,
-                waiting=summed.queued + summed.arrived,
+                # A held request is in its gateway's `queued` and, in the report after it
+                # came, in `arrived` too: adding them said one request at zero was two.
+                waiting=max(summed.queued, summed.arrived),
             )
             held.scaling[name] = now
             counts[name] = now.count
+            chosen = held.counts.setdefault(name, [])
+            if not chosen or chosen[-1][1] != now.count:
+                chosen.append((at, float(now.count)))
+            while len(chosen) > 1 and chosen[1][0] <= at - book.history_s:
+                del chosen[0]
             if change is not None:
                 decision = ScaleDecision(
                     deployment=name,
@@ -254,6 +262,7 @@ class Controller:
         for name in set(held.scaling) - set(deployments):
             held.scaling.pop(name, None)
             held.scaled.pop(name, None)
+            held.counts.pop(name, None)
         return counts, told
 
     def _quiet(self, at: float) -> frozenset[str]:

@@ -53,9 +53,13 @@ class DemandBook:
     last_request: dict[str, float] = field(default_factory=dict)
     # The last sums, for the metrics and the page.
     summed: dict[str, Summed] = field(default_factory=dict)
+    # When this book first heard a gateway (None: never yet).
+    hearing_since: float | None = None
 
     def heard(self, report: Demand, at: float) -> None:
         self.reports[report.gateway] = (report, at)
+        if self.hearing_since is None:
+            self.hearing_since = at
 
     def fresh(self, at: float) -> list[tuple[Demand, float]]:
         """The reports not yet stale, by gateway; stale ones are forgotten."""
@@ -80,7 +84,14 @@ class DemandBook:
             sums[name] = Summed(s.in_flight, s.queued, s.arrived, engines=running)
         for name in set(self.series) | set(sums):
             s = sums.get(name, Summed())
-            points = self.series.setdefault(name, [])
+            points = self.series.get(name)
+            if points is None:
+                # Gateways heard from, none naming it: no demand since the first was heard. A
+                # series begun at its first request instead made the stable window average
+                # a first burst over itself alone, and a spike of a second asked for the
+                # stable window's full count.
+                since = self.hearing_since
+                points = self.series[name] = [(since, 0.0)] if since is not None and since < at else []
             if not points or points[-1][1] != s.demand:
                 points.append((at, s.demand))
             while len(points) > 1 and points[1][0] <= at - self.history_s:

@@ -38,6 +38,9 @@ class Held:
     # Per autoscaled deployment, what the autoscaler remembers, and its last change of count.
     scaling: dict[str, Scaling] = field(default_factory=dict)
     scaled: dict[str, ScaleDecision] = field(default_factory=dict)
+    # Per autoscaled deployment, the count chosen over time (monotonic time, count), one point
+    # per change, for the page's chart.
+    counts: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     # Draining replicas by key: since when (this leader's monotonic clock).
     draining: dict[str, float] = field(default_factory=dict)
 

@@ -33,6 +33,7 @@ from starlette.routing import BaseRoute, Route
 from llmgw_core import failures
 from llmgw_core.events import EngineLoad, ReplicaRecord, ShardStatus
 
+from .chart import demand_chart
 from .gpuclass import gpu_class
 
 if TYPE_CHECKING:
@@ -498,6 +499,7 @@ class Page:
         return [
             f"<section id=deployment><h2>Deployment {_e(name)}</h2>{close}",
             Frag("dep-live", live),
+            Frag("dep-chart", self._chart(name, dep.replicas if dep.autoscale is None else None)),
             CHAT.replace("{gateway}", _e(gateway)).replace("{model}", _e(name))
             + (
                 ""
@@ -508,6 +510,18 @@ class Page:
             ),
             "</section>",
         ]
+
+    def _chart(self, name: str, fixed: int | None) -> str:
+        """The deployment's demand (the gateways' reports summed, as the autoscaler hears them)
+        and its replica count (the one chosen, or `fixed` for one that does not autoscale) over
+        the last minutes (`chart.demand_chart`)."""
+        book = self.service.demand
+        at = time.monotonic()
+        demand = book.history(name)
+        counts: tuple[tuple[float, float], ...] = self.service.view.counts(name)
+        if fixed is not None:
+            counts = ((book.started, float(fixed)),)
+        return demand_chart(demand, counts, at)
 
     def _pool_of(self, node: str) -> str:
         pools = self._pools.get(node)
@@ -925,6 +939,10 @@ ul.reasons{margin:.2em 0;padding-left:1.2em}time{color:#777}.nowrap{white-space:
 #legend i{vertical-align:middle}#find{margin:.5em 0}#find input{max-width:60vw}
 .hint{background:#fff6dc;padding:.4em .6em;border-radius:3px}
 #deployment{border:1px solid #ccd;padding:.2em .8em .6em;border-radius:4px}.close{float:right}
+#dep-chart{margin:.4em 0}#dep-chart svg{max-width:100%;height:auto;background:#fafafa}
+#dep-chart .axis{stroke:#ccc}#dep-chart polyline{stroke-width:1.5}
+#dep-chart .demand{stroke:#36c;color:#36c}#dep-chart .replicas{stroke:#c60;color:#c60}
+#dep-chart figcaption{font-size:12px;color:#555}
 #chat label{display:block;margin:.3em 0}#chat textarea,#chat input{width:100%;box-sizing:border-box}
 @media (max-width:600px){body{margin:.6em}td,th{padding:.2em .3em}#live{float:none;display:block}
 .gpu{min-width:0;padding:0 3px}.gpu small{display:none}.sys{display:none}table.groups{font-size:12px}}

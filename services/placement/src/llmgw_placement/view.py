@@ -106,6 +106,12 @@ class ClusterView:
             else None,
         }
 
+    def counts(self, deployment: str) -> tuple[tuple[float, float], ...]:
+        """The count the leader chose for an autoscaled deployment over time (monotonic time,
+        count), oldest first; empty on a standby or for one that does not autoscale."""
+        mine = self.mine()
+        return tuple(mine.counts.get(deployment, ())) if mine else ()
+
     def views(self, at: float | None = None) -> list[NodeView] | None:
         """Every node's view as the leader would decide over it now; None on a standby."""
         if self._index is None or not self._leading():
