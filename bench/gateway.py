@@ -347,6 +347,16 @@ def run(quick: bool = False) -> str:
             except RuntimeError as exc:
                 log_tail = (root / "litellm.log").read_text(errors="replace")[-500:]
                 litellm_problem = f"LiteLLM's proxy did not serve: {exc}; its log ends: {log_tail}"
+        baseline = os.environ.get("LLMGW_BENCH_BASELINE_PYTHON", "")
+        if baseline:
+            # Another checkout's gateway (its venv's Python: `git worktree add /tmp/base REV`,
+            # `./dev sync-all` there) with the same config, as one more side of the same run.
+            base_log = root / "gateway-baseline.log"
+            argv = [baseline, "-m", "llmgw_gateway", "--config", str(config)]
+            base = stack.enter_context(_process(argv, base_log))
+            base_url = _gateway_url(base_log, base)
+            _answers(f"{base_url}/v1/chat/completions", secret, CHAT, 60, base)
+            sides.append(Side(f"baseline gateway ({baseline})", base_url, secret, base.pid))
         load_before = os.getloadavg()
         _measure(sides, chat_body, levels, rounds, duration_s)
         load_after = os.getloadavg()
@@ -387,7 +397,7 @@ def _section(
     load: tuple[tuple[float, ...], tuple[float, ...]],
 ) -> str:
     direct, gw, plain = sides[0], sides[1], sides[2]
-    lite = sides[3] if len(sides) > 3 else None
+    lite = next((side for side in sides if side.name == "LiteLLM proxy"), None)
     lines = [
         "## Gateway: added latency and throughput (against direct and LiteLLM's proxy)",
         "",
@@ -399,7 +409,9 @@ def _section(
         "master key, pointed at the same engine as an OpenAI-compatible backend). The load comes "
         "from `bench.load`, one process of plain asyncio streams on kept-alive connections, on the "
         "same machine as the servers. The gateway runs on uvloop; `llmgw gateway, asyncio loop` is "
-        "a second gateway process of the same code and config on asyncio's own event loop. "
+        "a second gateway process of the same code and config on asyncio's own event loop; with "
+        "`LLMGW_BENCH_BASELINE_PYTHON` set to another checkout's venv Python, that checkout's "
+        "gateway is one more side (`baseline gateway`). "
         f"{rounds} alternated rounds of {duration_s:g} s per side and "
         "concurrency; latencies pooled over the rounds, throughput the median round. CPU per "
         "request: user + system seconds of the server's process (/proc/PID/stat) over the round, "
