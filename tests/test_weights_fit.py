@@ -12,7 +12,15 @@ import pytest
 
 from llmgw_core.bus import Bus
 from llmgw_core.engines import parse_source
-from llmgw_core.events import Deployment, DeploymentStatus, EngineState, ModelShape, NodeStatus, ReplicaRecord
+from llmgw_core.events import (
+    Deployment,
+    DeploymentStatus,
+    EngineState,
+    ModelShape,
+    NodeStatus,
+    ReplicaRecord,
+    ShardStatus,
+)
 from llmgw_core.fit import read_shape
 from llmgw_launcher.weights import Weights
 from llmgw_placement.decide import Placement, Refusal, decide
@@ -21,7 +29,7 @@ from tests.hf_server import Hub, hf_hub
 from tests.test_placement_decide import DEP, profile
 from tests.test_placement_decide import node as vllm_node
 from tests.tiny_model import write_tiny_llama
-from tests.waiting import eventually
+from tests.waiting import eventually, passes
 
 MODEL = "hf://org/tiny/tiny.gguf"
 KEY = f"{MODEL}@main"
@@ -291,3 +299,208 @@ async def test_while_a_node_stages_the_weights_the_deployment_quotes_its_words(
         assert await explain(bus, "chat") == [status.summary]
         (record,) = await replicas(bus, "chat")
         assert (record.state, record.reason) == ("starting", f"gpu-a: {words}")
+
+
+# --- the first replica of a model no node has staged: fitted on the node before its engine starts --
+
+# Two L40S nodes: gpu-a's cards report 45700 MiB (44.1 GiB usable), gpu-b's 46068 (44.5 GiB).
+L40S = {"gpu_name": "NVIDIA L40S", "gpu_capability": "8.9"}
+SMALL_L40S, L40S_MB = 45700, 46068
+# 256 bytes of KV cache per token: 44.3 GiB at 181440k (only gpu-b holds it), 46.0 GiB at 188416k.
+FITS_B, FITS_NONE = 181440 * 1024, 188416 * 1024
+
+
+def transitions(states: list[str]) -> list[str]:
+    """The states in order, a status sent again (the launcher re-publishing what it runs) once."""
+    return [s for i, s in enumerate(states) if i == 0 or states[i - 1] != s]
+
+
+def too_big(kv: str, usable: str) -> str:
+    return (
+        f"needs ~{kv} GiB per GPU (weights 0.0 GiB + KV cache {kv} GiB at "
+        f"{'181440k' if kv == '44.3' else '188416k'} context), L40S-45G has {usable} GiB usable"
+    )
+
+
+def test_one_rule_fits_a_shard_to_the_gpus_it_gets_or_the_hosts_memory() -> None:
+    from llmgw_core.engines import GPUInfo
+    from llmgw_core.fit import check_shard
+
+    gpu = profile(
+        model=MODEL,
+        model_path="",
+        engine="sim",
+        tp=1,
+        gpu_class="L40S-45G",
+        args=("--kv-tokens", str(FITS_B)),
+    )
+    small, big = (
+        GPUInfo(index=i, name="NVIDIA L40S", memory_mb=mb) for i, mb in enumerate((SMALL_L40S, L40S_MB))
+    )
+    assert check_shard(SHAPE, gpu, [big]) is None
+    # The smallest of the shard's GPUs decides.
+    assert check_shard(SHAPE, gpu, [big, small]) == too_big("44.3", "44.1")
+    # A GPU that reports no memory, or no GPU at all, is not checked.
+    assert check_shard(SHAPE, gpu, [GPUInfo(index=0, name="NVIDIA L40S")]) is None
+    assert check_shard(SHAPE, gpu, []) is None
+    cpu = msgspec.structs.replace(gpu, gpu_class="", args=("--kv-tokens", "16777216"))
+    assert check_shard(SHAPE, cpu, [big], memory_mb=65536) is None
+    assert check_shard(SHAPE, cpu, memory_mb=4096) == (
+        "needs ~4.0 GiB of memory (weights 0.0 GiB + KV cache 4.0 GiB at 16384k context), "
+        "the node has 3.0 GiB usable of 4.0 GiB"
+    )
+    assert check_shard(SHAPE, cpu) is None
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_a_staged_model_its_gpus_or_memory_cannot_hold_fails_once_before_any_engine_starts(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path, hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the launcher alone: the shape read when staged is fitted to the GPUs the shard is pinned
+    to (a CPU profile to the host's memory) by placement's rule; a shard that cannot fit fails
+    once, for good, with the figures, and no engine process is started."""
+    from nats.aio.msg import Msg
+
+    from llmgw_core.engines import GPUInfo
+    from tests.launcher_support import agent_config, running_launcher, shard, shard_events, sim_profile
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    gpus = [
+        GPUInfo(index=i, name="NVIDIA L40S", compute_capability="8.9", memory_mb=mb)
+        for i, mb in enumerate((L40S_MB, SMALL_L40S))
+    ]
+
+    def gpu_profile(kv_tokens: int) -> Any:
+        return sim_profile("--kv-tokens", str(kv_tokens), model=MODEL, model_path="", gpu_class="L40S-45G")
+
+    specs = {
+        # Fits GPU 0, not GPU 1: the GPUs the shard is pinned to are those fitted.
+        "fits": shard("node-a", "fits", gpu_profile(FITS_B), gpus=[0]),
+        "small-gpu": shard("node-a", "small-gpu", gpu_profile(FITS_B), gpus=[1]),
+        "cpu": shard("node-a", "cpu", sim_profile("--kv-tokens", "16777216", model=MODEL, model_path="")),
+    }
+    beats: list[bytes] = []
+
+    async def on_beat(msg: Msg) -> None:
+        beats.append(msg.data)
+
+    await bus.nc.subscribe(bus.names.heartbeat("node-a", "launcher"), cb=on_beat)
+    config = agent_config(nats_url, prefix, tmp_path / "agent", simulate={"memory_mb": 4096})
+    async with shard_events(bus) as events, running_launcher(config, gpus=gpus):
+        for name, spec in specs.items():
+            await bus.put(bus.names.shards_bucket, f"node-a.{name}", spec)
+        await eventually(lambda: events.states("fits")[-1:] == ["ready"], timeout=60)
+        for name in ("small-gpu", "cpu"):
+            await eventually(lambda name=name: events.states(name)[-1:] == ["failed"], timeout=60)
+        # Several heartbeats (and restart backoffs) later, still one attempt each.
+        await passes(lambda: len(beats), 4, timeout=30)
+        expected = {
+            "small-gpu": too_big("44.3", "44.1"),
+            "cpu": "needs ~4.0 GiB of memory (weights 0.0 GiB + KV cache 4.0 GiB at 16384k context), "
+            "the node has 3.0 GiB usable of 4.0 GiB",
+        }
+        for name, reason in expected.items():
+            assert transitions(events.states(name)) == ["pending", "waiting", "failed"], events.states(name)
+            last = events.last(name)
+            assert last is not None
+            assert (last.reason, last.retryable, last.pids, last.restarts) == (reason, False, (), 0)
+    # No engine was started for them: only the shard that fits has process logs.
+    assert sorted(p.name for p in (tmp_path / "agent" / "logs").iterdir()) == ["node-a.fits"]
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(300)
+async def test_the_first_replica_of_a_model_too_big_for_its_node_fails_there_once_and_goes_where_it_fits(
+    bus: Bus,
+    nats_url: str,
+    prefix: str,
+    tmp_path: Path,
+    tiny_gguf: bytes,
+    hub: Hub,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: a replica placed before any node had reported its model's shape was not
+    checked; on GPUs too small its engine failed to allocate, in its own words, and was
+    restarted. Now the node fits it before the engine starts and fails it once with the figures;
+    the node reports the shape, and placement removes the replica and places it on a node that
+    fits, or, where none does, says every node's figures."""
+    from nats.aio.msg import Msg
+
+    from llmgw_core.events import ReplicaStatus, decoder
+    from tests.launcher_support import shard_events
+
+    hub.add("org/big", {"big.gguf": tiny_gguf})
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    replica_events: list[ReplicaStatus] = []
+
+    async def on_replica(msg: Msg) -> None:
+        replica_events.append(decoder(ReplicaStatus).decode(msg.data))
+
+    await bus.nc.subscribe(f"{prefix}.events.replica.>", cb=on_replica)
+    chat = catalog("chat", FITS_B, gpu_class="L40S-45G")
+    big = {**catalog("big", FITS_NONE, gpu_class="L40S-45G"), "model": "hf://org/big/big.gguf"}
+    with cluster(tmp_path / "c", nats_url, prefix) as c:
+        c.start_node("gpu-a", gpus=2, simulate={**L40S, "gpu_memory_mb": SMALL_L40S})
+        c.start_node("gpu-b", gpus=2, simulate={**L40S, "gpu_memory_mb": L40S_MB})
+
+        async def nodes_up() -> bool:
+            found = await bus.entries(bus.names.nodes_bucket, NodeStatus)
+            return {k for k, v in found.items() if v.value and v.value.engines} >= {"gpu-a", "gpu-b"}
+
+        await eventually(nodes_up, timeout=60, interval=0.3)
+        async with shard_events(bus) as events:
+            # Binpack ties break by name: nothing knows the model's shape, so gpu-a gets it.
+            c.start_placement("p1", [chat, big], [{"name": "chat", "profile": "chat"}])
+            await eventually(lambda: _ready(bus, "chat", "gpu-b"), timeout=120)
+
+            def chat_on_a() -> list[ShardStatus]:
+                found = [s for s in events.items if s.deployment == "chat" and s.node == "gpu-a"]
+                return found if found and found[-1].state == "stopped" else []
+
+            on_a = await eventually(chat_on_a, timeout=30)
+            # Failed once, never restarted, then stopped: the replica went elsewhere.
+            states = transitions([s.state for s in on_a])
+            assert states == ["pending", "waiting", "failed", "stopping", "stopped"], [
+                (s.state, s.reason) for s in on_a
+            ]
+            failed = next(s for s in reversed(on_a) if s.state == "failed")
+            assert (failed.reason, failed.retryable, failed.pids, failed.restarts) == (
+                too_big("44.3", "44.1"),
+                False,
+                (),
+                0,
+            )
+            assert any(
+                e.deployment == "chat"
+                and e.state == "failed"
+                and e.reason == f"gpu-a: {too_big('44.3', '44.1')}"
+                for e in replica_events
+            ), [(e.deployment, e.state, e.reason) for e in replica_events]
+            assert (await explain(bus, "chat"))[0] == "chat: 1 of 1 ready"
+
+            # A model no node fits: it fails once on the node it went to first (gpu-b, the
+            # tighter fit), and then every node is refused with its own figures.
+            await bus.put(bus.names.deployments_bucket, "big", Deployment(name="big", profile="big"))
+
+            async def big_refused() -> list[str]:
+                lines = await explain(bus, "big")
+                return lines if "cannot be placed" in lines[0] else []
+
+            lines = await eventually(big_refused, timeout=120, interval=0.3)
+            a, b = too_big("46.0", "44.1"), too_big("46.0", "44.5")
+            assert lines == [
+                f"big: 0 of 1 ready; 1 cannot be placed: gpu-a: {a}; gpu-b: {b}",
+                "NODE   REASON",
+                f"gpu-a  {a}",
+                f"gpu-b  {b}",
+            ]
+            tried = [
+                s for s in events.items if s.deployment == "big" and s.state not in ("stopping", "stopped")
+            ]
+            assert {s.node for s in tried} == {"gpu-b"}, [(s.node, s.state, s.reason) for s in tried]
+            assert transitions([s.state for s in tried]) == ["pending", "waiting", "failed"], [
+                (s.node, s.state, s.reason) for s in tried
+            ]
+            assert (tried[-1].reason, tried[-1].pids, tried[-1].restarts) == (b, (), 0)
+            assert await replicas(bus, "big") == []

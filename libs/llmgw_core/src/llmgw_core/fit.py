@@ -30,6 +30,7 @@ import json
 import math
 import re
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = [
     "ModelShape",
     "check",
     "check_host",
+    "check_shard",
     "estimate",
     "read_shape",
 ]
@@ -473,3 +475,24 @@ def check_host(est: Estimate, memory_mb: int) -> str | None:
     if est.per_gpu <= usable:
         return None
     return f"{est.text('of memory')}, the node has {gib(usable)} GiB usable of {gib(memory_mb * MiB)} GiB"
+
+
+def check_shard(
+    shape: ModelShape, profile: Profile, gpus: Sequence[GPUInfo] = (), memory_mb: int = 0
+) -> str | None:
+    """The one rule a shard of `profile` is fitted by, in placement before it is placed and on the
+    node before its engine starts: `None` when the model `shape` describes fits, else the refusal
+    with the figures.
+
+    A GPU profile is fitted against the smallest of the GPUs the shard gets (they are of one
+    class; a GPU that reports no memory is not checked), a CPU profile against the host's
+    `memory_mb` (`check_host`; 0: not known, not checked)."""
+    est = estimate(shape, profile)
+    if not profile.gpu_class:
+        return check_host(est, memory_mb)
+    if not gpus:
+        return None
+    smallest = min(gpus, key=lambda g: g.memory_mb)
+    if smallest.memory_mb <= 0:
+        return None
+    return check(est, smallest, profile.gpu_class, profile)

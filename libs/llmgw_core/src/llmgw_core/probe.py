@@ -290,6 +290,10 @@ class Probe:
         except OSError:
             return ""
 
+    def memory_mb(self) -> int:
+        """The host's memory (MemTotal), in MB; 0 where /proc/meminfo cannot be read."""
+        return parse_meminfo(self._read("proc/meminfo"))
+
     def gpus(self) -> tuple[tuple[GPUInfo, ...], str, str]:
         listing = self.run(NVIDIA_SMI_GPUS)
         if listing.returncode != 0:
@@ -351,7 +355,7 @@ class Probe:
             cpu_model=model,
             cpu_flags=flags,
             cores=cores or (os.cpu_count() or 0),
-            memory_mb=parse_meminfo(self._read("proc/meminfo")),
+            memory_mb=self.memory_mb(),
             nvidia_driver=driver,
             cuda_driver=cuda,
             gpus=gpus,

@@ -45,6 +45,12 @@ def shape_file(view: Path) -> Path:
     return view.parent / f".{view.name}.shape.json"
 
 
+def recorded_shape(view: Path) -> ModelShape | None:
+    """The shape recorded beside the model at `view` when it was staged, None where it has none
+    (weights that are not a model, an architecture without the counts)."""
+    return _read_shape_file(shape_file(view))
+
+
 def held(root: Path) -> dict[str, str]:
     """Every source staged under `root`, as `weights_key` names it, to the commit or digest it holds.
 

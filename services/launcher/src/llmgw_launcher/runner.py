@@ -29,7 +29,7 @@ import anyio
 import msgspec
 from opentelemetry import trace
 
-from llmgw_core import failures
+from llmgw_core import failures, fit, staged
 from llmgw_core.engines import (
     Address,
     Command,
@@ -101,6 +101,8 @@ class Context:
     weights: Weights | None = None
     # Told the path of a model file a shard found missing (see `modelfiles`).
     model_missing: Callable[[str], None] = field(default=lambda _path: None)
+    # The host's memory in MB, what CPU profiles are fitted against (0: not known, not checked).
+    memory_mb: int = 0
 
 
 async def _nothing() -> None:
@@ -480,7 +482,25 @@ class ShardRunner:
             path = await self.ctx.weights.stage(source, report)
         except WeightsError as exc:
             return Failure(exc.reason, retryable=exc.retryable)
+        if source.kind != "file":
+            too_big = await self.ctx.workers.files(self._too_big, path)
+            if too_big:
+                # Placement fits a model only once some node reported its shape, so the first
+                # replica of a new model comes here unchecked: started, its engine would fail
+                # to allocate in its own words (and be restarted). The node reports the shape
+                # it just recorded, and placement refuses it for the profile in these words.
+                return Failure(too_big, retryable=False)
         return str(path)
+
+    def _too_big(self, view: Path) -> str | None:
+        """Whether the staged model at `view` cannot fit the GPUs this shard is pinned to (or, for a
+        CPU profile, the host's memory), by placement's own rule (`fit.check_shard`); in a file
+        thread, since it reads the shape kept beside the view."""
+        shape = staged.recorded_shape(view)
+        if shape is None:
+            return None
+        gpus = [g for g in self.ctx.gpus if g.index in self.spec.gpus]
+        return fit.check_shard(shape, self.spec.profile, gpus, self.ctx.memory_mb)
 
     async def _start(self, cmd: Command) -> Failure | None:
         log_path = self.ctx.state_dir / "logs" / self.key / f"{len(self.procs)}-{cmd.name}.log"

@@ -105,6 +105,14 @@ def node_gpus(config: AgentConfig) -> list[GPUInfo]:
     return list(gpus)
 
 
+def node_memory_mb(config: AgentConfig) -> int:
+    """The host's memory as the node reports it (the simulated figure where one is set), what the
+    launcher fits CPU profiles against, as placement does."""
+    if config.simulate is not None and config.simulate.memory_mb:
+        return config.simulate.memory_mb
+    return Probe(config.node).memory_mb()
+
+
 def registry_for(config: AgentConfig) -> Registry:
     """The adapters, pointed at the engines the operator configured on this node."""
     from llmgw_core.engines import VLLM, LlamaCpp, LlamaCppConfig, SGLang, SGLangConfig, VLLMConfig
@@ -210,6 +218,7 @@ class Launcher:
                 on_evict=self._evicted,
             ),
             model_missing=self.missing_models.add,
+            memory_mb=node_memory_mb(config),
         )
 
         self.peers: Peers | None = None

@@ -180,7 +180,7 @@ def unfit(
     else:
         shape = node.shapes.get(profile.weights_key)
         if shape is not None:
-            too_big = fit.check_host(fit.estimate(shape, profile), node.memory_mb)
+            too_big = fit.check_shard(shape, profile, memory_mb=node.memory_mb)
             if too_big:
                 return too_big
     if profile.nodes > 1 and not node.fabric:
@@ -192,9 +192,8 @@ def _gpu_problems(profile: Profile, chosen: list[GPUInfo], shape: ModelShape | N
     """Why `profile` cannot run on the GPUs `chosen`: the engine's own checks, then whether the
     model's share fits the smallest of them (they are of one class) with its KV cache."""
     problems = [p.split(": ", 1)[1] for p in validate_profile(profile, chosen)]
-    if not problems and shape is not None and chosen:
-        smallest = min(chosen, key=lambda g: g.memory_mb)
-        too_small = fit.check(fit.estimate(shape, profile), smallest, profile.gpu_class, profile)
+    if not problems and shape is not None:
+        too_small = fit.check_shard(shape, profile, chosen)
         if too_small:
             problems.append(too_small)
     return problems

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import msgspec
 from opentelemetry import trace
 
-from llmgw_core import failures
+from llmgw_core import failures, fit
 from llmgw_core.engines import Profile
 from llmgw_core.events import (
     Deployment,
@@ -180,11 +180,13 @@ class _Walk:
         # A replica that failed for good because a GPU it was given is not on its node (a
         # replacement machine with fewer GPUs under the same node id) is placed again, by
         # what the node reports it has now; left alone it would stay failed forever.
-        # So is one that failed because its node lacks the model file: the node now says so in
-        # its heartbeats, and the decision places the replica on a node that has it.
+        # So is one that failed on a node now unfit for its profile by what the node reported
+        # since: the model file it lacks (its heartbeats say so), or a model whose shape it read
+        # when staged and that the shard's GPUs cannot hold (its facts carry the shape). The
+        # decision then places the replica on a node that fits, or says every node's figures.
         for record in mine:
             now_held = held.replicas[key(record)]
-            gone = self._gpus_gone(now_held) or self._model_missing(now_held)
+            gone = self._gpus_gone(now_held) or self._node_unfit(now_held)
             if gone:
                 self._remove(held.replicas[key(record)], gone, state="failed")
                 yield False
@@ -496,18 +498,30 @@ class _Walk:
                 )
         return ""
 
-    def _model_missing(self, record: ReplicaRecord) -> str:
-        """`node-b: model file not found: /models/x.gguf` for a replica that failed for good on a
-        node that reports the file missing, else ""."""
+    def _node_unfit(self, record: ReplicaRecord) -> str:
+        """Why a replica that failed for good is on a node now unfit for its profile, else "":
+        the node reports the model file missing (`node-b: model file not found: /models/x.gguf`),
+        or the model's shape is known now and the GPUs the shard was given (for a CPU profile,
+        the node's memory) cannot hold it, by the rule `unfit` applies (`gpu-a: needs ~41.2 GiB
+        per GPU (…), L40S-48G has 44.5 GiB usable`)."""
         if record.state != "failed":
             return ""
         for k in record.shards:
             spec = self.held.shards.get(k)
             if spec is None:
                 continue
-            path = spec.profile.node_file
+            profile = spec.profile
+            path = profile.node_file
             if path and path in self.snap.missing_models.get(spec.node, ()):
                 return f"{spec.node}: model file not found: {path}"
+            status = self.snap.nodes.get(spec.node)
+            shape = self.index.shapes.get(profile.weights_key)
+            if status is None or shape is None:
+                continue
+            gpus = [g for g in status.facts.gpus if g.index in spec.gpus]
+            too_big = fit.check_shard(shape, profile, gpus, status.facts.memory_mb)
+            if too_big:
+                return f"{spec.node}: {too_big}"
         return ""
 
     def _fits_without(self, record: ReplicaRecord, dep: Deployment, profile: Profile) -> bool:
