@@ -504,3 +504,22 @@ async def test_the_first_replica_of_a_model_too_big_for_its_node_fails_there_onc
             ]
             assert (tried[-1].reason, tried[-1].pids, tried[-1].restarts) == (b, (), 0)
             assert await replicas(bus, "big") == []
+
+
+def test_only_weights_a_node_stages_itself_are_ever_on_their_way_to_it() -> None:
+    """Regression: a node running a replica of a `model_path` profile counted as staging that
+    path for good (it never reports holding it), and outranked a tighter fit."""
+    from llmgw_core.events import Profile
+
+    sha = "ab" * 32
+    hub = Profile(name="a", engine="llamacpp", model="hf://org/repo/x.gguf")
+    url = Profile(name="b", engine="llamacpp", model="https://example.invalid/x.gguf", model_sha256=sha)
+    assert hub.staged_key == hub.weights_key == "hf://org/repo/x.gguf@main"
+    assert url.staged_key == url.weights_key == f"sha256:{sha}"
+    for held in (
+        Profile(name="c", engine="llamacpp", model="file:///models/x.gguf"),
+        Profile(name="d", engine="llamacpp", model_path="/models/x.gguf"),
+        Profile(name="e", engine="vllm", model_path="org/repo"),
+    ):
+        assert held.staged_key == "", held
+        assert held.weights_key != ""

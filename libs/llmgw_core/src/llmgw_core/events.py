@@ -19,7 +19,7 @@ from msgspec import Meta, Struct
 
 # Names and ids that become subject or key tokens: their rules are in `llmgw_core.limits`.
 from .limits import Aliases, Name, Token
-from .sources import node_file, weights_key
+from .sources import node_file, staged_key, weights_key
 
 __all__ = [
     "Autoscale",
@@ -121,6 +121,11 @@ class Profile(Struct, frozen=True, kw_only=True):
     def weights_key(self) -> str:
         """How nodes name this profile's weights when they report holding them."""
         return weights_key(self.model, self.model_sha256, self.model_path)
+
+    @property
+    def staged_key(self) -> str:
+        """`weights_key` where the node stages the weights itself, else "" (`sources.staged_key`)."""
+        return staged_key(self.model, self.model_sha256)
 
     @property
     def node_file(self) -> str:

@@ -172,6 +172,19 @@ def weights_key(model: str, sha256: str, model_path: str) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
+def staged_key(model: str, sha256: str) -> str:
+    """`weights_key` of weights the node stages itself (a hub or URL source); "" for a file it
+    must already hold, or a path its engine resolves: those are never on their way to a node."""
+    try:
+        source = parse_source(model, sha256)
+    except SourceError:
+        return ""
+    if source is None or source.kind == "file":
+        return ""
+    return weights_key(model, sha256, "")
+
+
+@functools.lru_cache(maxsize=4096)
 def node_file(model: str, sha256: str, model_path: str) -> str:
     """The file (or directory) on the node that a profile's engine reads, where the node must
     already hold it: a `file://` source's path, or an absolute `model_path` when `model` names

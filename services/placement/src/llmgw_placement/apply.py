@@ -110,7 +110,7 @@ class Applier:
         self._keep_unwritten(plan.placed)
         for place in plan.places:
             multi = len(place.placement.members) > 1
-            key = place.profile.weights_key
+            key = place.profile.staged_key
             for a in place.placement.members:
                 self.index.give_back(a.node, a.gpus, a.port if multi else None, place.deployment.name, key)
         self._undo(plan.removals, plan.saves)

@@ -258,7 +258,8 @@ class Usage:
     ports: defaultdict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
     shards: Counter[str] = field(default_factory=Counter)
     replicas_of: defaultdict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
-    # Per node, the weights keys of its shards (the node holds them, or is staging them).
+    # Per node, the weights keys of its shards that the node stages itself (`Profile.staged_key`):
+    # it holds them, or is staging them.
     weights: defaultdict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
 
     @classmethod
@@ -279,11 +280,11 @@ class Usage:
 
     def add(self, spec: ShardSpec) -> None:
         port = spec.members[spec.rank].port if spec.members else None
-        self.take(spec.node, spec.gpus, port, spec.deployment, spec.profile.weights_key)
+        self.take(spec.node, spec.gpus, port, spec.deployment, spec.profile.staged_key)
 
     def remove(self, spec: ShardSpec) -> None:
         port = spec.members[spec.rank].port if spec.members else None
-        self.give_back(spec.node, spec.gpus, port, spec.deployment, spec.profile.weights_key)
+        self.give_back(spec.node, spec.gpus, port, spec.deployment, spec.profile.staged_key)
 
     def take(
         self, node: str, gpus: Iterable[int], port: int | None, deployment: str, weights: str = ""

@@ -329,7 +329,7 @@ class _Walk:
         held.refused.pop(dep.name, None)
         multi = len(decision.members) > 1
         for a in decision.members:
-            index.take(a.node, a.gpus, a.port if multi else None, dep.name, profile.weights_key)
+            index.take(a.node, a.gpus, a.port if multi else None, dep.name, profile.staged_key)
         self.plan.places.append(Place(dep, profile, fp, decision, wanted))
         self.placed[dep.name] += 1
         return None
