@@ -236,7 +236,9 @@ class Controller:
                 book.requested_at(name),
                 at,
                 self.windows,
-                waiting=summed.queued + summed.arrived,
+                # A request held as it arrives is in both counts of the gateway's report (queued,
+                # and arrived in this interval): added, one request read `2 requests waiting`.
+                waiting=max(summed.queued, summed.arrived),
             )
             held.scaling[name] = now
             counts[name] = now.count
