@@ -13,6 +13,7 @@ from pathlib import Path
 
 from bench import (
     auth,
+    autoscale,
     bus,
     durability,
     fit,
@@ -61,6 +62,7 @@ MODULES = (
     fit,
     gateway,
     routing,
+    autoscale,
 )
 
 
