@@ -697,7 +697,9 @@ def _section(
         f"{WINDOWS['stable_window_s']:g} s, panic window {WINDOWS['panic_window_s']:g} s (panic "
         f"factor 2x, step 2x: the defaults), drain timeout {WINDOWS['drain_timeout_s']:g} s; the "
         f"gateway reports demand every {DEMAND_INTERVAL_S:g} s; the launcher asks a starting "
-        f"engine's /health every {HEALTH_INTERVAL_S:g} s.",
+        f"engine's /health every {HEALTH_INTERVAL_S:g} s. Engines run at the launcher's own priority "
+        "(agent.yaml `engine_nice: 0`), as the engine started by hand does: the default (10) "
+        "would compare two priorities on a machine shared with other work.",
         "",
         "### First byte from zero replicas",
         "",
@@ -742,8 +744,9 @@ def _section(
         "not the autoscaler.",
         f"- Bursty trace (seed 7, {arrivals} requests over {trace_s:g} s): Poisson arrivals at "
         f"{high / 8:g}/s in stretches of 5 to 15 s, bursts of 3 to 8 s at {high:g}/s, and quiet "
-        "stretches of 8 to 15 s (longer than the scale-down delay, so the deployment parks and "
-        "is woken again), in a seeded random order; the last 20 s quiet.",
+        "stretches of 8 to 15 s (longer than the scale-down delay; those longer than the stable "
+        "window let the deployment park and be woken again), in a seeded random order; the last "
+        "20 s quiet.",
         "",
         "Queue wait: the client's time from sending a request to its answer's first byte (the "
         "engine's own first token is immediate here, so this is the hold and the proxying). "
