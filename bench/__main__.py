@@ -13,6 +13,7 @@ from pathlib import Path
 
 from bench import (
     auth,
+    autoscale,
     bus,
     durability,
     fit,
@@ -63,6 +64,7 @@ MODULES = (
     weights,
     gateway,
     routing,
+    autoscale,
 )
 
 
