@@ -303,9 +303,12 @@ async def test_two_gateway_processes_share_one_key_budget(
         assert 20 <= spent < 20 + 2 * (PROMPT_TOKENS + 5)
 
         async def refused_at_two() -> bool:
-            with pytest.raises(openai.RateLimitError) as at_two:
+            # Answered (the spend not heard there yet) is a try again, not a failure.
+            try:
                 await chat(two, secret)
-            return at_two.value.body["type"] == "tokens"  # type: ignore[index,no-any-return]
+            except openai.RateLimitError as exc:
+                return exc.body["type"] == "tokens"  # type: ignore[index,no-any-return]
+            return False
 
         assert await eventually(refused_at_two, timeout=10, interval=0.1)
 

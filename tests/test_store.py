@@ -333,7 +333,6 @@ async def test_a_node_writing_50000_keys_of_its_own_is_refused_at_its_buckets_li
         await placement.ensure()
         names = node.names
         stream = f"KV_{names.shard_status_bucket}"
-        status = ShardStatus(node="gpu-1", shard="more", replica="r0", state="ready", at=now())
         written = 0
         refused: StoreFull | None = None
         # 500 at a time while whole batches fit, then one by one: every key it can.
@@ -342,8 +341,8 @@ async def test_a_node_writing_50000_keys_of_its_own_is_refused_at_its_buckets_li
             while written < 50_000 and refused is None:
                 writes = Writes()
                 for i in range(written, written + size):
-                    one = ShardStatus(node="gpu-1", shard=f"s{i}", replica="r0", state="ready", at=now())
-                    writes.put(names.shard_status_bucket, f"gpu-1.s{i}", one)
+                    status = ShardStatus(node="gpu-1", shard=f"s{i}", replica="r0", state="ready", at=now())
+                    writes.put(names.shard_status_bucket, f"gpu-1.s{i}", status)
                 try:
                     await node.commit(writes)
                     written += size
@@ -357,7 +356,9 @@ async def test_a_node_writing_50000_keys_of_its_own_is_refused_at_its_buckets_li
         )
         info = await placement.js.stream_info(stream)
         assert info.state.bytes <= 1 << 20
-        # Refused for as long as it keeps trying; its bucket alone is full, not the store.
+        # The write refused, tried again: refused for as long as it keeps trying (another value,
+        # a few bytes shorter, may still fit what the bucket has left); its bucket alone is full,
+        # not the store.
         for _ in range(3):
             with pytest.raises(StoreFull):
                 await node.put(names.shard_status_bucket, f"gpu-1.s{written}", status)

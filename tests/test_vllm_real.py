@@ -77,6 +77,10 @@ async def real_vllm(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> 
     bin_dir = vllm_bin_dir()
     root = tmp_path_factory.mktemp("vllm")
     model = write_tiny_hf_llama(root / "tiny-llama")
+    # A directory that holds no model: there for the launcher (a path that does not exist fails
+    # before any engine starts), and vLLM's own start fails on it.
+    empty = root / "not-a-model"
+    empty.mkdir()
     prefix = "t" + uuid.uuid4().hex[:10]
     bus = await Bus.connect(BusOptions(url=nats_url, prefix=prefix), service="test")
     await bus.ensure()
@@ -88,7 +92,7 @@ async def real_vllm(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> 
                     "p1",
                     [
                         vllm_profile("tiny-vllm", str(model)),
-                        vllm_profile("broken-vllm", str(root / "no-such-model")),
+                        vllm_profile("broken-vllm", str(empty)),
                     ],
                     [{"name": "chat", "profile": "tiny-vllm", "replicas": 1}],
                 )
@@ -188,7 +192,7 @@ async def test_a_chat_completion_through_the_gateway_reaches_vllm(real_vllm: Rea
 
 async def test_a_vllm_that_cannot_start_is_reported_with_its_own_last_log_lines(real_vllm: RealVLLM) -> None:
     v = real_vllm
-    missing = v.model.parent / "no-such-model"
+    missing = v.model.parent / "not-a-model"
     await v.bus.put(
         v.bus.names.deployments_bucket, "broken", Deployment(name="broken", profile="broken-vllm")
     )
@@ -197,7 +201,7 @@ async def test_a_vllm_that_cannot_start_is_reported_with_its_own_last_log_lines(
         first, _, tail = failed.reason.partition("\n")
         assert first.startswith("vllm (pid "), first
         assert first.endswith("exited with code 1; last log lines:"), first
-        # vLLM's own words about the missing model, not only an exit code.
+        # vLLM's own words about the directory that holds no model, not only an exit code.
         assert str(missing) in tail, tail
 
         async def reported() -> ReplicaRecord:
