@@ -166,11 +166,17 @@ async def test_the_cluster_page_follows_the_cluster_live(
                 problem = page.locator("#problems [data-problem='crashes.r0']")
                 await expect(problem).to_contain_text("crashes/r0")
                 await expect(problem).to_contain_text("exited with code 42")
-                above = await page.locator("#problems").bounding_box()
-                nodes = await page.locator("#nodes").bounding_box()
-                assert above is not None
-                assert nodes is not None
-                assert above["y"] < nodes["y"], (above, nodes)
+
+                async def problems_above_nodes() -> bool:
+                    # Read again while the stream replaces a section (no box for that moment).
+                    above = await page.locator("#problems").bounding_box()
+                    nodes = await page.locator("#nodes").bounding_box()
+                    assert above is not None
+                    assert nodes is not None
+                    assert above["y"] < nodes["y"], (above, nodes)
+                    return True
+
+                await eventually(problems_above_nodes, timeout=10, interval=0.2)
 
                 # A lost node's GPUs are never free.
                 c.kill_node("node-1")

@@ -477,7 +477,14 @@ async def test_the_first_replica_of_a_model_too_big_for_its_node_fails_there_onc
                 and e.reason == f"gpu-a: {too_big('44.3', '44.1')}"
                 for e in replica_events
             ), [(e.deployment, e.state, e.reason) for e in replica_events]
-            assert (await explain(bus, "chat"))[0] == "chat: 1 of 1 ready"
+
+            async def ready_said() -> bool:
+                # The status is published in the step after the replica's `ready`.
+                said = (await explain(bus, "chat"))[0]
+                assert said == "chat: 1 of 1 ready", said
+                return True
+
+            await eventually(ready_said, timeout=30, interval=0.5)
 
             # A model no node fits: it fails once on the node it went to first (gpu-b, the
             # tighter fit), and then every node is refused with its own figures.
