@@ -36,10 +36,13 @@ def request_bytes(url: str, body: bytes, token: str) -> bytes:
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-async def read_answer(reader: asyncio.StreamReader) -> tuple[int, bool]:
+async def read_answer(
+    reader: asyncio.StreamReader, first: bytes = b"", *, until_close: bool = False
+) -> tuple[int, bool]:
     """One answer's status and whether the server keeps the connection; its body read whole
-    (by Content-Length or chunked)."""
-    head = await reader.readuntil(b"\r\n\r\n")
+    (by Content-Length or chunked). `first`: its bytes already read; `until_close`: an answer
+    with neither is read to the close (else BadAnswer)."""
+    head = first + await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split(" ", 2)[1])
     headers = {}
@@ -55,6 +58,8 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, bool]:
                 break
     elif "content-length" in headers:
         await reader.readexactly(int(headers["content-length"]))
+    elif until_close:
+        await reader.read()
     else:
         raise BadAnswer(f"status {status}: neither Content-Length nor chunked")
     return status, headers.get("connection", "").lower() != "close"

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from bench.load import BadAnswer, request_bytes
+from bench.load import BadAnswer, read_answer, request_bytes
 
 
 def clients_at(steps: list[list[float]], t: float) -> int:
@@ -38,24 +38,7 @@ async def _read_whole(reader: asyncio.StreamReader) -> tuple[int, float]:
     at = time.perf_counter()
     if not first:
         raise BadAnswer("connection closed before any answer")
-    head = first + await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ", 2)[1])
-    headers = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if sep:
-            headers[name.strip().lower()] = value.strip()
-    if headers.get("transfer-encoding", "").lower() == "chunked":
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            await reader.readexactly(size + 2)
-            if size == 0:
-                break
-    elif "content-length" in headers:
-        await reader.readexactly(int(headers["content-length"]))
-    else:
-        await reader.read()  # read to the close
+    status, _ = await read_answer(reader, first, until_close=True)
     return status, at
 
 
