@@ -103,6 +103,8 @@ async def serve(
         # uvicorn's start and stop lines would repeat for every server; its errors still show.
         log_level="warning",
         ws="none",
+        # Every app here is ASGI 3; uvicorn's guess takes a bound method for ASGI 2.
+        interface="asgi3",
         http=protocol or "auto",
         backlog=backlog,
         server_header=False,

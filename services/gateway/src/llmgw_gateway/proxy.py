@@ -36,6 +36,7 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from llmgw_core.engines import BASE_API_PATHS, default_registry
 from llmgw_core.events import ReplicaRecord
@@ -79,6 +80,8 @@ ROUTED = (
     "/v1/responses",
     "/v1/messages",
 )
+_ROUTED_PATHS = frozenset(ROUTED)
+_NONE: frozenset[str] = frozenset()
 UNKNOWN = "(unknown)"
 # Each routed path's `gen_ai.operation.name` (OpenTelemetry's GenAI semantic conventions).
 _OPERATION = {
@@ -282,7 +285,8 @@ class Proxy:
         # another name.
         self._served: dict[tuple[str, str], str] = {}
         self._engines = default_registry()
-        self.app = Starlette(
+        # Every path but the routed ones; those `app` takes itself.
+        self._routes = Starlette(
             routes=[
                 Route("/healthz", self.healthz, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
@@ -292,6 +296,24 @@ class Proxy:
             ],
             exception_handlers={404: _not_found, 405: _not_allowed, Exception: _internal},
         )
+
+    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The gateway's ASGI app. A routed POST goes straight to `complete`: through Starlette's
+        middleware, router and endpoint wrappers it took seven layers of calls, a fifth of
+        the request's Python work in front of the proxy's own. Every other request, and a
+        routed path with another method (405), goes through the router."""
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in _ROUTED_PATHS:
+            await self._routes(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            response = await self.complete(request)
+        except Exception as exc:
+            # As Starlette's outermost middleware does: the client gets the 500, the server
+            # logs the exception.
+            await (await _internal(request, exc))(scope, receive, send)
+            raise
+        await response(scope, receive, send)
 
     async def aclose(self) -> None:
         await self.upstream.aclose()
@@ -546,12 +568,17 @@ class Proxy:
             raise
 
     def _unserved(self, deployment: str, path: str) -> frozenset[str]:
-        """The replicas of `deployment` whose engine does not serve `path`."""
+        """The replicas of `deployment` whose engine does not serve `path`: none for a path
+        every engine serves, without looking (the common case, on every request)."""
+        if path in BASE_API_PATHS:
+            return _NONE
         return frozenset(k for k, r in self.table.of(deployment) if not self._serves(r.engine, path))
 
     def _unsupported(self, deployment: str, path: str, unserved: frozenset[str]) -> JSONResponse | None:
         """The 400 where every replica that could take the request runs an engine that does
         not serve `path`; None otherwise."""
+        if not unserved:
+            return None
         candidates = {k for k, _ in [*self.table.ready(deployment), *self.table.unknown(deployment)]}
         if not candidates or not candidates <= unserved:
             return None
