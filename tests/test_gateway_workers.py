@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,8 +22,12 @@ import openai
 import pytest
 
 from llmgw_core.bus import Bus, BusOptions
+from llmgw_core.config import loads
+from llmgw_core.errors import ConfigError
 from llmgw_core.events import Demand
 from llmgw_core.keys import WINDOW_S
+from llmgw_gateway import GatewayConfig
+from llmgw_gateway.config import worker_count
 from tests.cluster_support import Cluster, cluster
 from tests.test_gateway import metric
 from tests.test_gateway_api import sim_engines
@@ -221,3 +226,18 @@ async def test_workers_stop_when_their_supervisor_is_killed(
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         assert log.read_text().count(f"the workers' supervisor (pid {sup.pid}) is gone: stopping") == 2
+
+
+def test_workers_below_zero_are_refused_naming_the_key_and_zero_is_one_per_cpu() -> None:
+    with pytest.raises(ConfigError, match=r"gateway\.yaml.*http: workers is -1; give the number"):
+        loads("http: {workers: -1}\n", GatewayConfig, source="gateway.yaml")
+    assert worker_count(0) == len(os.sched_getaffinity(0))
+    assert worker_count(1) == 1
+    refused = subprocess.run(
+        [sys.executable, "-m", "llmgw_gateway", "--config", "gateway.yaml", "--workers", "-2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2
+    assert "--workers -2: give the number of gateway processes (0: one per CPU)" in refused.stderr
