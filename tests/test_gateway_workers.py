@@ -28,6 +28,7 @@ from llmgw_core.events import Demand
 from llmgw_core.keys import WINDOW_S
 from llmgw_gateway import GatewayConfig
 from llmgw_gateway.config import worker_count
+from llmgw_gateway.workers import STABLE_S, next_delay
 from tests.cluster_support import Cluster, cluster
 from tests.test_gateway import metric
 from tests.test_gateway_api import sim_engines
@@ -241,3 +242,13 @@ def test_workers_below_zero_are_refused_naming_the_key_and_zero_is_one_per_cpu()
     )
     assert refused.returncode == 2
     assert "--workers -2: give the number of gateway processes (0: one per CPU)" in refused.stderr
+
+
+def test_a_worker_that_keeps_dying_waits_longer_each_time_and_one_that_lived_starts_at_once() -> None:
+    delays = [0.0]
+    for _ in range(7):
+        # Each died 1 s after its start.
+        delays.append(next_delay(delays[-1], 1.0))
+    assert delays[1:] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    # Up for STABLE_S: well again, the first pause.
+    assert next_delay(10.0, STABLE_S) == 0.5

@@ -197,6 +197,9 @@ class Supervisor:
         try:
             await anyio.wait_readable(fd)
             said = os.read(fd, 64)
+        except OSError as exc:
+            log.warning("cannot hear whether worker %d (pid %d) serves: %s", k, pid, exc)
+            return
         finally:
             os.close(fd)
         if not said:
