@@ -179,7 +179,7 @@ async def _run(urls: list[str], prompts: list[str], run: Run) -> Run:
                 tg.start_soon(worker)
         run.wall_s = time.monotonic() - started
         run.by_prefix = table.routed_by("prefix")
-        run.routed = table.routed_by("prefix") + table.routed_by("load")
+        run.routed = sum(table.routed_by(how) for how in ("prefix", "hash", "load"))
     return run
 
 

@@ -206,14 +206,25 @@ async def test_a_key_sees_only_its_models_and_is_refused_once_expired_or_revoked
 @contextlib.contextmanager
 def gateway_process(c: Cluster, root: Path) -> Iterator[str]:
     """`llmgw-gateway` as a process of its own, keys required; yields its base URL."""
+    with gateway_proc(c, root) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def gateway_proc(
+    c: Cluster, root: Path, *, args: tuple[str, ...] = (), **http: Any
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`llmgw-gateway` as a process of its own, keys required, `http` more of its http: section,
+    `args` more of its command line; yields its base URL and the process once it printed its
+    endpoint (its log: root/gateway.log)."""
     root.mkdir(parents=True, exist_ok=True)
-    config = msgspec.convert({"nats": c.nats("gateway"), "http": {"port": 0}}, GatewayConfig)
+    config = msgspec.convert({"nats": c.nats("gateway"), "http": {"port": 0, **http}}, GatewayConfig)
     path = root / "gateway.yaml"
     path.write_bytes(msgspec.yaml.encode(config))
     log = root / "gateway.log"
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "llmgw_gateway", "--config", str(path)],
+            [sys.executable, "-m", "llmgw_gateway", "--config", str(path), *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -227,7 +238,7 @@ def gateway_process(c: Cluster, root: Path) -> Iterator[str]:
             assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
-        yield found.group(1)
+        yield found.group(1), proc
     finally:
         proc.terminate()
         try:

@@ -4,6 +4,9 @@ of several sim engine processes, counted by each engine's own /metrics."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -15,7 +18,7 @@ from llmgw_core.errors import ConfigError
 from llmgw_core.events import ReplicaRecord
 from llmgw_gateway import GatewayConfig, Table
 from llmgw_gateway.config import RoutingConfig
-from llmgw_gateway.routing import prompt_blocks
+from llmgw_gateway.routing import prompt_blocks, rendezvous
 from tests.gateway_support import proxy_over
 from tests.test_gateway import metric
 from tests.test_gateway_api import sim_engines
@@ -57,25 +60,38 @@ async def ask(client: httpx.AsyncClient, base: str, messages: list[dict[str, str
     assert r.status_code == 200, r.text
 
 
-async def test_one_customers_long_prefix_lands_on_one_replica_and_others_take_the_rest() -> None:
+def lead(customer: int, routing: RoutingConfig | None = None) -> int:
+    """The hash of a customer's prompt lead (its first min_match_blocks blocks: the system prompt
+    and the start of its context, whatever its question), as every gateway process computes it."""
+    routing = routing or RoutingConfig()
+    blocks = prompt_blocks(routing, "chat", "/v1/chat/completions", {"messages": chat(customer, "q")})
+    return blocks[routing.min_match_blocks - 1]
+
+
+KEYS = ["chat.r0", "chat.r1", "chat.r2"]
+
+
+async def test_one_customers_long_prefix_lands_on_one_replica_chosen_by_its_lead() -> None:
     with sim_engines([], [], []) as urls:
         async with gateway(urls) as (base, _, client):
             expected = [0, 0, 0]
             for customer in range(3):
                 for q in range(4):
                     await ask(client, base, chat(customer, f"question {q}: where is my order?"))
-                # Customer 0 went to r0 (nothing in flight, none chosen before); each next customer
-                # matches no replica and goes to the one chosen longest ago.
-                expected[customer] = 4
+                # Each customer's first request matched no replica and went to its lead's
+                # rendezvous choice (the same in every gateway process); the rest followed it.
+                expected[KEYS.index(rendezvous(lead(customer), KEYS))] += 4
                 assert await served(client, urls) == expected
-            # Back to customer 1: to the replica that holds its prefix, not the one chosen longest ago.
+            # Back to customer 1: to the replica that holds its prefix.
             await ask(client, base, chat(1, "one more question"))
-            assert await served(client, urls) == [4, 5, 4]
-            # Each customer's first request went by load, every later one by its prefix: so the
-            # operator's scrape says.
+            expected[KEYS.index(rendezvous(lead(1), KEYS))] += 1
+            assert await served(client, urls) == expected
+            # Each customer's first request went by its lead's hash, every later one by its
+            # prefix: so the operator's scrape says.
             scrape = (await client.get(f"{base}/metrics")).text
-            assert metric(scrape, 'llmgw_gateway_routed_total{deployment="chat",how="load"}') == 3
+            assert metric(scrape, 'llmgw_gateway_routed_total{deployment="chat",how="hash"}') == 3
             assert metric(scrape, 'llmgw_gateway_routed_total{deployment="chat",how="prefix"}') == 10
+            assert 'how="load"' not in scrape
 
 
 async def test_the_load_bound_spills_a_prefix_to_another_replica_when_its_own_is_busy() -> None:
@@ -136,14 +152,16 @@ async def test_a_replica_removed_from_the_table_moves_its_prefixes_elsewhere() -
         async with gateway(urls) as (base, table, client):
             for q in range(2):
                 await ask(client, base, chat(0, f"question {q}"))
-            assert await served(client, urls) == [2, 0, 0]
-            table.set_replica("chat.r0", None)
+            first = KEYS.index(rendezvous(lead(0), KEYS))
+            assert (await served(client, urls))[first] == 2
+            table.set_replica(KEYS[first], None)
             for q in range(3):
                 await ask(client, base, chat(0, f"later question {q}"))
-            # All three on one other replica: the prefix moved there as a whole.
+            # All three on one other replica, the lead's next choice: the prefix moved there whole.
+            rest = [k for k in KEYS if k != KEYS[first]]
             after = await served(client, urls)
-            assert after[0] == 2, after
-            assert sorted(after[1:]) == [0, 3], after
+            assert after[first] == 2, after
+            assert after[KEYS.index(rendezvous(lead(0), rest))] == 3, after
 
 
 def test_only_a_bounded_lead_of_a_long_prompt_is_hashed_and_quickly() -> None:
@@ -192,3 +210,102 @@ def test_routing_settings_out_of_range_are_refused_naming_the_field() -> None:
     ).routing == RoutingConfig(prefix_aware=False)
     with pytest.raises(ConfigError, match=r"gateway.yaml.*routing.load_factor"):
         loads("routing: {load_factor: 0.5}\n", GatewayConfig, source="gateway.yaml")
+
+
+def replicas(table: Table, n: int) -> list[str]:
+    for i in range(n):
+        table.set_replica(
+            f"chat.r{i}",
+            ReplicaRecord(
+                deployment="chat", replica=f"r{i}", profile="p", profile_fp="x", state="ready", url="u"
+            ),
+        )
+    return [f"chat.r{i}" for i in range(n)]
+
+
+def customer_blocks(customer: int) -> tuple[int, ...]:
+    return prompt_blocks(RoutingConfig(), "chat", "/v1/chat/completions", {"messages": chat(customer, "q")})
+
+
+def test_a_new_prefix_goes_to_the_same_replica_from_two_tables_whatever_each_routed_before() -> None:
+    one, two = Table(), Table()
+    keys = replicas(one, 4)
+    replicas(two, 4)
+    # The second table has routed other prompts (by load, and by their own leads) before.
+    for q in range(5):
+        two.pick("chat", blocks=customer_blocks(100 + q))
+        two.pick("chat")
+    for customer in range(20):
+        blocks = customer_blocks(customer)
+        chosen = one.pick("chat", blocks=blocks)
+        assert chosen is not None
+        assert chosen == two.pick("chat", blocks=blocks)
+        assert chosen[0] == rendezvous(lead(customer), keys)
+    assert one.routed[("chat", "hash")] == 20
+    # The leads spread over the replicas (20 customers over 4: each takes some).
+    assert {one.pick("chat", blocks=customer_blocks(c))[0] for c in range(20)} == set(keys)  # type: ignore[index]
+
+
+def test_the_lead_hash_is_the_same_in_every_process() -> None:
+    """Python's `hash` of bytes differs per process (PYTHONHASHSEED): the lead's must not."""
+    code = (
+        "from tests.test_gateway_routing import lead; "
+        "from llmgw_gateway.routing import rendezvous; "
+        "print(lead(7), rendezvous(lead(7), ['chat.r0', 'chat.r1', 'chat.r2']))"
+    )
+    said = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert said == {f"{lead(7)} {rendezvous(lead(7), KEYS)}\n"}
+
+
+def test_a_replica_over_the_load_bound_is_skipped_for_the_next_heaviest() -> None:
+    table = Table()
+    keys = replicas(table, 3)
+    blocks = customer_blocks(0)
+    winner = rendezvous(lead(0), keys)
+    # 4 in flight at the winner: over 1.25 x the mean (4/3) + 1.
+    table.outstanding[winner] = 4
+    chosen = table.pick("chat", blocks=blocks)
+    assert chosen is not None
+    assert chosen[0] == rendezvous(lead(0), [k for k in keys if k != winner])
+    assert table.routed[("chat", "hash")] == 1
+
+
+def test_a_replica_leaving_moves_only_the_prefixes_it_held() -> None:
+    before, after = Table(), Table()
+    keys = replicas(before, 4)
+    replicas(after, 4)
+    after.set_replica("chat.r2", None)
+    moved = 0
+    for customer in range(60):
+        blocks = customer_blocks(customer)
+        was, now = before.pick("chat", blocks=blocks), after.pick("chat", blocks=blocks)
+        assert was is not None
+        assert now is not None
+        if was[0] == "chat.r2":
+            moved += 1
+            assert now[0] != "chat.r2"
+        else:
+            assert now[0] == was[0], customer
+    # r2 held about a quarter of them; only those moved.
+    assert 0 < moved < 30
+    assert set(keys) - {"chat.r2"} >= {after.pick("chat", blocks=customer_blocks(c))[0] for c in range(60)}  # type: ignore[index]
+
+
+def test_a_prompt_too_short_for_a_lead_goes_by_load() -> None:
+    table = Table()
+    replicas(table, 3)
+    short = prompt_blocks(RoutingConfig(), "chat", "/v1/chat/completions", {"messages": chat(-1, "x" * 600)})
+    assert 0 < len(short) < RoutingConfig().min_match_blocks
+    chosen = [table.pick("chat", blocks=short) for _ in range(3)]
+    assert sorted(c[0] for c in chosen if c is not None) == ["chat.r0", "chat.r1", "chat.r2"]
+    assert table.routed[("chat", "load")] == 3

@@ -55,8 +55,12 @@ class _Server(uvicorn.Server):
         self.up.set()
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (IPv4 or IPv6, as `host` resolves); port 0 picks one."""
+def bind(host: str, port: int, *, reuse_port: bool = False, listen: bool = True) -> socket.socket:
+    """A listening TCP socket on host:port (IPv4 or IPv6, as `host` resolves); port 0 picks one.
+
+    `reuse_port`: SO_REUSEPORT, so that several processes of one user each bind the same port
+    and the kernel spreads new connections over them (the gateway's workers). `listen` false:
+    bound only, which holds the port for such processes without taking any connection."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -69,8 +73,11 @@ def bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, kind, proto or socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(addr)
-        sock.listen(2048)
+        if listen:
+            sock.listen(2048)
     except OSError as exc:
         sock.close()
         raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
@@ -85,15 +92,16 @@ async def serve(
     *,
     protocol: type[asyncio.Protocol] | None = None,
     backlog: int = 2048,
+    reuse_port: bool = False,
     task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on host:port until cancelled; `tg.start(serve, …)` returns the bound port.
 
     `protocol`: uvicorn's HTTP protocol class to use instead of its own (the gateway's counts
     and times its connections); `backlog`: the listen backlog, which is also how many
-    connections asyncio accepts in one go.
+    connections asyncio accepts in one go; `reuse_port`: as `bind` takes it.
     """
-    sock = bind(host, port)
+    sock = bind(host, port, reuse_port=reuse_port)
     bound = int(sock.getsockname()[1])
     config = uvicorn.Config(
         app,

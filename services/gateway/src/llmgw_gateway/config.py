@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -40,12 +41,18 @@ class HttpConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # a browser, such as the cluster page's chat box; `*` for any. The key still comes from
     # the user: this only lets the browser hand over the answer. (): none (no CORS headers).
     cors_origins: tuple[str, ...] = ()
+    # Processes serving this port, each a whole gateway of its own (its connections, prefix
+    # index and demand report) sharing the keys and their limits over the bus: more than 1
+    # uses more than one core. 1: one process, no supervisor. 0: one per CPU the gateway may
+    # run on. `llmgw-gateway --workers N` overrides it.
+    workers: int = 1
 
 
 class RoutingConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # Prompts that share a prefix go to the replica the gateway last sent that prefix to (its
-    # engine likely holds it in its prompt cache), within the load bound; false: least
-    # outstanding requests only.
+    # engine likely holds it in its prompt cache), within the load bound; a prefix it sent
+    # nowhere yet, to the replica its first min_match_blocks blocks hash to (the same choice in
+    # every gateway process and worker); false: least outstanding requests only.
     prefix_aware: bool = True
     # The prompt is hashed in blocks of this many bytes (of its text as the request carries it),
     # each block's hash covering every block before it.
@@ -92,11 +99,30 @@ class GatewayConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 
     def __post_init__(self) -> None:
         # ValueError: msgspec reports it with the file's name, as any other mistake in it.
+        if self.http.workers < 0:
+            raise ValueError(workers_problem(self.http.workers))
         if self.http.api_keys_file and not self.http.require_api_key:
             raise ValueError(
                 "http: api_keys_file is set but http: require_api_key is false; "
                 "set require_api_key: true to check client keys, or drop api_keys_file"
             )
+
+
+def workers_problem(workers: int) -> str:
+    return (
+        f"http: workers is {workers}; give the number of gateway processes to serve the port "
+        "(1: one, as without workers; 0: one per CPU)"
+    )
+
+
+def worker_count(workers: int) -> int:
+    """How many processes `http: workers` asks for: 0 is one per CPU this process may run on
+    (its affinity, which a container's or taskset's limit narrows), not every CPU of the host."""
+    if workers < 0:
+        raise ConfigError(workers_problem(workers))
+    if workers == 0:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return workers
 
 
 def load_api_keys(path: str) -> frozenset[str]:

@@ -10,10 +10,30 @@ the index (`PrefixIndex`) remembers which replicas each block hash was last
 sent to. The replica holding the deepest matched block takes the request, if
 the match is at least `min_match_blocks` long, the block is not held by every
 candidate (then it tells nothing), and the replica is within the load bound
-(in flight at most `load_factor` x the mean + 1). Otherwise, and with
-`prefix_aware: false`, the ready replica with the fewest requests in flight
-goes, ties to the one chosen longest ago. Either way the request's blocks are
-then recorded for the replica it went to.
+(in flight at most `load_factor` x the mean + 1). A prompt whose lead (its
+first `min_match_blocks` blocks) no candidate holds yet goes by rendezvous
+hashing (below). Otherwise, and with `prefix_aware: false`, the ready replica
+with the fewest requests in flight goes, ties to the one chosen longest ago.
+Either way the request's blocks are then recorded for the replica it went to.
+
+Rendezvous (highest random weight) hashing makes the first choice for a prefix
+the same in every gateway process: each keeps its own index, and with several
+workers on one port (`http: workers`) or several gateways behind one balancer,
+the connections of one customer land on different processes. By load ("the one
+chosen longest ago") each would send the same new prefix to a replica of its
+own, and the engines would compute it once per process. Instead each candidate
+within the load bound is weighed by a hash of the lead's own hash with the
+replica's key, and the heaviest takes it: every process that has not seen the
+prefix picks the same replica, so the one that did routes there by its index
+and the others by the same weights. A replica gone moves only the prefixes it
+won (the others' weights are unchanged); one over the bound is skipped, its
+prefixes going to their next heaviest. The lead's hash is blake2b of its text
+(the same in every process, unlike Python's `hash` of bytes, keyed per
+process): about 3 us for the 1 KiB lead of the defaults, once per request;
+the weights, splitmix64 over the lead's and each key's hash, under 1 us per
+candidate, paid only by a request whose lead is new.
+A lead shorter than `min_match_blocks` is no lead: short prompts, and a short
+shared system prompt, keep going by load.
 
 Where no replica is known ready, a replica whose readiness is `unknown` and
 that still has a URL is sent to: its launcher went silent while its engines
@@ -27,6 +47,8 @@ it, and a request sent now would be cut off. Its requests in flight run to their
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -77,17 +99,56 @@ def prompt_blocks(routing: RoutingConfig, deployment: str, path: str, body: Any)
 
     Python's own `hash`, chained: several times faster than a cryptographic hash at this size
     (about 30 us for 128 blocks), keyed per process for bytes, and the index lives in this
-    process only. A collision costs one request a routing choice, never a wrong answer."""
+    process only. A collision costs one request a routing choice, never a wrong answer. But
+    for the lead's block (the `min_match_blocks`-th), which rendezvous hashing weighs in every
+    process alike: `lead_hash` of the text up to its end, the chain going on from it."""
     if not routing.prefix_aware or path not in PREFIX_PATHS or not isinstance(body, dict):
         return ()
     size = routing.block_bytes
     text = _prompt_text(body, size * routing.max_blocks)
+    lead = routing.min_match_blocks * size
     hashes = []
     digest = hash(deployment)
     for start in range(0, len(text) - size + 1, size):
-        digest = hash((digest, text[start : start + size]))
+        if start + size == lead:
+            digest = lead_hash(deployment, text[:lead])
+        else:
+            digest = hash((digest, text[start : start + size]))
         hashes.append(digest)
     return tuple(hashes)
+
+
+def lead_hash(deployment: str, lead: bytes) -> int:
+    """A prompt's lead hashed the same in every process (and every run)."""
+    h = hashlib.blake2b(deployment.encode(), digest_size=8)
+    h.update(b"\0")
+    h.update(lead)
+    return int.from_bytes(h.digest(), "little")
+
+
+_MASK = (1 << 64) - 1
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+def rendezvous(lead: int, keys: Sequence[str]) -> str:
+    """Of replica `keys`, the one of highest weight for the prompt lead hashed `lead`: the same
+    in every process; a key gone moves only the leads it won. The weight is splitmix64's
+    finalizer over the lead and the key's own hash (blake2b, once per key): a few integer
+    operations per replica."""
+    lead &= _MASK
+    best, heaviest = keys[0], -1
+    for key in keys:
+        x = lead ^ _key_hash(key)
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+        x ^= x >> 31
+        if x > heaviest:
+            best, heaviest = key, x
+    return best
 
 
 class PrefixIndex:
@@ -159,8 +220,9 @@ class Table:
     _picks: itertools.count[int] = field(default_factory=itertools.count)
     prefixes: PrefixIndex = field(init=False)
     # Replicas chosen, by (deployment, what chose it): `prefix` (a match of the prompt's
-    # blocks) or `load` (least outstanding: no match, none within the bound, or no prompt
-    # blocks to match). A retry chooses again and counts again.
+    # blocks), `hash` (rendezvous: a lead no candidate holds) or `load` (least outstanding:
+    # none within the bound, a lead every candidate holds, or too few blocks to have a lead).
+    # A retry chooses again and counts again.
     routed: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
@@ -230,21 +292,31 @@ class Table:
         self, deployment: str, exclude: frozenset[str] = frozenset(), blocks: Sequence[int] = ()
     ) -> tuple[str, ReplicaRecord] | None:
         """The ready replica, not in `exclude`, that holds the deepest match of the prompt's
-        `blocks` (see the module's docstring), else the one with the fewest requests in flight;
-        where none is ready, the `unknown` one with a URL that has the fewest."""
+        `blocks`, else for a lead none holds the heaviest by rendezvous hashing (see the
+        module's docstring), else the one with the fewest requests in flight; where none is
+        ready, the `unknown` one with a URL, chosen alike."""
         candidates = [(k, r) for k, r in self.ready(deployment) if k not in exclude]
         if not candidates:
             candidates = [(k, r) for k, r in self.unknown(deployment) if k not in exclude]
         if not candidates:
             return None
         records = dict(candidates)
-        order = self._by_load
-        matched = self._matched(blocks, records) if blocks and len(records) > 1 else []
-        key = min(matched or records, key=order)
+        how = "load"
+        key = ""
+        if len(records) > 1 and len(blocks) >= self.routing.min_match_blocks:
+            matched = self._matched(blocks, records)
+            if matched:
+                key, how = min(matched, key=self._by_load), "prefix"
+            else:
+                lead = blocks[self.routing.min_match_blocks - 1]
+                if not any(k in records for k in self.prefixes.holders(lead)):
+                    key, how = rendezvous(lead, self._within_bound(records)), "hash"
+        if not key:
+            key = min(records, key=self._by_load)
         self._last_pick[key] = next(self._picks)
         if blocks:
             self.prefixes.record(blocks, key)
-        self.routed[deployment, "prefix" if matched else "load"] += 1
+        self.routed[deployment, how] += 1
         return key, records[key]
 
     def _by_load(self, key: str) -> tuple[int, int]:
@@ -255,7 +327,7 @@ class Table:
         `min_match_blocks` deep and not held by every candidate; [] where there are none."""
         routing = self.routing
         outstanding = self.outstanding
-        bound = routing.load_factor * sum(outstanding[k] for k in candidates) / len(candidates) + 1
+        bound = self._bound(candidates)
         # From the deepest block held up: a shallower block's holders include the deeper's, so
         # where every candidate holds one, all shallower tell nothing either.
         for depth in range(self.prefixes.deepest(blocks), routing.min_match_blocks - 1, -1):
@@ -266,6 +338,16 @@ class Table:
             if within:
                 return within
         return []
+
+    def _bound(self, candidates: dict[str, ReplicaRecord]) -> float:
+        """The most requests in flight a replica may have to take one for its prefix."""
+        outstanding = self.outstanding
+        return self.routing.load_factor * sum(outstanding[k] for k in candidates) / len(candidates) + 1
+
+    def _within_bound(self, candidates: dict[str, ReplicaRecord]) -> list[str]:
+        """The candidates within the load bound (never none: the least busy is under the mean)."""
+        bound = self._bound(candidates)
+        return [k for k in candidates if self.outstanding[k] <= bound]
 
     def unavailable(self, deployment: str, now: float | None = None) -> str:
         """Why `deployment` has no ready replica, quoting each replica's state (and for how long,

@@ -20,6 +20,7 @@ import anyio
 import anyio.abc
 import httpx
 from opentelemetry import trace
+from prometheus_client import Info
 
 from llmgw_core.bus import Bus
 from llmgw_core.errors import BusError
@@ -49,9 +50,13 @@ LAST_REPORT_S = 1.0
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, bus: Bus, *, tracer: trace.Tracer | None = None) -> None:
+    def __init__(
+        self, config: GatewayConfig, bus: Bus, *, tracer: trace.Tracer | None = None, reuse_port: bool = False
+    ) -> None:
         self.config = config
         self.bus = bus
+        # A worker of several on one port (`http: workers`): each binds it with SO_REUSEPORT.
+        self.reuse_port = reuse_port
         self.table = Table(routing=config.routing)
         # Its name in its demand reports.
         self.id = config.id or default_id()
@@ -85,6 +90,12 @@ class Gateway:
             upstream=self.upstream,
             holds=Holds(config.hold_queue, config.hold_timeout_s),
         )
+        # Which gateway answered a scrape: with workers on one port, each has its own counts.
+        Info(
+            "llmgw_gateway",
+            "This gateway process: its id in demand reports.",
+            registry=self.proxy.metrics.registry,
+        ).info({"id": self.id})
         self.usage = self.proxy.usage
         self.usage.bus = bus
         self.connections = Connections(
@@ -269,6 +280,7 @@ class Gateway:
                         self.config.http.port,
                         protocol=protocol(self.connections),
                         backlog=ACCEPT_BACKLOG,
+                        reuse_port=self.reuse_port,
                     )
                 )
                 task_status.started(port)

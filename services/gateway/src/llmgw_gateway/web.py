@@ -22,12 +22,21 @@ async def serve_app(
     *,
     protocol: type[asyncio.Protocol] | None = None,
     backlog: int = 2048,
+    reuse_port: bool = False,
     task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on host:port until cancelled; `task_status.started(port)` once bound.
-    `protocol` and `backlog` as `llmgw_core.web.serve` takes them."""
+    `protocol`, `backlog` and `reuse_port` as `llmgw_core.web.serve` takes them."""
     try:
-        await serve(app, host, port, protocol=protocol, backlog=backlog, task_status=task_status)
+        await serve(
+            app,
+            host,
+            port,
+            protocol=protocol,
+            backlog=backlog,
+            reuse_port=reuse_port,
+            task_status=task_status,
+        )
     except OSError as exc:
         raise ConfigError(
             f"{exc.strerror or exc}; choose another http: port (0 takes a free one) or stop what holds it"
