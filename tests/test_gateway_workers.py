@@ -30,7 +30,6 @@ from llmgw_gateway import GatewayConfig
 from llmgw_gateway.config import worker_count
 from llmgw_gateway.workers import STABLE_S, next_delay
 from tests.cluster_support import Cluster, cluster
-from tests.test_gateway import metric
 from tests.test_gateway_api import sim_engines
 from tests.test_gateway_hold import demand_reports, of
 from tests.test_gateway_keys import chat, early_in_a_minute, gateway_proc, new_key, serve_chat_and_other
@@ -78,21 +77,32 @@ async def answered(url: str, secret: str, n: int) -> list[int]:
     return statuses
 
 
-async def scrapes_by_worker(url: str, secret: str, want: int = 2) -> dict[str, str]:
-    """/metrics of each worker (by its `llmgw_gateway_info` id), scraped on fresh connections
-    until `want` workers answered."""
-    found: dict[str, str] = {}
+INFO = re.compile(r'^llmgw_gateway_info\{id="([^"]+)",worker="(\d+)"\} 1\.0$', re.MULTILINE)
 
-    async def scrape() -> bool:
-        async with httpx.AsyncClient(timeout=10) as fresh:
-            text = (await fresh.get(f"{url}/metrics", headers={"Authorization": f"Bearer {secret}"})).text
-        gateway = re.search(r'^llmgw_gateway_info\{id="([^"]+)"\} 1\.0$', text, re.MULTILINE)
-        assert gateway, text
-        found[gateway.group(1)] = text
-        return len(found) >= want
 
-    await eventually(scrape, timeout=30, interval=0)
-    return found
+async def scrape(url: str, secret: str) -> str:
+    """One scrape of /metrics, on a fresh connection (the kernel gives it to either worker)."""
+    async with httpx.AsyncClient(timeout=10) as fresh:
+        r = await fresh.get(f"{url}/metrics", headers={"Authorization": f"Bearer {secret}"})
+    assert r.status_code == 200, r.text
+    return r.text
+
+
+def workers_in(text: str) -> dict[str, str]:
+    """The workers a scrape holds series of: worker index -> its demand id."""
+    return {k: gateway for gateway, k in INFO.findall(text)}
+
+
+def summed(text: str, series: str) -> float:
+    """`series` (a name and its labels but `worker`) summed over the workers."""
+    name, _, labels = series.partition("{")
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{") and re.search(r'worker="\d+"', line):
+            own = re.sub(r',?worker="\d+"', "", line.partition("{")[2].partition("}")[0])
+            if own == labels.rstrip("}"):
+                total += float(line.rpartition(" ")[2])
+    return total
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +161,21 @@ async def test_both_workers_answer_on_one_port_each_reporting_its_own_demand(wor
     assert len(bases) == 1, ids
     assert sorted(i.rpartition("-")[2] for i in ids) == ["w0", "w1"], ids
     assert {f"{workers.c.prefix}.demand.{i}" for i in ids} <= {s for s, _ in workers.heard}
-    # And each names itself in its scrape.
-    assert set(await scrapes_by_worker(workers.url, workers.secret)) == ids
+    # Whichever worker a scrape reaches, it holds both workers' series, each labelled.
+    for _ in range(6):
+        text = await scrape(workers.url, workers.secret)
+        assert set(workers_in(text).values()) == ids, text
+        assert "llmgw_gateway_workers_unscraped 0.0" in text
+        assert summed(text, 'llmgw_gateway_requests_total{deployment="chat"}') >= 40, text
+
+
+async def test_every_scrape_counts_every_workers_requests(workers: Workers) -> None:
+    before = await scrape(workers.url, workers.secret)
+    series = 'llmgw_gateway_requests_total{deployment="chat"}'
+    assert await answered(workers.url, workers.secret, 30) == [200] * 30
+    # Scrapes landing on either worker read the same total, 30 more than before.
+    totals = {summed(await scrape(workers.url, workers.secret), series) for _ in range(8)}
+    assert totals == {summed(before, series) + 30}, totals
 
 
 async def test_a_keys_rpm_limit_holds_across_the_workers(workers: Workers) -> None:
@@ -172,9 +195,8 @@ async def test_a_keys_rpm_limit_holds_across_the_workers(workers: Workers) -> No
     assert 1 <= int(over.value.response.headers["retry-after"]) <= WINDOW_S
     assert over.value.body["code"] == "rate_limit_exceeded"  # type: ignore[index]
     # What the workers counted adds up to what was served.
-    scrapes = await scrapes_by_worker(workers.url, workers.secret)
-    line = 'llmgw_gateway_key_requests_total{deployment="chat",key="rpm6"}'
-    assert sum(metric(t, line) for t in scrapes.values() if line in t) == served, scrapes
+    text = await scrape(workers.url, workers.secret)
+    assert summed(text, 'llmgw_gateway_key_requests_total{deployment="chat",key="rpm6"}') == served, text
 
 
 async def test_a_killed_worker_is_started_again_and_the_port_keeps_answering(workers: Workers) -> None:
@@ -193,7 +215,7 @@ async def test_a_killed_worker_is_started_again_and_the_port_keeps_answering(wor
     )
     await known_to_every_worker(workers.url, workers.secret)
     assert await answered(workers.url, workers.secret, 20) == [200] * 20
-    assert len(await scrapes_by_worker(workers.url, workers.secret)) == 2
+    assert sorted(workers_in(await scrape(workers.url, workers.secret))) == ["0", "1"]
 
 
 async def test_sigterm_to_the_supervisor_ends_every_worker(workers: Workers) -> None:

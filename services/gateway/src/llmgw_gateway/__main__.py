@@ -27,23 +27,23 @@ from .service import Gateway
 from .workers import Supervisor, say_ready, watch_parent
 
 
-async def _main(config: GatewayConfig, ready_fd: int | None = None) -> None:
-    """Serve until a signal; `ready_fd`: a worker of several, which shares its port and tells
-    its supervisor on that pipe once it serves (the supervisor announces the endpoint)."""
-    worker = ready_fd is not None
+async def _main(config: GatewayConfig, worker: WorkerOf | None = None) -> None:
+    """Serve until a signal; `worker`: one of several, which shares its port and tells its
+    supervisor on a pipe once it serves (the supervisor announces the endpoint)."""
     # Its supervisor, as it was when the worker started.
     parent = os.getppid()
     # The gateway only reads: it creates no stream or bucket (its identity may not).
     bus = await connect_service(config.nats, "gateway", ensure=False)
     async with bus, while_connected(bus):
-        gateway = Gateway(config, bus, reuse_port=worker)
+        of = (worker.index, worker.run_dir) if worker is not None else None
+        gateway = Gateway(config, bus, reuse_port=worker is not None, worker=of)
         async with anyio.create_task_group() as tg:
             tg.start_soon(cancel_on_signal, tg.cancel_scope)
-            if worker:
+            if worker is not None:
                 tg.start_soon(watch_parent, parent, tg.cancel_scope)
             port = await tg.start(gateway.run)
-            if ready_fd is not None:
-                say_ready(ready_fd)
+            if worker is not None:
+                say_ready(worker.ready_fd)
             else:
                 print(f"llmgw-gateway: OpenAI endpoint on http://{config.http.host}:{port}/v1", flush=True)
 
@@ -60,12 +60,14 @@ def loop_options(use_uvloop: bool = True) -> dict[str, object]:
 @dataclass(frozen=True)
 class WorkerOf:
     """What a supervisor tells worker `index` (`--worker`): the port all share (one of port 0
-    picked once), its demand id, and the pipe to say it serves on."""
+    picked once), its demand id, the pipe to say it serves on, and the directory where the
+    workers find each other's metrics."""
 
     index: int
     port: int
     gateway_id: str
     ready_fd: int
+    run_dir: str
 
 
 def run(
@@ -86,15 +88,13 @@ def run(
             )
             anyio.run(supervisor.run)
             return 0
-        ready_fd = None
         if worker is not None:
             config = msgspec.structs.replace(
                 config, id=worker.gateway_id, http=msgspec.structs.replace(config.http, port=worker.port)
             )
-            ready_fd = worker.ready_fd
         telemetry.setup("llmgw-gateway", node=config.id if worker is not None else "")
         raise_open_file_limit()
-        anyio.run(_main, config, ready_fd, backend_options=loop_options(use_uvloop))
+        anyio.run(_main, config, worker, backend_options=loop_options(use_uvloop))
     except LlmgwError as exc:
         print(f"llmgw-gateway: {exc}", file=sys.stderr)
         return 2
@@ -116,14 +116,17 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("--worker", "--port", "--ready-fd"):
         parser.add_argument(flag, type=int, help=argparse.SUPPRESS)
     parser.add_argument("--id", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.workers is not None and args.workers < 0:
         parser.error(f"--workers {args.workers}: give the number of gateway processes (0: one per CPU)")
     worker = None
     if args.worker is not None:
-        if args.port is None or args.ready_fd is None or not args.id:
-            parser.error("--worker is given by the workers' supervisor with --port, --id and --ready-fd")
-        worker = WorkerOf(args.worker, args.port, args.id, args.ready_fd)
+        if args.port is None or args.ready_fd is None or not args.id or not args.run_dir:
+            parser.error(
+                "--worker is given by the workers' supervisor with --port, --id, --ready-fd and --run-dir"
+            )
+        worker = WorkerOf(args.worker, args.port, args.id, args.ready_fd, args.run_dir)
     sys.exit(run(args.config, workers=args.workers, worker=worker))
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
@@ -30,7 +30,7 @@ import aiohttp
 import anyio
 import httpx
 from opentelemetry import propagate, trace
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -43,6 +43,7 @@ from llmgw_core.events import ReplicaRecord
 from llmgw_core.keys import ApiKey, allows
 from llmgw_core.metrics import Collect, exposition, new_registry
 
+from . import worker_metrics
 from .budgets import Budgets
 from .demand import DemandCounts
 from .holds import FULL_RETRY_AFTER_S, RESTART_RETRY_AFTER_S, TIMEOUT_RETRY_AFTER_S, Holds
@@ -277,6 +278,9 @@ class Proxy:
         self.holds = holds or Holds()
         self.demand = DemandCounts()
         self.usage = usage or Usage(None, self.metrics.registry)
+        # A worker of several: its index, and the other workers' registry ports (read at each
+        # scrape, a restarted worker's new one included); `/metrics` answers all of them.
+        self.peers: tuple[str, Callable[[], dict[str, int]]] | None = None
         # Set once the first snapshot of the buckets is in: until then "unknown model"
         # would be a lie.
         self.loaded = anyio.Event()
@@ -354,7 +358,12 @@ class Proxy:
         refused = await self._unauthorized(request)
         if refused is not None:
             return refused
-        return exposition(self.metrics.registry, request)
+        if self.peers is None:
+            return exposition(self.metrics.registry, request)
+        index, ports = self.peers
+        own = generate_latest(self.metrics.registry).decode()
+        merged = await worker_metrics.gather(self.client, (index, own), ports())
+        return Response(merged, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def _key_ok(self, request: Request) -> bool:
         """Whether keys are not required, or the request carries a valid one."""

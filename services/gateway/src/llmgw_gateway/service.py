@@ -27,8 +27,10 @@ from llmgw_core.errors import BusError
 from llmgw_core.events import Demand, Deployment, DeploymentStatus, ReplicaRecord, encode
 from llmgw_core.keys import ApiKey, KeyWindow
 from llmgw_core.limits import key_problem
+from llmgw_core.metrics import serve_metrics
 from llmgw_core.retry import Retry
 
+from . import worker_metrics
 from .budgets import Budgets
 from .config import GatewayConfig, load_api_keys
 from .connections import ACCEPT_BACKLOG, Connections, connection_limit, open_file_limit, protocol
@@ -51,12 +53,21 @@ LAST_REPORT_S = 1.0
 
 class Gateway:
     def __init__(
-        self, config: GatewayConfig, bus: Bus, *, tracer: trace.Tracer | None = None, reuse_port: bool = False
+        self,
+        config: GatewayConfig,
+        bus: Bus,
+        *,
+        tracer: trace.Tracer | None = None,
+        reuse_port: bool = False,
+        worker: tuple[int, str] | None = None,
     ) -> None:
         self.config = config
         self.bus = bus
         # A worker of several on one port (`http: workers`): each binds it with SO_REUSEPORT.
         self.reuse_port = reuse_port
+        # (its index, the supervisor's run directory) for a worker of several: its registry is
+        # also served on a private port, for the worker a scrape reaches (`worker_metrics`).
+        self.worker = worker
         self.table = Table(routing=config.routing)
         # Its name in its demand reports.
         self.id = config.id or default_id()
@@ -283,6 +294,11 @@ class Gateway:
                         reuse_port=self.reuse_port,
                     )
                 )
+                if self.worker is not None:
+                    index, run_dir = self.worker
+                    own = await tg.start(serve_metrics, self.proxy.metrics.registry, "127.0.0.1", 0)
+                    worker_metrics.publish_port(run_dir, index, own)
+                    self.proxy.peers = (str(index), partial(worker_metrics.peer_ports, run_dir, index))
                 task_status.started(port)
                 tg.start_soon(self._answer_held_at_stop)
                 await tg.start(self.budgets.run)

@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -103,6 +104,8 @@ class Supervisor:
     ready: set[int] = field(default_factory=set)
     stopping: bool = False
     announced: bool = False
+    # Where each worker says on which private port it serves its metrics (`worker_metrics`).
+    run_dir: str = ""
 
     def __post_init__(self) -> None:
         self.workers = [Worker(k) for k in range(self.count)]
@@ -122,6 +125,8 @@ class Supervisor:
             f"{self.gateway_id}-w{k}",
             "--ready-fd",
             str(ready_fd),
+            "--run-dir",
+            self.run_dir,
         ]
 
     def hold_port(self) -> socket.socket:
@@ -140,6 +145,7 @@ class Supervisor:
         # The signals are taken before the first worker starts: none may end the supervisor
         # and leave its workers to notice alone.
         with (
+            tempfile.TemporaryDirectory(prefix="llmgw-gateway-") as self.run_dir,
             self.hold_port(),
             anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
         ):
