@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import httpx
 import msgspec
 import openai
@@ -28,7 +29,7 @@ from llmgw_core.keys import WINDOW_S, ApiKey, KeyWindow, parse_duration, retry_a
 from llmgw_core.lifecycle import connect_service
 from llmgw_core.natsd import NatsServer
 from llmgw_gateway import Gateway, GatewayConfig
-from llmgw_gateway.budgets import chunk
+from llmgw_gateway.budgets import Budgets, chunk
 from llmgw_gateway.usage import JsonTail, Meter, read_events
 from tests.cluster_support import Cluster, cluster
 from tests.test_ctl import CTL
@@ -538,3 +539,31 @@ def test_a_json_answers_usage_is_read_from_its_end_plain_or_gzipped() -> None:
         tail.feed(text)
         tail.read(meter)
         assert (meter.prompt, meter.completion) == (0, 0)
+
+
+async def test_a_request_whose_claim_outlives_its_minute_is_judged_in_the_next(
+    nats_url: str, prefix: str
+) -> None:
+    """A claim on the bus when the minute ends: a request of the next minute resets the count
+    meanwhile. The request that waited is admitted in the new minute, not refused for the
+    old one's (at 256 in flight, every request waiting on that claim was a 429)."""
+    async with await Bus.connect(BusOptions(url=nats_url, prefix=prefix), service="test") as bus:
+        await bus.ensure()
+        budgets = Budgets(bus)
+        key = ApiKey(name="k", hash=secret_hash("sk-x"), rpm=10**9)
+        end = (int(time.time() // WINDOW_S) + 1) * WINDOW_S
+        answers: dict[str, object] = {}
+
+        async def admit(name: str, at: float) -> None:
+            answers[name] = await budgets.admit(key, at)
+
+        async with anyio.create_task_group() as tg:
+            # The minute's first request claims a batch: it is on the bus when the next
+            # minute's first request arrives.
+            tg.start_soon(admit, "last of the minute", end - 0.001)
+            await anyio.lowlevel.checkpoint()
+            tg.start_soon(admit, "first of the next", end + 0.001)
+        assert answers == {"last of the minute": None, "first of the next": None}
+        window = await bus.get(bus.names.limits_bucket, "k", KeyWindow)
+        assert window is not None
+        assert window[0].window == end // WINDOW_S

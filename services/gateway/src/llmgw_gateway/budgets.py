@@ -40,7 +40,7 @@ import anyio.abc
 
 from llmgw_core.bus import Bus
 from llmgw_core.errors import BusError
-from llmgw_core.keys import ApiKey, KeyWindow, retry_after, window_of
+from llmgw_core.keys import WINDOW_S, ApiKey, KeyWindow, retry_after, window_of
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -128,6 +128,7 @@ class Budgets:
         """None when `key` may send one more request now (counted), else which limit it hit."""
         if not key.rpm and not key.tpm:
             return None
+        clock = now is None
         now = time.time() if now is None else now
         window = window_of(now)
         if key.tpm and self.tokens(key.name, now) >= key.tpm:
@@ -140,6 +141,12 @@ class Budgets:
                 local = self._fresh(key.name, window)
                 if local.used >= local.granted and local.spent_at != key.rpm:
                     await self._claim(key, window)
+            if local.window != window:
+                # The minute ended while the claim was on the bus (a request of the next one
+                # reset the count): what was claimed belonged to the minute gone; the request
+                # is judged again in the new one, never refused for the old one's count.
+                later = time.time() if clock else now
+                return await self.admit(key, max(later, local.window * WINDOW_S))
         if local.used >= local.granted:
             return Limited("requests", key.rpm, retry_after(now))
         local.used += 1
