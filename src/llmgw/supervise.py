@@ -37,6 +37,7 @@ import anyio
 import anyio.abc
 
 from llmgw_core.errors import ConfigError
+from llmgw_core.failures import how_it_ended
 from llmgw_core.natsd import NatsServer
 from llmgw_core.retry import Backoff
 from llmgw_launcher import procs
@@ -77,15 +78,6 @@ class RestartPolicy:
         # no server that a restart in step would flood, and the operator is promised (and shown)
         # a longer wait at each quick exit.
         return quick, Backoff(self.backoff_s, self.backoff_cap_s).ceiling(quick)
-
-
-def how_it_ended(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def port_in_use(port: int) -> str | None:

@@ -12,7 +12,7 @@ import signal
 
 from .events import ReplicaRecord, ShardFailure, ShardStatus
 
-__all__ = ["details", "failure_of", "one_line", "reason_line", "retrying", "summary", "text"]
+__all__ = ["details", "failure_of", "how_it_ended", "one_line", "reason_line", "retrying", "summary", "text"]
 
 # Between a failure's reason and the log lines it quotes, in its text form.
 _LOG_MARK = "; last log lines:"
@@ -74,3 +74,15 @@ def failure_of(value: ShardStatus | ReplicaRecord) -> ShardFailure | None:
     reason, _, lines = value.last_failure.partition(f"{_LOG_MARK}\n")
     at = value.last_failure_at if isinstance(value, ShardStatus) else 0.0
     return ShardFailure(reason=reason, log_tail=tuple(lines.split("\n")) if lines else (), at=at)
+
+
+def how_it_ended(code: int) -> str:
+    """A child process's end from its return code (minus the signal that killed it), as the
+    processes llmgw supervises are said to have ended: `exited with code 2`, `was killed by
+    signal SIGKILL`."""
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

@@ -32,6 +32,7 @@ import anyio
 import anyio.abc
 
 from llmgw_core.errors import ConfigError
+from llmgw_core.failures import how_it_ended
 
 from .web import bind
 
@@ -54,15 +55,6 @@ def next_delay(delay: float, up_s: float) -> float:
     if delay == 0 or up_s >= STABLE_S:
         return RESTART_FIRST_S
     return min(delay * 2, RESTART_CAP_S)
-
-
-def how_it_ended(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 async def watch_parent(parent: int, scope: anyio.CancelScope) -> None:
