@@ -1,19 +1,28 @@
-"""A gateway's proxy in this process over fixed replicas, for tests and benchmarks that are
-about the gateway alone (no bus: the replicas are set in its table as placement would)."""
+"""The gateway for tests: its proxy in this process over fixed replicas, for tests and
+benchmarks that are about the gateway alone (no bus: the replicas are set in its table as
+placement would), and `llmgw-gateway` as a process of its own on a test's cluster."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import re
+import resource
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
+import msgspec
 
 from llmgw_core.events import ReplicaRecord
-from llmgw_gateway import Proxy, Table
+from llmgw_gateway import GatewayConfig, Proxy, Table
 from llmgw_gateway.config import RoutingConfig
 from llmgw_gateway.web import serve_app
+from tests.cluster_support import Cluster
 from tests.waiting import eventually
 
 
@@ -64,3 +73,71 @@ async def proxy_over(
             port = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
             yield Served(f"http://127.0.0.1:{port}", proxy, table, client)
             tg.cancel_scope.cancel()
+
+
+@dataclass(frozen=True)
+class GatewayProcess:
+    """`llmgw-gateway` started by a test: its process and its log."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    async def endpoint(self, timeout: float = 60) -> str:
+        """Its base URL, once it printed its endpoint (failing at once if it exits first)."""
+
+        def found() -> str:
+            assert self.proc.poll() is None, self.text()
+            m = re.search(r"OpenAI endpoint on (http://\S+)/v1", self.text())
+            assert m, self.text()
+            return m.group(1)
+
+        return await eventually(found, timeout=timeout, interval=0.1)
+
+
+@contextlib.contextmanager
+def gateway_process(
+    c: Cluster,
+    root: Path,
+    name: str = "gateway",
+    *,
+    args: tuple[str, ...] = (),
+    open_files: int | None = None,
+    http: dict[str, Any] | None = None,
+    **config: Any,
+) -> Iterator[GatewayProcess]:
+    """`llmgw-gateway` as a process of its own on `c`'s bus: its config `root/<name>.yaml` (its
+    `http` section on port 0 unless `http` says otherwise; `config` more of its keys), its log
+    `root/<name>.log` (appended: a restart under the same name keeps the first's), `args` more
+    of its command line, `open_files` its open-file limit (soft and hard). Stopped at the end if
+    still running: SIGTERM, then SIGKILL after 15 s."""
+    root.mkdir(parents=True, exist_ok=True)
+    full = {"nats": c.nats("gateway"), "http": {"port": 0, **(http or {})}, **config}
+    path = root / f"{name}.yaml"
+    path.write_bytes(msgspec.yaml.encode(msgspec.convert(full, GatewayConfig)))
+    log = root / f"{name}.log"
+
+    def limit() -> None:
+        if open_files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmgw_gateway", "--config", str(path), *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=limit if open_files is not None else None,
+        )
+    try:
+        yield GatewayProcess(proc, log)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        proc.wait()

@@ -10,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import re
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,8 +24,8 @@ import pytest
 
 from llmgw_core.bus import Bus
 from llmgw_core.events import Deployment, ReplicaRecord, ReplicaStatus, ScaleDecision, decoder
-from llmgw_gateway import GatewayConfig
-from tests.cluster_support import Cluster, cluster, sim_catalog
+from tests.cluster_support import cluster, sim_catalog
+from tests.gateway_support import gateway_process
 from tests.test_gateway import metric, running_gateway
 from tests.test_gateway_hold import held
 from tests.test_sim_engine import free_port
@@ -47,6 +45,11 @@ SLOW = ("--tokens-per-second", "20")
 BODY = {"model": "chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 10}
 # The gateway reports twice a second; holding for up to a minute.
 GATEWAY = {"demand_interval_s": 0.5, "hold_timeout_s": 60}
+
+
+def open_on(port: int) -> dict[str, Any]:
+    """The http section of a gateway on `port` (the same after a restart) that asks no key."""
+    return {"port": port, "require_api_key": False}
 
 
 def chat(
@@ -322,32 +325,6 @@ async def test_scaled_down_and_replaced_under_continuous_load_no_request_fails(
         assert "replace" in draining[kept.replica], draining
 
 
-@contextlib.contextmanager
-def gateway_process(c: Cluster, tmp_path: Path, port: int, name: str) -> Iterator[subprocess.Popen[bytes]]:
-    """A gateway of its own process, as `name`, on `port` (the same after a restart)."""
-    config = tmp_path / f"{name}.yaml"
-    full = {
-        "nats": c.nats("gateway"),
-        "http": {"port": port, "require_api_key": False},
-        "id": name,
-        **GATEWAY,
-    }
-    config.write_bytes(msgspec.yaml.encode(msgspec.convert(full, GatewayConfig)))
-    with (tmp_path / f"{name}.log").open("ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llmgw_gateway", "--config", str(config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-
-
 async def lists_chat(client: httpx.AsyncClient, url: str) -> bool:
     try:
         r = await client.get(f"{url}/v1/models")
@@ -369,7 +346,8 @@ async def test_a_gateway_restarted_while_holding_answers_503_and_the_retry_is_se
         c.start_node("node-1", gpus=1)
         c.start_placement("p1", catalog, [chat(0, 2, 60)], AUTOSCALER)
         async with heard(bus) as said, httpx.AsyncClient(timeout=120) as client:
-            with gateway_process(c, tmp_path, port, "gw-1") as proc:
+            with gateway_process(c, tmp_path, "gw-1", id="gw-1", http=open_on(port), **GATEWAY) as gateway:
+                proc = gateway.proc
                 await eventually(lambda: lists_chat(client, url), timeout=60, interval=0.2)
                 answers: list[httpx.Response] = []
                 async with anyio.create_task_group() as tg:
@@ -391,7 +369,7 @@ async def test_a_gateway_restarted_while_holding_answers_503_and_the_retry_is_se
             # The client waits as told, then asks again at the same address; the gateway
             # there is starting again (connection refused meanwhile).
             await anyio.sleep(float(answer.headers["retry-after"]))
-            with gateway_process(c, tmp_path, port, "gw-1"):
+            with gateway_process(c, tmp_path, "gw-1", id="gw-1", http=open_on(port), **GATEWAY):
 
                 async def retried() -> httpx.Response:
                     try:

@@ -8,10 +8,8 @@ import contextlib
 import itertools
 import re
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ from llmgw_gateway import Gateway, GatewayConfig, Table
 from llmgw_gateway.demand import DemandCounts
 from llmgw_gateway.holds import Held, Holds
 from tests.cluster_support import Cluster, cluster, sim_catalog
+from tests.gateway_support import gateway_process
 from tests.test_auth import core_refused, subscribe_refused
 from tests.test_gateway import metric
 from tests.test_gateway_api import sim_engines
@@ -47,6 +46,8 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 
 CHAT = [{"role": "user", "content": "hello"}]
 BODY = {"model": "chat", "messages": CHAT, "max_tokens": 3}
+# A gateway of its own process that asks no key.
+OPEN = {"require_api_key": False}
 AT_ZERO = Deployment(
     name="chat", profile="tiny", replicas=0, autoscale=Autoscale(min_replicas=0, max_replicas=2)
 )
@@ -406,36 +407,6 @@ async def test_a_draining_replica_gets_nothing_new_while_its_stream_finishes(
                 assert metric((await raw.get(f"{e0}/metrics")).text, "llmgw_sim_requests_total") == 1
 
 
-@contextlib.contextmanager
-def gateway_process(c: Cluster, tmp_path: Path, name: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    config = tmp_path / f"{name}.yaml"
-    full = {"nats": c.nats("gateway"), "http": {"port": 0, "require_api_key": False}, "id": name}
-    config.write_bytes(msgspec.yaml.encode(msgspec.convert(full, GatewayConfig)))
-    log = tmp_path / f"{name}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llmgw_gateway", "--config", str(config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    try:
-        yield proc, log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-
-
-async def endpoint(log: Path) -> str:
-    def found() -> str:
-        m = re.search(r"OpenAI endpoint on (http://\S+)/v1", log.read_text(errors="replace"))
-        assert m, log.read_text(errors="replace")
-        return m.group(1)
-
-    return await eventually(found, timeout=60, interval=0.1)
-
-
 async def test_a_gateway_stopped_while_holding_answers_503_and_a_restarted_one_serves(
     bus: Bus, nats_url: str, prefix: str, tmp_path: Path
 ) -> None:
@@ -443,8 +414,8 @@ async def test_a_gateway_stopped_while_holding_answers_503_and_a_restarted_one_s
         await engines_up([engine])
         await bus.put(bus.names.deployments_bucket, "chat", AT_ZERO)
         async with httpx.AsyncClient(timeout=60) as client, demand_reports(c) as heard:
-            with gateway_process(c, tmp_path, "gw-1") as (proc, log):
-                url = await endpoint(log)
+            with gateway_process(c, tmp_path, "gw-1", id="gw-1", http=OPEN) as gateway:
+                url, proc = await gateway.endpoint(), gateway.proc
                 answers: list[httpx.Response] = []
                 async with anyio.create_task_group() as tg:
 
@@ -474,8 +445,8 @@ async def test_a_gateway_stopped_while_holding_answers_503_and_a_restarted_one_s
             assert sum(row.arrived for row in rows) == 2, heard
             assert (rows[-1].queued, rows[-1].in_flight) == (0, 0), heard
 
-            with gateway_process(c, tmp_path, "gw-1") as (proc, log):
-                url = await endpoint(log)
+            with gateway_process(c, tmp_path, "gw-1", id="gw-1", http=OPEN) as gateway:
+                url = await gateway.endpoint()
                 answers = []
                 async with anyio.create_task_group() as tg:
 

@@ -9,12 +9,8 @@ import contextlib
 import json
 import logging
 import os
-import re
 import resource
-import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -23,16 +19,16 @@ from pathlib import Path
 import anyio
 import anyio.abc
 import httpx
-import msgspec
 import pytest
 
 from llmgw_core.bus import Bus
 from llmgw_core.errors import ConfigError
 from llmgw_core.events import Deployment
-from llmgw_gateway import Gateway, GatewayConfig
+from llmgw_gateway import Gateway
 from llmgw_gateway.connections import CorkedTransport, connection_limit
 from llmgw_gateway.limits import json_nests_deeper, shown
 from tests.cluster_support import Cluster, cluster
+from tests.gateway_support import gateway_process
 from tests.test_gateway import metric, running_gateway
 from tests.waiting import eventually
 
@@ -232,36 +228,6 @@ def open_files_at_least(n: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def gateway_process(c: Cluster, root: Path, open_files: int, **http: object) -> subprocess.Popen[bytes]:
-    """`llmgw-gateway` as its own process under `ulimit -n open_files` (soft and hard)."""
-    http = {"port": 0, "require_api_key": False, **http}
-    config = msgspec.convert({"nats": c.nats("gateway"), "http": http}, GatewayConfig)
-    path = root / "gateway.yaml"
-    path.write_bytes(msgspec.yaml.encode(config))
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
-
-    with (root / "gateway.log").open("ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "llmgw_gateway", "--config", str(path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=limit,
-        )
-
-
-def stopped(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def closed_by_peer(sock: socket.socket) -> bool:
     try:
         return sock.recv(1) == b""
@@ -280,20 +246,17 @@ async def test_under_ulimit_1024_a_flood_of_idle_connections_leaves_room_for_a_r
     flood = 1100
     # (1024 - reserved_fds 256) / 2: half the descriptors for clients, half for their replicas.
     limit = 384
-    with cluster(tmp_path, nats_url, prefix) as c, open_files_at_least(flood + 256):
-        # Headers due only after a minute: it is the limit that makes room here.
-        proc = gateway_process(c, tmp_path, 1024, header_timeout_s=60.0)
+    # Headers due only after a minute: it is the limit that makes room here.
+    http = {"require_api_key": False, "header_timeout_s": 60.0}
+    with (
+        cluster(tmp_path, nats_url, prefix) as c,
+        open_files_at_least(flood + 256),
+        gateway_process(c, tmp_path, open_files=1024, http=http) as gateway,
+    ):
+        proc, log = gateway.proc, gateway.log
         socks: list[socket.socket] = []
         try:
-            log = tmp_path / "gateway.log"
-
-            def bound() -> str:
-                assert proc.poll() is None, log.read_text()
-                m = re.search(r"OpenAI endpoint on (http://\S+)/v1", log.read_text())
-                assert m, log.read_text()
-                return m.group(1)
-
-            url = await eventually(bound, timeout=30, interval=0.1)
+            url = await gateway.endpoint(timeout=30)
             async with httpx.AsyncClient(timeout=30, headers={"Connection": "close"}) as client:
 
                 async def loaded() -> bool:
@@ -329,7 +292,6 @@ async def test_under_ulimit_1024_a_flood_of_idle_connections_leaves_room_for_a_r
         finally:
             for s in socks:
                 s.close()
-            stopped(proc)
         text = log.read_text()
         assert "Too many open files" not in text, text
         assert "out of system resource" not in text, text
@@ -339,12 +301,12 @@ async def test_under_ulimit_1024_a_flood_of_idle_connections_leaves_room_for_a_r
 async def test_a_connection_limit_the_open_file_limit_cannot_hold_is_refused_at_start(
     bus: Bus, nats_url: str, prefix: str, tmp_path: Path
 ) -> None:
-    with cluster(tmp_path, nats_url, prefix) as c:
-        proc = gateway_process(c, tmp_path, 1024, max_connections=1000)
-        try:
-            assert await anyio.to_thread.run_sync(lambda: proc.wait(timeout=60)) == 2
-        finally:
-            stopped(proc)
+    http = {"require_api_key": False, "max_connections": 1000}
+    with (
+        cluster(tmp_path, nats_url, prefix) as c,
+        gateway_process(c, tmp_path, open_files=1024, http=http) as gateway,
+    ):
+        assert await anyio.to_thread.run_sync(lambda: gateway.proc.wait(timeout=60)) == 2
     assert (
         (tmp_path / "gateway.log")
         .read_text()

@@ -9,9 +9,7 @@ import gzip
 import json
 import re
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ from llmgw_gateway import Gateway, GatewayConfig
 from llmgw_gateway.budgets import Budgets, chunk
 from llmgw_gateway.usage import JsonTail, Meter, read_events
 from tests.cluster_support import Cluster, cluster
+from tests.gateway_support import gateway_process
 from tests.test_ctl import CTL
 from tests.test_gateway import metric, running_gateway
 from tests.test_gateway_api import sim_engines
@@ -204,51 +203,6 @@ async def test_a_key_sees_only_its_models_and_is_refused_once_expired_or_revoked
         )
 
 
-@contextlib.contextmanager
-def gateway_process(c: Cluster, root: Path) -> Iterator[str]:
-    """`llmgw-gateway` as a process of its own, keys required; yields its base URL."""
-    with gateway_proc(c, root) as (url, _):
-        yield url
-
-
-@contextlib.contextmanager
-def gateway_proc(
-    c: Cluster, root: Path, *, args: tuple[str, ...] = (), **http: Any
-) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """`llmgw-gateway` as a process of its own, keys required, `http` more of its http: section,
-    `args` more of its command line; yields its base URL and the process once it printed its
-    endpoint (its log: root/gateway.log)."""
-    root.mkdir(parents=True, exist_ok=True)
-    config = msgspec.convert({"nats": c.nats("gateway"), "http": {"port": 0, **http}}, GatewayConfig)
-    path = root / "gateway.yaml"
-    path.write_bytes(msgspec.yaml.encode(config))
-    log = root / "gateway.log"
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llmgw_gateway", "--config", str(path), *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            found = re.search(r"OpenAI endpoint on (http://\S+)/v1", log.read_text())
-            if found:
-                break
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        yield found.group(1), proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 async def early_in_a_minute(margin: float = 40.0) -> None:
     """Wait for a limit's minute (Unix time // 60) to have `margin` seconds left: a test of
     one minute's budget must not straddle two."""
@@ -263,9 +217,10 @@ async def test_two_gateway_processes_share_one_key_budget(
     with (
         cluster(tmp_path, nats_url, prefix) as c,
         sim_engines([]) as (engine,),
-        gateway_process(c, tmp_path / "g1") as one,
-        gateway_process(c, tmp_path / "g2") as two,
+        gateway_process(c, tmp_path / "g1") as g1,
+        gateway_process(c, tmp_path / "g2") as g2,
     ):
+        one, two = await g1.endpoint(), await g2.endpoint()
         await serve_chat_and_other(bus, engine)
         probe = new_key(c, "probe")
         for url in (one, two):

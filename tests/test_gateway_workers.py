@@ -30,9 +30,10 @@ from llmgw_gateway import GatewayConfig
 from llmgw_gateway.config import worker_count
 from llmgw_gateway.workers import STABLE_S, next_delay
 from tests.cluster_support import Cluster, cluster
+from tests.gateway_support import gateway_process
 from tests.test_gateway_api import sim_engines
 from tests.test_gateway_hold import demand_reports, of
-from tests.test_gateway_keys import chat, early_in_a_minute, gateway_proc, new_key, serve_chat_and_other
+from tests.test_gateway_keys import chat, early_in_a_minute, new_key, serve_chat_and_other
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -115,8 +116,9 @@ async def workers(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> As
         with (
             cluster(root, nats_url, prefix) as c,
             sim_engines([]) as (engine,),
-            gateway_proc(c, root / "gateway", workers=2) as (url, supervisor),
+            gateway_process(c, root / "gateway", http={"workers": 2}) as gateway,
         ):
+            url, supervisor = await gateway.endpoint(), gateway.proc
             await serve_chat_and_other(bus, engine)
             secret = new_key(c, "probe")
             async with demand_reports(c) as heard:
@@ -233,8 +235,10 @@ async def test_workers_stop_when_their_supervisor_is_killed(
     # One worker by its config, two by the command line.
     with (
         cluster(tmp_path, nats_url, prefix) as c,
-        gateway_proc(c, tmp_path, args=("--workers", "2")) as (_, sup),
+        gateway_process(c, tmp_path, args=("--workers", "2")) as gateway,
     ):
+        await gateway.endpoint()
+        sup = gateway.proc
         log = tmp_path / "gateway.log"
         assert "(2 workers)" in log.read_text()
         sup.kill()
