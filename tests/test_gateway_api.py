@@ -3,6 +3,7 @@ mid-request: the official `openai` and `anthropic` clients against sim engine re
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -158,8 +159,77 @@ async def test_a_replica_that_dies_before_answering_costs_a_retry_on_another() -
             async with httpx.AsyncClient(timeout=10) as raw:
                 scrape = (await raw.get(f"{gw.url}/metrics")).text
                 served = metric((await raw.get(f"{urls[1]}/metrics")).text, "llmgw_sim_requests_total")
-            assert metric(scrape, 'llmgw_gateway_errors_total{deployment="chat",reason="reset"}') == 1
+            # r0 asked once more on a connection of its own (refused, or reset by a process on
+            # its way out), then r1.
+            reset = metric(scrape, 'llmgw_gateway_errors_total{deployment="chat",reason="reset"}')
+            connect = metric(scrape, 'llmgw_gateway_errors_total{deployment="chat",reason="connect"}')
+            assert reset >= 1
+            assert reset + connect == 2
             assert served == 1
+
+
+@contextlib.asynccontextmanager
+async def closing_after_one_answer() -> AsyncIterator[str]:
+    """A replica on loopback that answers the first request of each connection (keep-alive) and
+    closes the connection, answering nothing, when a second request comes on it: llama-server's
+    close after a streamed answer, met by a request sent on the connection at that instant.
+    Yields its URL."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        answered = 0
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = re.search(rb"(?i)content-length: *(\d+)", head)
+                await reader.readexactly(int(length.group(1)) if length else 0)
+                if answered:
+                    return
+                body = b'{"object":"list","data":[{"id":"chat","object":"model"}]}'
+                if head.startswith(b"POST"):
+                    body = json.dumps(
+                        {
+                            "id": "c",
+                            "object": "chat.completion",
+                            "model": "chat",
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "message": {"role": "assistant", "content": "hi"},
+                                    "finish_reason": "stop",
+                                }
+                            ],
+                        }
+                    ).encode()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                await writer.drain()
+                answered += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def test_a_replica_that_closed_a_pooled_connection_is_asked_again_on_a_new_one() -> None:
+    """Its only replica closed the kept-alive connection the request was sent on: with no other
+    replica to try, the request is still answered, by that replica, on a connection of its own."""
+    async with closing_after_one_answer() as url, proxy_over([url]) as gw:
+        async with httpx.AsyncClient(timeout=10) as raw:
+            body = {"model": "chat", "messages": CHAT, "max_tokens": 2}
+            for _ in range(3):
+                r = await raw.post(f"{gw.url}/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"]["content"] == "hi"
+            scrape = (await raw.get(f"{gw.url}/metrics")).text
+        # The first on a new connection; the second and third each on the connection the one
+        # before was answered on (closed unanswered), then again on a new one.
+        assert metric(scrape, 'llmgw_gateway_errors_total{deployment="chat",reason="reset"}') == 2
+        assert 'reason="connect"' not in scrape
 
 
 async def test_a_stream_broken_off_ends_with_an_error_event_and_done_never_retried() -> None:

@@ -654,10 +654,16 @@ class Proxy:
             propagate.inject(headers)
         tried: set[str] = set(unserved)
         failures: list[str] = []
+        # A replica that closed a pooled connection as the request came is asked once more, on a
+        # connection of its own, before another is: llama-server closes its connection after
+        # each streamed answer, and a request sent on it in that instant never reached it.
+        # Another replica would have to compute the prompt its cache holds.
+        again: tuple[str, ReplicaRecord] | None = None
+        reconnected: set[str] = set()
         # When the request was first held: its waits, all told, last at most hold_timeout_s.
         held_since: float | None = None
         while True:
-            chosen = self.table.pick(deployment, frozenset(tried), blocks)
+            chosen, again = again or self.table.pick(deployment, frozenset(tried), blocks), None
             if chosen is None and not failures and self._holdable(deployment):
                 # No replica can take it yet (scaled to zero, starting): held until one is ready.
                 held_since = time.monotonic() if held_since is None else held_since
@@ -713,9 +719,19 @@ class Proxy:
                 # No byte of answer came: the replica refused the connection, or closed or reset
                 # it before answering (it died with the request). Another one may take it.
                 self._release(chosen_key, deployment)
-                self._served.pop((record.url, record.profile_fp), None)
                 refused = isinstance(exc, REFUSED)
                 self.metrics.errors.labels(deployment, "connect" if refused else "reset").inc()
+                if not refused and chosen_key not in reconnected:
+                    reconnected.add(chosen_key)
+                    again = chosen
+                    log.info(
+                        "%s: %s closed the connection before answering (%s); asking it again",
+                        deployment,
+                        chosen_key,
+                        exc,
+                    )
+                    continue
+                self._served.pop((record.url, record.profile_fp), None)
                 failures.append(f"{record.replica} at {record.url}: {exc or type(exc).__name__}")
                 what = "refused the connection" if refused else "failed before answering"
                 log.warning("%s: %s %s (%s); trying another", deployment, chosen_key, what, exc)
