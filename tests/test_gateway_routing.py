@@ -246,6 +246,30 @@ def test_a_new_prefix_goes_to_the_same_replica_from_two_tables_whatever_each_rou
     assert {one.pick("chat", blocks=customer_blocks(c))[0] for c in range(20)} == set(keys)  # type: ignore[index]
 
 
+def test_a_new_prefix_never_waits_on_a_busy_replica_while_another_is_idle() -> None:
+    table = Table()
+    keys = replicas(table, 3)
+    blocks = customer_blocks(7)
+    hashed = rendezvous(lead(7), keys)
+    # Its hash's choice busy with one request: the lead is cold everywhere, so it goes to an
+    # idle replica, the heaviest of the two idle ones.
+    table.outstanding[hashed] = 1
+    idle = [k for k in keys if k != hashed]
+    assert table.pick("chat", blocks=blocks) == (
+        rendezvous(lead(7), idle),
+        table.replicas[rendezvous(lead(7), idle)],
+    )
+    assert table.routed[("chat", "hash")] == 1
+    # Only one replica idle: load decides, and says so.
+    table = Table()
+    replicas(table, 3)
+    table.outstanding.update({keys[0]: 1, keys[1]: 1})
+    chosen = table.pick("chat", blocks=customer_blocks(8))
+    assert chosen is not None
+    assert chosen[0] == keys[2]
+    assert table.routed == {("chat", "load"): 1}
+
+
 def test_the_lead_hash_is_the_same_in_every_process() -> None:
     """Python's `hash` of bytes differs per process (PYTHONHASHSEED): the lead's must not."""
     code = (

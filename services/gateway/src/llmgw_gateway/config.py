@@ -51,8 +51,9 @@ class HttpConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
 class RoutingConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # Prompts that share a prefix go to the replica the gateway last sent that prefix to (its
     # engine likely holds it in its prompt cache), within the load bound; a prefix it sent
-    # nowhere yet, to the replica its first min_match_blocks blocks hash to (the same choice in
-    # every gateway process and worker); false: least outstanding requests only.
+    # nowhere yet, to the least busy replica, ties to the one its first min_match_blocks blocks
+    # hash to (the same choice in every gateway process and worker); false: least outstanding
+    # requests only.
     prefix_aware: bool = True
     # The prompt is hashed in blocks of this many bytes (of its text as the request carries it),
     # each block's hash covering every block before it.

@@ -16,22 +16,24 @@ hashing (below). Otherwise, and with `prefix_aware: false`, the ready replica
 with the fewest requests in flight goes, ties to the one chosen longest ago.
 Either way the request's blocks are then recorded for the replica it went to.
 
-Rendezvous (highest random weight) hashing makes the first choice for a prefix
-the same in every gateway process: each keeps its own index, and with several
-workers on one port (`http: workers`) or several gateways behind one balancer,
-the connections of one customer land on different processes. By load ("the one
-chosen longest ago") each would send the same new prefix to a replica of its
-own, and the engines would compute it once per process. Instead each candidate
-within the load bound is weighed by a hash of the lead's own hash with the
-replica's key, and the heaviest takes it: every process that has not seen the
-prefix picks the same replica, so the one that did routes there by its index
-and the others by the same weights. A replica gone moves only the prefixes it
-won (the others' weights are unchanged); one over the bound is skipped, its
-prefixes going to their next heaviest. The lead's hash is blake2b of its text
-(the same in every process, unlike Python's `hash` of bytes, keyed per
-process): about 3 us for the 1 KiB lead of the defaults, once per request;
-the weights, splitmix64 over the lead's and each key's hash, under 1 us per
-candidate, paid only by a request whose lead is new.
+Rendezvous (highest random weight) hashing breaks the ties of a new prefix's
+first choice the same way in every gateway process: each keeps its own index,
+and with several workers on one port (`http: workers`) or several gateways
+behind one balancer, the connections of one customer land on different
+processes. By "the one chosen longest ago" each would send the same new prefix
+to a replica of its own, and the engines would compute it once per process.
+Instead each of the least busy candidates is weighed by a hash of the lead's
+own hash with the replica's key, and the heaviest takes it: processes that see
+the same replicas idle pick the same one, so the one that routed it goes there
+by its index and the others by the same weights. Only the least busy: a new
+prefix is cold on every replica, so a busier one would make it wait behind
+others' requests for nothing (with engines of one slot, two new prompts hashed
+to one replica while another sits idle take twice as long). A replica gone
+moves only the prefixes it won (the others' weights are unchanged). The lead's
+hash is blake2b of its text (the same in every process, unlike Python's `hash`
+of bytes, keyed per process): about 3 us for the 1 KiB lead of the defaults,
+once per request; the weights, splitmix64 over the lead's and each key's hash,
+under 1 us per candidate, paid only by a request whose lead is new.
 A lead shorter than `min_match_blocks` is no lead: short prompts, and a short
 shared system prompt, keep going by load.
 
@@ -292,8 +294,8 @@ class Table:
         self, deployment: str, exclude: frozenset[str] = frozenset(), blocks: Sequence[int] = ()
     ) -> tuple[str, ReplicaRecord] | None:
         """The ready replica, not in `exclude`, that holds the deepest match of the prompt's
-        `blocks`, else for a lead none holds the heaviest by rendezvous hashing (see the
-        module's docstring), else the one with the fewest requests in flight; where none is
+        `blocks`, else for a lead none holds the heaviest of the least busy by rendezvous
+        hashing (see the module's docstring), else the one with the fewest requests in flight; where none is
         ready, the `unknown` one with a URL, chosen alike."""
         candidates = [(k, r) for k, r in self.ready(deployment) if k not in exclude]
         if not candidates:
@@ -309,8 +311,10 @@ class Table:
                 key, how = min(matched, key=self._by_load), "prefix"
             else:
                 lead = blocks[self.routing.min_match_blocks - 1]
-                if not any(k in records for k in self.prefixes.holders(lead)):
-                    key, how = rendezvous(lead, self._within_bound(records)), "hash"
+                least = self._least_busy(records)
+                # One least busy: load decides, as it would without the prefix.
+                if len(least) > 1 and not any(k in records for k in self.prefixes.holders(lead)):
+                    key, how = rendezvous(lead, least), "hash"
         if not key:
             key = min(records, key=self._by_load)
         self._last_pick[key] = next(self._picks)
@@ -344,10 +348,11 @@ class Table:
         outstanding = self.outstanding
         return self.routing.load_factor * sum(outstanding[k] for k in candidates) / len(candidates) + 1
 
-    def _within_bound(self, candidates: dict[str, ReplicaRecord]) -> list[str]:
-        """The candidates within the load bound (never none: the least busy is under the mean)."""
-        bound = self._bound(candidates)
-        return [k for k in candidates if self.outstanding[k] <= bound]
+    def _least_busy(self, candidates: dict[str, ReplicaRecord]) -> list[str]:
+        """The candidates with the fewest requests in flight (never none)."""
+        outstanding = self.outstanding
+        fewest = min(outstanding[k] for k in candidates)
+        return [k for k in candidates if outstanding[k] == fewest]
 
     def unavailable(self, deployment: str, now: float | None = None) -> str:
         """Why `deployment` has no ready replica, quoting each replica's state (and for how long,
