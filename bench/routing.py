@@ -68,6 +68,8 @@ class Run:
     wall_s: float = 0.0
     by_prefix: int = 0
     routed: int = 0
+    # How many of the workload's distinct prompt leads (customers) each replica was sent, each run.
+    splits: list[str] = field(default_factory=list)
 
 
 def _text(rnd: random.Random, n: int) -> str:
@@ -180,7 +182,21 @@ async def _run(urls: list[str], prompts: list[str], run: Run) -> Run:
         run.wall_s = time.monotonic() - started
         run.by_prefix = table.routed_by("prefix")
         run.routed = sum(table.routed_by(how) for how in ("prefix", "hash", "load"))
+        run.splits.append(_split(table, prompts, len(urls)))
     return run
+
+
+def _split(table: Table, prompts: list[str], replicas: int) -> str:
+    """Distinct prompt leads sent to each replica, most first (`2+2`: two customers on each);
+    a lead sent to two replicas counts on both."""
+    routing = RoutingConfig()
+    leads: dict[str, set[int]] = {f"chat.r{i}": set() for i in range(replicas)}
+    for prompt in prompts:
+        body = {"messages": [{"role": "user", "content": prompt}]}
+        lead = prompt_blocks(routing, "chat", "/v1/chat/completions", body)[routing.min_match_blocks - 1]
+        for key in table.prefixes.holders(lead):
+            leads[key].add(lead)
+    return "+".join(str(n) for n in sorted((len(v) for v in leads.values()), reverse=True))
 
 
 async def _ready(urls: list[str]) -> None:
@@ -270,7 +286,8 @@ def run(*, quick: bool = False) -> str:
                         done = anyio.run(_run, urls, prompts, Run(workload, prefix_aware))
                         print(
                             f"bench: routing: {workload} prefix_aware={prefix_aware}: "
-                            f"p90 TTFT {_p(done.ttft, 90):.2f} s ({done.wall_s:.0f} s)",
+                            f"p90 TTFT {_p(done.ttft, 90):.2f} s ({done.wall_s:.0f} s, "
+                            f"leads per replica {done.splits[-1]})",
                             file=sys.stderr,
                         )
                         runs.append(done)
@@ -300,8 +317,8 @@ def render(
         "minutes on 2 shared cores" + (" (--quick: smaller still)" if quick else "") + ".",
         "",
         "| workload | routing | requests | TTFT p50 | TTFT p90 | tokens/s | prompt tokens from cache "
-        "| routed by a prefix match |",
-        "|---|---|---|---|---|---|---|---|",
+        "| routed by a prefix match | prompt leads per replica, each run |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     summary: dict[tuple[str, bool], Run] = {}
     for run in runs:
@@ -314,6 +331,7 @@ def render(
         into.wall_s += run.wall_s
         into.by_prefix += run.by_prefix
         into.routed += run.routed
+        into.splits += run.splits
     for workload in ("shared", "unshared"):
         for prefix_aware in (True, False):
             s = summary[(workload, prefix_aware)]
@@ -322,7 +340,8 @@ def render(
                 f"| {_p(s.ttft, 50):.2f} s | {_p(s.ttft, 90):.2f} s "
                 f"| {s.completion_tokens / s.wall_s:.2f} "
                 f"| {100 * s.cached_tokens / max(1, s.prompt_tokens):.0f}% "
-                f"| {100 * s.by_prefix / max(1, s.routed):.0f}% |"
+                f"| {100 * s.by_prefix / max(1, s.routed):.0f}% "
+                f"| {', '.join(s.splits) if prefix_aware else '-'} |"
             )
     lines.append("")
     for workload in ("shared", "unshared"):

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import httpx
@@ -74,24 +75,29 @@ KEYS = ["chat.r0", "chat.r1", "chat.r2"]
 async def test_one_customers_long_prefix_lands_on_one_replica_chosen_by_its_lead() -> None:
     with sim_engines([], [], []) as urls:
         async with gateway(urls) as (base, _, client):
+            # Each customer's first request matches no replica: the first goes to its lead's
+            # rendezvous choice (the same in every gateway process); the second to its lead's
+            # choice among the other two (the first's replica holds more than its share of
+            # what was routed); the third to the one left with room. The rest follow them.
+            first = rendezvous(lead(0), KEYS)
+            second = rendezvous(lead(1), [k for k in KEYS if k != first])
+            (third,) = set(KEYS) - {first, second}
             expected = [0, 0, 0]
-            for customer in range(3):
+            for customer, replica in enumerate((first, second, third)):
                 for q in range(4):
                     await ask(client, base, chat(customer, f"question {q}: where is my order?"))
-                # Each customer's first request matched no replica and went to its lead's
-                # rendezvous choice (the same in every gateway process); the rest followed it.
-                expected[KEYS.index(rendezvous(lead(customer), KEYS))] += 4
+                expected[KEYS.index(replica)] += 4
                 assert await served(client, urls) == expected
             # Back to customer 1: to the replica that holds its prefix.
             await ask(client, base, chat(1, "one more question"))
-            expected[KEYS.index(rendezvous(lead(1), KEYS))] += 1
+            expected[KEYS.index(second)] += 1
             assert await served(client, urls) == expected
-            # Each customer's first request went by its lead's hash, every later one by its
-            # prefix: so the operator's scrape says.
+            # Two first requests went by their lead's hash, the third to the only replica with
+            # room, every later one by its prefix: so the operator's scrape says.
             scrape = (await client.get(f"{base}/metrics")).text
-            assert metric(scrape, 'llmgw_gateway_routed_total{deployment="chat",how="hash"}') == 3
+            assert metric(scrape, 'llmgw_gateway_routed_total{deployment="chat",how="hash"}') == 2
+            assert metric(scrape, 'llmgw_gateway_routed_total{deployment="chat",how="load"}') == 1
             assert metric(scrape, 'llmgw_gateway_routed_total{deployment="chat",how="prefix"}') == 10
-            assert 'how="load"' not in scrape
 
 
 async def test_the_load_bound_spills_a_prefix_to_another_replica_when_its_own_is_busy() -> None:
@@ -227,23 +233,76 @@ def customer_blocks(customer: int) -> tuple[int, ...]:
     return prompt_blocks(RoutingConfig(), "chat", "/v1/chat/completions", {"messages": chat(customer, "q")})
 
 
-def test_a_new_prefix_goes_to_the_same_replica_from_two_tables_whatever_each_routed_before() -> None:
+def test_a_new_prefix_goes_to_the_same_replica_from_two_tables_that_routed_the_same_prefixes() -> None:
+    """Two gateway processes (or workers) that were sent the same customers agree on a new
+    customer's replica, whatever else each routed by load (prompts not hashed: embeddings, or
+    prefix-aware routing off for them). What each was sent differing, they may differ where a
+    replica's share is at the bound (`prefix_balance`)."""
     one, two = Table(), Table()
     keys = replicas(one, 4)
     replicas(two, 4)
-    # The second table has routed other prompts (by load, and by their own leads) before.
-    for q in range(5):
-        two.pick("chat", blocks=customer_blocks(100 + q))
+    for _ in range(5):
         two.pick("chat")
-    for customer in range(20):
+    first = one.pick("chat", blocks=customer_blocks(0))
+    assert first is not None
+    assert first[0] == rendezvous(lead(0), keys)
+    assert two.pick("chat", blocks=customer_blocks(0)) == first
+    for customer in range(1, 20):
         blocks = customer_blocks(customer)
         chosen = one.pick("chat", blocks=blocks)
         assert chosen is not None
-        assert chosen == two.pick("chat", blocks=blocks)
-        assert chosen[0] == rendezvous(lead(customer), keys)
-    assert one.routed[("chat", "hash")] == 20
-    # The leads spread over the replicas (20 customers over 4: each takes some).
-    assert {one.pick("chat", blocks=customer_blocks(c))[0] for c in range(20)} == set(keys)  # type: ignore[index]
+        assert chosen == two.pick("chat", blocks=blocks), customer
+    # The leads spread over the replicas: 20 customers over 4, none past prefix_balance x 5.
+    held = Counter(one.pick("chat", blocks=customer_blocks(c))[0] for c in range(20))  # type: ignore[index]
+    assert set(held) == set(keys)
+    assert max(held.values()) <= RoutingConfig().prefix_balance * 20 / 4, held
+
+
+def test_new_prefixes_fill_the_replicas_caches_evenly_even_where_one_is_always_busier() -> None:
+    """Four customers on two replicas, one of which always has a request in flight: by load alone
+    every new customer would go to the other, and its engine's cache would hold four customers
+    while the busier one's held none. Each replica is sent two."""
+    table = Table()
+    keys = replicas(table, 2)
+    table.outstanding[keys[1]] = 1
+    for customer in range(4):
+        table.pick("chat", blocks=customer_blocks(customer))
+    holders = Counter(table.prefixes.holders(lead(c))[0] for c in range(4))
+    assert holders == {keys[0]: 2, keys[1]: 2}
+    assert table.prefixes.sizes[keys[0]] == table.prefixes.sizes[keys[1]] == 2 * len(customer_blocks(0))
+    # Their next questions follow their prefixes, whatever the load.
+    for customer in range(4):
+        chosen = table.pick("chat", blocks=customer_blocks(customer))
+        assert chosen is not None
+        assert chosen[0] == table.prefixes.holders(lead(customer))[0]
+    assert table.routed[("chat", "prefix")] == 4
+    # Room never outweighs the load bound: a replica over it takes no new customer.
+    table.outstanding[keys[1]] = 5
+    table.prefixes.sizes[keys[0]] += 1000
+    chosen = table.pick("chat", blocks=customer_blocks(4))
+    assert chosen is not None
+    assert chosen[0] == keys[0]
+
+
+def test_what_each_replica_was_sent_is_counted_as_the_index_learns_and_forgets() -> None:
+    routing = RoutingConfig(index_blocks=40)
+    table = Table(routing=routing)
+    keys = replicas(table, 2)
+    blocks = customer_blocks(0)
+    table.prefixes.record(blocks, keys[0])
+    table.prefixes.record(blocks, keys[0])
+    assert table.prefixes.sizes == {keys[0]: len(blocks)}
+    # Sent to the other as well (a spill): both hold it.
+    table.prefixes.record(blocks, keys[1])
+    assert table.prefixes.sizes == {keys[0]: len(blocks), keys[1]: len(blocks)}
+    # Forgotten beyond the index's bound: the counts fall with it.
+    for c in range(1, 6):
+        table.prefixes.record(customer_blocks(c), keys[0])
+    assert len(table.prefixes) == 40
+    assert sum(table.prefixes.sizes.values()) == sum(len(h) for h in table.prefixes._held.values())
+    # A replica gone is forgotten, its count with it.
+    table.set_replica(keys[0], None)
+    assert keys[0] not in table.prefixes.sizes
 
 
 def test_a_new_prefix_never_waits_on_a_busy_replica_while_another_is_idle() -> None:
@@ -305,7 +364,10 @@ def test_a_replica_over_the_load_bound_is_skipped_for_the_next_heaviest() -> Non
 
 
 def test_a_replica_leaving_moves_only_the_prefixes_it_held() -> None:
-    before, after = Table(), Table()
+    """Rendezvous hashing's own promise, with the balance of the caches out of the way (it may
+    move a few more, to keep the replicas' shares within prefix_balance)."""
+    routing = RoutingConfig(prefix_balance=1000.0)
+    before, after = Table(routing=routing), Table(routing=routing)
     keys = replicas(before, 4)
     replicas(after, 4)
     after.set_replica("chat.r2", None)

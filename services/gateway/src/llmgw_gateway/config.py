@@ -51,9 +51,9 @@ class HttpConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
 class RoutingConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # Prompts that share a prefix go to the replica the gateway last sent that prefix to (its
     # engine likely holds it in its prompt cache), within the load bound; a prefix it sent
-    # nowhere yet, to the least busy replica, ties to the one its first min_match_blocks blocks
-    # hash to (the same choice in every gateway process and worker); false: least outstanding
-    # requests only.
+    # nowhere yet, to the least busy replica with room for it (prefix_balance), ties to the one
+    # its first min_match_blocks blocks hash to (the same choice in every gateway process and
+    # worker that was sent the same prefixes); false: least outstanding requests only.
     prefix_aware: bool = True
     # The prompt is hashed in blocks of this many bytes (of its text as the request carries it),
     # each block's hash covering every block before it.
@@ -67,6 +67,11 @@ class RoutingConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # A replica takes a request for its prefix only while its requests in flight are at most
     # load_factor times the mean over the deployment's replicas, plus one.
     load_factor: Annotated[float, Meta(ge=1.0)] = 1.25
+    # A prefix no replica holds goes only to a replica that was sent at most prefix_balance
+    # times the mean of the prompt blocks (the index's) the deployment's replicas were sent: the
+    # replicas' prompt caches fill evenly, a replica's cache never holding a larger share of the
+    # customers while another's has room.
+    prefix_balance: Annotated[float, Meta(ge=1.0)] = 1.25
     # Block hashes remembered (least recently routed forgotten first), across deployments.
     index_blocks: Annotated[int, Meta(ge=1)] = 65536
 
