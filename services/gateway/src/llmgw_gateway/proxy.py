@@ -335,7 +335,8 @@ class Proxy:
             "llmgw_gateway_routed",
             "Replicas chosen per deployment, by what chose them: prefix (the replica the prompt's "
             "leading blocks were last sent to, within the load bound) or load (least outstanding "
-            "requests: none within the bound, or no lead) or hash (a lead none holds). A retry counts again.",
+            "requests: none within the bound, no lead, or one replica with room for a new one) or hash (a "
+            "lead none holds, among the least busy with room). A retry counts again.",
             labels=["deployment", "how"],
         )
         for (deployment, how), n in sorted(self.table.routed.items()):
