@@ -81,17 +81,23 @@ class GatewayProcess:
 
     proc: subprocess.Popen[bytes]
     log: Path
+    # Where its own lines begin in the log (an earlier process of the same name wrote before).
+    start: int = 0
 
     def text(self) -> str:
-        return self.log.read_text(errors="replace")
+        """What this process wrote to its log."""
+        with self.log.open("rb") as f:
+            f.seek(self.start)
+            return f.read().decode(errors="replace")
 
     async def endpoint(self, timeout: float = 60) -> str:
         """Its base URL, once it printed its endpoint (failing at once if it exits first)."""
 
         def found() -> str:
-            assert self.proc.poll() is None, self.text()
-            m = re.search(r"OpenAI endpoint on (http://\S+)/v1", self.text())
-            assert m, self.text()
+            text = self.text()
+            assert self.proc.poll() is None, text
+            m = re.search(r"OpenAI endpoint on (http://\S+)/v1", text)
+            assert m, text
             return m.group(1)
 
         return await eventually(found, timeout=timeout, interval=0.1)
@@ -123,6 +129,7 @@ def gateway_process(
         if open_files is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
 
+    start = log.stat().st_size if log.exists() else 0
     with log.open("ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "llmgw_gateway", "--config", str(path), *args],
@@ -132,7 +139,7 @@ def gateway_process(
             preexec_fn=limit if open_files is not None else None,
         )
     try:
-        yield GatewayProcess(proc, log)
+        yield GatewayProcess(proc, log, start)
     finally:
         if proc.poll() is None:
             proc.terminate()
