@@ -40,7 +40,7 @@ import anyio
 import httpx
 
 from bench.procs import terminate
-from llmgw_core.events import ReplicaRecord
+from llmgw_core.events import Deployment, ReplicaRecord
 from llmgw_gateway import Table
 from llmgw_gateway.config import RoutingConfig
 from llmgw_gateway.routing import prompt_blocks
@@ -214,25 +214,39 @@ async def _ready(urls: list[str]) -> None:
                 await anyio.sleep(0.2)
 
 
+FLEET = 500
+
+
 def decision_time(replicas: int = 16, prefixes: int = 2000, rounds: int = 2000) -> dict[str, float]:
-    """Microseconds per routing decision (hash the prompt's lead, then choose), median of
-    `rounds`, at `replicas` ready replicas with `prefixes` 4 KB prompts in the index."""
+    """Microseconds per routing decision (find the deployment the `model` names, hash the
+    prompt's lead, then choose), median of `rounds`, at `replicas` ready replicas with `prefixes`
+    4 KB prompts in the index; and the same with FLEET - 1 other deployments of as many replicas
+    each in the table."""
     rnd = random.Random(1)
     out: dict[str, float] = {}
-    for label, routing, size in (
-        ("4 KB prompt, prefix-aware", RoutingConfig(), 4096),
-        ("200 KB prompt, prefix-aware (its first 32 KB hashed)", RoutingConfig(), 200_000),
-        ("4 KB prompt, prefix-aware off", RoutingConfig(prefix_aware=False), 4096),
+    for label, routing, size, deployments in (
+        ("4 KB prompt, prefix-aware", RoutingConfig(), 4096, 1),
+        ("200 KB prompt, prefix-aware (its first 32 KB hashed)", RoutingConfig(), 200_000, 1),
+        ("4 KB prompt, prefix-aware off", RoutingConfig(prefix_aware=False), 4096, 1),
+        (
+            f"4 KB prompt, prefix-aware, {FLEET * replicas:,} replicas of {FLEET} deployments",
+            RoutingConfig(),
+            4096,
+            FLEET,
+        ),
     ):
         table = Table(routing=routing)
-        for i in range(replicas):
-            table.set_replica(
-                f"chat.r{i}",
-                ReplicaRecord(
-                    deployment="chat", replica=f"r{i}", profile="p", profile_fp="x", state="ready", url="u"
-                ),
-            )
-            table.outstanding[f"chat.r{i}"] = rnd.randrange(4)
+        for d in range(deployments):
+            name = "chat" if d == 0 else f"other-{d}"
+            table.set_deployment(name, Deployment(name=name, profile="p", aliases=(f"{name}-alias",)))
+            for i in range(replicas):
+                table.set_replica(
+                    f"{name}.r{i}",
+                    ReplicaRecord(
+                        deployment=name, replica=f"r{i}", profile="p", profile_fp="x", state="ready", url="u"
+                    ),
+                )
+                table.outstanding[f"{name}.r{i}"] = rnd.randrange(4)
         bodies = [
             {"model": "chat", "messages": [{"role": "user", "content": _text(rnd, size)}]}
             for _ in range(min(prefixes, 50) if size > 10_000 else prefixes)
@@ -243,7 +257,9 @@ def decision_time(replicas: int = 16, prefixes: int = 2000, rounds: int = 2000) 
         for i in range(rounds):
             body = bodies[i % len(bodies)]
             t = time.perf_counter()
-            table.pick("chat", blocks=prompt_blocks(routing, "chat", "/v1/chat/completions", body))
+            deployment = table.resolve(body["model"])
+            assert deployment is not None
+            table.pick(deployment, blocks=prompt_blocks(routing, deployment, "/v1/chat/completions", body))
             times.append(time.perf_counter() - t)
         out[label] = statistics.median(times) * 1e6
     return out
@@ -353,8 +369,8 @@ def render(
         )
     lines += [
         "",
-        "Routing decision time (hash the prompt's lead, then choose), median, 16 ready replicas, "
-        "index warm with 2,000 prompts:",
+        "Routing decision time (find the deployment the model names, hash the prompt's lead, then "
+        "choose), median, 16 ready replicas, index warm with 2,000 prompts:",
         "",
         "| prompt | µs per decision |",
         "|---|---|",

@@ -16,7 +16,7 @@ import pytest
 
 from llmgw_core.config import loads
 from llmgw_core.errors import ConfigError
-from llmgw_core.events import ReplicaRecord
+from llmgw_core.events import Deployment, ReplicaRecord
 from llmgw_gateway import GatewayConfig, Table
 from llmgw_gateway.config import RoutingConfig
 from llmgw_gateway.routing import prompt_blocks, rendezvous
@@ -395,3 +395,57 @@ def test_a_prompt_too_short_for_a_lead_goes_by_load() -> None:
     chosen = [table.pick("chat", blocks=short) for _ in range(3)]
     assert sorted(c[0] for c in chosen if c is not None) == ["chat.r0", "chat.r1", "chat.r2"]
     assert table.routed[("chat", "load")] == 3
+
+
+def test_the_table_finds_a_deployments_replicas_and_names_among_many_as_it_did_among_few() -> None:
+    """The table keeps its records by deployment and its names ready-made: what it answers is
+    what it answered reading every record, whatever the order of the changes."""
+    table = Table()
+    table.set_deployment("b", Deployment(name="b", profile="p", aliases=("shared", "bee")))
+    table.set_deployment("a", Deployment(name="a", profile="p", aliases=("shared",)))
+    table.set_deployment("shared", None)
+    for d in ("a", "b", "orphan"):
+        for i in range(3):
+            table.set_replica(
+                f"{d}.r{i}",
+                ReplicaRecord(
+                    deployment=d, replica=f"r{i}", profile="p", profile_fp="x", state="ready", url="u"
+                ),
+            )
+    # Names, then aliases (the first deployment by name wins one claimed twice); a deployment
+    # with records and no entry in the deployments bucket is known by its name.
+    assert [table.resolve(m) for m in ("a", "b", "shared", "bee", "orphan", "none")] == [
+        "a",
+        "b",
+        "a",
+        "b",
+        "orphan",
+        None,
+    ]
+    assert table.known() == ["a", "b", "orphan"]
+    table.known().append("changed")
+    assert table.known() == ["a", "b", "orphan"]
+    # A deployment's own records only, in key order.
+    assert [k for k, _ in table.of("b")] == ["b.r0", "b.r1", "b.r2"]
+    # A key whose record names another deployment moves with it.
+    table.set_replica(
+        "b.r2",
+        ReplicaRecord(deployment="orphan", replica="r2", profile="p", profile_fp="x", state="ready", url="u"),
+    )
+    assert [k for k, _ in table.of("b")] == ["b.r0", "b.r1"]
+    assert [k for k, _ in table.of("orphan")] == ["b.r2", "orphan.r0", "orphan.r1", "orphan.r2"]
+    # The last record of a deployment not in the bucket gone: no longer known.
+    for key in ("b.r2", "orphan.r0", "orphan.r1", "orphan.r2"):
+        table.set_replica(key, None)
+    assert table.of("orphan") == []
+    assert table.known() == ["a", "b"]
+    assert table.resolve("orphan") is None
+    # An alias changed in the bucket: resolved anew.
+    table.set_deployment("b", Deployment(name="b", profile="p", aliases=("shared", "wasp")))
+    assert (table.resolve("bee"), table.resolve("wasp"), table.resolve("shared")) == (None, "b", "a")
+    table.set_deployment("a", None)
+    assert table.resolve("shared") == "b"
+    assert table.known() == ["a", "b"]  # a's records are still there
+    for i in range(3):
+        table.set_replica(f"a.r{i}", None)
+    assert table.known() == ["b"]

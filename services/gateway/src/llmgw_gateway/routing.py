@@ -251,6 +251,14 @@ class Table:
     # none within the bound, a lead every candidate holds, or too few blocks to have a lead).
     # A retry chooses again and counts again.
     routed: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # The same records by deployment: a request reads its deployment's alone, never every
+    # replica of the cluster (at 10,000 replicas a scan of them all cost about 0.25 ms a choice
+    # and 0.4 ms a name, more than the rest of the gateway's work on a request).
+    _of: dict[str, dict[str, ReplicaRecord]] = field(default_factory=dict, init=False, repr=False)
+    # `known()` and each alias's deployment, made again at the first read after a change of the
+    # deployments, or of which deployments have records.
+    _known: list[str] | None = field(default=None, init=False, repr=False)
+    _alias_of: dict[str, str] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prefixes = PrefixIndex(self.routing.index_blocks)
@@ -262,24 +270,38 @@ class Table:
             self.deployments.pop(name, None)
         else:
             self.deployments[name] = value
+        self._known = self._alias_of = None
 
     def set_status(self, status: DeploymentStatus) -> None:
         self.statuses[status.deployment] = status
 
     def set_replica(self, key: str, value: ReplicaRecord | None) -> None:
+        old = self.replicas.get(key)
+        if old is not None and (value is None or value.deployment != old.deployment):
+            group = self._of[old.deployment]
+            del group[key]
+            if not group:
+                del self._of[old.deployment]
+                self._known = None
         if value is None:
             if self.replicas.pop(key, None) is not None:
                 self.prefixes.forget(key)
             self._last_pick.pop(key, None)
         else:
             self.replicas[key] = value
+            if value.deployment not in self._of:
+                self._of[value.deployment] = {}
+                self._known = None
+            self._of[value.deployment][key] = value
 
     # --- names -------------------------------------------------------------------
 
     def known(self) -> list[str]:
         """Every deployment the gateway knows, sorted: from the deployments bucket, and any
         deployment that still has replica records (one being deleted, or a bucket it cannot read)."""
-        return sorted({*self.deployments, *(r.deployment for r in self.replicas.values())})
+        if self._known is None:
+            self._known = sorted({*self.deployments, *self._of})
+        return list(self._known)
 
     def aliases(self, deployment: str) -> tuple[str, ...]:
         d = self.deployments.get(deployment)
@@ -288,13 +310,15 @@ class Table:
     def resolve(self, model: str) -> str | None:
         """The deployment that `model` names: its name, else an alias (the first deployment
         by name wins where two claim the same alias)."""
-        known = self.known()
-        if model in known:
+        if model in self.deployments or model in self._of:
             return model
-        for name in known:
-            if model in self.aliases(name):
-                return name
-        return None
+        if self._alias_of is None:
+            alias_of: dict[str, str] = {}
+            for name in sorted(self.deployments):
+                for alias in self.deployments[name].aliases:
+                    alias_of.setdefault(alias, name)
+            self._alias_of = alias_of
+        return self._alias_of.get(model)
 
     def describe_known(self) -> str:
         parts = []
@@ -306,7 +330,8 @@ class Table:
     # --- choosing ----------------------------------------------------------------
 
     def of(self, deployment: str) -> list[tuple[str, ReplicaRecord]]:
-        return sorted((k, r) for k, r in self.replicas.items() if r.deployment == deployment)
+        group = self._of.get(deployment)
+        return sorted(group.items()) if group else []
 
     def ready(self, deployment: str) -> list[tuple[str, ReplicaRecord]]:
         return [(k, r) for k, r in self.of(deployment) if r.state == "ready" and r.url]
