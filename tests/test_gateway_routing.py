@@ -269,7 +269,7 @@ def test_new_prefixes_fill_the_replicas_caches_evenly_even_where_one_is_always_b
         table.pick("chat", blocks=customer_blocks(customer))
     holders = Counter(table.prefixes.holders(lead(c))[0] for c in range(4))
     assert holders == {keys[0]: 2, keys[1]: 2}
-    assert table.prefixes.sizes[keys[0]] == table.prefixes.sizes[keys[1]] == 2 * len(customer_blocks(0))
+    assert table.prefixes.size(keys[0]) == table.prefixes.size(keys[1]) == 2 * len(customer_blocks(0))
     # Their next questions follow their prefixes, whatever the load.
     for customer in range(4):
         chosen = table.pick("chat", blocks=customer_blocks(customer))
@@ -278,7 +278,8 @@ def test_new_prefixes_fill_the_replicas_caches_evenly_even_where_one_is_always_b
     assert table.routed[("chat", "prefix")] == 4
     # Room never outweighs the load bound: a replica over it takes no new customer.
     table.outstanding[keys[1]] = 5
-    table.prefixes.sizes[keys[0]] += 1000
+    for customer in range(10, 20):
+        table.prefixes.record(customer_blocks(customer), keys[0])
     chosen = table.pick("chat", blocks=customer_blocks(4))
     assert chosen is not None
     assert chosen[0] == keys[0]
@@ -289,20 +290,24 @@ def test_what_each_replica_was_sent_is_counted_as_the_index_learns_and_forgets()
     table = Table(routing=routing)
     keys = replicas(table, 2)
     blocks = customer_blocks(0)
-    table.prefixes.record(blocks, keys[0])
-    table.prefixes.record(blocks, keys[0])
-    assert table.prefixes.sizes == {keys[0]: len(blocks)}
+    index = table.prefixes
+    index.record(blocks, keys[0])
+    index.record(blocks, keys[0])
+    assert (index.size(keys[0]), index.size(keys[1])) == (len(blocks), 0)
     # Sent to the other as well (a spill): both hold it.
-    table.prefixes.record(blocks, keys[1])
-    assert table.prefixes.sizes == {keys[0]: len(blocks), keys[1]: len(blocks)}
+    index.record(blocks, keys[1])
+    assert (index.size(keys[0]), index.size(keys[1])) == (len(blocks), len(blocks))
     # Forgotten beyond the index's bound: the counts fall with it.
     for c in range(1, 6):
-        table.prefixes.record(customer_blocks(c), keys[0])
-    assert len(table.prefixes) == 40
-    assert sum(table.prefixes.sizes.values()) == sum(len(h) for h in table.prefixes._held.values())
-    # A replica gone is forgotten, its count with it.
+        index.record(customer_blocks(c), keys[0])
+    assert len(index) == 40
+    assert index.size(keys[0]) + index.size(keys[1]) == sum(len(h) for h in index._held.values())
+    assert index.size(keys[1]) == 0  # its blocks were the least recently routed
+    # A replica gone is forgotten: its blocks, and its count with them.
+    index.record(customer_blocks(6), keys[1])
     table.set_replica(keys[0], None)
-    assert keys[0] not in table.prefixes.sizes
+    assert index.size(keys[0]) == 0
+    assert len(index) == index.size(keys[1]) == len(customer_blocks(6))
 
 
 def test_a_new_prefix_never_waits_on_a_busy_replica_while_another_is_idle() -> None:

@@ -23,7 +23,7 @@ others evicts what it will be asked for again while the others' caches have
 room. Measured with two one-slot llama-servers caching 3 contexts each, and
 4 customers: sent 2 and 2, 91% of prompt tokens came from the caches and p90
 TTFT was 0.6 s; sent 3 and 1, 66-73% and 3.2 s, worse than least outstanding.
-So the index counts the blocks each replica was sent (`PrefixIndex.sizes`,
+So the index counts the blocks each replica was sent (`PrefixIndex.size`,
 kept as it learns and forgets), and a new prefix goes only to a replica within
 the load bound whose count is at most `prefix_balance` x the candidates' mean
 (consistent hashing with bounded loads, the load being cache: SGLang's router
@@ -175,15 +175,20 @@ class PrefixIndex:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._held: OrderedDict[int, list[str]] = OrderedDict()
-        # Blocks held per replica key: how much of the prompts routed lately each was sent, the
-        # gateway's measure of what its engine's prompt cache holds.
-        self.sizes: Counter[str] = Counter()
+        # The blocks each replica key holds: how much of the prompts routed lately each was sent
+        # (`size`, the gateway's measure of what its engine's prompt cache holds), and what to
+        # drop when it is gone without reading the whole index.
+        self._blocks: dict[str, set[int]] = {}
 
     def __len__(self) -> int:
         return len(self._held)
 
     def holders(self, block: int) -> list[str]:
         return self._held.get(block, [])
+
+    def size(self, key: str) -> int:
+        """How many of the index's blocks replica `key` was sent."""
+        return len(self._blocks.get(key, ()))
 
     def deepest(self, blocks: Sequence[int]) -> int:
         """How many of `blocks` lead to one held (0: none), by bisection: a prompt's blocks are
@@ -200,35 +205,36 @@ class PrefixIndex:
 
     def record(self, blocks: Sequence[int], key: str) -> None:
         held = self._held
-        sizes = self.sizes
+        own = self._blocks.get(key)
+        if own is None:
+            own = self._blocks[key] = set()
         # Deepest first: the shallow blocks, shared by more prompts, are the last forgotten.
         for block in reversed(blocks):
             keys = held.get(block)
             if keys is None:
                 held[block] = [key]
-                sizes[key] += 1
+                own.add(block)
             else:
                 held.move_to_end(block)
                 if keys[-1] != key:
                     if key in keys:
                         keys.remove(key)
                     else:
-                        sizes[key] += 1
+                        own.add(block)
                     keys.append(key)
         while len(held) > self.capacity:
-            for gone in held.popitem(last=False)[1]:
-                sizes[gone] -= 1
-                if not sizes[gone]:
-                    del sizes[gone]
+            block, keys = held.popitem(last=False)
+            for gone in keys:
+                self._blocks[gone].discard(block)
 
     def forget(self, key: str) -> None:
-        """Drop a replica gone from the table: its prefixes go to others from now on."""
-        for block in [b for b, keys in self._held.items() if key in keys]:
+        """Drop a replica gone from the table: its prefixes go to others from now on. Reads only
+        its own blocks: a node's failure removes many replicas at once."""
+        for block in self._blocks.pop(key, ()):
             keys = self._held[block]
             keys.remove(key)
             if not keys:
                 del self._held[block]
-        self.sizes.pop(key, None)
 
 
 @dataclass
@@ -401,13 +407,13 @@ class Table:
     def _roomy(self, candidates: dict[str, ReplicaRecord]) -> list[str]:
         """Where a new prefix may go: the candidates within the load bound that were sent at
         most `prefix_balance` times the mean of the prompt blocks the candidates were sent (the
-        index's sizes); those within the load bound where none of them is (never none: the
+        index's `size`); those within the load bound where none of them is (never none: the
         least busy is within it)."""
         bound = self._bound(candidates)
         within = [k for k in candidates if self.outstanding[k] <= bound]
-        sizes = self.prefixes.sizes
-        limit = self.routing.prefix_balance * sum(sizes[k] for k in candidates) / len(candidates)
-        return [k for k in within if sizes[k] <= limit] or within
+        size = self.prefixes.size
+        limit = self.routing.prefix_balance * sum(size(k) for k in candidates) / len(candidates)
+        return [k for k in within if size(k) <= limit] or within
 
     def _least_busy(self, candidates: Sequence[str]) -> list[str]:
         """The candidates with the fewest requests in flight (never none)."""
