@@ -43,11 +43,11 @@ heaviest takes it: processes that see the same replicas idle and were sent
 the same prefixes pick the same one, so the one that routed it goes there by
 its index and the others by the same weights (where their counts differ near
 the bound, they may not). A replica gone moves only the prefixes it won,
-unless the balance moves more. The lead's
-hash is blake2b of its text (the same in every process, unlike Python's `hash`
-of bytes, keyed per process): about 3 us for the 1 KiB lead of the defaults,
-once per request; the weights, splitmix64 over the lead's and each key's hash,
-under 1 us per candidate, paid only by a request whose lead is new.
+unless the balance moves more. The lead's hash is blake2b of its text (the
+same in every process, unlike Python's `hash` of bytes, keyed per process):
+about 3 us for the 1 KiB lead of the defaults, once per request; the weights,
+splitmix64 over the lead's and each key's hash, under 1 us per candidate, paid
+only by a request whose lead is new.
 A lead shorter than `min_match_blocks` is no lead: short prompts, and a short
 shared system prompt, keep going by load.
 
