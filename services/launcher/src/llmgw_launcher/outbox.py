@@ -63,6 +63,8 @@ class StatusOutbox:
         # Each shard's newest status that the bucket did not take, written again after a pause.
         self._retry: dict[str, Queued] = {}
         self._retry_due = False
+        # The shards of the batch being sent: each has a status newer than any waiting retry.
+        self._in_flight: frozenset[str] = frozenset()
         self._retrying = Retry(
             log,
             f"{node}: writing shard statuses to the status bucket",
@@ -111,6 +113,7 @@ class StatusOutbox:
         try:
             while self._pending:
                 batch, self._pending = self._pending, {}
+                self._in_flight = frozenset(batch)
                 # Shielded: a batch taken off the queue is sent, or given up at the timeout.
                 failure: BaseException | str | None = None
                 with anyio.CancelScope(shield=True), anyio.move_on_after(SEND_TIMEOUT_S) as scope:
@@ -125,6 +128,7 @@ class StatusOutbox:
                 self.batches += 1
                 self.sent += count
         finally:
+            self._in_flight = frozenset()
             self._sending = False
             self._idle.set()
 
@@ -153,7 +157,10 @@ class StatusOutbox:
         self._retry_due = False
         retry, self._retry = self._retry, {}
         for shard, queued in retry.items():
-            self._pending.setdefault(shard, [queued])  # a newer status queued meanwhile wins
+            # A newer status queued or on its way meanwhile wins: written after it lands, this
+            # one would put the bucket back for good. If that newer one fails, it is retried.
+            if shard not in self._in_flight:
+                self._pending.setdefault(shard, [queued])
         if self._pending and self._tg is not None:
             self._start(self._tg)
 
