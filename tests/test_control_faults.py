@@ -240,6 +240,9 @@ async def test_a_node_silent_altogether_makes_readiness_unknown_then_fails_over(
         )
         await eventually(lambda: _count(ready_replicas(bus, "chat"), 1), timeout=20)
         await cp.start_fleet(["n1"], gpus=8)
+        # Heard by placement before it falls silent: else `ctl nodes` rightly says n0 was never
+        # heard since placement started, and not for how long it has been silent.
+        await eventually(lambda: "n0" in p.service.state.last_seen, timeout=20)
         silent_node.cancel()  # n0's agent stops: no heartbeat, no status update
         states: list[str] = []
 
