@@ -81,8 +81,11 @@ async def ready(bus: Bus, key: str) -> ReplicaRecord:
     return await eventually(check, timeout=60, interval=0.2)
 
 
-def metric(text: str, line: str) -> float:
+def metric(text: str, line: str, absent: float | None = None) -> float:
+    """The value of a scraped sample; `absent` where a counter not yet counted may be missing."""
     m = re.search(rf"^{re.escape(line)} (\S+)$", text, re.MULTILINE)
+    if m is None and absent is not None:
+        return absent
     assert m, f"{line} not in:\n{text}"
     return float(m.group(1))
 

@@ -24,6 +24,7 @@ from llmgw_core.events import Deployment
 from tests.cluster_support import cluster, sim_catalog
 from tests.gateway_support import proxy_over
 from tests.test_gateway import metric, ready, running_gateway
+from tests.test_gateway_upstream import answer, read_request, server
 from tests.test_sim_engine import free_port
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
@@ -161,8 +162,8 @@ async def test_a_replica_that_dies_before_answering_costs_a_retry_on_another() -
                 served = metric((await raw.get(f"{urls[1]}/metrics")).text, "llmgw_sim_requests_total")
             # r0 asked once more on a connection of its own (refused, or reset by a process on
             # its way out), then r1.
-            reset = metric(scrape, 'llmgw_gateway_errors_total{deployment="chat",reason="reset"}')
-            connect = metric(scrape, 'llmgw_gateway_errors_total{deployment="chat",reason="connect"}')
+            reset = metric(scrape, 'llmgw_gateway_errors_total{deployment="chat",reason="reset"}', 0)
+            connect = metric(scrape, 'llmgw_gateway_errors_total{deployment="chat",reason="connect"}', 0)
             assert reset >= 1
             assert reset + connect == 2
             assert served == 1
@@ -177,42 +178,32 @@ async def closing_after_one_answer() -> AsyncIterator[str]:
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         answered = 0
-        try:
-            while head := await reader.readuntil(b"\r\n\r\n"):
-                length = re.search(rb"(?i)content-length: *(\d+)", head)
-                await reader.readexactly(int(length.group(1)) if length else 0)
-                if answered:
-                    return
-                body = b'{"object":"list","data":[{"id":"chat","object":"model"}]}'
-                if head.startswith(b"POST"):
-                    body = json.dumps(
-                        {
-                            "id": "c",
-                            "object": "chat.completion",
-                            "model": "chat",
-                            "choices": [
-                                {
-                                    "index": 0,
-                                    "message": {"role": "assistant", "content": "hi"},
-                                    "finish_reason": "stop",
-                                }
-                            ],
-                        }
-                    ).encode()
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-                )
-                await writer.drain()
-                answered += 1
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+        while True:
+            head = await read_request(reader)
+            if answered:
+                return
+            body = b'{"object":"list","data":[{"id":"chat","object":"model"}]}'
+            if head.startswith(b"POST"):
+                body = json.dumps(
+                    {
+                        "id": "c",
+                        "object": "chat.completion",
+                        "model": "chat",
+                        "choices": [
+                            {
+                                "index": 0,
+                                "message": {"role": "assistant", "content": "hi"},
+                                "finish_reason": "stop",
+                            }
+                        ],
+                    }
+                ).encode()
+            writer.write(answer(body))
+            await writer.drain()
+            answered += 1
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    async with server:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with server(serve) as (url, _):
+        yield url
 
 
 async def test_a_replica_that_closed_a_pooled_connection_is_asked_again_on_a_new_one() -> None:

@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-import aiohttp
 import anyio
 import httpx
 from opentelemetry import propagate, trace
@@ -50,7 +49,7 @@ from .holds import FULL_RETRY_AFTER_S, RESTART_RETRY_AFTER_S, TIMEOUT_RETRY_AFTE
 from .keyring import Keyring, file_keys
 from .limits import json_nests_deeper, shown
 from .routing import Table, prompt_blocks
-from .upstream import FAILED, REFUSED, Upstream, before_answer
+from .upstream import FAILED, REFUSED, Answer, Upstream, before_answer
 from .usage import JsonTail, Meter, Usage, read_events
 
 log = logging.getLogger("llmgw.gateway")
@@ -73,6 +72,9 @@ _HOP = frozenset(
 )
 # Also dropped from a replica's answer: the gateway's HTTP server sets its own `Date`.
 _HOP_OUT = _HOP | {"date"}
+# As the ASGI server and the replica connections carry them.
+_HOP_BYTES = frozenset(h.encode() for h in _HOP)
+_HOP_OUT_BYTES = frozenset(h.encode() for h in _HOP_OUT)
 # The proxied paths (POST, routed by the body's `model`).
 ROUTED = (
     "/v1/chat/completions",
@@ -565,8 +567,10 @@ class Proxy:
             # The client's trace continues here (its `traceparent`, if any), on to the engine.
             context=propagate.extract(request.headers),
             kind=trace.SpanKind.SERVER,
-            attributes=_server_attributes(request, model, deployment),
         )
+        if span.is_recording():
+            # Read only where traces are kept (OTEL_EXPORTER_OTLP_ENDPOINT set).
+            span.set_attributes(_server_attributes(request, model, deployment))
         try:
             return await self._forward(
                 request, payload, body, model, deployment, span, arrived, unserved, key=key, strip=strip
@@ -650,9 +654,14 @@ class Proxy:
         path: str = request.scope["path"]
         # The prompt's leading blocks, hashed once for every attempt (bounded: routing: max_blocks).
         blocks = prompt_blocks(self.table.routing, deployment, path, payload)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        # The request's headers as the server read them (names in lower case), less the
+        # hop-by-hop ones, the trace's continued in the gateway's span.
+        context: dict[str, str] = {}
         with trace.use_span(span, end_on_exit=False):
-            propagate.inject(headers)
+            propagate.inject(context)
+        traced = {k.encode() for k in context}
+        headers = [(k, v) for k, v in request.scope["headers"] if k not in _HOP_BYTES and k not in traced]
+        headers += [(k.encode(), v.encode("latin-1")) for k, v in context.items()]
         tried: set[str] = set(unserved)
         failures: list[str] = []
         # A replica that closed a pooled connection as the request came is asked once more, on a
@@ -702,9 +711,7 @@ class Proxy:
                 content = body
                 if served is not None and served != model:
                     content = json.dumps({**payload, "model": served}).encode()
-                upstream = await self.upstream.session.request(
-                    request.method, record.url + path, data=content, headers=headers
-                )
+                upstream = await self.upstream.request(request.method, record.url, path, content, headers)
             except FAILED as exc:
                 if not before_answer(exc):
                     self._release(chosen_key, deployment)
@@ -748,10 +755,13 @@ class Proxy:
             span.set_status(trace.StatusCode.ERROR)
         if status >= 500:
             self.metrics.errors.labels(deployment, "upstream_status").inc()
-        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_OUT}
-        sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
-        response = StreamingResponse if sse else PassedResponse
-        return response(
+        out_headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_OUT_BYTES]
+        sse = upstream.header(b"content-type").startswith("text/event-stream")
+        if upstream.complete and not sse:
+            # The whole answer came with its head (an engine sends an answer not streamed once
+            # it is done): passed on in one piece, with its length.
+            return self._whole(upstream, out_headers, chosen_key, deployment, span, arrived, key)
+        response = (StreamingResponse if sse else PassedResponse)(
             self._relay(
                 upstream,
                 chosen_key,
@@ -763,8 +773,36 @@ class Proxy:
                 strip=strip,
             ),
             status_code=status,
-            headers=out_headers,
         )
+        response.raw_headers = out_headers
+        return response
+
+    def _whole(
+        self,
+        upstream: Answer,
+        headers: list[tuple[bytes, bytes]],
+        key: str,
+        deployment: str,
+        span: trace.Span,
+        arrived: float,
+        api_key: ApiKey,
+    ) -> Response:
+        """A replica's answer already read whole, as the client gets it, counted as `_relay`
+        counts one passed on in pieces."""
+        self.metrics.of(deployment).ttfb.observe(time.monotonic() - arrived)
+        body = upstream.body()
+        upstream.release()
+        meter = Meter()
+        tail = JsonTail(upstream.header(b"content-encoding"))
+        tail.feed(body)
+        tail.read(meter)
+        self._done(key, deployment, span, api_key, meter)
+        response = Response(status_code=upstream.status)
+        if upstream.status >= 200 and upstream.status not in (204, 304):
+            headers.append((b"content-length", b"%d" % len(body)))
+        response.raw_headers = headers
+        response.body = body
+        return response
 
     # --- held requests ------------------------------------------------------------
 
@@ -871,7 +909,7 @@ class Proxy:
 
     async def _relay(
         self,
-        upstream: aiohttp.ClientResponse,
+        upstream: Answer,
         key: str,
         deployment: str,
         span: trace.Span,
@@ -884,13 +922,13 @@ class Proxy:
         first = True
         meter = Meter()
         # A JSON answer: its end, read for its usage once whole.
-        tail = JsonTail(upstream.headers.get("content-encoding", "")) if not sse else None
+        tail = JsonTail(upstream.header(b"content-encoding")) if not sse else None
         # Server-sent events (`sse` is the request's path): passed on whole, up to the last
         # blank line of each chunk, so that a stream broken off mid-event can still end with a
         # well-formed error event.
         pending = b""
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream.chunks():
                 if first:
                     first = False
                     self.metrics.of(deployment).ttfb.observe(time.monotonic() - arrived)
@@ -930,19 +968,21 @@ class Proxy:
                 self.metrics.errors.labels(deployment, "upstream").inc()
                 raise BrokenAnswer(f"{deployment}: {key} broke off its answer: {failure}") from exc
         finally:
-            # Read to its end, the connection goes back to the pool; else it is closed.
-            if upstream.content.at_eof():
-                upstream.release()
-            else:
-                upstream.close()
-            self._release(key, deployment)
-            self.usage.add(api_key.name, deployment, meter)
-            self.budgets.charge(api_key, meter.prompt + meter.completion)
-            if meter.prompt:
-                span.set_attribute("gen_ai.usage.input_tokens", meter.prompt)
-            if meter.completion:
-                span.set_attribute("gen_ai.usage.output_tokens", meter.completion)
-            span.end()
+            # Read to its end, the connection is back in the pool already; else it is closed.
+            upstream.release()
+            self._done(key, deployment, span, api_key, meter)
+
+    def _done(self, key: str, deployment: str, span: trace.Span, api_key: ApiKey, meter: Meter) -> None:
+        """A replica's answer passed on, whole or not: its replica's count released, its tokens
+        recorded and charged, its span ended."""
+        self._release(key, deployment)
+        self.usage.add(api_key.name, deployment, meter)
+        self.budgets.charge(api_key, meter.prompt + meter.completion)
+        if meter.prompt:
+            span.set_attribute("gen_ai.usage.input_tokens", meter.prompt)
+        if meter.completion:
+            span.set_attribute("gen_ai.usage.output_tokens", meter.completion)
+        span.end()
 
 
 def _server_attributes(request: Request, model: str, deployment: str) -> dict[str, str | int]:
