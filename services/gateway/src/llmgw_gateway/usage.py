@@ -9,8 +9,13 @@ Prompt tokens are `prompt_tokens` or `input_tokens`, completion tokens `completi
 or `output_tokens`; where one answer says them more than once, the largest counts.
 
 A record is written with a message id of its own, so one retried after a reconnect is
-stored once; records a write could not store are kept and sent with the next. What a
-gateway killed had not written yet (up to FLUSH_S of its usage) is lost.
+stored once; records a write could not store are kept and sent with the next. While the
+bus cannot store them, a key and deployment's records never tried are summed into one (its
+interval the union of theirs), so an outage of any length keeps at most two records per key
+and deployment in memory, and the bus's return costs that many writes, not one per second
+of outage; the record being written keeps its id and counts, so a retry of it that lands
+twice is still stored once. What a gateway killed had not written yet (up to FLUSH_S of its
+usage, and what an outage kept) is lost.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
 from llmgw_core.bus import Bus
@@ -129,6 +135,8 @@ class Usage:
         self._since = time.time()
         # Each with its message id, kept across tries.
         self._unsent: list[tuple[str, UsageRecord]] = []
+        # The id of the record handed to the bus last: it may be stored, so it is never changed.
+        self._tried = ""
         self.prompt_tokens = Counter(
             "llmgw_gateway_prompt_tokens",
             "Prompt tokens per API key and deployment, as the engines answered them.",
@@ -175,14 +183,40 @@ class Usage:
             for (k, d), (p, c, n) in sorted(counts.items())
         ]
 
+    def _keep(self, records: list[UsageRecord]) -> None:
+        """Queue `records`, each summed into its key and deployment's record not yet tried."""
+        open_ = {
+            (r.key, r.deployment): i for i, (msg_id, r) in enumerate(self._unsent) if msg_id != self._tried
+        }
+        for record in records:
+            at = open_.get((record.key, record.deployment))
+            if at is None:
+                open_[(record.key, record.deployment)] = len(self._unsent)
+                self._unsent.append((f"usage-{self.gateway}-{next(self._ids)}", record))
+                continue
+            msg_id, old = self._unsent[at]
+            self._unsent[at] = (
+                msg_id,
+                msgspec.structs.replace(
+                    old,
+                    prompt_tokens=old.prompt_tokens + record.prompt_tokens,
+                    completion_tokens=old.completion_tokens + record.completion_tokens,
+                    requests=old.requests + record.requests,
+                    start=min(old.start, record.start),
+                    end=max(old.end, record.end),
+                ),
+            )
+
     async def flush(self) -> None:
         """Write what was counted since the last flush, and what an earlier one could not."""
         assert self.bus is not None
-        self._unsent += [(f"usage-{self.gateway}-{next(self._ids)}", r) for r in self._records()]
+        self._keep(self._records())
         while self._unsent:
             msg_id, record = self._unsent[0]
+            self._tried = msg_id
             await self.bus.publish(self.bus.names.usage(record.deployment, record.key), record, msg_id=msg_id)
             self._unsent.pop(0)
+            self._tried = ""
 
     async def run(self) -> None:
         """Flush every FLUSH_S until cancelled; a failed write is kept for the next."""
