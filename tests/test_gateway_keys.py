@@ -20,17 +20,30 @@ import httpx
 import msgspec
 import openai
 import pytest
+from prometheus_client import CollectorRegistry
 
 from llmgw_core.bus import Bus, BusOptions
+from llmgw_core.errors import BusError
 from llmgw_core.events import Deployment, ReplicaRecord
-from llmgw_core.keys import WINDOW_S, ApiKey, KeyWindow, parse_duration, retry_after, secret_hash
+from llmgw_core.keys import (
+    WINDOW_S,
+    ApiKey,
+    KeyWindow,
+    Spent,
+    parse_duration,
+    retry_after,
+    secret_hash,
+)
 from llmgw_core.lifecycle import connect_service
 from llmgw_core.natsd import NatsServer
 from llmgw_gateway import Gateway, GatewayConfig
-from llmgw_gateway.budgets import Budgets, chunk
-from llmgw_gateway.usage import JsonTail, Meter, read_events
+from llmgw_gateway import budgets as budgets_module
+from llmgw_gateway.budgets import CLAIM_TIMEOUT_S, Budgets, Limited, batch, chunk
+from llmgw_gateway.usage import JsonTail, Meter, Usage, read_events
+from llmgw_placement.usage import UsageRow, UsageWindow
 from tests.cluster_support import Cluster, cluster
 from tests.gateway_support import gateway_process
+from tests.nats_link import nats_link
 from tests.test_ctl import CTL
 from tests.test_gateway import metric, running_gateway
 from tests.test_gateway_api import sim_engines
@@ -400,6 +413,13 @@ def test_durations_windows_and_an_answers_usage_read_as_the_gateway_reads_them()
     assert chunk(5) == 1
     assert chunk(600) == 60
     assert chunk(100_000) == 100
+    # A gateway serving a key fast claims two seconds of its rate at once, within a tenth of
+    # the limit and what the minute has left; a slow one, the smallest batch.
+    assert batch(10**9, rate=1400.0, left_s=30) == 2800
+    assert batch(10**9, rate=1400.0, left_s=0.5) == 700
+    assert batch(10**9, rate=1400.0, left_s=0) == 100
+    assert batch(12_000, rate=1400.0, left_s=30) == 1200
+    assert batch(600, rate=0.5, left_s=30) == 60
     # A stream whose engine was asked for usage: the usage-only chunk is read, then dropped
     # for a client that did not ask; kept for one that did.
     words = b'data: {"choices": [{"delta": {"content": "hi"}}], "usage": null}'
@@ -468,6 +488,208 @@ async def test_while_nats_is_down_a_gateway_holds_each_key_to_its_limit_on_its_o
                 with pytest.raises(openai.RateLimitError):
                     await chat(url, secret)
                 tg.cancel_scope.cancel()
+
+
+async def test_usage_kept_through_a_nats_outage_is_summed_per_key_and_deployment_and_stored_once(
+    own_nats: NatsServer, prefix: str
+) -> None:
+    """While NATS is down, a gateway's usage is summed per key and deployment, not piled up one
+    record a second; once it is back, every token is stored, and stored once. Regression: each
+    second of an outage kept one more record per key and deployment in memory, all written one
+    by one when the bus came back."""
+    options = BusOptions(url=own_nats.url, prefix=prefix, insecure=True)
+    pairs = [("k1", "chat"), ("k2", "chat"), ("k1", "other")]
+    spent = {pair: [0, 0, 0] for pair in pairs}
+    async with await Bus.connect(options, service="gateway") as bus:
+        await bus.ensure()
+        usage = Usage(bus, CollectorRegistry())
+
+        def serve(prompt: int) -> None:
+            for key, deployment in pairs:
+                usage.add(key, deployment, Meter(prompt=prompt, completion=5))
+                counts = spent[(key, deployment)]
+                counts[0] += prompt
+                counts[1] += 5
+                counts[2] += 1
+
+        serve(3)
+        await usage.flush()
+        await anyio.to_thread.run_sync(own_nats.stop)
+        for second in range(10):
+            serve(10 + second)
+            # A flush while the bus is gone: refused, or given up (the record it was sending
+            # may still land once NATS is back, and must then be stored once).
+            with anyio.move_on_after(0.3), contextlib.suppress(BusError):
+                await usage.flush()
+            assert len(usage._unsent) <= len(pairs) + 1, usage._unsent
+        await anyio.to_thread.run_sync(own_nats.start)
+
+        async def written() -> bool:
+            with contextlib.suppress(BusError):
+                await usage.flush()
+            return not usage._unsent
+
+        await eventually(written, timeout=60, interval=0.5)
+        # As placement reads the stream for `ctl usage`.
+        window = UsageWindow(bus)
+        wanted = [
+            UsageRow(key=k, deployment=d, prompt_tokens=p, completion_tokens=c, requests=n)
+            for (k, d), (p, c, n) in sorted(spent.items())
+        ]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(window.follow)
+            await eventually(lambda: window.rows() == wanted, timeout=30)
+            tg.cancel_scope.cancel()
+        assert window.rows() == wanted
+        stored = (await bus.js.stream_info(bus.names.usage_stream)).state.messages
+        # The first flush's records, then at most the one being sent and one per pair.
+        assert stored <= 2 * len(pairs) + 1, stored
+
+
+async def test_tokens_not_yet_shared_count_only_in_the_minute_they_were_spent() -> None:
+    """Tokens a gateway could not add to the shared window (NATS down: no flush runs here) hold
+    the key to its tpm in their own minute only. Regression: they were added to every later
+    minute's count, so a key at its limit for one minute of an outage was refused until NATS
+    came back."""
+    budgets = Budgets(None)
+    key = ApiKey(name="k", hash=secret_hash("sk-llmgw-test"), tpm=100)
+    start = 1000 * WINDOW_S
+    budgets.charge(key, 60, now=start + 1)
+    assert await budgets.admit(key, now=start + 2) is None
+    budgets.charge(key, 40, now=start + 3)
+    refused = await budgets.admit(key, now=start + 4)
+    assert refused == Limited("tokens", 100, retry_after(start + 4))
+    # The next minute starts from nothing, and is held to its own limit.
+    assert budgets.tokens("k", start + WINDOW_S) == 0
+    assert await budgets.admit(key, now=start + WINDOW_S + 1) is None
+    budgets.charge(key, 100, now=start + WINDOW_S + 2)
+    assert budgets.tokens("k", start + WINDOW_S + 3) == 100
+    assert await budgets.admit(key, now=start + WINDOW_S + 3) is not None
+    # A minute with no request of the key reads none of the last one's.
+    assert budgets.tokens("k", start + 3 * WINDOW_S) == 0
+
+
+async def test_a_limits_write_whose_answer_was_lost_is_counted_once(
+    own_nats: NatsServer, prefix: str
+) -> None:
+    """A gateway's write to the limits bucket lands and its answer is lost on the way back (the
+    link to NATS fails mid-request): the gateway times out, reconnects and writes again. Every
+    token and request is counted once, beside another gateway's. Regression: the write added
+    its tokens again on top of those that had landed, so a key was refused short of its tpm."""
+    key = ApiKey(name="k", hash=secret_hash("sk-x"), rpm=1000, tpm=10**6)
+    async with (
+        nats_link(own_nats.port) as link,
+        await Bus.connect(BusOptions(url=own_nats.url, prefix=prefix, insecure=True), service="test") as bus,
+        await Bus.connect(BusOptions(url=link.url, prefix=prefix, insecure=True), service="gateway") as lossy,
+    ):
+        await bus.ensure()
+        budgets, other = Budgets(lossy, writer="gw-a"), Budgets(bus, writer="gw-b")
+        bucket = bus.names.limits_bucket
+
+        async def stored(requests: int, tokens: int) -> KeyWindow:
+            found = await bus.get(bucket, "k", KeyWindow)
+            assert found is not None
+            assert (found[0].requests, found[0].tokens) == (requests, tokens), found[0]
+            return found[0]
+
+        await early_in_a_minute()
+        async with anyio.create_task_group() as tg:
+            await tg.start(budgets.run)
+            await tg.start(other.run)
+            # Each claims a batch of the minute's requests (a tenth of rpm).
+            assert await budgets.admit(key) is None
+            assert await other.admit(key) is None
+            budgets.charge(key, 100)
+            other.charge(key, 7)
+            await eventually(partial(stored, 200, 107), timeout=10)
+
+            link.lose_answers_after(f"$KV.{bucket}.k", deaf_s=CLAIM_TIMEOUT_S + 1)
+            budgets.charge(key, 50)
+            with anyio.fail_after(10):
+                await link.lost.wait()
+            with anyio.fail_after(10):
+                await link.cut.wait()
+            # The write landed; once the gateway is through again it has nothing left to add.
+            await eventually(partial(stored, 200, 157), timeout=10)
+            local = budgets._local["k"]
+            await eventually(lambda: local.shared_tokens == local.tokens == 150, timeout=30)
+            other.charge(key, 3)
+            window = await eventually(partial(stored, 200, 160), timeout=10)
+            assert window.by == {budgets.writer: Spent(100, 150), other.writer: Spent(100, 10)}
+            tg.cancel_scope.cancel()
+
+
+async def test_a_window_an_older_gateway_wrote_without_parts_holds_this_ones_part_once(
+    nats_url: str, prefix: str
+) -> None:
+    """During a rolling upgrade a gateway of an older release adds to a key's totals and writes
+    the value without the gateways' parts. The totals still hold this gateway's part: it is
+    neither counted twice in admission nor added again by its next write."""
+    key = ApiKey(name="k", hash=secret_hash("sk-x"), rpm=1000, tpm=10**6)
+    async with await Bus.connect(BusOptions(url=nats_url, prefix=prefix), service="test") as bus:
+        await bus.ensure()
+        budgets = Budgets(bus, writer="gw-new")
+        bucket = bus.names.limits_bucket
+
+        async def stored(requests: int, tokens: int) -> tuple[KeyWindow, int]:
+            found = await bus.get(bucket, "k", KeyWindow)
+            assert found is not None
+            assert (found[0].requests, found[0].tokens) == (requests, tokens), found[0]
+            return found
+
+        await early_in_a_minute()
+        async with anyio.create_task_group() as tg:
+            await tg.start(budgets.run)
+            assert await budgets.admit(key) is None  # a batch of 100 requests claimed
+            budgets.charge(key, 40)
+            value, rev = await eventually(partial(stored, 100, 40), timeout=10)
+            # The older gateway claims 100 requests and adds 5 tokens, its way: totals only.
+            older = KeyWindow(window=value.window, requests=value.requests + 100, tokens=value.tokens + 5)
+            assert await bus.update(bucket, "k", older, last=rev) is not None
+            budgets.observe("k", older)  # as the gateway's watch of the bucket shows it
+            assert budgets.tokens("k", time.time()) == 45
+            budgets.charge(key, 10)
+            value, _ = await eventually(partial(stored, 200, 55), timeout=10)
+            assert value.by == {budgets.writer: Spent(100, 50)}
+            tg.cancel_scope.cancel()
+
+
+async def test_tokens_far_from_a_keys_tpm_wait_for_the_idle_flush_and_near_it_do_not(
+    nats_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway adds tokens that cannot bring their key near its tpm on the idle flush (each
+    write held a request in flight; short answers wrote every 50 ms), and those that can
+    within FLUSH_S: a twentieth of the tpm not yet added, or the key's minute at half of it."""
+    key = ApiKey(name="k", hash=secret_hash("sk-x"), tpm=1000)
+    async with await Bus.connect(BusOptions(url=nats_url, prefix=prefix), service="test") as bus:
+        await bus.ensure()
+        budgets = Budgets(bus, writer="gw")
+        bucket = bus.names.limits_bucket
+
+        async def stored() -> int:
+            found = await bus.get(bucket, "k", KeyWindow)
+            return 0 if found is None else found[0].tokens
+
+        async def written(tokens: int) -> bool:
+            return await stored() == tokens
+
+        await early_in_a_minute()
+        async with anyio.create_task_group() as tg:
+            await tg.start(budgets.run)
+            budgets.charge(key, 10)  # far from the limit: the idle flush adds it
+            await eventually(partial(written, 10), timeout=10)
+            # From here the idle flush would take 30 s: what is written sooner was urgent.
+            monkeypatch.setattr(budgets_module, "FLUSH_IDLE_S", 30.0)
+            budgets.charge(key, 20)
+            await anyio.sleep(1)
+            assert await stored() == 10
+            budgets.charge(key, 30)  # 50 unsent: a twentieth of the tpm
+            await eventually(partial(written, 60), timeout=10)
+            budgets.charge(key, 439)
+            await eventually(partial(written, 499), timeout=10)
+            budgets.charge(key, 1)  # 1 token unsent, but the minute is at half the tpm
+            await eventually(partial(written, 500), timeout=10)
+            tg.cancel_scope.cancel()
 
 
 def test_a_json_answers_usage_is_read_from_its_end_plain_or_gzipped() -> None:

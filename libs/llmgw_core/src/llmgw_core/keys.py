@@ -17,7 +17,7 @@ import re
 import secrets
 from typing import Annotated
 
-from msgspec import Meta
+from msgspec import Meta, Struct, field
 
 from .events import Message
 from .limits import Alias, Name
@@ -47,13 +47,27 @@ class ApiKey(Message, frozen=True):
     revoked_at: float = 0.0
 
 
+class Spent(Struct, frozen=True, array_like=True):
+    """One gateway process's part of a key's minute."""
+
+    requests: Count = 0
+    tokens: Count = 0
+
+
 class KeyWindow(Message, frozen=True):
     """One key's current minute, as every gateway claims it: `requests` handed out to
-    gateways (each serves up to what it claimed), `tokens` spent by answers that ended."""
+    gateways (each serves up to what it claimed), `tokens` spent by answers that ended.
+
+    `by` holds each gateway process's part of both, which only that process writes, and
+    always as its running total for the minute, never as an increment: a write whose answer
+    was lost (it landed, its writer timed out) and is made again counts nothing twice. The
+    totals are the sum of the parts, and of what writers without a part (older gateways) added.
+    """
 
     window: int
     requests: Count = 0
     tokens: Count = 0
+    by: dict[Annotated[str, Meta(max_length=128)], Spent] = field(default_factory=dict)
 
 
 class UsageRecord(Message, frozen=True):

@@ -1,15 +1,17 @@
 """Per-key limits (requests and tokens per minute) shared by every gateway over the limits bucket.
 
-One value per key, `KeyWindow{window, requests, tokens}`, changed only by compare-and-set.
+One value per key, `KeyWindow{window, requests, tokens, by}`, changed only by compare-and-set.
 
-Requests are handed out in reservations: a gateway claims a few of the minute's requests at
-once (`chunk`: a tenth of the limit, at least 1, at most 100) and serves them from memory,
-claiming the next batch in the background once half of the last is spent. So most requests
-never wait on the bus (one in `chunk` at most does, when the batch ran out before the next
-came), and the requests served in a minute never exceed the limit: every one served was
+Requests are handed out in reservations: a gateway claims a batch of the minute's requests
+at once and serves them from memory, claiming the next in the background once half of the
+last is spent. A batch (`batch`) is BATCH_S of the rate the gateway serves the key at, within
+what is left of the minute at that rate, at least `chunk` (a tenth of the limit, at least 1,
+at most 100) and at most a tenth of the limit. So most requests never wait on the bus (one in
+a batch at most does, when it ran out before the next came), a busy gateway claims about once
+a second, and the requests served in a minute never exceed the limit: every one served was
 claimed, and the claims add up to at most the limit. The price is the other way: what a
 gateway claimed and did not serve is lost when the minute ends, so a key may be refused
-with up to (gateways - 1) x chunk requests of its minute unserved.
+with up to (gateways - 1) batches of its minute unserved.
 
 Tokens are known only when an answer ends: each answer's tokens are added to the key's
 window (in the background, coalesced per key), and every gateway sees every gateway's
@@ -17,7 +19,23 @@ additions through its watch of the bucket. A request is admitted while the windo
 are under the limit, so a minute can overshoot by the tokens of the requests admitted
 before the window's count reached the limit (those in flight then, and those admitted in
 the FLUSH_S a gateway gathers its tokens for, plus the few milliseconds a write takes to
-reach the other gateways).
+reach the other gateways). Far from the limit (the key's minute under half its tpm, and a
+gateway's tokens not yet added under a twentieth of it) a gateway gathers tokens for
+FLUSH_IDLE_S instead: the other gateways then lag by at most a twentieth of the tpm each,
+which cannot take the key past its limit unseen.
+
+Tokens count in the minute their answer ended, and only there: those a gateway could not add
+to the shared window before their minute ended (NATS down) are dropped, never added to the
+next minute's, so an outage holds a key to its tpm per minute on each gateway, as it does
+its rpm.
+
+Each gateway process writes its own part of the window (`KeyWindow.by`, under a name of its
+own for its lifetime) as its running total for the minute, never as an increment, and the
+totals as the sum of the parts. A compare-and-set whose answer was lost (it landed; the
+gateway timed out, or the client library tried it again and was refused as stale) is thus
+made again harmlessly: the part already says what the new write would, and nothing is
+counted twice. The requests a gateway granted on its own while the bus was silent are in its
+part from its next write on, so the other gateways count them too.
 
 While the bus does not answer a claim within CLAIM_TIMEOUT_S, a gateway admits on its own
 count (a batch granted locally, said in its log once): each gateway then holds a key to its
@@ -32,6 +50,8 @@ the next at the start of the next.
 from __future__ import annotations
 
 import logging
+import math
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -40,7 +60,7 @@ import anyio.abc
 
 from llmgw_core.bus import Bus
 from llmgw_core.errors import BusError
-from llmgw_core.keys import WINDOW_S, ApiKey, KeyWindow, retry_after, window_of
+from llmgw_core.keys import WINDOW_S, ApiKey, KeyWindow, Spent, retry_after, window_of
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -49,12 +69,35 @@ CLAIM_TIMEOUT_S = 2.0
 # a gateway busy with short answers wrote after nearly every one (a read and a compare-and-set
 # on the bus, and the watch's echo of it, per request): a tenth of its CPU at 1 in flight.
 FLUSH_S = 0.05
+# How long tokens wait to be added while they cannot bring their key near its tpm: its minute
+# under half of it, and the tokens not yet added under a twentieth. Each write holds the request
+# in flight up to a millisecond; every FLUSH_S, that was one request in seventy at 1 in flight.
+FLUSH_IDLE_S = 0.5
 OFFLINE_S = 5.0
 CAS_ATTEMPTS = 20
 
 
+# How long a batch of claimed requests is to last a gateway at the rate it serves the key: a
+# busy gateway claims about once a second, not every hundred requests (each claim is a read,
+# a compare-and-set and the watch's echo, which held a request in flight up to a millisecond:
+# at 1,400 requests a second, one in a hundred).
+BATCH_S = 2.0
+
+
 def chunk(rpm: int) -> int:
+    """The smallest batch of `rpm`'s requests a gateway claims."""
     return max(1, min(100, rpm // 10))
+
+
+def batch(rpm: int, rate: float, left_s: float) -> int:
+    """The batch to claim of a key with `rpm` that a gateway serves `rate` requests a second
+    of, with `left_s` of the minute left: BATCH_S of that rate, within what the minute has left
+    of it, at least `chunk(rpm)` and at most a tenth of the limit."""
+    wanted = math.ceil(rate * min(BATCH_S, max(0.0, left_s)))
+    return max(chunk(rpm), min(max(1, rpm // 10), wanted))
+
+
+_NOTHING = Spent()
 
 
 @dataclass
@@ -67,8 +110,17 @@ class _Local:
     # (or the key's limit changes) a request over it is refused without asking the bus again,
     # so a client flooding past its limit costs NATS nothing.
     spent_at: int = 0
-    # Tokens of answers that ended, not yet added to the shared window.
-    pending_tokens: int = 0
+    # Tokens of answers that ended this minute, and how many of them the shared window holds.
+    tokens: int = 0
+    shared_tokens: int = 0
+    # This process's part as it last wrote it this minute (the write answered).
+    written: Spent = _NOTHING
+    # The rate this gateway serves the key at (requests a second, kept across minutes), from
+    # the requests served between its claims; and the size of its last claim.
+    rate: float = 0.0
+    rate_at: float = 0.0
+    rate_used: int = 0
+    batch: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,13 +133,18 @@ class Limited:
 
 
 class Budgets:
-    def __init__(self, bus: Bus | None) -> None:
+    def __init__(self, bus: Bus | None, writer: str = "") -> None:
         self.bus = bus
+        # This process's part's name in every key's window: its own, never another's, even
+        # if a gateway of the same id ran before it this minute.
+        self.writer = f"{writer[:100]}.{secrets.token_hex(4)}" if writer else secrets.token_hex(6)
         self._local: dict[str, _Local] = {}
         # The shared windows as the watch last showed them.
         self._seen: dict[str, KeyWindow] = {}
         self._locks: dict[str, anyio.Lock] = {}
         self._dirty = anyio.Event()
+        # Set when tokens were spent that could bring a key near its tpm: added after FLUSH_S.
+        self._urgent = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
         self._said_offline = False
         # Until when claims are granted locally (monotonic), after one the bus did not answer.
@@ -109,10 +166,22 @@ class Budgets:
 
     def tokens(self, name: str, now: float) -> int:
         """The key's tokens this minute: every gateway's, as last seen, and this one's not yet sent."""
+        window = window_of(now)
         seen = self._seen.get(name)
         local = self._local.get(name)
-        shared = seen.tokens if seen is not None and seen.window == window_of(now) else 0
-        return shared + (local.pending_tokens if local is not None else 0)
+        others = 0
+        if seen is not None and seen.window == window:
+            others = max(0, seen.tokens - self._mine(seen, local).tokens)
+        return others + (local.tokens if local is not None and local.window == window else 0)
+
+    def _mine(self, value: KeyWindow, local: _Local | None) -> Spent:
+        """This process's part of `value`: as `value` holds it, or, where a gateway that keeps no
+        parts (an older release) wrote the value since, as this process last wrote it, which the
+        totals that gateway added to still hold."""
+        part = value.by.get(self.writer)
+        if part is not None:
+            return part
+        return local.written if local is not None and local.window == value.window else _NOTHING
 
     # --- the hot path --------------------------------------------------------------------
 
@@ -121,7 +190,11 @@ class Budgets:
         if local is None:
             local = self._local[name] = _Local(window=window)
         elif local.window != window:
+            # Tokens of a minute gone limit nothing now: never added to the new one's.
             local.window, local.granted, local.used, local.spent_at = window, 0, 0, 0
+            local.tokens = local.shared_tokens = 0
+            local.written = _NOTHING
+            local.rate_used = 0
         return local
 
     async def admit(self, key: ApiKey, now: float | None = None) -> Limited | None:
@@ -150,17 +223,21 @@ class Budgets:
         if local.used >= local.granted:
             return Limited("requests", key.rpm, retry_after(now))
         local.used += 1
-        if local.granted - local.used <= chunk(key.rpm) // 2 and not local.claiming and self._tg is not None:
+        if local.granted - local.used <= local.batch // 2 and not local.claiming and self._tg is not None:
             local.claiming = True
             self._tg.start_soon(self._claim_ahead, key, window)
         return None
 
-    def charge(self, key: ApiKey, tokens: int) -> None:
+    def charge(self, key: ApiKey, tokens: int, now: float | None = None) -> None:
         """An answer of `key` ended, having spent `tokens`: added to the shared window soon."""
         if not key.tpm or tokens <= 0:
             return
-        self._fresh(key.name, window_of(time.time())).pending_tokens += tokens
+        now = time.time() if now is None else now
+        local = self._fresh(key.name, window_of(now))
+        local.tokens += tokens
         self._dirty.set()
+        if (local.tokens - local.shared_tokens) * 20 >= key.tpm or self.tokens(key.name, now) * 2 >= key.tpm:
+            self._urgent.set()
 
     # --- claims ---------------------------------------------------------------------------
 
@@ -174,12 +251,17 @@ class Budgets:
     async def _claim(self, key: ApiKey, window: int) -> None:
         """Claim the next batch of `key`'s requests in `window` (what is left of the limit)."""
         local = self._fresh(key.name, window)
-        want = chunk(key.rpm)
+        at = time.monotonic()
+        if local.rate_at and at > local.rate_at and local.used >= local.rate_used:
+            served = (local.used - local.rate_used) / (at - local.rate_at)
+            local.rate = (local.rate + served) / 2 if local.rate else served
+        local.rate_at, local.rate_used = at, local.used
+        want = local.batch = batch(key.rpm, local.rate, (window + 1) * WINDOW_S - time.time())
         try:
             if time.monotonic() < self._offline_until:
                 raise TimeoutError("the bus did not answer a claim moments ago")
             with anyio.fail_after(CLAIM_TIMEOUT_S):
-                got = await self._cas(key.name, window, requests=want, limit=key.rpm)
+                claimed = await self._cas(key.name, window, requests=want, limit=key.rpm)
         except Exception as exc:
             # Any fault of a claim (NATS silent, a refusal, a value no reader decodes) costs
             # this claim, never the gateway: the key is held to its limit here meanwhile.
@@ -200,34 +282,64 @@ class Budgets:
             if self._said_offline:
                 self._said_offline = False
                 log.warning("the limits bucket answers again: limits are shared by the gateways again")
+            if claimed is None:
+                # The other gateways' clocks are in the next minute already: this one's ends
+                # in moments, served on its own count as while the bus is silent.
+                got = max(0, min(want, key.rpm - local.granted))
+            else:
+                got = max(0, claimed - local.granted)
         if local.window == window:
             local.granted += got
             if not got and not self._said_offline:
                 local.spent_at = key.rpm
 
-    async def _cas(
-        self, name: str, window: int, *, requests: int = 0, tokens: int = 0, limit: int = 0
-    ) -> int:
-        """Add `tokens`, and up to `requests` (within `limit`), to `name`'s window; the requests
-        added. Compare-and-set, tried again when another gateway wrote in between."""
+    async def _cas(self, name: str, window: int, *, requests: int = 0, limit: int = 0) -> int | None:
+        """Write this process's part of `name`'s window: the requests it was granted and up to
+        `requests` more (while the window's total stays within `limit`), and every token its
+        answers spent. Returns the requests its part now holds, or None when the bucket is in
+        a later minute already. Compare-and-set, tried again when another gateway wrote in
+        between; what the part already holds (a write that landed unheard) is not added again."""
         assert self.bus is not None
         bucket = self.bus.names.limits_bucket
         for _ in range(CAS_ATTEMPTS):
             found = await self.bus.get(bucket, name, KeyWindow)
-            current = found[0] if found is not None and found[0].window >= window else None
-            base = current or KeyWindow(window=window)
-            got = max(0, min(requests, limit - base.requests)) if requests else 0
-            if requests and not got and not tokens:
-                self.observe(name, base)
-                return 0
-            new = KeyWindow(window=window, requests=base.requests + got, tokens=base.tokens + tokens)
+            if found is not None and found[0].window > window:
+                self.observe(name, found[0])
+                return None
+            current = (
+                found[0] if found is not None and found[0].window == window else KeyWindow(window=window)
+            )
+            local = self._local.get(name)
+            granted, tokens = (
+                (local.granted, local.tokens) if local is not None and local.window == window else (0, 0)
+            )
+            mine = self._mine(current, local)
+            others = Spent(
+                requests=max(0, current.requests - mine.requests), tokens=max(0, current.tokens - mine.tokens)
+            )
+            have = max(mine.requests, granted)
+            got = max(0, min(requests, limit - others.requests - have))
+            part = Spent(requests=have + got, tokens=max(mine.tokens, tokens))
+            if found is not None and current is found[0] and current.by.get(self.writer) == part:
+                # Nothing to add: the limit is spent, or the part says it already (a write
+                # whose answer was lost).
+                self.observe(name, current)
+                return part.requests
+            new = KeyWindow(
+                window=window,
+                requests=others.requests + part.requests,
+                tokens=others.tokens + part.tokens,
+                by={**current.by, self.writer: part},
+            )
             if found is None:
                 rev = await self.bus.create(bucket, name, new)
             else:
                 rev = await self.bus.update(bucket, name, new, last=found[1])
             if rev is not None:
+                if local is not None and local.window == window:
+                    local.written = part
                 self.observe(name, new)
-                return got
+                return part.requests
         raise BusError(f"the limits bucket's value of key {name} changed {CAS_ATTEMPTS} times in a row")
 
     # --- the background ------------------------------------------------------------------
@@ -240,8 +352,10 @@ class Budgets:
             delay = 0.5
             while True:
                 await self._dirty.wait()
+                with anyio.move_on_after(FLUSH_IDLE_S):
+                    await self._urgent.wait()
                 await anyio.sleep(FLUSH_S)
-                self._dirty = anyio.Event()
+                self._dirty, self._urgent = anyio.Event(), anyio.Event()
                 try:
                     await self._flush()
                     delay = 0.5
@@ -259,9 +373,10 @@ class Budgets:
     async def _flush(self) -> None:
         window = window_of(time.time())
         for name, local in list(self._local.items()):
-            tokens = local.pending_tokens
-            if not tokens:
-                continue
+            tokens = local.tokens
+            if tokens <= local.shared_tokens or local.window != window:
+                continue  # nothing new, or a minute gone: its tokens limit nothing now
             with anyio.fail_after(CLAIM_TIMEOUT_S):
-                await self._cas(name, window, tokens=tokens)
-            local.pending_tokens -= tokens
+                await self._cas(name, window)
+            if local.window == window:  # else the count was reset for the next minute meanwhile
+                local.shared_tokens = max(local.shared_tokens, tokens)

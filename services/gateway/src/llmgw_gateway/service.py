@@ -74,7 +74,7 @@ class Gateway:
         http = config.http
         secrets = load_api_keys(http.api_keys_file) if http.api_keys_file else frozenset()
         self.keyring = Keyring(required=http.require_api_key, file=file_keys(secrets))
-        self.budgets = Budgets(bus)
+        self.budgets = Budgets(bus, writer=self.id)
         open_files = open_file_limit()
         limit = connection_limit(http.max_connections, http.reserved_fds, open_files)
         # For a replica's /v1/models, read once per replica.
