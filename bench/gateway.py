@@ -375,7 +375,8 @@ def run(quick: bool = False) -> str:
             base = stack.enter_context(_process(argv, base_log))
             base_url = _gateway_url(base_log, base)
             _answers(f"{base_url}/v1/chat/completions", secret, CHAT, 60, base)
-            sides.append(Side(f"baseline gateway ({baseline})", base_url, secret, base.pid))
+            name = os.environ.get("LLMGW_BENCH_BASELINE_NAME", "") or baseline
+            sides.append(Side(f"baseline gateway ({name})", base_url, secret, base.pid))
         load_before = os.getloadavg()
         _measure(sides, chat_body, levels, rounds, duration_s)
         load_after = os.getloadavg()
@@ -432,7 +433,7 @@ def _section(
         f"`llmgw gateway, {WORKERS} workers` the same config run as {WORKERS} worker processes on "
         "one port (`--workers`); with "
         "`LLMGW_BENCH_BASELINE_PYTHON` set to another checkout's venv Python, that checkout's "
-        "gateway is one more side (`baseline gateway`). "
+        "gateway is one more side (`baseline gateway`, named by `LLMGW_BENCH_BASELINE_NAME`). "
         f"{rounds} alternated rounds of {duration_s:g} s per side and "
         "concurrency; latencies pooled over the rounds, throughput the median round. CPU per "
         "request: user + system seconds of the server's process and its children (/proc/PID/stat) "
