@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 
+from bench.gateway import pin
 from bench.load import measure, read_answer
 from tests.test_gateway_api import sim_engines
 from tests.waiting import eventually
@@ -66,3 +68,31 @@ def test_runs_as_its_own_process_and_prints_json(tmp_path: Path) -> None:
     result = json.loads(done.stdout)
     assert result["errors"] == 0
     assert result["done"] > 0
+
+
+def test_pin_moves_every_thread_of_a_running_process() -> None:
+    """The gateway benchmark's CPU of its own: affinity is per thread, so threads a process
+    started before it was pinned are pinned too, and unpinned after."""
+    everywhere = os.sched_getaffinity(0)
+    one = {min(everywhere)}
+    with subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, threading; threading.Thread(target=sys.stdin.read).start(); print(flush=True); "
+            "sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    ) as child:
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline() == b"\n"  # its thread runs
+            tasks = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
+            assert len(tasks) == 2
+            pin(child.pid, one)
+            assert [os.sched_getaffinity(t) for t in tasks] == [one, one]
+            pin(child.pid, everywhere)
+            assert [os.sched_getaffinity(t) for t in tasks] == [everywhere, everywhere]
+        finally:
+            child.kill()
