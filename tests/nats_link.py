@@ -22,6 +22,8 @@ class NatsLink:
         self.lost = asyncio.Event()
         # Set once that client's connection was cut.
         self.cut = asyncio.Event()
+        # Set to cut it before `deaf_s` is over.
+        self._cut_now = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -35,6 +37,11 @@ class NatsLink:
         self._deaf_s = deaf_s
         self.lost = asyncio.Event()
         self.cut = asyncio.Event()
+        self._cut_now = asyncio.Event()
+
+    def cut_now(self) -> None:
+        """Cut the connection whose answers are lost now, not at the end of `deaf_s`."""
+        self._cut_now.set()
 
     async def _pipe(
         self,
@@ -77,7 +84,9 @@ class NatsLink:
             await asyncio.wait({up, down, deafened}, return_when=asyncio.FIRST_COMPLETED)
             if deaf.is_set():
                 self.lost.set()
-                await asyncio.wait({up, down}, timeout=self._deaf_s)
+                cut = asyncio.ensure_future(self._cut_now.wait())
+                await asyncio.wait({up, down, cut}, timeout=self._deaf_s, return_when=asyncio.FIRST_COMPLETED)
+                cut.cancel()
                 self.cut.set()
         finally:
             for task in (up, down, deafened):

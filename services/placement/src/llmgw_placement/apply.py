@@ -10,8 +10,11 @@ Undo rules: placements whose writes fail stay `placing` in memory with their ids
 and the next step writes them again as they are (a NATS that refuses writes for
 space costs no replica ids, however long it lasts); removals that fail are
 remembered again and retried; changes of state that fail are taken back, and the
-next step observes them again. A placement decided but not named when the step
-failed is given back (its GPUs free again, no id used).
+next step observes them again. A commit that raised may still have landed (its
+answer lost on every try), so the records of changes taken back after one was
+sent are written again from memory by the next flush, whatever else it writes: the
+bucket never keeps a change placement took back. A placement decided but not named
+when the step failed is given back (its GPUs free again, no id used).
 """
 
 from __future__ import annotations
@@ -253,7 +256,7 @@ class Applier:
             for save in saves:
                 if save.after.state == "ready" and save.before is not None and save.before.state != "ready":
                     self.metrics.replica_ready(save.before)
-        if not removals and not batch and not saves:
+        if not removals and not batch and not saves and not held.rewrite:
             return
         try:
             await self.fenced()
@@ -318,8 +321,20 @@ class Applier:
             await self._publish(events)
         # Changes of state of replicas still held (one removed since is not written back).
         saves = [s for s in saves if held.replicas.get(key(s.after)) is s.after]
-        if saves:
+        saved = {key(s.after) for s in saves} | {key(p.record) for p in batch}
+        # Records whose last commit raised and that this flush writes no change of: as memory
+        # holds them now (one removed since was deleted with its removal; a placement not yet
+        # written is written as such).
+        again = {
+            k: held.replicas[k]
+            for k in sorted(held.rewrite)
+            if k not in saved and k in held.replicas and k not in held.unwritten
+        }
+        held.rewrite.difference_update(k for k in list(held.rewrite) if k not in again)
+        if saves or again:
             kv, events = Writes(), Writes()
+            for k, record in again.items():
+                kv.put(names.replicas_bucket, k, record)
             for save in saves:
                 old, new = save.before, save.after
                 kv.put(names.replicas_bucket, key(new), new)
@@ -337,9 +352,15 @@ class Applier:
                         traceparent=save.traceparent,
                     )
             with tracer.start_as_current_span(
-                f"commit {len(saves)} replica changes", links=links(s.traceparent for s in saves)
+                f"commit {len(saves) + len(again)} replica changes", links=links(s.traceparent for s in saves)
             ):
-                await self._write(kv, [], saves)
+                try:
+                    await self._write(kv, [], saves)
+                except BaseException:
+                    # Sent, so perhaps landed: what memory holds for them is written again.
+                    held.rewrite.update(key(s.after) for s in saves)
+                    raise
+            held.rewrite.difference_update(again)
             await self._publish(events)
 
     async def report(self, plan: Plan) -> None:

@@ -31,6 +31,10 @@ class Held:
     # Placements named whose writes did not land, by replica key: the next step writes them
     # again as they are (a new id each time would use ids up while NATS cannot store).
     unwritten: dict[str, Placed] = field(default_factory=dict)
+    # Replica records whose change of state was taken back because its commit raised, though
+    # it may have landed (its answer lost on every try): the next flush writes what memory
+    # holds for them, so that the bucket never keeps a change placement no longer holds.
+    rewrite: set[str] = field(default_factory=set)
     # Per deployment, the next replica number and the end of the block reserved in the bucket.
     ids: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Per node, its lifecycle as last told (`cordoned by …`, `draining (1 replica left) by …`).

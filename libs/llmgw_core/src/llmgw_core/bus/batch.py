@@ -37,6 +37,8 @@ log = logging.getLogger("llmgw.bus")
 
 # Messages in one atomic batch (nats-server takes up to 1,000).
 ATOMIC_MAX = 500
+# How long a batch's commit waits for the server's answer before it is tried again.
+COMMIT_TIMEOUT_S = 10.0
 # nats-server's refusals of an atomic batch: it holds an id already stored (or twice), and
 # (2.12.0 only) it holds a header that server does not take in a batch.
 BATCH_DUPLICATE = 10201
@@ -156,7 +158,9 @@ class Batches:
                     "Nats-Batch-Sequence": str(len(items)),
                     "Nats-Batch-Commit": "1",
                 }
-                reply = await self.conn.nc.request(last.subject, last.data, headers=headers, timeout=10)
+                reply = await self.conn.nc.request(
+                    last.subject, last.data, headers=headers, timeout=COMMIT_TIMEOUT_S
+                )
             except (nats.errors.Error, OSError) as exc:
                 self.conn.raise_if_final(exc)
                 full = await self.space.refusal(stream, what, exc, unanswered=attempt == attempts)
