@@ -49,6 +49,11 @@ LONG = json.dumps(
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # The workers of the `http: workers` side: as many as the machine's CPUs, at least 2.
 WORKERS = max(2, len(os.sched_getaffinity(0)))
+# The reference proxies of bench/floor_proxy.py, by kind, as the tables name them.
+FLOORS = {
+    "bare": "floor: bare Python proxy on uvloop",
+    "uvicorn": "floor: the gateway's server and replica client, nothing else",
+}
 # `python -c` running the gateway of the config in argv[1] on asyncio's own event loop.
 _ON_ASYNCIO = (
     "import sys; from llmgw_gateway.__main__ import run; sys.exit(run(sys.argv[1], use_uvloop=False))"
@@ -368,6 +373,14 @@ def run(quick: bool = False) -> str:
             Side("llmgw gateway, asyncio loop", plain_url, secret, plain.pid),
             Side(f"llmgw gateway, {WORKERS} workers", many_url, secret, many.pid),
         ]
+        # What a Python proxy costs before the gateway's own work (bench/floor_proxy.py).
+        for kind, name in FLOORS.items():
+            floor_log = root / f"floor-{kind}.log"
+            argv = [sys.executable, str(Path(__file__).parent / "floor_proxy.py"), kind, engine_url]
+            floor = stack.enter_context(_process(argv, floor_log))
+            floor_url = _gateway_url(floor_log, floor)
+            _answers(f"{floor_url}/v1/chat/completions", "", CHAT, 60, floor)
+            sides.append(Side(name, floor_url, "", floor.pid))
         if litellm is not None:
             lport = _free_port()
             _litellm_config(root / "litellm.yaml", engine_url)
@@ -507,7 +520,9 @@ def _section(
         "same machine as the servers. The gateway runs on uvloop; `llmgw gateway, asyncio loop` is "
         "a second gateway process of the same code and config on asyncio's own event loop; "
         f"`llmgw gateway, {WORKERS} workers` the same config run as {WORKERS} worker processes on "
-        "one port (`--workers`); with "
+        "one port (`--workers`); the two `floor:` sides are the reference proxies of "
+        "`bench/floor_proxy.py` (no keys, limits, usage or routing): what Python costs before the "
+        "gateway's own work; with "
         "`LLMGW_BENCH_BASELINE_PYTHON` set to another checkout's venv Python, that checkout's "
         "gateway is one more side (`baseline gateway`, named by `LLMGW_BENCH_BASELINE_NAME`). "
         f"{rounds} alternated rounds of {duration_s:g} s per side and "
@@ -530,6 +545,15 @@ def _section(
     lines.append(
         f"- added at 1 in flight: p50 {added50:.2f} ms (target ≤ 0.3: {_met(added50 <= 0.3)}), "
         f"p99 {added99:.2f} ms (target ≤ 2: {_met(added99 <= 2)});"
+    )
+    floors = [next(side for side in sides if side.name == name) for name in FLOORS.values()]
+    bare50, server50 = (floor.p(1, 0.5) - direct.p(1, 0.5) for floor in floors)
+    lines.append(
+        f"- what Python allows at 1 in flight: a bare proxy on uvloop adds p50 {bare50:.2f} ms "
+        f"({floors[0].cpu_ms(1):.3f} ms CPU per request); the gateway's HTTP server and replica "
+        f"client forwarding and nothing else, {server50:.2f} ms ({floors[1].cpu_ms(1):.3f} ms CPU); "
+        f"the gateway's own work per request (keys, limits, usage, routing, metrics, its "
+        f"connection guard) {added50 - server50:.2f} ms on top;"
     )
     many32 = many.rate(32) / direct.rate(32)
     lines.append(

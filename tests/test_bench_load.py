@@ -6,17 +6,21 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from bench.gateway import pin
 from bench.load import measure, read_answer
 from tests.test_gateway_api import sim_engines
 from tests.waiting import eventually
 
+ROOT = Path(__file__).parent.parent
 CHAT = json.dumps(
     {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 ).encode()
@@ -96,3 +100,31 @@ def test_pin_moves_every_thread_of_a_running_process() -> None:
             assert [os.sched_getaffinity(t) for t in tasks] == [everywhere, everywhere]
         finally:
             child.kill()
+
+
+@pytest.mark.parametrize("kind", ["bare", "uvicorn"])
+def test_a_floor_proxy_passes_every_request_and_answer_whole(kind: str, tmp_path: Path) -> None:
+    """The gateway benchmark's reference proxies (`bench/floor_proxy.py`): the engine's answers
+    come back whole through them, one after another on kept-alive connections, 4 at a time."""
+    log = tmp_path / "floor.log"
+    with sim_engines([]) as (url,), log.open("wb") as out:
+        serving(url)
+        argv = [sys.executable, str(ROOT / "bench" / "floor_proxy.py"), kind, url]
+        proxy = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            base = asyncio.run(eventually(lambda: _endpoint(log), timeout=30, interval=0.1))
+            answer = httpx.post(f"{base}/v1/chat/completions", content=CHAT, timeout=10)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["message"]["role"] == "assistant"
+            done = asyncio.run(measure(f"{base}/v1/chat/completions", CHAT, "", 4, 0.5))
+        finally:
+            os.killpg(proxy.pid, signal.SIGTERM)
+            proxy.wait(timeout=10)
+    assert done["errors"] == 0
+    assert done["done"] > 4
+
+
+def _endpoint(log: Path) -> str:
+    found = re.search(r"OpenAI endpoint on (http://\S+)/v1", log.read_text())
+    assert found, log.read_text()
+    return found.group(1)
