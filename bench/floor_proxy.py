@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 from typing import Any, cast
 from urllib.parse import urlsplit
 
+import anyio
 import uvloop
 
 
@@ -107,8 +107,7 @@ async def _bare(engine: str) -> None:
 
 
 async def _uvicorn(engine: str) -> None:
-    import uvicorn
-
+    from llmgw_core.web import serve
     from llmgw_gateway.upstream import Upstream
 
     upstream = Upstream()
@@ -131,23 +130,10 @@ async def _uvicorn(engine: str) -> None:
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(
-        app,
-        lifespan="off",
-        access_log=False,
-        log_config=None,
-        log_level="warning",
-        ws="none",
-        interface="asgi3",
-        http="httptools",
-        loop="none",
-        server_header=False,
-    )
-    print(f"OpenAI endpoint on http://127.0.0.1:{sock.getsockname()[1]}/v1", flush=True)
-    await uvicorn.Server(config).serve(sockets=[sock])
+    async with anyio.create_task_group() as tg:
+        # The server llmgw's services share (uvicorn, httptools), as the gateway sets it up.
+        port = await tg.start(serve, app, "127.0.0.1", 0)
+        print(f"OpenAI endpoint on http://127.0.0.1:{port}/v1", flush=True)
 
 
 def main() -> None:
