@@ -330,7 +330,8 @@ class Applier:
             for k in sorted(held.rewrite)
             if k not in saved and k in held.replicas and k not in held.unwritten
         }
-        held.rewrite.difference_update(k for k in list(held.rewrite) if k not in again)
+        # Each is written below, or by this flush's other writes, or is gone.
+        held.rewrite.clear()
         if saves or again:
             kv, events = Writes(), Writes()
             for k, record in again.items():
@@ -358,9 +359,9 @@ class Applier:
                     await self._write(kv, [], saves)
                 except BaseException:
                     # Sent, so perhaps landed: what memory holds for them is written again.
+                    held.rewrite.update(again)
                     held.rewrite.update(key(s.after) for s in saves)
                     raise
-            held.rewrite.difference_update(again)
             await self._publish(events)
 
     async def report(self, plan: Plan) -> None:
