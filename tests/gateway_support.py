@@ -15,12 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import httpx
 import msgspec
+from prometheus_client import CollectorRegistry
 
 from llmgw_core.events import ReplicaRecord
 from llmgw_gateway import GatewayConfig, Proxy, Table
 from llmgw_gateway.config import RoutingConfig
+from llmgw_gateway.connections import Connections, protocol
+from llmgw_gateway.proxy import ROUTED
 from llmgw_gateway.web import serve_app
 from tests.cluster_support import Cluster
 from tests.waiting import eventually
@@ -39,6 +43,17 @@ async def answers_health(client: httpx.AsyncClient, url: str) -> bool:
         return (await client.get(f"{url}/health")).status_code == 200
     except httpx.ConnectError:
         return False
+
+
+async def serve_proxy(
+    proxy: Proxy, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve `proxy` on a free loopback port as `llmgw-gateway` serves it: through the
+    gateway's HTTP protocol, its express lane and its connection guard included."""
+    connections = Connections(1000, header_timeout_s=30, body_timeout_s=30, registry=CollectorRegistry())
+    await serve_app(
+        proxy.app, "127.0.0.1", 0, protocol=protocol(connections, proxy, ROUTED), task_status=task_status
+    )
 
 
 @contextlib.asynccontextmanager
@@ -70,7 +85,7 @@ async def proxy_over(
             await eventually(lambda url=url: answers_health(client, url), timeout=30, interval=0.1)
         async with Proxy(table, client) as proxy, anyio.create_task_group() as tg:
             proxy.loaded.set()
-            port = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
+            port = await tg.start(serve_proxy, proxy)
             yield Served(f"http://127.0.0.1:{port}", proxy, table, client)
             tg.cancel_scope.cancel()
 

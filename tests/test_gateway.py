@@ -32,9 +32,10 @@ from llmgw_core.events import DeploymentStatus, ReplicaRecord, ShardStatus
 from llmgw_core.lifecycle import connect_service
 from llmgw_gateway import Gateway, GatewayConfig, Proxy, Table
 from llmgw_gateway.config import load_api_keys
-from llmgw_gateway.web import bind, serve_app
+from llmgw_gateway.web import bind
 from tests.cluster_support import Cluster, cluster, sim_catalog
 from tests.control_support import replicas
+from tests.gateway_support import serve_proxy
 from tests.test_sim_engine import free_port
 from tests.waiting import eventually
 
@@ -297,7 +298,7 @@ async def test_a_replica_that_refuses_the_connection_costs_nothing_but_a_retry(t
         async with httpx.AsyncClient() as client, Proxy(table, client) as proxy:
             proxy.loaded.set()
             async with anyio.create_task_group() as tg:
-                gw = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
+                gw = await tg.start(serve_proxy, proxy)
                 base = f"http://127.0.0.1:{gw}"
 
                 async def up() -> bool:
@@ -343,7 +344,7 @@ async def test_client_keys_when_asked_for(tmp_path: Path) -> None:
     ):
         proxy.loaded.set()
         async with anyio.create_task_group() as tg:
-            base = f"http://127.0.0.1:{await tg.start(serve_app, proxy.app, '127.0.0.1', 0)}"
+            base = f"http://127.0.0.1:{await tg.start(serve_proxy, proxy)}"
             r = await client.get(f"{base}/v1/models")
             assert r.status_code == 401
             assert r.json()["error"]["code"] == "invalid_api_key"

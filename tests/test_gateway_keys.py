@@ -569,6 +569,35 @@ async def test_tokens_not_yet_shared_count_only_in_the_minute_they_were_spent() 
     assert budgets.tokens("k", start + 3 * WINDOW_S) == 0
 
 
+async def test_requests_admitted_at_once_count_with_the_others_and_never_pass_a_limit() -> None:
+    """The express lane admits a request without waiting (`admit_at_once`) only out of a batch
+    already claimed, counted in it; a batch to claim or a limit reached is for `admit`."""
+    budgets = Budgets(None)
+    key = ApiKey(name="k", hash=secret_hash("sk-llmgw-test"), rpm=50)
+    start = 1000 * WINDOW_S
+    # Nothing claimed yet this minute.
+    assert not budgets.admit_at_once(key, start + 1)
+    at_once = waited = 0
+    for n in range(100):
+        now = start + 1 + n * 0.1
+        if budgets.admit_at_once(key, now):
+            at_once += 1
+        elif await budgets.admit(key, now=now) is None:
+            waited += 1
+        else:
+            break
+    assert at_once + waited == 50
+    assert at_once > waited > 0
+    assert not budgets.admit_at_once(key, start + 30)
+    assert await budgets.admit(key, now=start + 30) == Limited("requests", 50, retry_after(start + 30))
+    # Tokens: at the tpm, nothing at once either.
+    spender = ApiKey(name="t", hash=secret_hash("sk-llmgw-test-2"), tpm=100)
+    assert budgets.admit_at_once(spender, start + 1)
+    budgets.charge(spender, 100, now=start + 2)
+    assert not budgets.admit_at_once(spender, start + 3)
+    assert await budgets.admit(spender, now=start + 3) == Limited("tokens", 100, retry_after(start + 3))
+
+
 async def test_a_limits_write_whose_answer_was_lost_is_counted_once(
     own_nats: NatsServer, prefix: str
 ) -> None:

@@ -35,6 +35,7 @@ from starlette.routing import Route
 from llmgw_core.events import ReplicaRecord
 from llmgw_gateway import Proxy, Table
 from llmgw_gateway.web import serve_app
+from tests.gateway_support import serve_proxy
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -94,7 +95,7 @@ async def test_a_clients_trace_continues_through_the_gateway_to_the_replica() ->
         )
         async with Proxy(table, client, tracer=provider.get_tracer("test")) as proxy:
             proxy.loaded.set()
-            port = await tg.start(serve_app, proxy.app, "127.0.0.1", 0)
+            port = await tg.start(serve_proxy, proxy)
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
             traceparent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
             chat = {"model": "chat", "messages": [{"role": "user", "content": "hello"}]}

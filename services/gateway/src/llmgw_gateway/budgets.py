@@ -222,11 +222,32 @@ class Budgets:
                 return await self.admit(key, max(later, local.window * WINDOW_S))
         if local.used >= local.granted:
             return Limited("requests", key.rpm, retry_after(now))
+        self._use(key, local)
+        return None
+
+    def admit_at_once(self, key: ApiKey, now: float) -> bool:
+        """Admit one more request of `key` now (counted as `admit` counts it) where that needs
+        no wait: False where a limit is reached or a batch must be claimed on the bus first,
+        for `admit` to decide."""
+        if not key.rpm and not key.tpm:
+            return True
+        if key.tpm and self.tokens(key.name, now) >= key.tpm:
+            return False
+        if not key.rpm:
+            return True
+        local = self._fresh(key.name, window_of(now))
+        if local.used >= local.granted:
+            return False
+        self._use(key, local)
+        return True
+
+    def _use(self, key: ApiKey, local: _Local) -> None:
+        """One request of the batch served; the next batch claimed in the background once half
+        of this one is spent."""
         local.used += 1
         if local.granted - local.used <= local.batch // 2 and not local.claiming and self._tg is not None:
             local.claiming = True
-            self._tg.start_soon(self._claim_ahead, key, window)
-        return None
+            self._tg.start_soon(self._claim_ahead, key, local.window)
 
     def charge(self, key: ApiKey, tokens: int, now: float | None = None) -> None:
         """An answer of `key` ended, having spent `tokens`: added to the shared window soon."""

@@ -20,6 +20,12 @@ Without replacing the server:
   limit a new connection closes the one that has waited longest (as nginx reuses idle
   keep-alive connections), so idle or stalled clients cannot lock out a real one; when every
   connection has a request in progress the new one is answered 503 at once and closed.
+
+And the express lane (`Lane`): a routed POST with its body's length given (64 KiB at most)
+is handed to the proxy (`Proxy.express`) from the protocol's callbacks once its body is in,
+without uvicorn's request cycle, a task or the ASGI layer, and its answer, where it comes
+whole, written here in one piece. What the proxy declines or cannot finish there goes to
+the ASGI app as any request, before any byte of answer went out.
 """
 
 from __future__ import annotations
@@ -30,14 +36,15 @@ import logging
 import resource
 import time
 from collections import OrderedDict
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from llmgw_core.errors import ConfigError
 
-from .proxy import error_body
+from .proxy import RESUMED, error_body
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -223,6 +230,15 @@ class CorkedTransport:
         if pending and not self._transport.is_closing():
             self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
 
+    def write_now(self, data: bytes) -> None:
+        """`data` out at once, after anything held: a whole answer written in one piece has
+        nothing to wait for."""
+        pending, self._pending = self._pending, None
+        if pending:
+            data = b"".join([*pending, data])
+        if not self._transport.is_closing():
+            self._transport.write(data)
+
     def close(self) -> None:
         self.flush()
         self._transport.close()
@@ -239,6 +255,121 @@ class CorkedTransport:
         return getattr(self._transport, name)
 
 
+class Express(Protocol):
+    """What takes requests from the express lane: `Proxy.express`."""
+
+    def express(self, lane: Lane) -> bool: ...
+
+
+class Lane:
+    """A routed POST on the express lane (`GuardedProtocol`), standing where uvicorn's request
+    cycle would: the protocol reads and sets `body`, `more_body`, `response_complete`,
+    `keep_alive`, `disconnected` and `message_event` on it as on the cycle.
+
+    Its whole body in, `Proxy.express` takes it (or declines, and it goes to the ASGI app as
+    any request). Taken, it ends with `answer` (the whole answer written here) or with
+    `hand_over` to the ASGI app before any byte of answer went out, with what the proxy had
+    done so far in the scope (`RESUMED`)."""
+
+    __slots__ = (
+        "body",
+        "disconnected",
+        "headers",
+        "keep_alive",
+        "loop",
+        "message_event",
+        "more_body",
+        "path",
+        "protocol",
+        "response_complete",
+        "scope",
+    )
+
+    def __init__(self, protocol: GuardedProtocol, path: str, keep_alive: bool) -> None:
+        self.protocol = protocol
+        self.loop = protocol.loop
+        # The request's, as uvicorn read them (names in lower case): the protocol's own
+        # change with the next request on the connection.
+        self.scope: dict[str, Any] = protocol.scope  # type: ignore[assignment]
+        self.headers: list[tuple[bytes, bytes]] = protocol.headers
+        self.path = path
+        self.keep_alive = keep_alive
+        self.body = bytearray()
+        self.more_body = True
+        self.response_complete = False
+        self.disconnected = False
+        self.message_event: Any = _NO_EVENT
+
+    def take(self) -> None:
+        """The body is in: the proxy's, or the ASGI app's where it declines."""
+        try:
+            lane = self.protocol.lane
+            taken = lane is not None and lane.express(self)
+        except Exception:
+            log.exception("the express lane failed on a request; the ASGI path takes it")
+            taken = False
+        if not taken:
+            self.hand_over()
+
+    def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """Write the whole answer (`headers` less the server's own, as uvicorn writes them),
+        and go on with the connection's next request."""
+        self.response_complete = True
+        protocol = self.protocol
+        transport: CorkedTransport = protocol.transport  # type: ignore[assignment]
+        if self.disconnected or transport.is_closing():
+            return
+        parts = [STATUS_LINE[status]]
+        for name, value in (*protocol.server_state.default_headers, *headers):
+            parts += (name, b": ", value, b"\r\n")
+        if not self.keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts += (b"\r\n", body)
+        transport.write_now(b"".join(parts))
+        if not self.keep_alive:
+            transport.close()
+        protocol.on_response_complete()
+
+    def hand_over(self, resumed: object = None) -> None:
+        """The request to the ASGI app, as uvicorn would have started it, with its body;
+        `resumed`: what the proxy did before (nothing where it declined it)."""
+        protocol = self.protocol
+        cycle = RequestResponseCycle(
+            scope=self.scope,  # type: ignore[arg-type]
+            transport=protocol.transport,
+            flow=protocol.flow,
+            logger=protocol.logger,
+            access_logger=protocol.access_logger,
+            access_log=protocol.access_log,
+            default_headers=protocol.server_state.default_headers,
+            message_event=asyncio.Event(),
+            expect_100_continue=False,
+            keep_alive=self.keep_alive,
+            on_response=protocol.on_response_complete,
+        )
+        cycle.body = self.body
+        cycle.more_body = self.more_body
+        cycle.disconnected = self.disconnected
+        cycle.message_event.set()
+        if resumed is not None:
+            self.scope[RESUMED] = resumed
+        if protocol.cycle is self:  # type: ignore[comparison-overlap]
+            protocol.cycle = cycle
+        protocol._start_asgi_task(cycle, protocol.app)
+
+
+class _NoEvent:
+    """What the protocol sets on a lane's body and end: nothing waits for them."""
+
+    __slots__ = ()
+
+    def set(self) -> None:
+        pass
+
+
+_NO_EVENT = _NoEvent()
+
+
 class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, counted by `guard` and with a deadline per request phase.
 
@@ -248,6 +379,9 @@ class GuardedProtocol(HttpToolsProtocol):
     """
 
     guard: ClassVar[Connections]
+    # What takes the express lane's requests (the proxy), and the request lines' paths it takes.
+    lane: ClassVar[Express | None] = None
+    lane_paths: ClassVar[frozenset[bytes]] = frozenset()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -274,10 +408,48 @@ class GuardedProtocol(HttpToolsProtocol):
             self._arm("headers")
 
     def on_headers_complete(self) -> None:
-        super().on_headers_complete()
+        if self.url in self.lane_paths and self._lane_fits():
+            # What uvicorn sets in the scope for such a request; the lane stands for its cycle.
+            path = self.url.decode("ascii")
+            scope = self.scope
+            scope["method"] = "POST"
+            scope["path"] = path
+            scope["raw_path"] = self.url
+            scope["query_string"] = b""
+            self.cycle = Lane(self, path, self.parser.should_keep_alive())  # type: ignore[assignment]
+        else:
+            super().on_headers_complete()
         self._arm("body")
 
+    def _lane_fits(self) -> bool:
+        """Whether the request goes on the express lane: a POST over HTTP/1.1 with no request
+        before it unanswered (uvicorn queues those), its body of a length given that fits in
+        what uvicorn reads before pausing, no `Expect: 100-continue` and none of `_NOT_ON_LANE`."""
+        if (
+            self.lane is None
+            or self.expect_100_continue
+            or (self.cycle is not None and not self.cycle.response_complete)
+            or self.parser.get_method() != b"POST"
+            or self.parser.get_http_version() != "1.1"
+        ):
+            return False
+        length = b""
+        for name, value in self.headers:
+            if name == b"content-length":
+                if length:
+                    return False
+                length = value
+            elif name in _NOT_ON_LANE:
+                return False
+        return length.isdigit() and int(length) <= HIGH_WATER_LIMIT
+
     def on_message_complete(self) -> None:
+        lane = self.cycle
+        if isinstance(lane, Lane):
+            lane.more_body = False
+            self._disarm()
+            lane.take()
+            return
         super().on_message_complete()
         self._disarm()
         if self.cycle is not None and self.cycle.response_complete and self.timeout_keep_alive_task is None:
@@ -324,6 +496,15 @@ class GuardedProtocol(HttpToolsProtocol):
         self.abort()
 
 
-def protocol(connections: Connections) -> type[asyncio.Protocol]:
-    """The protocol class to give uvicorn (`uvicorn.Config(http=…)`), counting into `connections`."""
-    return type("GatewayProtocol", (GuardedProtocol,), {"guard": connections})
+# Headers that keep a request off the express lane: a body without a length; what uvicorn's
+# proxy-headers middleware and the CORS middleware (`http: cors_origins`) read.
+_NOT_ON_LANE = frozenset({b"transfer-encoding", b"x-forwarded-for", b"x-forwarded-proto", b"origin"})
+
+
+def protocol(
+    connections: Connections, lane: Express | None = None, paths: tuple[str, ...] = ()
+) -> type[asyncio.Protocol]:
+    """The protocol class to give uvicorn (`uvicorn.Config(http=…)`), counting into `connections`;
+    POSTs to `paths` go to `lane` (the proxy) first."""
+    attributes = {"guard": connections, "lane": lane, "lane_paths": frozenset(p.encode() for p in paths)}
+    return type("GatewayProtocol", (GuardedProtocol,), attributes)

@@ -15,6 +15,12 @@ answer has begun, it is passed through (status, headers less the hop-by-hop
 ones and its `Date`, body byte for byte, server-sent events included) and
 never retried: a stream broken off after that ends with an SSE error event
 and `data: [DONE]`, never silently truncated.
+
+A routed request takes one of two paths with the same outcome: the express lane
+(`express`, from the HTTP protocol's callbacks: no task, no ASGI messages) where
+nothing needs a wait and the replica's answer comes whole, else the ASGI app
+(`app`, `complete`, `_forward`), which also takes over what the lane began
+(`Routed`, in the scope under `RESUMED`) wherever a wait or a stream turns up.
 """
 
 from __future__ import annotations
@@ -22,13 +28,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlsplit
 
 import anyio
 import httpx
 from opentelemetry import propagate, trace
+from opentelemetry.propagators.textmap import Getter
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 from starlette.applications import Starlette
@@ -49,8 +57,11 @@ from .holds import FULL_RETRY_AFTER_S, RESTART_RETRY_AFTER_S, TIMEOUT_RETRY_AFTE
 from .keyring import Keyring, file_keys
 from .limits import json_nests_deeper, shown
 from .routing import Table, prompt_blocks
-from .upstream import FAILED, REFUSED, Answer, Upstream, before_answer
+from .upstream import FAILED, REFUSED, Answer, Upstream, UpstreamError, before_answer
 from .usage import JsonTail, Meter, Usage, read_events
+
+if TYPE_CHECKING:
+    from .connections import Lane
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -98,6 +109,10 @@ _OPERATION = {
 LOAD_WAIT_S = 10.0
 # The paths whose streamed answers end with a usage chunk when asked (`stream_options`).
 _USAGE_OPTION = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Where a request the express lane handed over carries its `Routed` (an ASGI scope key).
+RESUMED = "llmgw.resumed"
+# Statuses whose answers carry no body: given no length, and left to the ASGI path.
+_NO_BODY = frozenset({204, 304})
 
 
 def error_body(message: str, kind: str, code: str) -> dict[str, Any]:
@@ -130,6 +145,34 @@ class PassedResponse(StreamingResponse):
 
 class BrokenAnswer(Exception):
     """A replica's answer broke off after the gateway had begun passing it on."""
+
+
+@dataclass(slots=True)
+class Routed:
+    """A routed request admitted (its key, body and deployment known, counted, its span begun),
+    and what became of it on the express lane before it was handed to the ASGI path."""
+
+    payload: dict[str, Any]
+    body: bytes
+    model: str
+    deployment: str
+    key: ApiKey
+    span: trace.Span
+    arrived: float
+    # Its headers as replicas get them (the hop-by-hop ones out, the trace's in).
+    headers: list[tuple[bytes, bytes]]
+    # The prompt's leading blocks, hashed once for every attempt.
+    blocks: Sequence[int]
+    # A streamed answer's usage chunk is taken out: the client did not ask for it.
+    strip: bool = False
+    # The replica the lane chose (counted as chosen), or None: none could take the request.
+    chosen: tuple[str, ReplicaRecord] | None = None
+    # What came of sending it there: the answer (its status line in) or the failure before
+    # it; None where the lane did not send it (the replica's model name or an idle
+    # connection to it was wanting).
+    sent: Answer | UpstreamError | None = None
+    # The lane decided what comes of the answer (it is past the lane's watch).
+    decided: bool = False
 
 
 def _sse_error(message: str, path: str) -> bytes:
@@ -313,7 +356,11 @@ class Proxy:
             return
         request = Request(scope, receive)
         try:
-            response = await self.complete(request)
+            resumed: Routed | None = scope.get(RESUMED)
+            if resumed is None:
+                response = await self.complete(request)
+            else:
+                response = await self._send(request, resumed)
         except Exception as exc:
             # As Starlette's outermost middleware does: the client gets the 500, the server
             # logs the exception.
@@ -562,24 +609,159 @@ class Proxy:
                 body = json.dumps(payload).encode()
         self.metrics.of(deployment).requests.inc()
         self.demand.arrive(deployment)
-        span = self.tracer.start_span(
-            f"{request.method} {path}",
-            # The client's trace continues here (its `traceparent`, if any), on to the engine.
-            context=propagate.extract(request.headers),
-            kind=trace.SpanKind.SERVER,
+        span = self._server_span(request.scope, model, deployment)
+        routed = Routed(
+            payload,
+            body,
+            model,
+            deployment,
+            key,
+            span,
+            arrived,
+            self._replica_headers(request.scope["headers"], span),
+            prompt_blocks(self.table.routing, deployment, path, payload),
+            strip=strip,
         )
-        if span.is_recording():
-            # Read only where traces are kept (OTEL_EXPORTER_OTLP_ENDPOINT set).
-            span.set_attributes(_server_attributes(request, model, deployment))
+        return await self._send(request, routed, unserved)
+
+    async def _send(self, request: Request, routed: Routed, unserved: frozenset[str] = _NONE) -> Response:
+        """`_forward`, the request's span ended where it raises."""
         try:
-            return await self._forward(
-                request, payload, body, model, deployment, span, arrived, unserved, key=key, strip=strip
-            )
+            return await self._forward(request, routed, unserved)
         except BaseException as exc:
+            span = routed.span
             span.record_exception(exc)
             span.set_status(trace.StatusCode.ERROR, str(exc))
             span.end()
             raise
+
+    def _server_span(self, scope: Scope, model: str, deployment: str) -> trace.Span:
+        span = self.tracer.start_span(
+            f"{scope['method']} {scope['path']}",
+            # The client's trace continues here (its `traceparent`, if any), on to the engine.
+            context=propagate.extract(scope["headers"], getter=_RAW_HEADERS),
+            kind=trace.SpanKind.SERVER,
+        )
+        if span.is_recording():
+            # Read only where traces are kept (OTEL_EXPORTER_OTLP_ENDPOINT set).
+            span.set_attributes(_server_attributes(scope, model, deployment))
+        return span
+
+    @staticmethod
+    def _replica_headers(raw: list[tuple[bytes, bytes]], span: trace.Span) -> list[tuple[bytes, bytes]]:
+        """The request's headers as the server read them (names in lower case), less the
+        hop-by-hop ones, the trace's continued in the gateway's span."""
+        context: dict[str, str] = {}
+        with trace.use_span(span, end_on_exit=False):
+            propagate.inject(context)
+        traced = {k.encode() for k in context}
+        headers = [(k, v) for k, v in raw if k not in _HOP_BYTES and k not in traced]
+        headers += [(k.encode(), v.encode("latin-1")) for k, v in context.items()]
+        return headers
+
+    # --- the express lane ------------------------------------------------------------
+
+    def express(self, lane: Lane) -> bool:
+        """Take a routed POST whose body is in, from the HTTP protocol's express lane, where
+        it needs no wait: no task, no ASGI messages, the answer written whole as it comes.
+        False, with nothing done, where the request needs the ASGI path from its start (a
+        key or the buckets to wait for, a limit to claim on the bus, an answer to stream, an
+        error to answer): it goes there. Once taken it is counted, and what cannot be
+        finished here (no replica to take it, its model name or an idle connection to it
+        wanting, a failure before the answer, an answer not whole at once) goes on from
+        where it stands on the ASGI path (`Routed` in the scope), before any byte went to the
+        client."""
+        arrived = time.monotonic()
+        if not self.loaded.is_set():
+            return False
+        key = self.keyring.identify(_first(lane.headers, b"authorization"))
+        if not isinstance(key, ApiKey):
+            return False
+        body = bytes(lane.body)
+        if json_nests_deeper(body, self.max_json_depth):
+            return False
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            return False
+        if not isinstance(payload, dict) or payload.get("stream") is True:
+            return False
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            return False
+        deployment = self._resolve(key, model)
+        path = lane.path
+        if deployment is None or self._unserved(deployment, path):
+            return False
+        blocks = prompt_blocks(self.table.routing, deployment, path, payload)
+        if not self.budgets.admit_at_once(key, time.time()):
+            return False
+        # Taken.
+        self.metrics.of(deployment).requests.inc()
+        self.demand.arrive(deployment)
+        span = self._server_span(lane.scope, model, deployment)
+        headers = self._replica_headers(lane.headers, span)
+        routed = Routed(payload, body, model, deployment, key, span, arrived, headers, blocks)
+        chosen = routed.chosen = self.table.pick(deployment, _NONE, routed.blocks)
+        if chosen is None:
+            lane.hand_over(routed)
+            return True
+        chosen_key, record = chosen
+        served = self._served.get((record.url, record.profile_fp))
+        if served is None:
+            lane.hand_over(routed)
+            return True
+        content = body if served == model else json.dumps({**payload, "model": served}).encode()
+
+        def watch() -> None:
+            # After a read of the replica's bytes, or a failure: decided once the status line
+            # is in (what of the body came with it in the same read is all the lane waits for:
+            # an engine sends an answer not streamed once it is done) or the answer failed.
+            answer = routed.sent
+            if isinstance(answer, Answer) and not routed.decided and answer.head_in:
+                self._lane_answer(lane, routed)
+
+        answer = self.upstream.send_idle("POST", record.url, path, content, routed.headers, watch, lane.loop)
+        if answer is None:
+            lane.hand_over(routed)
+            return True
+        self._in_flight(chosen_key, record, deployment, span)
+        routed.sent = answer
+        return True
+
+    def _lane_answer(self, lane: Lane, routed: Routed) -> None:
+        """What comes of the answer to a request the lane sent: written here where it is whole,
+        else the request goes on on the ASGI path (the failure retried there, the answer
+        passed on in pieces)."""
+        if routed.decided:
+            return
+        routed.decided = True
+        answer = routed.sent
+        assert isinstance(answer, Answer)
+        assert routed.chosen is not None
+        answer.unwatch()
+        failure = answer.failed_before_answer
+        if failure is not None:
+            answer.release()
+            routed.sent = failure
+            lane.hand_over(routed)
+            return
+        status = answer.status
+        if (
+            not answer.complete
+            or status < 200
+            or status in _NO_BODY
+            or answer.header(b"content-type").startswith("text/event-stream")
+        ):
+            lane.hand_over(routed)
+            return
+        chosen_key = routed.chosen[0]
+        deployment = routed.deployment
+        self._answered(routed.span, deployment, status)
+        headers = [(n, v) for n, v in ((n.lower(), v) for n, v in answer.headers) if n not in _HOP_OUT_BYTES]
+        body = self._whole_body(answer, chosen_key, deployment, routed)
+        headers.append((b"content-length", b"%d" % len(body)))
+        lane.answer(status, headers, body)
 
     def _unserved(self, deployment: str, path: str) -> frozenset[str]:
         """The replicas of `deployment` whose engine does not serve `path`: none for a path
@@ -637,31 +819,10 @@ class Proxy:
         self._served[key] = name
         return name
 
-    async def _forward(
-        self,
-        request: Request,
-        payload: dict[str, Any],
-        body: bytes,
-        model: str,
-        deployment: str,
-        span: trace.Span,
-        arrived: float,
-        unserved: frozenset[str] = frozenset(),
-        *,
-        key: ApiKey,
-        strip: bool = False,
-    ) -> Response:
+    async def _forward(self, request: Request, routed: Routed, unserved: frozenset[str] = _NONE) -> Response:
         path: str = request.scope["path"]
-        # The prompt's leading blocks, hashed once for every attempt (bounded: routing: max_blocks).
-        blocks = prompt_blocks(self.table.routing, deployment, path, payload)
-        # The request's headers as the server read them (names in lower case), less the
-        # hop-by-hop ones, the trace's continued in the gateway's span.
-        context: dict[str, str] = {}
-        with trace.use_span(span, end_on_exit=False):
-            propagate.inject(context)
-        traced = {k.encode() for k in context}
-        headers = [(k, v) for k, v in request.scope["headers"] if k not in _HOP_BYTES and k not in traced]
-        headers += [(k.encode(), v.encode("latin-1")) for k, v in context.items()]
+        payload, body, model, deployment = routed.payload, routed.body, routed.model, routed.deployment
+        span, headers, blocks = routed.span, routed.headers, routed.blocks
         tried: set[str] = set(unserved)
         failures: list[str] = []
         # A replica that closed a pooled connection as the request came is asked once more, on a
@@ -672,8 +833,17 @@ class Proxy:
         reconnected: set[str] = set()
         # When the request was first held: its waits, all told, last at most hold_timeout_s.
         held_since: float | None = None
+        # The express lane's replica: the request sent there already (what came of it), or to be.
+        sent, routed.sent = routed.sent, None
+        if routed.chosen is not None and sent is None:
+            again = routed.chosen
         while True:
-            chosen, again = again or self.table.pick(deployment, frozenset(tried), blocks), None
+            chosen: tuple[str, ReplicaRecord] | None
+            if sent is not None:
+                # Sent by the lane, which counted it in flight there.
+                chosen = routed.chosen
+            else:
+                chosen, again = again or self.table.pick(deployment, frozenset(tried), blocks), None
             if chosen is None and not failures and self._holdable(deployment):
                 # No replica can take it yet (scaled to zero, starting): held until one is ready.
                 held_since = time.monotonic() if held_since is None else held_since
@@ -702,16 +872,21 @@ class Proxy:
                 return self._refuse(span, deployment, refusal, "no_ready_replica")
             chosen_key, record = chosen
             tried.add(chosen_key)
-            # Counted at once, before any await: requests arriving together must see each other.
-            self.table.outstanding[chosen_key] += 1
-            self.metrics.of(deployment).outstanding.inc()
-            span.set_attributes({"llmgw.replica": record.replica, "llmgw.replica_url": record.url})
+            if sent is None:
+                # Counted at once, before any await: requests arriving together must see each other.
+                self._in_flight(chosen_key, record, deployment, span)
             try:
-                served = await self._served_name(record)
-                content = body
-                if served is not None and served != model:
-                    content = json.dumps({**payload, "model": served}).encode()
-                upstream = await self.upstream.request(request.method, record.url, path, content, headers)
+                if sent is None:
+                    served = await self._served_name(record)
+                    content = body
+                    if served is not None and served != model:
+                        content = json.dumps({**payload, "model": served}).encode()
+                    upstream = await self.upstream.request(request.method, record.url, path, content, headers)
+                else:
+                    lane_sent, sent = sent, None
+                    if not isinstance(lane_sent, Answer):
+                        raise lane_sent
+                    upstream = lane_sent
             except FAILED as exc:
                 if not before_answer(exc):
                     self._release(chosen_key, deployment)
@@ -749,28 +924,23 @@ class Proxy:
                 raise
             break
         status = upstream.status
-        span.set_attribute("http.response.status_code", status)
-        if status >= 500:
-            span.set_attributes({"error.type": str(status)})
-            span.set_status(trace.StatusCode.ERROR)
-        if status >= 500:
-            self.metrics.errors.labels(deployment, "upstream_status").inc()
+        self._answered(span, deployment, status)
         out_headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_OUT_BYTES]
         sse = upstream.header(b"content-type").startswith("text/event-stream")
         if upstream.complete and not sse:
             # The whole answer came with its head (an engine sends an answer not streamed once
             # it is done): passed on in one piece, with its length.
-            return self._whole(upstream, out_headers, chosen_key, deployment, span, arrived, key)
+            return self._whole(upstream, out_headers, chosen_key, deployment, routed)
         response = (StreamingResponse if sse else PassedResponse)(
             self._relay(
                 upstream,
                 chosen_key,
                 deployment,
                 span,
-                arrived,
+                routed.arrived,
                 sse=path if sse else "",
-                api_key=key,
-                strip=strip,
+                api_key=routed.key,
+                strip=routed.strip,
             ),
             status_code=status,
         )
@@ -778,31 +948,43 @@ class Proxy:
         return response
 
     def _whole(
-        self,
-        upstream: Answer,
-        headers: list[tuple[bytes, bytes]],
-        key: str,
-        deployment: str,
-        span: trace.Span,
-        arrived: float,
-        api_key: ApiKey,
+        self, upstream: Answer, headers: list[tuple[bytes, bytes]], key: str, deployment: str, routed: Routed
     ) -> Response:
-        """A replica's answer already read whole, as the client gets it, counted as `_relay`
-        counts one passed on in pieces."""
-        self.metrics.of(deployment).ttfb.observe(time.monotonic() - arrived)
+        """A replica's answer already read whole, as the client gets it."""
+        body = self._whole_body(upstream, key, deployment, routed)
+        response = Response(status_code=upstream.status)
+        if upstream.status >= 200 and upstream.status not in _NO_BODY:
+            headers.append((b"content-length", b"%d" % len(body)))
+        response.raw_headers = headers
+        response.body = body
+        return response
+
+    def _whole_body(self, upstream: Answer, key: str, deployment: str, routed: Routed) -> bytes:
+        """The body of a replica's answer read whole, counted as `_relay` counts one passed on
+        in pieces."""
+        self.metrics.of(deployment).ttfb.observe(time.monotonic() - routed.arrived)
         body = upstream.body()
         upstream.release()
         meter = Meter()
         tail = JsonTail(upstream.header(b"content-encoding"))
         tail.feed(body)
         tail.read(meter)
-        self._done(key, deployment, span, api_key, meter)
-        response = Response(status_code=upstream.status)
-        if upstream.status >= 200 and upstream.status not in (204, 304):
-            headers.append((b"content-length", b"%d" % len(body)))
-        response.raw_headers = headers
-        response.body = body
-        return response
+        self._done(key, deployment, routed.span, routed.key, meter)
+        return body
+
+    def _in_flight(self, key: str, record: ReplicaRecord, deployment: str, span: trace.Span) -> None:
+        """The request counted in flight at the replica chosen for it."""
+        self.table.outstanding[key] += 1
+        self.metrics.of(deployment).outstanding.inc()
+        span.set_attributes({"llmgw.replica": record.replica, "llmgw.replica_url": record.url})
+
+    def _answered(self, span: trace.Span, deployment: str, status: int) -> None:
+        """The replica's status line is in."""
+        span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            span.set_attributes({"error.type": str(status)})
+            span.set_status(trace.StatusCode.ERROR)
+            self.metrics.errors.labels(deployment, "upstream_status").inc()
 
     # --- held requests ------------------------------------------------------------
 
@@ -985,16 +1167,14 @@ class Proxy:
         span.end()
 
 
-def _server_attributes(request: Request, model: str, deployment: str) -> dict[str, str | int]:
+def _server_attributes(scope: Scope, model: str, deployment: str) -> dict[str, str | int]:
     """A routed request's server span attributes, by OpenTelemetry's HTTP and GenAI semantic
     conventions (the stable names: `http.request.method`, `url.path`, `server.address`…;
     the response's status and the token counts are added when they are known). Read from the
-    ASGI scope and the `Host` header, not `request.url`: building the whole URL cost more than
-    the rest of this."""
-    scope = request.scope
+    ASGI scope and the `Host` header, not a whole URL built: that cost more than the rest."""
     path: str = scope["path"]
     attributes: dict[str, str | int] = {
-        "http.request.method": request.method,
+        "http.request.method": scope["method"],
         "http.route": path,
         "url.path": path,
         "url.scheme": scope["scheme"],
@@ -1002,7 +1182,8 @@ def _server_attributes(request: Request, model: str, deployment: str) -> dict[st
         "gen_ai.request.model": model[:256],
         "llmgw.deployment": deployment,
     }
-    host = request.headers.get("host")
+    headers = scope["headers"]
+    host = _first(headers, b"host")
     if host:
         try:
             where = urlsplit(f"//{host}")
@@ -1013,9 +1194,33 @@ def _server_attributes(request: Request, model: str, deployment: str) -> dict[st
             attributes["server.address"] = hostname
         if port:
             attributes["server.port"] = port
-    if request.client:
-        attributes["client.address"] = request.client.host
-    agent = request.headers.get("user-agent")
+    client = scope.get("client")
+    if client:
+        attributes["client.address"] = client[0]
+    agent = _first(headers, b"user-agent")
     if agent:
         attributes["user_agent.original"] = agent[:256]
     return attributes
+
+
+def _first(headers: list[tuple[bytes, bytes]], name: bytes) -> str:
+    """The first value of header `name` (lower case, as the server read it), or ""."""
+    for n, v in headers:
+        if n == name:
+            return v.decode("latin-1")
+    return ""
+
+
+class _RawHeadersGetter(Getter[list[tuple[bytes, bytes]]]):
+    """The trace propagators' reader of the request's headers as the server read them."""
+
+    def get(self, carrier: list[tuple[bytes, bytes]], key: str) -> list[str] | None:
+        name = key.lower().encode("latin-1")
+        values = [v.decode("latin-1") for n, v in carrier if n == name]
+        return values or None
+
+    def keys(self, carrier: list[tuple[bytes, bytes]]) -> list[str]:
+        return [n.decode("latin-1") for n, _ in carrier]
+
+
+_RAW_HEADERS = _RawHeadersGetter()

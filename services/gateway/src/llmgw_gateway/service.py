@@ -37,7 +37,7 @@ from .connections import ACCEPT_BACKLOG, Connections, connection_limit, open_fil
 from .demand import default_id
 from .holds import Holds
 from .keyring import Keyring, file_keys
-from .proxy import Proxy
+from .proxy import ROUTED, Proxy
 from .routing import Table
 from .upstream import Upstream
 from .web import cors, serve_app
@@ -289,7 +289,7 @@ class Gateway:
                         cors(self.proxy.app, self.config.http.cors_origins),
                         self.config.http.host,
                         self.config.http.port,
-                        protocol=protocol(self.connections),
+                        protocol=protocol(self.connections, self.proxy, ROUTED),
                         backlog=ACCEPT_BACKLOG,
                         reuse_port=self.reuse_port,
                     )

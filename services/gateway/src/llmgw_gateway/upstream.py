@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from urllib.parse import urlsplit
 
 import httptools
@@ -83,10 +83,12 @@ class Answer:
         "_conn",
         "_error",
         "_head",
+        "_head_timer",
         "_loop",
         "_paused",
         "_read_timeout_s",
         "_waiter",
+        "_watcher",
         "complete",
         "framed",
         "headers",
@@ -105,6 +107,10 @@ class Answer:
         self._buffered = 0
         self._paused = False
         self._error: UpstreamError | None = None
+        # Sent without a task to wait for it (`Upstream.send_idle`): told after each read of the
+        # replica's bytes and when it fails; and its head's deadline.
+        self._watcher: Callable[[], None] | None = None
+        self._head_timer: asyncio.TimerHandle | None = None
         self.status = 0
         # As received: names in the replica's own case.
         self.headers: list[tuple[bytes, bytes]] = []
@@ -164,10 +170,33 @@ class Answer:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _tell(self) -> None:
+        if self._watcher is not None:
+            self._watcher()
+
+    @property
+    def head_in(self) -> bool:
+        """Whether its status line and headers are in, or it failed before them."""
+        return self._head.done()
+
+    def unwatch(self) -> None:
+        """Tell `send_idle`'s watcher nothing more: the answer is read as `request`'s is."""
+        self._watcher = None
+
+    @property
+    def failed_before_answer(self) -> UpstreamError | None:
+        """The failure that ended the answer before its status line, if it did."""
+        if self._head.done() and self._head.exception() is not None:
+            return self._error
+        return None
+
     # --- from the connection --------------------------------------------------------
 
     def _started(self, status: int) -> None:
         self.status = status
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
         if not self._head.done():
             self._head.set_result(None)
 
@@ -199,7 +228,11 @@ class Answer:
             self._head.set_exception(error)
             # Retrieved or not, it is said by the request that awaits it.
             self._head.exception()
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
         self._wake()
+        self._tell()
 
     def release(self) -> None:
         """Done with the answer: its connection is closed unless the answer was read whole."""
@@ -226,17 +259,18 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self.answer is None:
+        answer = self.answer
+        if answer is None:
             # Bytes no request asked for: the connection cannot be trusted with another.
             self.close()
             return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            answer = self.answer
-            if answer is not None:
-                answer._fail(Broken(f"the replica's answer is not HTTP/1.1: {exc}"))
+            if self.answer is not None:
+                self.answer._fail(Broken(f"the replica's answer is not HTTP/1.1: {exc}"))
             self.close()
+        answer._tell()
 
     def eof_received(self) -> None:
         if self.answer is None:
@@ -301,6 +335,28 @@ class _Connection(asyncio.Protocol):
             self.close()
 
 
+def _send(
+    conn: _Connection,
+    host: bytes,
+    method: str,
+    path: str,
+    body: bytes,
+    headers: Iterable[tuple[bytes, bytes]],
+) -> None:
+    head = b"".join(
+        [
+            b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (method.encode(), path.encode(), host),
+            *(b"%s: %s\r\n" % header for header in headers),
+            b"Content-Length: %d\r\n\r\n" % len(body),
+        ]
+    )
+    if len(body) < COPY_BELOW:
+        conn.transport.write(head + body)
+    else:
+        conn.transport.write(head)
+        conn.transport.write(body)
+
+
 class Upstream:
     """The pooled replica connections, made in the running event loop, closed by `aclose`."""
 
@@ -347,19 +403,8 @@ class Upstream:
         conn = await self._connection(key)
         loop = asyncio.get_running_loop()
         answer = conn.answer = Answer(conn, loop, self.read_timeout_s)
-        head = b"".join(
-            [
-                b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (method.encode(), path.encode(), host),
-                *(b"%s: %s\r\n" % header for header in headers),
-                b"Content-Length: %d\r\n\r\n" % len(body),
-            ]
-        )
         try:
-            if len(body) < COPY_BELOW:
-                conn.transport.write(head + body)
-            else:
-                conn.transport.write(head)
-                conn.transport.write(body)
+            _send(conn, host, method, path, body, headers)
             if self.read_timeout_s is None:
                 await answer._head
             else:
@@ -371,6 +416,32 @@ class Upstream:
         except BaseException:
             answer.release()
             raise
+        return answer
+
+    def send_idle(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        body: bytes,
+        headers: Iterable[tuple[bytes, bytes]],
+        watcher: Callable[[], None],
+        loop: asyncio.AbstractEventLoop,
+    ) -> Answer | None:
+        """As `request`, without waiting: sent at once on an idle connection to the replica,
+        if there is one (else None, nothing sent). `watcher` is called after each read of the
+        replica's bytes (what came is in the answer: its status line, its body, its end) and
+        when it fails (its status line not in within the read timeout included); `release`
+        the answer as `request`'s."""
+        key, host = self._address(url)
+        conn = self._take_idle(key)
+        if conn is None:
+            return None
+        answer = conn.answer = Answer(conn, loop, self.read_timeout_s)
+        answer._watcher = watcher
+        if self.read_timeout_s is not None:
+            answer._head_timer = loop.call_later(self.read_timeout_s, answer._head_timed_out)
+        _send(conn, host, method, path, body, headers)
         return answer
 
     def _take_idle(self, key: tuple[str, int]) -> _Connection | None:
