@@ -155,15 +155,27 @@ class Usage:
             ["key", "deployment"],
             registry=registry,
         )
+        self._series: dict[tuple[str, str], tuple[Counter, Counter, Counter]] = {}
 
     def add(self, key: str, deployment: str, meter: Meter) -> None:
-        counts = self._counts.setdefault((key, deployment), [0, 0, 0])
+        pair = (key, deployment)
+        counts = self._counts.setdefault(pair, [0, 0, 0])
         counts[0] += meter.prompt
         counts[1] += meter.completion
         counts[2] += 1
-        self.prompt_tokens.labels(key, deployment).inc(meter.prompt)
-        self.completion_tokens.labels(key, deployment).inc(meter.completion)
-        self.key_requests.labels(key, deployment).inc()
+        series = self._series.get(pair)
+        if series is None:
+            # Looked up once per key and deployment: `labels()` takes a lock and checks its
+            # arguments at each call.
+            series = self._series[pair] = (
+                self.prompt_tokens.labels(key, deployment),
+                self.completion_tokens.labels(key, deployment),
+                self.key_requests.labels(key, deployment),
+            )
+        prompt, completion, requests = series
+        prompt.inc(meter.prompt)
+        completion.inc(meter.completion)
+        requests.inc()
 
     def _records(self) -> list[UsageRecord]:
         now = time.time()
