@@ -19,6 +19,7 @@ import anyio.abc
 import httpx
 import msgspec
 from prometheus_client import CollectorRegistry
+from starlette.types import ASGIApp
 
 from llmgw_core.events import ReplicaRecord
 from llmgw_gateway import GatewayConfig, Proxy, Table
@@ -46,13 +47,21 @@ async def answers_health(client: httpx.AsyncClient, url: str) -> bool:
 
 
 async def serve_proxy(
-    proxy: Proxy, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED
+    proxy: Proxy,
+    app: ASGIApp | None = None,
+    *,
+    task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `proxy` on a free loopback port as `llmgw-gateway` serves it: through the
-    gateway's HTTP protocol, its express lane and its connection guard included."""
+    gateway's HTTP protocol, its express lane and its connection guard included; `app`: an
+    ASGI app in front of the proxy's own."""
     connections = Connections(1000, header_timeout_s=30, body_timeout_s=30, registry=CollectorRegistry())
     await serve_app(
-        proxy.app, "127.0.0.1", 0, protocol=protocol(connections, proxy, ROUTED), task_status=task_status
+        app or proxy.app,
+        "127.0.0.1",
+        0,
+        protocol=protocol(connections, proxy, ROUTED),
+        task_status=task_status,
     )
 
 

@@ -19,15 +19,13 @@ import anyio
 import anyio.abc
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
 from starlette.types import Receive, Scope, Send
 
 from llmgw_core.events import ReplicaRecord
 from llmgw_core.keys import ANONYMOUS
 from llmgw_gateway import Proxy, Table
-from llmgw_gateway.connections import Connections, protocol
 from llmgw_gateway.proxy import ROUTED
-from llmgw_gateway.web import serve_app
+from tests.gateway_support import serve_proxy
 from tests.test_gateway import metric
 from tests.waiting import eventually
 
@@ -133,17 +131,8 @@ async def lane() -> AsyncIterator[Lane]:
                 asgi.append(scope["path"])
             await proxy.app(scope, receive, send)
 
-        connections = Connections(100, header_timeout_s=30, body_timeout_s=30, registry=CollectorRegistry())
         async with anyio.create_task_group() as tg:
-            port = await tg.start(
-                lambda task_status: serve_app(
-                    app,
-                    "127.0.0.1",
-                    0,
-                    protocol=protocol(connections, proxy, ROUTED),
-                    task_status=task_status,
-                )
-            )
+            port = await tg.start(serve_proxy, proxy, app)
             yield Lane(f"http://127.0.0.1:{port}", proxy, replica, asgi, port)
             tg.cancel_scope.cancel()
 
@@ -344,10 +333,8 @@ async def read_answer_after_continue(
     stream: anyio.abc.ByteStream, buffered: bytearray
 ) -> tuple[bytes, bytes]:
     """The answer after an interim `100 Continue`, if one comes first."""
-    head, body = b"", b""
     while b"\r\n\r\n" not in buffered:
         buffered += await stream.receive()
     if bytes(buffered).startswith(b"HTTP/1.1 100 "):
         del buffered[: bytes(buffered).index(b"\r\n\r\n") + 4]
-    head, body = await read_answer(stream, buffered)
-    return head, body
+    return await read_answer(stream, buffered)

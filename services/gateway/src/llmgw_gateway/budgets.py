@@ -199,15 +199,14 @@ class Budgets:
 
     async def admit(self, key: ApiKey, now: float | None = None) -> Limited | None:
         """None when `key` may send one more request now (counted), else which limit it hit."""
-        if not key.rpm and not key.tpm:
-            return None
         clock = now is None
         now = time.time() if now is None else now
-        window = window_of(now)
+        if self.admit_at_once(key, now):
+            return None
         if key.tpm and self.tokens(key.name, now) >= key.tpm:
             return Limited("tokens", key.tpm, retry_after(now))
-        if not key.rpm:
-            return None
+        # The minute's batch is spent: the next one is claimed, unless the limit is.
+        window = window_of(now)
         local = self._fresh(key.name, window)
         if local.used >= local.granted and local.spent_at != key.rpm:
             async with self._locks.setdefault(key.name, anyio.Lock()):

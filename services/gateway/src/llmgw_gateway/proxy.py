@@ -143,6 +143,14 @@ class PassedResponse(StreamingResponse):
             raise ClientDisconnect() from exc
 
 
+class BadBody(NamedTuple):
+    """Why a routed request's body is refused: its status, message and error code."""
+
+    status: int
+    message: str
+    code: str
+
+
 class BrokenAnswer(Exception):
     """A replica's answer broke off after the gateway had begun passing it on."""
 
@@ -526,6 +534,28 @@ class Proxy:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    def _parsed(self, body: bytes) -> tuple[dict[str, Any], str] | BadBody:
+        """The body's JSON object and its `model`, or why it is refused."""
+        if json_nests_deeper(body, self.max_json_depth):
+            return BadBody(
+                400,
+                f"the body's JSON nests arrays and objects more than {self.max_json_depth} deep "
+                "(the gateway's max_json_depth)",
+                "json_too_deep",
+            )
+        try:
+            payload = json.loads(body)
+        except ValueError as exc:
+            return BadBody(400, f"the body is not JSON: {exc}", "invalid_json")
+        model = payload.get("model") if isinstance(payload, dict) else None
+        if not isinstance(model, str) or not model:
+            return BadBody(
+                400,
+                "the body must be a JSON object with a `model` (a deployment's name or alias)",
+                "missing_model",
+            )
+        return payload, model
+
     def _bad_request(self, status: int, message: str, code: str) -> JSONResponse:
         """A request refused before any deployment is known: counted, then answered."""
         self.metrics.errors.labels(UNKNOWN, "bad_request").inc()
@@ -552,24 +582,10 @@ class Proxy:
                 f"request body over {self.max_body_bytes} bytes (the gateway's max_body_bytes)",
                 "request_too_large",
             )
-        if json_nests_deeper(body, self.max_json_depth):
-            return self._bad_request(
-                400,
-                f"the body's JSON nests arrays and objects more than {self.max_json_depth} deep "
-                "(the gateway's max_json_depth)",
-                "json_too_deep",
-            )
-        try:
-            payload = json.loads(body)
-        except ValueError as exc:
-            return self._bad_request(400, f"the body is not JSON: {exc}", "invalid_json")
-        model = payload.get("model") if isinstance(payload, dict) else None
-        if not isinstance(model, str) or not model:
-            return self._bad_request(
-                400,
-                "the body must be a JSON object with a `model` (a deployment's name or alias)",
-                "missing_model",
-            )
+        parsed = self._parsed(body)
+        if isinstance(parsed, BadBody):
+            return self._bad_request(*parsed)
+        payload, model = parsed
         starting = await self._not_loaded()
         if starting is not None:
             self.metrics.errors.labels(UNKNOWN, "gateway_starting").inc()
@@ -678,16 +694,11 @@ class Proxy:
         if not isinstance(key, ApiKey):
             return False
         body = bytes(lane.body)
-        if json_nests_deeper(body, self.max_json_depth):
+        parsed = self._parsed(body)
+        if isinstance(parsed, BadBody):
             return False
-        try:
-            payload = json.loads(body)
-        except ValueError:
-            return False
-        if not isinstance(payload, dict) or payload.get("stream") is True:
-            return False
-        model = payload.get("model")
-        if not isinstance(model, str) or not model:
+        payload, model = parsed
+        if payload.get("stream") is True:
             return False
         deployment = self._resolve(key, model)
         path = lane.path

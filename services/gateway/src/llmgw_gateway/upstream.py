@@ -108,9 +108,12 @@ class Answer:
         self._paused = False
         self._error: UpstreamError | None = None
         # Sent without a task to wait for it (`Upstream.send_idle`): told after each read of the
-        # replica's bytes and when it fails; and its head's deadline.
+        # replica's bytes and when it fails.
         self._watcher: Callable[[], None] | None = None
-        self._head_timer: asyncio.TimerHandle | None = None
+        # The status line is due within the read timeout.
+        self._head_timer = (
+            loop.call_later(read_timeout_s, self._head_timed_out) if read_timeout_s is not None else None
+        )
         self.status = 0
         # As received: names in the replica's own case.
         self.headers: list[tuple[bytes, bytes]] = []
@@ -194,9 +197,7 @@ class Answer:
 
     def _started(self, status: int) -> None:
         self.status = status
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._head_due()
         if not self._head.done():
             self._head.set_result(None)
 
@@ -228,14 +229,19 @@ class Answer:
             self._head.set_exception(error)
             # Retrieved or not, it is said by the request that awaits it.
             self._head.exception()
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._head_due()
         self._wake()
         self._tell()
 
+    def _head_due(self) -> None:
+        """The status line's deadline is over: it came, or the answer failed or was let go."""
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
     def release(self) -> None:
         """Done with the answer: its connection is closed unless the answer was read whole."""
+        self._head_due()
         conn, self._conn = self._conn, None
         if conn is not None and not self.complete:
             conn.close()
@@ -401,18 +407,10 @@ class Upstream:
         line and headers are in."""
         key, host = self._address(url)
         conn = await self._connection(key)
-        loop = asyncio.get_running_loop()
-        answer = conn.answer = Answer(conn, loop, self.read_timeout_s)
+        answer = conn.answer = Answer(conn, asyncio.get_running_loop(), self.read_timeout_s)
         try:
             _send(conn, host, method, path, body, headers)
-            if self.read_timeout_s is None:
-                await answer._head
-            else:
-                timer = loop.call_later(self.read_timeout_s, answer._head_timed_out)
-                try:
-                    await answer._head
-                finally:
-                    timer.cancel()
+            await answer._head
         except BaseException:
             answer.release()
             raise
@@ -439,8 +437,6 @@ class Upstream:
             return None
         answer = conn.answer = Answer(conn, loop, self.read_timeout_s)
         answer._watcher = watcher
-        if self.read_timeout_s is not None:
-            answer._head_timer = loop.call_later(self.read_timeout_s, answer._head_timed_out)
         _send(conn, host, method, path, body, headers)
         return answer
 
