@@ -125,7 +125,6 @@ async def test_a_second_machine_with_a_live_node_id_stands_by_is_said_everywhere
             pids=(999999,),
             profile_fp=mine.profile_fp,
         )
-        await bus.put(bus.names.shard_status_bucket, key, left)
 
         async def corrected() -> bool:
             now = await shard_status(bus, key)
@@ -135,8 +134,15 @@ async def test_a_second_machine_with_a_live_node_id_stands_by_is_said_everywhere
             assert r.url == r0.url
             return True
 
-        await eventually(corrected, timeout=30, interval=0.2)
-        assert "the status bucket says ready at port 29999 (pids 999999)" in c.log("launcher-n1")
+        # The runner's own write of a new engine load also puts the status back, before the audit
+        # sees what was left; the status is left again until the audit is the one to correct it.
+        said = "the status bucket says ready at port 29999 (pids 999999)"
+        for _ in range(5):
+            await bus.put(bus.names.shard_status_bucket, key, left)
+            await eventually(corrected, timeout=30, interval=0.2)
+            if said in c.log("launcher-n1"):
+                break
+        assert said in c.log("launcher-n1")
 
 
 async def test_a_replacement_machine_with_fewer_gpus_gets_its_replicas_placed_again_or_refused(
