@@ -36,6 +36,7 @@ import logging
 import resource
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -311,13 +312,17 @@ class Lane:
         if not taken:
             self.hand_over()
 
-    def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    def answer(
+        self, status: int, headers: list[tuple[bytes, bytes]], body: bytes, then: Callable[[], None]
+    ) -> None:
         """Write the whole answer (`headers` less the server's own, as uvicorn writes them),
-        and go on with the connection's next request."""
+        call `then` (what is left to do of the request: the client waits on none of it), and
+        go on with the connection's next request."""
         self.response_complete = True
         protocol = self.protocol
         transport: CorkedTransport = protocol.transport  # type: ignore[assignment]
         if self.disconnected or transport.is_closing():
+            then()
             return
         parts = [STATUS_LINE[status]]
         for name, value in (*protocol.server_state.default_headers, *headers):
@@ -326,6 +331,7 @@ class Lane:
             parts.append(b"connection: close\r\n")
         parts += (b"\r\n", body)
         transport.write_now(b"".join(parts))
+        then()
         if not self.keep_alive:
             transport.close()
         protocol.on_response_complete()
@@ -387,6 +393,9 @@ class GuardedProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
         self._phase: Phase | None = None
+        # In a read: a phase's deadline is started at its end, so that a request whose headers
+        # and body come in one read (the usual case) starts none.
+        self._reading = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(CorkedTransport(transport, self.loop))  # type: ignore[arg-type]
@@ -398,7 +407,13 @@ class GuardedProtocol(HttpToolsProtocol):
         self._arm("headers")
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
+        self._reading = True
+        try:
+            super().data_received(data)
+        finally:
+            self._reading = False
+            if self._phase is not None and self._deadline is None:
+                self._start_deadline(self._phase)
         self._follow()
 
     def on_message_begin(self) -> None:
@@ -478,6 +493,10 @@ class GuardedProtocol(HttpToolsProtocol):
     def _arm(self, phase: Phase) -> None:
         self._disarm()
         self._phase = phase
+        if not self._reading:
+            self._start_deadline(phase)
+
+    def _start_deadline(self, phase: Phase) -> None:
         c = self.guard
         timeout = c.header_timeout_s if phase == "headers" else c.body_timeout_s
         self._deadline = self.loop.call_later(timeout, self._expired, phase)

@@ -623,8 +623,7 @@ class Proxy:
                 extra = options if isinstance(options, dict) else {}
                 payload = {**payload, "stream_options": {**extra, "include_usage": True}}
                 body = json.dumps(payload).encode()
-        self.metrics.of(deployment).requests.inc()
-        self.demand.arrive(deployment)
+        self._arrived(deployment)
         span = self._server_span(request.scope, model, deployment)
         routed = Routed(
             payload,
@@ -667,9 +666,11 @@ class Proxy:
     def _replica_headers(raw: list[tuple[bytes, bytes]], span: trace.Span) -> list[tuple[bytes, bytes]]:
         """The request's headers as the server read them (names in lower case), less the
         hop-by-hop ones, the trace's continued in the gateway's span."""
+        if not span.get_span_context().is_valid:
+            # No trace to continue (none kept here, and the client sent none): nothing to add.
+            return [(k, v) for k, v in raw if k not in _HOP_BYTES]
         context: dict[str, str] = {}
-        with trace.use_span(span, end_on_exit=False):
-            propagate.inject(context)
+        propagate.inject(context, context=trace.set_span_in_context(span))
         traced = {k.encode() for k in context}
         headers = [(k, v) for k, v in raw if k not in _HOP_BYTES and k not in traced]
         headers += [(k.encode(), v.encode("latin-1")) for k, v in context.items()]
@@ -707,21 +708,17 @@ class Proxy:
         blocks = prompt_blocks(self.table.routing, deployment, path, payload)
         if not self.budgets.admit_at_once(key, time.time()):
             return False
-        # Taken.
-        self.metrics.of(deployment).requests.inc()
-        self.demand.arrive(deployment)
+        # Taken: counted once the request is on its way to a replica, or handed over.
         span = self._server_span(lane.scope, model, deployment)
         headers = self._replica_headers(lane.headers, span)
         routed = Routed(payload, body, model, deployment, key, span, arrived, headers, blocks)
         chosen = routed.chosen = self.table.pick(deployment, _NONE, routed.blocks)
-        if chosen is None:
+        served = None if chosen is None else self._served.get((chosen[1].url, chosen[1].profile_fp))
+        if chosen is None or served is None:
+            self._arrived(deployment)
             lane.hand_over(routed)
             return True
         chosen_key, record = chosen
-        served = self._served.get((record.url, record.profile_fp))
-        if served is None:
-            lane.hand_over(routed)
-            return True
         content = body if served == model else json.dumps({**payload, "model": served}).encode()
 
         def watch() -> None:
@@ -733,6 +730,7 @@ class Proxy:
                 self._lane_answer(lane, routed)
 
         answer = self.upstream.send_idle("POST", record.url, path, content, routed.headers, watch, lane.loop)
+        self._arrived(deployment)
         if answer is None:
             lane.hand_over(routed)
             return True
@@ -766,13 +764,18 @@ class Proxy:
         ):
             lane.hand_over(routed)
             return
-        chosen_key = routed.chosen[0]
-        deployment = routed.deployment
-        self._answered(routed.span, deployment, status)
+        first_byte = time.monotonic()
         headers = [(n, v) for n, v in ((n.lower(), v) for n, v in answer.headers) if n not in _HOP_OUT_BYTES]
-        body = self._whole_body(answer, chosen_key, deployment, routed)
+        body = answer.body()
         headers.append((b"content-length", b"%d" % len(body)))
-        lane.answer(status, headers, body)
+
+        def count() -> None:
+            # After the answer is written: the client waits on none of it.
+            chosen_key, deployment = routed.chosen[0], routed.deployment  # type: ignore[index]
+            self._answered(routed.span, deployment, status)
+            self._count_whole(answer, body, chosen_key, deployment, routed, first_byte)
+
+        lane.answer(status, headers, body, count)
 
     def _unserved(self, deployment: str, path: str) -> frozenset[str]:
         """The replicas of `deployment` whose engine does not serve `path`: none for a path
@@ -973,15 +976,27 @@ class Proxy:
     def _whole_body(self, upstream: Answer, key: str, deployment: str, routed: Routed) -> bytes:
         """The body of a replica's answer read whole, counted as `_relay` counts one passed on
         in pieces."""
-        self.metrics.of(deployment).ttfb.observe(time.monotonic() - routed.arrived)
         body = upstream.body()
+        self._count_whole(upstream, body, key, deployment, routed, time.monotonic())
+        return body
+
+    def _count_whole(
+        self, upstream: Answer, body: bytes, key: str, deployment: str, routed: Routed, first_byte: float
+    ) -> None:
+        """The answer read whole, `body`, counted: its time to first byte (`first_byte`, when it
+        was ready to go out), its connection back to the pool, its tokens and its span."""
+        self.metrics.of(deployment).ttfb.observe(first_byte - routed.arrived)
         upstream.release()
         meter = Meter()
         tail = JsonTail(upstream.header(b"content-encoding"))
         tail.feed(body)
         tail.read(meter)
         self._done(key, deployment, routed.span, routed.key, meter)
-        return body
+
+    def _arrived(self, deployment: str) -> None:
+        """A request for `deployment` counted: in its metrics and the demand the autoscaler hears."""
+        self.metrics.of(deployment).requests.inc()
+        self.demand.arrive(deployment)
 
     def _in_flight(self, key: str, record: ReplicaRecord, deployment: str, span: trace.Span) -> None:
         """The request counted in flight at the replica chosen for it."""
