@@ -26,7 +26,7 @@ from opentelemetry.semconv.attributes.http_attributes import (
 )
 from opentelemetry.semconv.attributes.server_attributes import SERVER_ADDRESS, SERVER_PORT
 from opentelemetry.semconv.attributes.url_attributes import URL_PATH
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import NoOpTracer, SpanKind
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -73,6 +73,23 @@ def replica_app(seen: list[dict[str, str]]) -> Starlette:
     )
 
 
+def one_replica(engine_port: int) -> Table:
+    table = Table()
+    table.set_replica(
+        "chat.r0",
+        ReplicaRecord(
+            deployment="chat",
+            replica="r0",
+            profile="tiny",
+            profile_fp="x",
+            state="ready",
+            url=f"http://127.0.0.1:{engine_port}",
+            engine="sim",
+        ),
+    )
+    return table
+
+
 async def test_a_clients_trace_continues_through_the_gateway_to_the_replica() -> None:
     spans = InMemorySpanExporter()
     provider = TracerProvider()
@@ -80,20 +97,7 @@ async def test_a_clients_trace_continues_through_the_gateway_to_the_replica() ->
     seen: list[dict[str, str]] = []
     async with anyio.create_task_group() as tg, httpx.AsyncClient(timeout=30) as client:
         engine_port = await tg.start(serve_app, replica_app(seen), "127.0.0.1", 0)
-        table = Table()
-        table.set_replica(
-            "chat.r0",
-            ReplicaRecord(
-                deployment="chat",
-                replica="r0",
-                profile="tiny",
-                profile_fp="x",
-                state="ready",
-                url=f"http://127.0.0.1:{engine_port}",
-                engine="sim",
-            ),
-        )
-        async with Proxy(table, client, tracer=provider.get_tracer("test")) as proxy:
+        async with Proxy(one_replica(engine_port), client, tracer=provider.get_tracer("test")) as proxy:
             proxy.loaded.set()
             port = await tg.start(serve_proxy, proxy)
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
@@ -150,3 +154,30 @@ _EXPECTED: dict[str, object] = {
     GEN_AI_USAGE_OUTPUT_TOKENS: 3,
     "http.status_code": None,
 }
+
+
+async def test_a_gateway_that_keeps_no_traces_passes_a_clients_trace_on_as_it_came() -> None:
+    """Without an OTLP endpoint the gateway's tracer is OpenTelemetry's no-op one: the client's
+    `traceparent` and `tracestate` reach the replica as the client sent them, and a request that
+    came without them gets none. The first request to the replica takes the ASGI path (its model
+    name not read yet), the others the express lane."""
+    seen: list[dict[str, str]] = []
+    traceparent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+    sent = [{"traceparent": traceparent, "tracestate": "vendor=1"}, {}, {"traceparent": traceparent}, {}]
+    async with anyio.create_task_group() as tg, httpx.AsyncClient(timeout=30) as client:
+        engine_port = await tg.start(serve_app, replica_app(seen), "127.0.0.1", 0)
+        async with Proxy(one_replica(engine_port), client, tracer=NoOpTracer()) as proxy:
+            proxy.loaded.set()
+            port = await tg.start(serve_proxy, proxy)
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            chat = {"model": "chat", "messages": [{"role": "user", "content": "hello"}]}
+            for headers in sent:
+                r = await client.post(url, json=chat, headers=headers)
+                assert r.status_code == 200, r.text
+            tg.cancel_scope.cancel()
+    assert [(h.get("traceparent"), h.get("tracestate")) for h in seen] == [
+        (traceparent, "vendor=1"),
+        (None, None),
+        (traceparent, None),
+        (None, None),
+    ]

@@ -36,7 +36,8 @@ from urllib.parse import urlsplit
 import anyio
 import httpx
 from opentelemetry import propagate, trace
-from opentelemetry.propagators.textmap import Getter
+from opentelemetry.context import Context
+from opentelemetry.propagators.textmap import Getter, TextMapPropagator
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 from starlette.applications import Starlette
@@ -654,7 +655,7 @@ class Proxy:
         span = self.tracer.start_span(
             f"{scope['method']} {scope['path']}",
             # The client's trace continues here (its `traceparent`, if any), on to the engine.
-            context=propagate.extract(scope["headers"], getter=_RAW_HEADERS),
+            context=_client_context(scope["headers"]),
             kind=trace.SpanKind.SERVER,
         )
         if span.is_recording():
@@ -1250,3 +1251,37 @@ class _RawHeadersGetter(Getter[list[tuple[bytes, bytes]]]):
 
 
 _RAW_HEADERS = _RawHeadersGetter()
+
+
+class _TraceFields:
+    """The headers the trace propagators read (their `fields`; W3C trace context and baggage:
+    `traceparent`, `tracestate`, `baggage`), as the server reads names: looked up again only
+    when another propagator is set."""
+
+    __slots__ = ("names", "textmap")
+
+    def __init__(self) -> None:
+        self.textmap: object = None
+        self.names: frozenset[bytes] = frozenset()
+
+    def of(self, textmap: TextMapPropagator) -> frozenset[bytes]:
+        if textmap is not self.textmap:
+            self.names = frozenset(f.lower().encode("latin-1") for f in textmap.fields)
+            self.textmap = textmap
+        return self.names
+
+
+_TRACE_FIELDS = _TraceFields()
+# What a request without trace headers continues: nothing (as the propagators make of it).
+_NO_TRACE = Context()
+
+
+def _client_context(headers: list[tuple[bytes, bytes]]) -> Context:
+    """The trace context the client sent in `headers`; the propagators are not asked where
+    none of their headers came (most requests)."""
+    textmap = propagate.get_global_textmap()
+    names = _TRACE_FIELDS.of(textmap)
+    for name, _ in headers:
+        if name in names:
+            return propagate.extract(headers, getter=_RAW_HEADERS)
+    return _NO_TRACE
