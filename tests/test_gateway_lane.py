@@ -1,7 +1,7 @@
 """The gateway's express lane (`GuardedProtocol` and `Proxy.express`): a routed POST whose
-body is in and whose replica answers whole at once is answered from the protocol's callbacks,
-without the ASGI app; every other case is the ASGI path's, handed over before any byte of
-answer went out. Against a replica on loopback scripted per request (its prompt says how it
+body is in and whose replica's answer gives its length is answered from the protocol's
+callbacks, without the ASGI app; every other case is the ASGI path's, handed over before any
+byte of answer went out. Against a replica on loopback scripted per request (its prompt says how it
 answers), and clients on raw sockets where httpx would hide what is checked."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from llmgw_core.events import ReplicaRecord
 from llmgw_core.keys import ANONYMOUS
 from llmgw_gateway import Proxy, Table
 from llmgw_gateway.proxy import ROUTED
+from llmgw_gateway.upstream import Upstream
 from tests.gateway_support import serve_proxy
 from tests.test_gateway import metric
 from tests.waiting import eventually
@@ -38,8 +39,9 @@ USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 class Replica:
     """An engine on loopback: `/v1/models` names `tiny`; a completion answers by its prompt
     (`close-first`: the connection closed unanswered the first time; `slow-body`: half the
-    body, then the rest 0.3 s later; `events`: server-sent events; `late`: after 0.5 s; any
-    other: the prompt back, whole at once)."""
+    body, then the rest 0.3 s later; `chunked`: the same without a length, in chunks; `stall`:
+    half the body, then nothing; `events`: server-sent events; `late`: after 0.5 s; any other:
+    the prompt back, whole at once)."""
 
     url: str = ""
     # Each completion request's headers (names in lower case) and body, in order, and the
@@ -76,6 +78,17 @@ class Replica:
                     await writer.drain()
                     await asyncio.sleep(0.3)
                     writer.write(whole[len(whole) - len(text) // 2 :])
+                elif prompt == "chunked":
+                    writer.write(_answer(b"", chunked=True) + b"%x\r\n%s\r\n" % (10, text[:10]))
+                    await writer.drain()
+                    await asyncio.sleep(0.3)
+                    writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(text) - 10, text[10:]))
+                elif prompt == "stall":
+                    whole = _answer(text)
+                    writer.write(whole[: len(whole) - len(text) // 2])
+                    await writer.drain()
+                    await reader.read()  # until the gateway closes the connection
+                    return
                 elif prompt == "events":
                     events = b'data: {"choices": [{"text": "a"}]}\n\ndata: [DONE]\n\n'
                     writer.write(_answer(events, b"text/event-stream"))
@@ -91,10 +104,11 @@ class Replica:
             writer.close()
 
 
-def _answer(body: bytes, kind: bytes = b"application/json") -> bytes:
+def _answer(body: bytes, kind: bytes = b"application/json", chunked: bool = False) -> bytes:
+    framing = b"transfer-encoding: chunked" if chunked else b"content-length: %d" % len(body)
     return (
         b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\nx-replica: r0\r\ndate: Thu, 01 Jan 1970 00:00:00 GMT\r\n"
-        b"connection: keep-alive\r\ncontent-length: %d\r\n\r\n%s" % (kind, len(body), body)
+        b"connection: keep-alive\r\n%s\r\n\r\n%s" % (kind, framing, body)
     )
 
 
@@ -109,7 +123,7 @@ class Lane:
 
 
 @contextlib.asynccontextmanager
-async def lane() -> AsyncIterator[Lane]:
+async def lane(read_timeout_s: float | None = None) -> AsyncIterator[Lane]:
     """The proxy over one replica, served as `llmgw-gateway` serves it, with the requests that
     reach its ASGI app counted."""
     replica = Replica()
@@ -123,7 +137,8 @@ async def lane() -> AsyncIterator[Lane]:
         ),
     )
     asgi: list[str] = []
-    async with listener, httpx.AsyncClient() as client, Proxy(table, client) as proxy:
+    upstream = Upstream(read_timeout_s=read_timeout_s)
+    async with listener, httpx.AsyncClient() as client, Proxy(table, client, upstream=upstream) as proxy:
         proxy.loaded.set()
 
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -238,14 +253,43 @@ async def test_a_replica_that_closes_the_kept_alive_connection_is_asked_again_on
         assert served.proxy.table.outstanding == {}
 
 
-async def test_an_answer_not_whole_at_once_goes_on_from_the_asgi_path() -> None:
-    async with lane() as served, httpx.AsyncClient(base_url=served.url) as client:
+async def test_an_answer_whose_body_comes_after_its_head_is_waited_for_on_the_lane() -> None:
+    """As engines served by uvicorn send an answer: its head, then its body in another write.
+    With its length given the lane waits for the rest; a replica that stops sending fails it at
+    the read timeout, as the ASGI path would: the client sees it cut off, never taken whole."""
+    async with lane(read_timeout_s=0.5) as served, httpx.AsyncClient(base_url=served.url) as client:
         warm = await client.post("/v1/completions", json={"model": "chat", "prompt": "hello"})
         assert warm.status_code == 200
         slow = await client.post("/v1/completions", json={"model": "chat", "prompt": "slow-body"})
         assert slow.status_code == 200
         assert slow.json()["choices"][0]["text"] == "slow-body"
-        assert slow.headers["x-replica"] == "r0"
+        assert (slow.headers["x-replica"], slow.headers["content-length"]) == ("r0", str(len(slow.content)))
+        assert served.asgi == ["/v1/completions"]
+        with pytest.raises(httpx.RemoteProtocolError):
+            await client.post("/v1/completions", json={"model": "chat", "prompt": "stall"})
+        # Handed to the ASGI path once failed, which passes on what came and cuts it off there.
+        assert served.asgi == ["/v1/completions"] * 2
+        text = await scrape(served)
+        assert metric(text, 'llmgw_gateway_errors_total{deployment="chat",reason="upstream"}') == 1
+        assert served.proxy.table.outstanding == {}
+        # The stalled connection was closed, not pooled: the next request opens another.
+        after = await client.post("/v1/completions", json={"model": "chat", "prompt": "after"})
+        assert after.json()["choices"][0]["text"] == "after"
+        first, *same, other = served.replica.on
+        assert same == [first, first], served.replica.on
+        assert other != first, served.replica.on
+        # Four requests; the tokens of the three whose usage came.
+        assert await usage(served) == (4, 9)
+
+
+async def test_an_answer_without_a_length_or_streamed_goes_on_from_the_asgi_path() -> None:
+    async with lane() as served, httpx.AsyncClient(base_url=served.url) as client:
+        warm = await client.post("/v1/completions", json={"model": "chat", "prompt": "hello"})
+        assert warm.status_code == 200
+        chunked = await client.post("/v1/completions", json={"model": "chat", "prompt": "chunked"})
+        assert chunked.status_code == 200
+        assert chunked.json()["choices"][0]["text"] == "chunked"
+        assert chunked.headers["x-replica"] == "r0"
         events = await client.post("/v1/completions", json={"model": "chat", "prompt": "events"})
         assert events.status_code == 200
         assert events.headers["content-type"] == "text/event-stream"

@@ -25,6 +25,7 @@ nothing needs a wait and the replica's answer comes whole, else the ASGI app
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -58,7 +59,7 @@ from .holds import FULL_RETRY_AFTER_S, RESTART_RETRY_AFTER_S, TIMEOUT_RETRY_AFTE
 from .keyring import Keyring, file_keys
 from .limits import json_nests_deeper, shown
 from .routing import Table, prompt_blocks
-from .upstream import FAILED, REFUSED, Answer, Upstream, UpstreamError, before_answer
+from .upstream import FAILED, HIGH_WATER, REFUSED, Answer, Upstream, UpstreamError, before_answer
 from .usage import JsonTail, Meter, Usage, read_events
 
 if TYPE_CHECKING:
@@ -182,6 +183,8 @@ class Routed:
     sent: Answer | UpstreamError | None = None
     # The lane decided what comes of the answer (it is past the lane's watch).
     decided: bool = False
+    # The deadline of the next read of an answer the lane waits for whole (`_waits_whole`).
+    wait: asyncio.TimerHandle | None = None
 
 
 def _sse_error(message: str, path: str) -> bytes:
@@ -686,7 +689,7 @@ class Proxy:
         key or the buckets to wait for, a limit to claim on the bus, an answer to stream, an
         error to answer): it goes there. Once taken it is counted, and what cannot be
         finished here (no replica to take it, its model name or an idle connection to it
-        wanting, a failure before the answer, an answer not whole at once) goes on from
+        wanting, a failure, an answer streamed or of no given length) goes on from
         where it stands on the ASGI path (`Routed` in the scope), before any byte went to the
         client."""
         arrived = time.monotonic()
@@ -723,9 +726,8 @@ class Proxy:
         content = body if served == model else json.dumps({**payload, "model": served}).encode()
 
         def watch() -> None:
-            # After a read of the replica's bytes, or a failure: decided once the status line
-            # is in (what of the body came with it in the same read is all the lane waits for:
-            # an engine sends an answer not streamed once it is done) or the answer failed.
+            # After a read of the replica's bytes, or a failure: from the status line on, the
+            # lane decides (`_lane_answer`).
             answer = routed.sent
             if isinstance(answer, Answer) and not routed.decided and answer.head_in:
                 self._lane_answer(lane, routed)
@@ -740,15 +742,26 @@ class Proxy:
         return True
 
     def _lane_answer(self, lane: Lane, routed: Routed) -> None:
-        """What comes of the answer to a request the lane sent: written here where it is whole,
-        else the request goes on on the ASGI path (the failure retried there, the answer
-        passed on in pieces)."""
+        """What comes of the answer to a request the lane sent, from its status line on:
+        written here once whole where its length is given (`_waits_whole`), else the request
+        goes on on the ASGI path (a failure before the answer retried there, after it cut off
+        there, any other answer passed on in pieces)."""
         if routed.decided:
             return
-        routed.decided = True
         answer = routed.sent
         assert isinstance(answer, Answer)
         assert routed.chosen is not None
+        if routed.wait is not None:
+            routed.wait.cancel()
+            routed.wait = None
+        if not answer.complete and not answer.failed and _waits_whole(answer):
+            # Its body comes in reads after its head's (engines served by uvicorn write the two
+            # apart): waited for here, each read within the read timeout as on the ASGI path.
+            timeout = self.upstream.read_timeout_s
+            if timeout is not None:
+                routed.wait = lane.loop.call_later(timeout, answer.time_out)
+            return
+        routed.decided = True
         answer.unwatch()
         failure = answer.failed_before_answer
         if failure is not None:
@@ -1228,6 +1241,17 @@ def _server_attributes(scope: Scope, model: str, deployment: str) -> dict[str, s
     if agent:
         attributes["user_agent.original"] = agent[:256]
     return attributes
+
+
+def _waits_whole(answer: Answer) -> bool:
+    """Whether the express lane waits for the rest of an answer whose status line is in: a
+    final answer, not server-sent events, whose body's length is given and within what is read
+    ahead of a client. Any other goes on from the ASGI path, passed on as it comes."""
+    status = answer.status
+    if status < 200 or status in _NO_BODY or answer.header(b"content-type").startswith("text/event-stream"):
+        return False
+    length = answer.header(b"content-length")
+    return length.isdigit() and int(length) <= HIGH_WATER
 
 
 def _first(headers: list[tuple[bytes, bytes]], name: bytes) -> str:

@@ -187,6 +187,16 @@ class Answer:
         self._watcher = None
 
     @property
+    def failed(self) -> bool:
+        """Whether it failed, before its status line or after."""
+        return self._error is not None
+
+    def time_out(self) -> None:
+        """Fail it as a read that waited the read timeout does: for a watcher, which keeps its
+        own deadline for the reads after the status line."""
+        self._fail(ReadTimeout(f"no byte from the replica for {self._read_timeout_s:g}s"))
+
+    @property
     def failed_before_answer(self) -> UpstreamError | None:
         """The failure that ended the answer before its status line, if it did."""
         if self._head.done() and self._head.exception() is not None:
