@@ -18,9 +18,9 @@ and `data: [DONE]`, never silently truncated.
 
 A routed request takes one of two paths with the same outcome: the express lane
 (`express`, from the HTTP protocol's callbacks: no task, no ASGI messages) where
-nothing needs a wait and the replica's answer comes whole, else the ASGI app
-(`app`, `complete`, `_forward`), which also takes over what the lane began
-(`Routed`, in the scope under `RESUMED`) wherever a wait or a stream turns up.
+nothing needs a wait but the replica's and its answer gives its length, else the ASGI
+app (`app`, `complete`, `_forward`), which also takes over what the lane began
+(`Routed`, in the scope under `RESUMED`) wherever another wait or a stream turns up.
 """
 
 from __future__ import annotations
