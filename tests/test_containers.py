@@ -99,6 +99,10 @@ def podman_env(**extra: str) -> dict[str, str]:
         "CONTAINERS_CONF": str(SUPPORT / "containers.conf"),
         # Docker's image format keeps the Dockerfile's HEALTHCHECK (OCI's has no such field).
         "BUILDAH_FORMAT": "docker",
+        # One podman call at a time (the README says so for podman-compose): `build` otherwise
+        # builds the five llmgw services' one image at once, and podman's builds of one image
+        # at the same time can fail each other (one exited 2 on a machine with no cached layer).
+        "COMPOSE_PARALLEL_LIMIT": "1",
         **extra,
     }
 
@@ -125,8 +129,11 @@ async def run(
 ) -> subprocess.CompletedProcess[bytes]:
     done = await anyio.run_process(argv, env=env, cwd=ROOT, check=False, stderr=subprocess.STDOUT)
     if check and done.returncode != 0:
-        tail = done.stdout.decode(errors="replace")[-3000:]
-        raise AssertionError(f"{' '.join(argv)} exited {done.returncode}:\n{tail}")
+        output = done.stdout.decode(errors="replace")
+        # Where builds run side by side the error can be far from the end: said first.
+        errors = [line for line in output.splitlines() if "error" in line.lower()][-20:]
+        said = "\n".join(errors)
+        raise AssertionError(f"{' '.join(argv)} exited {done.returncode}:\n{said}\n...\n{output[-3000:]}")
     return done
 
 
