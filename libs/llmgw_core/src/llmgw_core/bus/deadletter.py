@@ -18,12 +18,33 @@ log = logging.getLogger("llmgw.bus")
 
 T = TypeVar("T", bound=msgspec.Struct)
 
+# msgspec's error names the path and quotes the bad value (an enum's string, whole): a
+# message that costs a log line or a DLQ header its own size is cut to this.
+MAX_ERROR_CHARS = 512
+
+
+def decode_error(exc: msgspec.DecodeError | msgspec.ValidationError) -> str:
+    """msgspec's words for a value that does not decode, at most `MAX_ERROR_CHARS` long."""
+    text = str(exc)
+    if len(text) <= MAX_ERROR_CHARS:
+        return text
+    return f"{text[: MAX_ERROR_CHARS - 40]}… ({len(text):,} characters in all)"
+
 
 class DecodeFailure(Exception):
     def __init__(self, subject: str, error: str) -> None:
         super().__init__(f"{subject}: {error}")
         self.subject = subject
         self.error = error
+
+
+def decode(kind: type[T], subject: str, data: bytes) -> T:
+    """`data` as a `kind`, or `DecodeFailure` with msgspec's words, bounded; nothing else
+    escapes, whatever the bytes."""
+    try:
+        return decoder(kind).decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise DecodeFailure(subject, decode_error(exc)) from exc
 
 
 class DeadLetters:
@@ -56,7 +77,4 @@ class DeadLetters:
             self.space.note_write(self.conn.names.dlq_stream)
 
     def decode(self, kind: type[T], subject: str, data: bytes) -> T:
-        try:
-            return decoder(kind).decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise DecodeFailure(subject, str(exc)) from exc
+        return decode(kind, subject, data)

@@ -24,7 +24,7 @@ from ..events import decoder
 from ..retry import Retry
 from ..subjects import ALL, Names
 from .connection import Connection
-from .deadletter import DeadLetters
+from .deadletter import DeadLetters, decode_error
 from .kv import KNOWN, KV, KVChange, deletes
 
 log = logging.getLogger("llmgw.bus")
@@ -90,7 +90,7 @@ class Watches:
                 try:
                     value = dec.decode(msg.data)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    await self.dlq.dead_letter(msg.subject, msg.data, str(exc))
+                    await self.dlq.dead_letter(msg.subject, msg.data, decode_error(exc))
                     continue
                 yield msg.subject, value
 
@@ -163,7 +163,7 @@ class Watches:
             try:
                 value = dec.decode(msg.data)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                await self.dlq.dead_letter(msg.subject, msg.data, str(exc))
+                await self.dlq.dead_letter(msg.subject, msg.data, decode_error(exc))
                 return
             try:
                 await handler(value, msg.subject)
