@@ -12,6 +12,14 @@ sends n bytes of the file's first GET and drops the connection; `wrong_sha[file]
 that the bytes do not have; `hang` holds every download open without a byte, `hang_metadata`
 every metadata request without an answer. `served[file]` counts
 the bytes that went out, `gets` the (file, Range header) of every download.
+
+Hostile answers, each set by a test: `headers` replace a file's own on every resolve (a commit
+`../../x`, an ETag that is no digest, a size of -5), `plain_headers` a plain file's (a
+Content-Length); `sibling_patch[file]` is merged into one file's entry in a repository's
+listing (`rfilename`, `size`, `lfs`), and `extra_siblings` appended to the listing;
+`listing_padding` bytes of JSON whitespace go before the listing, streamed (an answer too big
+to read whole); `redirects[path]` answers a request for that path with a 302 to the location
+given (`redirected` counts them). A repository's `commit`, and its files' names, may be anything.
 """
 
 from __future__ import annotations
@@ -52,6 +60,13 @@ class HubState:
     hang_metadata: bool = False
     served: Counter[str] = field(default_factory=Counter)
     gets: list[tuple[str, str]] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=dict)
+    plain_headers: dict[str, str] = field(default_factory=dict)
+    sibling_patch: dict[str, dict[str, object]] = field(default_factory=dict)
+    extra_siblings: list[object] = field(default_factory=list)
+    listing_padding: int = 0
+    redirects: dict[str, str] = field(default_factory=dict)
+    redirected: list[str] = field(default_factory=list)
     stopping: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -97,6 +112,14 @@ def _handler(state: HubState) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
                 return
             split = urlsplit(self.path)
+            if split.path in state.redirects:
+                with state.lock:
+                    state.redirected.append(split.path)
+                self.send_response(302)
+                self.send_header("Location", state.redirects[split.path])
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             parts = [unquote(p) for p in split.path.strip("/").split("/")]
             if parts[:2] == ["api", "models"] and len(parts) >= 4:
                 repo = f"{parts[2]}/{parts[3]}"
@@ -107,7 +130,7 @@ def _handler(state: HubState) -> type[BaseHTTPRequestHandler]:
                 return self._resolve(repo, rev, name, head)
             if parts[0] == "files" and len(parts) == 2 and parts[1] in state.plain:
                 data = state.plain[parts[1]]
-                return self._send_file(parts[1], data, head, {})
+                return self._send_file(parts[1], data, head, dict(state.plain_headers))
             self._error(404, "")
 
         def _repo(self, name: str, rev: str) -> Repo | None:
@@ -137,15 +160,28 @@ def _handler(state: HubState) -> type[BaseHTTPRequestHandler]:
                             "sha256": self._sha(fname, data),
                             "pointerSize": 134,
                         }
+                entry.update(state.sibling_patch.get(fname, {}))
                 siblings.append(entry)
-            body = json.dumps(
-                {"id": name, "modelId": name, "sha": repo.commit, "siblings": siblings}
-            ).encode()
+            listing = {
+                "id": name,
+                "modelId": name,
+                "sha": repo.commit,
+                "siblings": siblings + state.extra_siblings,
+            }
+            body = json.dumps(listing).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str(state.listing_padding + len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            try:
+                left = state.listing_padding
+                while left > 0:
+                    chunk = min(left, 1 << 20)
+                    self.wfile.write(b" " * chunk)
+                    left -= chunk
+                self.wfile.write(body)
+            except OSError:  # a reader that stopped at its limit and hung up
+                self.close_connection = True
 
         def _sha(self, fname: str, data: bytes) -> str:
             if fname in state.wrong_sha:
@@ -162,6 +198,7 @@ def _handler(state: HubState) -> type[BaseHTTPRequestHandler]:
                 return
             etag = self._sha(fname, data) if len(data) >= LFS_FROM else git_blob_id(data)
             extra = {"X-Repo-Commit": repo.commit, "ETag": f'"{etag}"', "X-Linked-Size": str(len(data))}
+            extra.update(state.headers)
             self._send_file(fname, data, head, extra)
 
         # --- bytes ---
@@ -177,13 +214,14 @@ def _handler(state: HubState) -> type[BaseHTTPRequestHandler]:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
+            length = extra.pop("Content-Length", str(len(data) - start))
             self.send_response(206 if rng else 200)
             for k, v in extra.items():
                 self.send_header(k, v)
             self.send_header("Accept-Ranges", "bytes")
             if rng:
                 self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-            self.send_header("Content-Length", str(len(data) - start))
+            self.send_header("Content-Length", length)
             self.end_headers()
             if head:
                 return

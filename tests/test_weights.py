@@ -93,7 +93,29 @@ def test_sources_parse_into_what_the_node_stages() -> None:
             "hf://org/repo/../etc/passwd",
             "",
             "profile p: model 'hf://org/repo/../etc/passwd': the file '../etc/passwd' is not a plain path "
-            "inside the repository",
+            "inside the repository: it has a '..' part",
+        ),
+        (
+            "hf://org/repo@../../x",
+            "",
+            "profile p: model 'hf://org/repo@../../x': the revision '../../x' is not valid: "
+            "it has a '..' part",
+        ),
+        (
+            "hf://org/repo/a\\b.gguf",
+            "",
+            "profile p: model 'hf://org/repo/a\\\\b.gguf': the file 'a\\\\b.gguf' is not a plain path "
+            "inside the repository: it has a backslash",
+        ),
+        (
+            "hf://org/repo/x.gguf\0",
+            "",
+            "profile p: model 'hf://org/repo/x.gguf\\x00' has a NUL, a control character or a lone surrogate",
+        ),
+        (
+            "https://example.org/m/..",
+            "a" * 64,
+            "profile p: model 'https://example.org/m/..': the file name '..' has a '..' part",
         ),
         (
             "https://example.org/x.gguf",

@@ -14,7 +14,16 @@ import httpx
 import pytest
 
 from llmgw_core.bus import Bus, BusOptions
-from llmgw_core.events import ShardStatus, WeightsOffer, WeightsQuery, decoder, encode
+from llmgw_core.events import (
+    NodeFacts,
+    NodeStatus,
+    ShardStatus,
+    WeightsOffer,
+    WeightsQuery,
+    decoder,
+    encode,
+)
+from llmgw_core.subjects import ONE
 from llmgw_launcher import Launcher
 from llmgw_launcher.peers import decide
 from tests.auth_support import session_for
@@ -41,7 +50,28 @@ def staged(tmp_path: Path, node: str, hub: Hub) -> Path:
     return tmp_path / node / "models" / "hf" / "org" / "big" / commit / "files" / "m.gguf"
 
 
+async def node_status(bus: Bus, node: str, mgmt_addr: str = "127.0.0.1") -> None:
+    """The node's status as its installer writes it: other nodes read its blobs only on `mgmt_addr`."""
+    facts = NodeFacts(node=node, mgmt_addr=mgmt_addr)
+    await bus.put(bus.names.nodes_bucket, node, NodeStatus(node=node, facts=facts))
+
+
+async def ask(bus: Bus, asker: str, timeout: float) -> WeightsOffer | None:
+    """`asker`'s query for the model's blob, as a node asks: the first offer that comes, or None."""
+    sub = await bus.nc.subscribe(bus.names.weights_offer(asker, ONE))
+    try:
+        query = WeightsQuery(node=asker, blob=BLOB, size=len(MODEL))
+        await bus.nc.publish(bus.names.weights_query(asker), encode(query))
+        msg = await sub.next_msg(timeout=timeout)
+    except TimeoutError:  # nats-py's is one too
+        return None
+    finally:
+        await sub.unsubscribe()
+    return decoder(WeightsOffer).decode(msg.data)
+
+
 async def place(bus: Bus, node: str, name: str) -> None:
+    await node_status(bus, node)
     spec = shard(node, name, sim_profile(model="hf://org/big/m.gguf"))
     await bus.put(bus.names.shards_bucket, f"{node}.{name}", spec)
 
@@ -206,8 +236,8 @@ async def test_a_reader_that_is_not_a_cluster_node_is_refused(
                 r = await client.get(url, headers=headers)
                 assert r.status_code == 401
                 assert r.text == (
-                    f"node-a serves weights only to the cluster's nodes: ask on {bus.names.weights_query} "
-                    "for a token (as a node identity)"
+                    "node-a serves weights only to the cluster's nodes: ask on "
+                    f"{bus.names.weights_query('<your node>')} for a token (as that node's identity)"
                 )
             # A token for one blob reads no other.
             token = a.peers.grant(BLOB)
@@ -225,7 +255,7 @@ async def test_a_reader_that_is_not_a_cluster_node_is_refused(
         try:
             query = WeightsQuery(node="node-z", blob=BLOB, size=len(MODEL))
             with pytest.raises(Exception, match="permission"):
-                await observer.nc.request(bus.names.weights_query, encode(query), timeout=5)
+                await observer.nc.request(bus.names.weights_query("node-z"), encode(query), timeout=5)
         finally:
             await observer.close()
         # A node's own identity is answered, and the token it gets reads the blob, ranges too.
@@ -235,11 +265,10 @@ async def test_a_reader_that_is_not_a_cluster_node_is_refused(
             service="launcher-node-b",
         )
         try:
-            query = WeightsQuery(node="node-b", blob=BLOB, size=len(MODEL))
-            reply = await node_b.nc.request(bus.names.weights_query, encode(query), timeout=10)
-            got = decoder(WeightsOffer).decode(reply.data)
+            got = await ask(node_b, "node-b", timeout=10)
         finally:
             await node_b.close()
+        assert got is not None
         assert (got.node, got.state, got.have) == ("node-a", "held", len(MODEL))
         async with httpx.AsyncClient() as client:
             r = await client.get(
@@ -324,13 +353,10 @@ async def test_a_peer_killed_mid_transfer_is_gone_on_with_from_the_origin(
     try:
 
         async def holds() -> bool:
-            query = WeightsQuery(node="harness", blob=BLOB, size=len(MODEL))
-            try:
-                reply = await bus.nc.request(bus.names.weights_query, encode(query), timeout=1)
-            except Exception:
-                return False
-            return decoder(WeightsOffer).decode(reply.data).state == "held"
+            got = await ask(bus, "harness", timeout=1)
+            return got is not None and got.state == "held"
 
+        await node_status(bus, "node-a")
         await eventually(holds, timeout=60)
         partial = tmp_path / "node-b" / "models" / "blobs" / f"{BLOB}.partial"
         async with (

@@ -23,7 +23,9 @@ whose rights nats-server itself enforces, subject by subject:
                 engines, only its own shard specs and shard statuses, and its own
                 heartbeats; answers requests for its own shards' logs (only `ctl`
                 may ask: logs can quote secrets); asks and answers the other nodes
-                for staged weights (`<prefix>.weights.who`, nodes only)
+                for staged weights (`<prefix>.weights.who.<id>`, answered on
+                `<prefix>.weights.offer.<asker>.<id>`, nodes only) and reads
+                the status of a node that offers (its `mgmt_addr`)
     fleet       `llmgw fleet`'s simulated nodes: every node's rights at once, for
                 scale tests only
 
@@ -170,11 +172,27 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             ),
         ]
         # Its launcher asks the other nodes for the weights it stages, and answers them with a
-        # token for its blob server: only nodes may ask, so only nodes may read the blobs.
-        publish.append(names.weights_query)
+        # token for its blob server: only nodes may ask, so only nodes may read the blobs. Each
+        # query and offer carries its node in the subject, so one node cannot ask or offer in
+        # another's name; and it reads (one key at a time: gets, no watch) the status of a node
+        # that offers, whose `mgmt_addr` is the only address it fetches that node's blobs from.
+        # A get names its key in the body, where no permission can see it: any node's status.
+        nodes = kv_stream(names.nodes_bucket)
+        publish += [
+            names.weights_query(node),
+            names.weights_offer(ONE, node),
+            f"$JS.API.STREAM.MSG.GET.{nodes}",
+            f"$JS.API.DIRECT.GET.{nodes}.{names.kv_subject(names.nodes_bucket, ONE)}",
+        ]
         # Its launcher answers requests for its shards' logs (and only for its own); its
         # agents hear their node's heartbeats, so a second machine with its id stands by.
-        own = (inbox, names.launcher_logs(node), names.heartbeat(node, "*"), names.weights_query)
+        own = (
+            inbox,
+            names.launcher_logs(node),
+            names.heartbeat(node, "*"),
+            names.weights_query(ONE),
+            names.weights_offer(node, ONE),
+        )
         # Each rule once: a filtered read grants its stream's info too.
         return Permissions(tuple(dict.fromkeys(publish)), own, allow_responses=True)
     if role == "fleet":

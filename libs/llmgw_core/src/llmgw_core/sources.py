@@ -6,6 +6,11 @@
 
 A `model:` without `://` is a name (what the engine serves it as), as it always was;
 the weights are then at `model_path`. Pure: nothing here touches the network or a disk.
+
+Every name that becomes part of a path on the node passes `path_problem` first: a file in a
+repository and a revision as a profile names them here, and the same names, commits and digests
+as a hub or a mirror answers them (`llmgw_launcher.weights`). A name with a `..` part, an
+absolute one, or one with a NUL would put files outside the node's models directory.
 """
 
 from __future__ import annotations
@@ -20,10 +25,19 @@ from msgspec import Struct
 SourceKind = Literal["hf", "url", "file"]
 
 SCHEMES = ("hf://", "https://", "http://", "file://")
-# What the hub accepts in an org or repository name.
-_REPO_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# What the hub accepts in an org or repository name (96 characters at most, as on the hub).
+_REPO_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+# A `model:` longer than this is refused before it is parsed.
+MAX_SOURCE_CHARS = 4096
+# A file in a repository, or a revision: at most this many UTF-8 bytes, parts, bytes a part (a
+# Linux file name's limit), so that the path it becomes fits PATH_MAX under any models directory.
+MAX_NAME_BYTES = 1024
+MAX_NAME_PARTS = 32
+MAX_PART_BYTES = 255
+# A value quoted in an error is cut to this many characters: a hostile answer can be long.
+SHOWN_CHARS = 80
 
 
 class SourceError(ValueError):
@@ -45,7 +59,7 @@ class ModelSource(Struct, frozen=True, kw_only=True):
     @property
     def pinned(self) -> bool:
         """A commit id names the same bytes forever: no need to ask the hub again once staged."""
-        return self.kind != "hf" or bool(_COMMIT.match(self.revision))
+        return self.kind != "hf" or is_commit(self.revision)
 
     @property
     def name(self) -> str:
@@ -62,6 +76,83 @@ class ModelSource(Struct, frozen=True, kw_only=True):
         return self.url if self.kind == "url" else f"file://{self.path}"
 
 
+def shown(value: object) -> str:
+    """`value` as an error quotes it: its repr, cut to `SHOWN_CHARS` characters."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}…"
+
+
+def _control(value: str) -> bool:
+    """A NUL or other control character, or a lone surrogate (no file name can hold one)."""
+    return any(ord(c) < 32 or ord(c) == 127 or 0xD800 <= ord(c) <= 0xDFFF for c in value)
+
+
+def path_problem(name: str) -> str | None:
+    """Why `name` (a file in a repository, a revision) cannot become a path under a directory of
+    the node, or None when it can: a relative path of plain parts, bounded in length and depth.
+
+    The words complete a sentence that quotes the name: `'../x' has a '..' part`.
+    """
+    if not name:
+        return "is empty"
+    if _control(name):
+        return "has a NUL, a control character or a lone surrogate"
+    if "\\" in name:
+        return "has a backslash"
+    if len(name.encode()) > MAX_NAME_BYTES:
+        return f"is longer than {MAX_NAME_BYTES} bytes"
+    if name.startswith("/"):
+        return "is an absolute path"
+    parts = name.split("/")
+    if len(parts) > MAX_NAME_PARTS:
+        return f"has more than {MAX_NAME_PARTS} parts"
+    if ".." in parts:
+        return "has a '..' part"
+    if any(p in ("", ".") for p in parts):
+        return "has an empty or '.' part"
+    if any(len(p.encode()) > MAX_PART_BYTES for p in parts):
+        return f"has a part longer than {MAX_PART_BYTES} bytes"
+    return None
+
+
+def revision_problem(revision: str) -> str | None:
+    """`path_problem` for a branch, tag or commit (it names `refs/<revision>` on the node), and no
+    whitespace: git allows none in a ref."""
+    problem = path_problem(revision)
+    if problem is None and any(c.isspace() for c in revision):
+        return "has whitespace"
+    return problem
+
+
+def is_commit(value: str) -> bool:
+    """A commit id: 40 lowercase hex digits, nothing around them."""
+    return bool(_COMMIT.fullmatch(value))
+
+
+def is_sha256(value: str) -> bool:
+    """A sha256: 64 lowercase hex digits, nothing around them."""
+    return bool(_SHA256.fullmatch(value))
+
+
+def url_problem(url: str) -> str | None:
+    """Why bytes cannot be fetched from `url` (a `model:` URL, or where a server redirected the
+    node to), or None: http(s), a host, no whitespace or control character, bounded length."""
+    if len(url) > MAX_SOURCE_CHARS:
+        return f"is longer than {MAX_SOURCE_CHARS} characters"
+    if _control(url) or any(c.isspace() for c in url):
+        return "has whitespace, a control character or a lone surrogate"
+    try:
+        split = urlsplit(url)
+        host = split.hostname
+    except ValueError as exc:
+        return f"is not a URL ({exc})"
+    if split.scheme.lower() not in ("http", "https"):
+        return "is not an http:// or https:// URL"
+    if not host:
+        return "has no host"
+    return None
+
+
 def is_source(model: str) -> bool:
     """Whether `model:` names where weights come from (else it is the served name)."""
     return "://" in model
@@ -73,8 +164,13 @@ def parse_source(model: str, sha256: str = "", *, profile: str = "") -> ModelSou
     model = model.strip()
     if not is_source(model):
         if sha256:
-            raise SourceError(f"{where}model_sha256 is set but model {model!r} is not an https:// URL")
+            raise SourceError(f"{where}model_sha256 is set but model {shown(model)} is not an https:// URL")
         return None
+    # Bounded before it is parsed: a source names paths and URLs on every node it goes to.
+    if len(model) > MAX_SOURCE_CHARS:
+        raise SourceError(f"{where}model {shown(model)} is longer than {MAX_SOURCE_CHARS} characters")
+    if _control(model):
+        raise SourceError(f"{where}model {shown(model)} has a NUL, a control character or a lone surrogate")
     scheme = model.split("://", 1)[0].lower() + "://"
     if scheme not in SCHEMES:
         raise SourceError(
@@ -106,20 +202,28 @@ def _parse_hf(model: str, where: str) -> ModelSource:
         raise SourceError(f"{where}model {model!r} must name a repository: hf://<org>/<repo>[/<file>]")
     org, repo = parts[0], parts[1]
     for part in (org, repo):
-        if not _REPO_PART.match(part) or ".." in part:
+        if not _REPO_PART.fullmatch(part) or ".." in part:
             raise SourceError(f"{where}model {model!r}: {part!r} is not a valid hub org or repository name")
     file = "/".join(parts[2:])
-    if file and (any(p in ("", ".", "..") for p in parts[2:]) or file.startswith("/")):
+    problem = path_problem(file) if file else None
+    if problem is not None:
         raise SourceError(
-            f"{where}model {model!r}: the file {file!r} is not a plain path inside the repository"
+            f"{where}model {model!r}: the file {shown(file)} is not a plain path inside the repository: "
+            f"it {problem}"
         )
-    if not revision.strip() or any(c in revision for c in " \t\n"):
-        raise SourceError(f"{where}model {model!r}: the revision {revision!r} is not valid")
+    problem = revision_problem(revision)
+    if problem is not None:
+        raise SourceError(
+            f"{where}model {model!r}: the revision {shown(revision)} is not valid: it {problem}"
+        )
     return ModelSource(kind="hf", repo=f"{org}/{repo}", file=file, revision=revision)
 
 
 def _parse_file(model: str, where: str) -> ModelSource:
-    split = urlsplit(model)
+    try:
+        split = urlsplit(model)
+    except ValueError as exc:
+        raise SourceError(f"{where}model {model!r} is not a URL: {exc}") from exc
     if split.netloc not in ("", "localhost"):
         raise SourceError(
             f"{where}model {model!r}: a file:// model is on the node itself; "
@@ -134,19 +238,23 @@ def _parse_file(model: str, where: str) -> ModelSource:
 
 
 def _parse_url(model: str, sha256: str, where: str) -> ModelSource:
-    split = urlsplit(model)
-    if not split.hostname:
-        raise SourceError(f"{where}model {model!r} has no host")
-    name = split.path.rstrip("/").rsplit("/", 1)[-1]
+    problem = url_problem(model)
+    if problem is not None:
+        raise SourceError(f"{where}model {model!r} {problem}")
+    name = urlsplit(model).path.rstrip("/").rsplit("/", 1)[-1]
     if not name:
         raise SourceError(f"{where}model {model!r} must name a file, not a directory")
+    # The name is the staged file's (`url/<sha256>/<name>`): one plain part, never `..`.
+    problem = path_problem(name)
+    if problem is not None:
+        raise SourceError(f"{where}model {model!r}: the file name {shown(name)} {problem}")
     digest = sha256.strip().lower()
     if not digest:
         raise SourceError(
             f"{where}model {model!r} needs model_sha256 (the file's sha256, 64 hex digits): "
             "a URL's bytes are verified before an engine reads them"
         )
-    if not _SHA256.match(digest):
+    if not is_sha256(digest):
         raise SourceError(f"{where}model_sha256 {sha256!r} is not 64 hex digits")
     return ModelSource(kind="url", url=model, sha256=digest)
 

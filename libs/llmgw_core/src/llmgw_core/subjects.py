@@ -198,11 +198,17 @@ class Names:
         a shard's own log lines (`llmgw ctl logs`)."""
         return f"{self.prefix}.launcher.{node}.logs"
 
-    @property
-    def weights_query(self) -> str:
-        """Request/reply among nodes: a `WeightsQuery` for a blob, answered with `WeightsOffer`s
-        by the nodes that hold it, fetch it or want it (docs/weights.md)."""
-        return f"{self.prefix}.weights.who"
+    def weights_query(self, node: str) -> str:
+        """Plain NATS among nodes: `node` asks for a blob (`WeightsQuery`). The asker is this
+        subject's last token, which nats-server lets only `node`'s identity publish: a query
+        whose payload names another node cannot make a node answer in that node's name."""
+        return f"{self.prefix}.weights.who.{node}"
+
+    def weights_offer(self, asker: str, offerer: str) -> str:
+        """Plain NATS among nodes: `offerer`'s answer (`WeightsOffer`) to `asker`'s query. Only
+        `offerer`'s identity may publish it and only `asker`'s may hear it: the offering node is
+        this subject's last token, never the payload's (an invented name cannot offer)."""
+        return f"{self.prefix}.weights.offer.{asker}.{offerer}"
 
     def dlq(self, service: str) -> str:
         return f"{self.prefix}.dlq.{service}"

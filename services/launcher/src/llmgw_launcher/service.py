@@ -26,7 +26,7 @@ import anyio.abc
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from llmgw_core.bus import Bus
 from llmgw_core.claims import Holder, hold
@@ -703,6 +703,16 @@ class Launcher:
             "Bytes of staged weights this node sent to the cluster's other nodes.",
             self.peers.served_bytes if self.peers is not None else 0,
         )
+        closed = CounterMetricFamily(
+            "llmgw_launcher_weights_connections_closed",
+            "Connections to the blob server this node closed: evicted (at the cap, the one that had "
+            "waited longest for its request), refused (at the cap, every one sending: 503), "
+            "timed_out (no whole request within the header timeout).",
+            labels=["reason"],
+        )
+        for reason, n in sorted(self.peers.closed.items() if self.peers is not None else ()):
+            closed.add_metric([reason], n)
+        yield closed
         yield counter(
             "llmgw_launcher_statuses_corrected",
             "Shard statuses in the bucket written again or removed because they were not what this "

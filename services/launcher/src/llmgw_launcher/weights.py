@@ -21,6 +21,14 @@ same model wait on the same lock and find it staged; their status shows the down
 The hub protocol (URLs, headers, HF_ENDPOINT, HF_TOKEN, the metadata and its errors) is
 huggingface_hub's; the bytes are fetched here, so that they are hashed while they arrive, resume
 from a `.partial` the node owns, and report progress in the node's words.
+
+Whatever a hub, a mirror or a peer answers is checked before it names a path: a commit is 40 hex
+digits, a digest its algorithm's number of hex digits, a size a bounded non-negative integer, a
+file name a plain relative path (`llmgw_core.sources.path_problem`), a repository's listing
+bounded in bytes and files, a redirect an http(s) URL, a few at most. Every path is then resolved
+(links too) and proven inside the models directory before anything is written or linked there.
+A hub answer that fails a check fails the staging of that model, not retryable, with the hub,
+the field and the value named.
 """
 
 from __future__ import annotations
@@ -30,12 +38,14 @@ import logging
 import os
 import shutil
 import threading
+import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import anyio
 import httpx
@@ -44,6 +54,7 @@ from anyio import CapacityLimiter
 
 from llmgw_core.engines import ModelSource
 from llmgw_core.fit import FitError, read_shape
+from llmgw_core.sources import is_commit, is_sha256, path_problem, shown, url_problem
 from llmgw_core.staged import hf_dir, hf_view, shape_file, url_view
 
 from .peers import Peers
@@ -57,6 +68,23 @@ DOWNLOAD_THREADS = 4
 PROGRESS_INTERVAL_S = 1.0
 
 Algo = Literal["sha256", "gitsha1"]
+
+# What a hub's answer may hold. A hostile hub or mirror can answer anything; these bound what
+# the node reads of it and believes.
+MAX_LISTING_BYTES = 32 << 20  # a repository's file listing (a real one of 10,000 files: ~3 MB)
+MAX_LISTING_FILES = 10_000
+MAX_ERROR_BYTES = 64 << 10  # the body of an error answer, read for its message
+MAX_FILE_BYTES = 1 << 42  # 4.4 TB: no one file of a model is bigger
+MAX_MODEL_BYTES = 1 << 46  # 70 TB: all the files of one repository
+# Redirects followed while downloading one file (the hub sends one, to its CDN).
+MAX_REDIRECTS = 5
+
+# A peer is another node on the cluster's own network: one that sends less than this,
+# averaged over each window of the read timeout, is left for the next peer or the origin
+# (a byte every 29 s would otherwise hold a transfer open forever under a 30 s timeout).
+PEER_MIN_BYTES_PER_S = 256 * 1024
+_DIGEST_CHARS: dict[Algo, int] = {"sha256": 64, "gitsha1": 40}
+_HEX = frozenset("0123456789abcdef")
 
 
 class WeightsError(Exception):
@@ -129,7 +157,7 @@ def amount(done: int, total: int) -> str:
 
 
 def size_words(n: int) -> str:
-    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+    for unit, size in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} bytes"
@@ -286,6 +314,7 @@ class Weights:
             _record_shape(fallback)
             return fallback
         progress.label = plan.label
+        self._check_plan(plan)
         if not plan.view.exists():
             key = f"{plan.view}"
             self._check_disk(plan, key, progress, keep)
@@ -317,22 +346,37 @@ class Weights:
     def _already_staged(self, source: ModelSource) -> Path | None:
         """A pinned source (a commit, a sha256) staged before: no need to ask anyone."""
         if source.kind == "url":
-            view = url_view(self.root, source)
+            view = _inside(self.root, url_view(self.root, source), source.name)
             return view if view.exists() else None
         if source.pinned:
-            view = hf_view(self.root, source, source.revision)
+            view = _inside(self.root, hf_view(self.root, source, source.revision), source.name)
             return view if view.exists() else None
         return None
 
     def _by_ref(self, source: ModelSource) -> Path | None:
         if source.kind != "hf":
             return None
+        ref = _inside(self.root, hf_dir(self.root, source) / "refs" / source.revision, source.name)
         try:
-            commit = (hf_dir(self.root, source) / "refs" / source.revision).read_text().strip()
+            with ref.open("rb") as f:
+                commit = f.read(64).decode("ascii", "replace").strip()
         except OSError:
             return None
-        view = hf_view(self.root, source, commit)
-        return view if commit and view.exists() else None
+        if not is_commit(commit):  # a ref this node did not write: not evidence of anything staged
+            return None
+        view = _inside(self.root, hf_view(self.root, source, commit), source.name)
+        return view if view.exists() else None
+
+    def _check_plan(self, plan: Plan) -> None:
+        """Every path the plan writes or links, resolved (links too) and proven inside the store,
+        before the first byte: a name that passed every check but leads through a link planted
+        under the store must not write outside it either."""
+        for path in (plan.view, plan.ref, self.blobs, *(self.blobs / w.blob for w in plan.files)):
+            if path is not None:
+                _inside(self.root, path, plan.label)
+        if plan.snapshot:
+            for want in plan.files:
+                _inside(self.root, plan.view / want.name, plan.label)
 
     def _check_disk(self, plan: Plan, key: str, progress: Progress, keep: list[ModelSource]) -> None:
         """Refuse before the first byte when the rest of the download cannot fit, after evicting
@@ -467,7 +511,7 @@ class Weights:
 
     def _commit(self, plan: Plan) -> None:
         """The view appears whole, by one rename, or not at all."""
-        view = plan.view
+        view = _inside(self.root, plan.view, plan.label)
         view.parent.mkdir(parents=True, exist_ok=True)
         if not plan.snapshot:
             tmp = view.parent / f".{view.name}.{uuid.uuid4().hex}.tmp"
@@ -478,7 +522,7 @@ class Weights:
         staging = self.root / ".staging" / uuid.uuid4().hex
         try:
             for want in plan.files:
-                target = staging / want.name
+                target = _inside(self.root, staging / want.name, plan.label)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 os.link(self.blobs / want.blob, target)
             for d in sorted({(staging / w.name).parent for w in plan.files}, reverse=True):
@@ -517,7 +561,7 @@ def hub_endpoint(environ: dict[str, str]) -> str:
 
 
 def _resolve_hf(source: ModelSource, root: Path, environ: dict[str, str], timeout_s: float) -> Plan:
-    from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.utils import build_hf_headers  # type: ignore[attr-defined]  # exported lazily
 
     endpoint = hub_endpoint(environ)
@@ -529,42 +573,207 @@ def _resolve_hf(source: ModelSource, root: Path, environ: dict[str, str], timeou
         if source.file:
             url = hf_hub_url(source.repo, source.file, revision=source.revision, endpoint=endpoint)
             meta = get_hf_file_metadata(url, token=token, timeout=timeout_s, endpoint=endpoint)
-            commit = meta.commit_hash or ""
-            files = [(source.file, meta.size, meta.etag or "", "")]
+            if not meta.commit_hash:
+                raise WeightsError(f"{where}: the hub named no commit for this revision (no X-Repo-Commit)")
+            commit = check_commit(meta.commit_hash, where, "X-Repo-Commit")
+            files: tuple[HubFile, ...] = (check_file(source.file, meta.size, meta.etag or "", "", where),)
         else:
-            info = HfApi(endpoint=endpoint, token=token).model_info(
-                source.repo, revision=source.revision, files_metadata=True, timeout=timeout_s
-            )
-            commit = info.sha or ""
-            files = [
-                (s.rfilename, s.size, s.blob_id or "", s.lfs.sha256 if s.lfs else "")
-                for s in info.siblings or []
-            ]
+            api = f"{endpoint}/api/models/{source.repo}/revision/{quote(source.revision, safe='')}"
+            commit, files = parse_listing(_get_listing(api, dict(headers), timeout_s, where), where)
+    except WeightsError:
+        raise
     except Exception as exc:
         raise _hub_error(exc, source, where, timeout_s) from exc
-    if not commit:
-        raise WeightsError(f"{where}: the hub named no commit for this revision (no X-Repo-Commit)")
     label = f"{source.name}@{commit[:6]}"
-    wants: list[Want] = []
-    for name, size, etag, lfs_sha in files:
-        algo, digest = _digest_of(etag, lfs_sha)
-        if size is None or not digest:
-            raise WeightsError(
-                f"weights {label}: the hub gave no size or checksum for {name} (etag {etag!r}); "
-                "it cannot be verified, so it is not staged",
-                retryable=False,
-            )
-        url = hf_hub_url(source.repo, name, revision=commit, endpoint=endpoint)
-        wants.append(Want(name=name, url=url, size=size, algo=algo, digest=digest, headers=headers))
-    if not wants:
-        raise WeightsError(f"{where}: the repository has no files", retryable=False)
+    wants = tuple(
+        Want(
+            name=f.name,
+            url=hf_hub_url(source.repo, f.name, revision=commit, endpoint=endpoint),
+            size=f.size,
+            algo=f.algo,
+            digest=f.digest,
+            headers=headers,
+        )
+        for f in files
+    )
     return Plan(
         label=label,
         view=hf_view(root, source, commit),
-        files=tuple(wants),
+        files=wants,
         snapshot=not source.file,
         ref=None if source.pinned else hf_dir(root, source) / "refs" / source.revision,
         commit=commit,
+    )
+
+
+def _get_listing(url: str, headers: dict[str, str], timeout_s: float, where: str) -> bytes:
+    """The repository's file listing (`model_info` with `blobs=true`, as huggingface_hub asks for
+    it), read to `MAX_LISTING_BYTES` at most: `HfApi.model_info` would read any answer whole."""
+    import httpx2
+    from huggingface_hub import get_session, hf_raise_for_status
+
+    with get_session().stream("GET", url, headers=headers, params={"blobs": True}, timeout=timeout_s) as r:
+        limit = MAX_LISTING_BYTES if r.is_success else MAX_ERROR_BYTES
+        body = bytearray()
+        for chunk in r.iter_bytes():
+            body += chunk
+            if len(body) > limit:
+                break
+        if not r.is_success:
+            # The hub's errors (not found, gated, a revision it lacks) are read from its answer's
+            # headers and the start of its body, as huggingface_hub reads them.
+            cut = httpx2.Response(
+                r.status_code, headers=r.headers, content=bytes(body[:limit]), request=r.request
+            )
+            hf_raise_for_status(cut)
+            raise WeightsError(f"{where}: HTTP {r.status_code}")
+    if len(body) > limit:
+        raise WeightsError(
+            f"{where}: the hub's file listing is over {size_words(MAX_LISTING_BYTES)}; "
+            "nothing is staged from this answer",
+            retryable=False,
+        )
+    return bytes(body)
+
+
+@dataclass(frozen=True)
+class HubFile:
+    """One file as a hub's answer states it, checked: a plain name, a bounded size, a digest."""
+
+    name: str
+    size: int
+    algo: Algo
+    digest: str
+
+
+# The fields of the hub's `model_info` the node reads; the rest of its answer is skipped.
+class _Lfs(msgspec.Struct):
+    sha256: str | None = None
+
+
+class _Sibling(msgspec.Struct, rename={"blob_id": "blobId"}):
+    rfilename: str | None = None
+    size: int | None = None
+    blob_id: str | None = None
+    lfs: _Lfs | None = None
+
+
+class _Listing(msgspec.Struct):
+    sha: str | None = None
+    siblings: list[_Sibling] | None = None
+
+
+_listing_decoder = msgspec.json.Decoder(_Listing)
+
+
+def parse_listing(body: bytes, where: str) -> tuple[str, tuple[HubFile, ...]]:
+    """A repository's file listing (the hub's `model_info` JSON): its commit and its files, each
+    checked (pure). Raises WeightsError, not retryable, naming the field and the value.
+
+    Bounded before use: the body in bytes, the files in number and in their total size; every
+    name a plain relative path, no two of them the same or one inside another (a file `a` and a
+    file `a/b` cannot both be linked into one snapshot).
+    """
+    if len(body) > MAX_LISTING_BYTES:
+        raise WeightsError(
+            f"{where}: the hub's file listing is over {size_words(MAX_LISTING_BYTES)}; "
+            "nothing is staged from this answer",
+            retryable=False,
+        )
+    try:
+        listing = _listing_decoder.decode(body)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        # ValidationError is a DecodeError: it names the path (`$.siblings[2].size`).
+        raise WeightsError(
+            f"{where}: the hub's file listing cannot be read ({str(exc)[:200]}); "
+            "nothing is staged from this answer",
+            retryable=False,
+        ) from exc
+    if listing.sha is None:
+        raise WeightsError(f"{where}: the hub named no commit for this revision (no sha in its file listing)")
+    commit = check_commit(listing.sha, where, "sha")
+    siblings = listing.siblings or []
+    if not siblings:
+        raise WeightsError(f"{where}: the repository has no files", retryable=False)
+    if len(siblings) > MAX_LISTING_FILES:
+        raise WeightsError(
+            f"{where}: the hub's file listing names {len(siblings)} files, more than the {MAX_LISTING_FILES} "
+            "a repository may have here; nothing is staged from this answer",
+            retryable=False,
+        )
+    files: list[HubFile] = []
+    for i, s in enumerate(siblings):
+        lfs_sha = "" if s.lfs is None else s.lfs.sha256 or ""
+        files.append(check_file(s.rfilename, s.size, s.blob_id or "", lfs_sha, where, f"siblings[{i}]"))
+    total = sum(f.size for f in files)
+    if total > MAX_MODEL_BYTES:
+        raise WeightsError(
+            f"{where}: the hub's file listing states {size_words(total)} in all, more than the "
+            f"{size_words(MAX_MODEL_BYTES)} one repository may hold here; nothing is staged from this answer",
+            retryable=False,
+        )
+    names = Counter(f.name for f in files)
+    if len(names) < len(files):
+        twice = min(n for n, count in names.items() if count > 1)
+        raise _bad_answer(where, "file", twice, "is listed twice")
+    for f in files:
+        parts = f.name.split("/")
+        for depth in range(1, len(parts)):
+            if (folder := "/".join(parts[:depth])) in names:
+                raise _bad_answer(where, "file", f.name, f"is inside {shown(folder)}, which is a file too")
+    return commit, tuple(files)
+
+
+def check_commit(value: object, where: str, field: str) -> str:
+    """A commit id a hub stated (its `X-Repo-Commit`, a listing's `sha`): 40 hex digits, else
+    WeightsError, not retryable. It names a directory of the store."""
+    commit = value.lower() if isinstance(value, str) else value
+    if not isinstance(commit, str) or not is_commit(commit):
+        raise _bad_answer(where, field, value, "is not a commit id (40 hex digits)")
+    return commit
+
+
+def check_file(name: object, size: object, etag: str, lfs_sha: str, where: str, entry: str = "") -> HubFile:
+    """One file as a hub stated it, checked: the name a plain relative path (the rule `hf://`
+    names follow), the size a non-negative integer up to `MAX_FILE_BYTES`, the digest an LFS
+    sha256 or a git blob id of the right length. Else WeightsError, not retryable.
+
+    `entry` is where a listing states it (`siblings[3]`); "" for a file's own headers."""
+
+    def field(key: str, header: str) -> str:
+        return f"{entry}.{key}" if entry else header
+
+    if not isinstance(name, str):
+        raise _bad_answer(where, field("rfilename", "file name"), name, "is not a string")
+    problem = path_problem(name)
+    if problem is not None:
+        raise _bad_answer(where, field("rfilename", "file name"), name, problem)
+    if size is None or (not etag and not lfs_sha):
+        raise WeightsError(
+            f"{where}: the hub gave no size or checksum for {shown(name)}; "
+            "it cannot be verified, so it is not staged",
+            retryable=False,
+        )
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_FILE_BYTES:
+        raise _bad_answer(
+            where,
+            field("size", "X-Linked-Size"),
+            size,
+            f"is not a size in bytes (0 to {size_words(MAX_FILE_BYTES)})",
+        )
+    algo, digest = _digest_of(etag, lfs_sha)
+    if not digest:
+        what = field("lfs.sha256", "ETag") if lfs_sha else field("blobId", "ETag")
+        raise _bad_answer(
+            where, what, lfs_sha or etag, "is not a sha256 or a git blob id (64 or 40 hex digits)"
+        )
+    return HubFile(name=name, size=size, algo=algo, digest=digest)
+
+
+def _bad_answer(where: str, field: str, value: object, problem: str) -> WeightsError:
+    return WeightsError(
+        f"{where}: the hub's {field} {shown(value)} {problem}; nothing is staged from this answer",
+        retryable=False,
     )
 
 
@@ -574,14 +783,15 @@ def _host(url: str) -> str:
 
 
 def _digest_of(etag: str, lfs_sha: str) -> tuple[Algo, str]:
-    """An LFS file's etag is its sha256; a small file's is its git blob id (sha1 of "blob N\\0" + bytes)."""
-    etag = etag.strip().strip('"').removeprefix("W/").strip('"').lower()
+    """An LFS file's etag is its sha256; a small file's is its git blob id (sha1 of "blob N\\0" + bytes).
+    ("sha256", "") for anything else: a stated digest of the wrong length or not hex is no digest."""
     if lfs_sha:
-        return "sha256", lfs_sha.lower()
-    if len(etag) == 64 and all(c in "0123456789abcdef" for c in etag):
-        return "sha256", etag
-    if len(etag) == 40 and all(c in "0123456789abcdef" for c in etag):
-        return "gitsha1", etag
+        lfs_sha = lfs_sha.strip().lower()
+        return ("sha256", lfs_sha) if is_sha256(lfs_sha) else ("sha256", "")
+    etag = etag.strip().removeprefix("W/").strip('"').lower()
+    for algo, chars in _DIGEST_CHARS.items():
+        if len(etag) == chars and set(etag) <= _HEX:
+            return algo, etag
     return "sha256", ""
 
 
@@ -636,18 +846,72 @@ def _first_line(exc: Exception) -> str:
 def _url_size(source: ModelSource, timeout_s: float) -> int:
     where = f"weights {source.name}@{source.sha256[:6]}: {source.url}"
     try:
-        with httpx.Client(timeout=timeout_s, follow_redirects=True) as client:
+        with _client(where, timeout_s) as client:
             r = client.head(source.url, headers={"Accept-Encoding": "identity"})
     except httpx.TimeoutException as exc:
         raise WeightsError(f"{where}: no answer within {timeout_s:g} s") from exc
+    except httpx.TooManyRedirects as exc:
+        raise _too_many_redirects(where) from exc
     except httpx.HTTPError as exc:
         raise WeightsError(f"{where}: {type(exc).__name__}: {exc}") from exc
     if r.status_code != 200:
         raise _http_status(where, r.status_code)
-    try:
-        return int(r.headers["Content-Length"])
-    except (KeyError, ValueError) as exc:
-        raise WeightsError(f"{where}: the server states no Content-Length", retryable=False) from exc
+    stated = r.headers.get("Content-Length")
+    if stated is None:
+        raise WeightsError(f"{where}: the server states no Content-Length", retryable=False)
+    size = parse_size(stated)
+    if size is None:
+        raise WeightsError(
+            f"{where}: the server's Content-Length {shown(stated)} is not a size in bytes "
+            f"(0 to {size_words(MAX_FILE_BYTES)}); nothing is staged from it",
+            retryable=False,
+        )
+    return size
+
+
+def parse_size(value: str) -> int | None:
+    """A size a server states in a header: plain decimal digits up to `MAX_FILE_BYTES`, else None
+    (Python's `int()` would take `-5`, `1_000` and other scripts' digits)."""
+    value = value.strip()
+    if not value or len(value) > 20 or not all(c in "0123456789" for c in value):
+        return None
+    size = int(value)
+    return size if size <= MAX_FILE_BYTES else None
+
+
+def _client(where: str, timeout_s: float, *, follow: bool = True) -> httpx.Client:
+    """A client that follows at most `MAX_REDIRECTS` redirects, each to a URL checked as a
+    `model:` URL is (http(s), a host, bounded, no control character), never from https to http;
+    with `follow` False (a peer's URL), none: a peer cannot send a node elsewhere."""
+    seen: list[str] = []
+
+    def check(request: httpx.Request) -> None:
+        url = str(request.url)
+        problem = url_problem(url)
+        if (
+            problem is None
+            and seen
+            and urlsplit(seen[-1]).scheme == "https"
+            and request.url.scheme != "https"
+        ):
+            problem = "leaves https for http"
+        if problem is not None:
+            hop = f"a redirect to {shown(url)}" if seen else shown(url)
+            raise WeightsError(f"{where}: {hop} {problem}; not followed", retryable=False)
+        seen.append(url)
+
+    return httpx.Client(
+        timeout=timeout_s,
+        follow_redirects=follow,
+        max_redirects=MAX_REDIRECTS,
+        event_hooks={"request": [check]},
+    )
+
+
+def _too_many_redirects(where: str) -> WeightsError:
+    return WeightsError(
+        f"{where}: more than {MAX_REDIRECTS} redirects; not followed further", retryable=False
+    )
 
 
 def _http_status(where: str, status: int) -> WeightsError:
@@ -702,7 +966,7 @@ def fetch(
         host = f"peer {peer} ({host})"
     try:
         with (
-            httpx.Client(timeout=timeout_s, follow_redirects=True) as client,
+            _client(f"{where} from {host}" if peer else where, timeout_s, follow=not peer) as client,
             client.stream("GET", want.url, headers=headers) as r,
         ):
             if (r.status_code == 416 and have == want.size) or (r.status_code == 206 and have):
@@ -713,12 +977,23 @@ def fetch(
                     partial.unlink(missing_ok=True)
             else:
                 raise _http_status(f"{where} from {host}" if peer else where, r.status_code)
+            window_at, window_have = time.monotonic(), have
             with partial.open("ab") as out:
                 # As the bytes arrive, not in fixed chunks: a chunk still buffered when the
                 # connection drops would be lost, and the resume would start before it.
                 for chunk in r.iter_bytes():
                     if stop.is_set():
                         raise WeightsError(f"{where}: stopped", retryable=True)
+                    if peer and (at := time.monotonic()) - window_at >= timeout_s:
+                        rate = (have - window_have) / (at - window_at)
+                        if rate < PEER_MIN_BYTES_PER_S:
+                            raise WeightsError(
+                                f"{where}: {host} sent {size_words(int(rate))}/s over "
+                                f"{at - window_at:.0f} s, under the {size_words(PEER_MIN_BYTES_PER_S)}/s "
+                                "a peer must send; "
+                                "the next attempt resumes from there"
+                            )
+                        window_at, window_have = at, have
                     if have + len(chunk) > want.size:
                         out.close()
                         partial.unlink(missing_ok=True)
@@ -731,6 +1006,8 @@ def fetch(
                     progress.done = base + have
                 out.flush()
                 os.fsync(out.fileno())
+    except httpx.TooManyRedirects as exc:
+        raise _too_many_redirects(f"{where} from {host}" if peer else where) from exc
     except httpx.TimeoutException as exc:
         raise WeightsError(
             f"{where}: no data from {host} for {timeout_s:g} s at {amount(have, want.size)}; "
@@ -902,6 +1179,25 @@ def _tree_size(root: Path) -> int:
         return sum(p.stat().st_size for p in blobs.iterdir())
     except OSError:
         return 0
+
+
+def _inside(root: Path, path: Path, label: str) -> Path:
+    """`path`, once proven inside `root` with every link on the way resolved; else the staging
+    fails, not retryable. A name that passed every check can still lead out through a link
+    planted under the store (`hf/org` linked to `/`): the resolved path is what is judged."""
+    try:
+        real_root, real = root.resolve(), path.resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a loop of links
+        raise WeightsError(
+            f"weights {label}: cannot resolve {shown(str(path))}: {exc}", retryable=False
+        ) from exc
+    if not real.is_relative_to(real_root):
+        raise WeightsError(
+            f"weights {label}: {shown(str(path))} leads outside {root} (to {shown(str(real))}); "
+            "nothing is written there",
+            retryable=False,
+        )
+    return path
 
 
 def _fsync_dir(path: Path) -> None:
