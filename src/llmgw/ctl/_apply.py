@@ -19,6 +19,7 @@ import msgspec
 from llmgw_core.engines import Profile
 from llmgw_core.events import Deployment, EngineSpec
 from llmgw_core.limits import engine_problem, profile_problem
+from llmgw_core.validate import names_problems
 from llmgw_placement.config import ServerConfig
 
 SECTIONS = ("engines", "catalog", "deployments")
@@ -28,11 +29,18 @@ _BOOKKEEPING = frozenset({"traceparent"})
 
 @dataclass(frozen=True)
 class Live:
-    """The desired state as the buckets hold it now (`engines` None: never written)."""
+    """The desired state as the buckets hold it now (`engines` None: never written), and the
+    revision each key was read at ((kind, name) as in `Change`; absent: no value)."""
 
     engines: tuple[EngineSpec, ...] | None
     catalog: dict[str, Profile]
     deployments: dict[str, Deployment]
+    revisions: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def value(self, kind: str, name: str) -> Any:
+        if kind == "engines":
+            return self.engines
+        return (self.catalog if kind == "profile" else self.deployments).get(name)
 
 
 @dataclass(frozen=True)
@@ -149,6 +157,36 @@ def plan(config: ServerConfig, named: Collection[str], live: Live, *, prune: boo
     )
 
 
+def moved(the_plan: Plan, before: Live, now: Live) -> list[str]:
+    """What another writer changed, between `before` (what the plan was made from) and `now`,
+    of the objects the plan names, one line each; empty when none moved.
+
+    Any of them the file names, written by the plan or not: a plan that said `unchanged` of
+    what another writer changed meanwhile is no longer true either. One the file leaves alone
+    (`kept`) is not the plan's."""
+    out = []
+    for change in the_plan.changes:
+        k = (change.kind, change.name)
+        if change.action == "kept":
+            continue
+        if before.revisions.get(k, 0) == now.revisions.get(k, 0):
+            continue
+        was, is_now = before.value(*k), now.value(*k)
+        what = f"{change.kind} {change.name}" if change.name else change.kind
+        if was is None and is_now is None:
+            out.append(f"{what}: written by another writer (a value that does not decode)")
+        elif was is None:
+            out.append(f"{what}: added by another writer")
+        elif is_now is None:
+            out.append(f"{what}: deleted by another writer")
+        elif change.kind == "engines":
+            out.append(f"{what}: changed by another writer ({_engines_text(was)} -> {_engines_text(is_now)})")
+        else:
+            fields = changed_fields(was, is_now)
+            out.append(f"{what}: changed by another writer" + (f" ({'; '.join(fields)})" if fields else ""))
+    return out
+
+
 def reference_problems(
     config: ServerConfig,
     named: Collection[str],
@@ -177,6 +215,11 @@ def reference_problems(
         problem = profile_problem(dep.name, dep.profile, catalog)
         if problem:
             problems.append(f"{path}: $.deployments[{i}].profile: {problem}")
+    # A model name routes to one deployment: the file's may not take another's name or alias.
+    if "deployments" in named:
+        left = [d for n, d in sorted(live.deployments.items()) if ("deployment", n) not in deleted]
+        for i, problem in names_problems(config.deployments, left):
+            problems.append(f"{path}: $.deployments[{i}]: {problem}")
     # A deployment the file leaves alone must not lose its profile to --prune.
     for name, stored in sorted(live.deployments.items()):
         kept = name not in the_plan.deployments and ("deployment", name) not in deleted

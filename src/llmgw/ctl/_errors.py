@@ -5,6 +5,7 @@ CtlError       base (exit 1)
 ├── NotFound     3: what was named does not exist
 ├── Refused      4: the cluster refuses it (an unknown profile, a permission, an identity)
 ├── Unreachable  5: NATS, or the launcher asked, did not answer in time
+├── Conflict     5: another writer changed what `apply` compared, nothing written (run it again)
 └── CannotStore  6: NATS refused the write for space, or placement cannot act on it for that
 """
 
@@ -32,6 +33,13 @@ class Refused(CtlError):
 
 
 class Unreachable(CtlError):
+    exit_code = 5
+
+
+class Conflict(CtlError):
+    """Another writer changed what `apply` had compared the file with, and nothing of that was
+    written: exit code 5, as for NATS not answering, since running it again is what helps."""
+
     exit_code = 5
 
 

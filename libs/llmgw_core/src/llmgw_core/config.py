@@ -15,7 +15,7 @@ from msgspec import Struct
 from .bus import BusOptions
 from .errors import ConfigError
 from .events import GPUInfo
-from .limits import Name
+from .limits import Name, document_problem
 
 T = TypeVar("T", bound=Struct)
 
@@ -145,6 +145,11 @@ def load(path: str | Path, kind: type[T]) -> T:
 
 
 def loads(raw: bytes | str, kind: type[T], *, source: str = "<config>") -> T:
+    # Nesting thousands deep crashes the decoder, and aliases can stand for millions of
+    # values: measured before decoding.
+    problem = document_problem(raw.encode() if isinstance(raw, str) else raw)
+    if problem:
+        raise ConfigError(f"{source}: {problem}")
     try:
         return msgspec.yaml.decode(raw, type=kind)
     except msgspec.ValidationError as exc:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+from collections.abc import Callable
 from typing import Annotated
 
 from msgspec import Meta, Struct, field
@@ -36,7 +37,7 @@ class ApiKey(Message, frozen=True):
     name: Name
     # SHA-256 of the secret, hex.
     hash: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
-    # Deployment names or aliases the key may call; empty: every model.
+    # Model names the key may send (`allows`: the deployments they route to); empty: every model.
     models: tuple[Alias, ...] = ()
     # Requests and tokens (prompt + completion) per minute; 0: no limit.
     rpm: Count = 0
@@ -122,8 +123,17 @@ def key_state(key: ApiKey, now: float) -> str:
     return "active"
 
 
-def allows(key: ApiKey, deployment: str, aliases: tuple[str, ...]) -> bool:
-    """Whether `key` may call the deployment named `deployment` (or by any of its aliases)."""
+def allows(key: ApiKey, deployment: str, routes_to: Callable[[str], str | None]) -> bool:
+    """Whether `key` may call the deployment named `deployment`: whether one of the names the
+    key was given routes there. `routes_to` is the gateway's own resolution of a model name
+    (a deployment's name first, then the aliases).
+
+    A key's models are names as a client sends them, never matched against the aliases of
+    the deployment asked for: matched that way, a key made with `--models chat` called any
+    deployment that listed `chat` among its aliases (`zzz`, aliased `chat`, was served to a
+    key meant for the deployment `chat` alone). Resolved, `chat` means the deployment `chat`,
+    or, where none has that name, the one deployment whose alias it is; the key then calls
+    that deployment by any of its names."""
     if not key.models:
         return True
-    return deployment in key.models or any(a in key.models for a in aliases)
+    return any(routes_to(model) == deployment for model in key.models)

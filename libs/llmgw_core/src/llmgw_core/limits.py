@@ -34,6 +34,9 @@ ALIAS_MAX = 255
 ALIASES_MAX = 32
 # The largest `max_replicas` a server.yaml may set.
 REPLICAS_CEILING = 1_000_000
+# The longest interval between a gateway's demand reports (its `demand_interval_s`): placement
+# reads a report's `interval_s` as at most this, so no report outlives a few minutes.
+DEMAND_INTERVAL_MAX_S = 60.0
 
 Name = Annotated[str, Meta(pattern=TOKEN_PATTERN, max_length=NAME_MAX)]
 Token = Annotated[str, Meta(pattern=TOKEN_PATTERN, max_length=TOKEN_MAX)]
@@ -139,3 +142,65 @@ def engine_problem(owner: str, engine: str, engines: Collection[str]) -> str | N
     if engine in engines:
         return None
     return f"unknown engine {engine!r} for {owner}: llmgw runs {', '.join(sorted(engines))}"
+
+
+# --- documents ---------------------------------------------------------------------------------
+#
+# A YAML or JSON document read from outside (`llmgw ctl apply -f FILE`) is measured before it
+# is decoded, by libyaml's event stream, which holds no recursion: a file of 100,000 `[` crashed
+# the decoder's process outright (a segmentation fault, no error to catch), 5,000 `{` raised
+# RecursionError past every handler, and anchors let a few kilobytes stand for millions of
+# nodes (each alias is validated again wherever it is used).
+
+DOCUMENT_MAX_BYTES = 8 << 20
+DOCUMENT_MAX_DEPTH = 64
+DOCUMENT_MAX_NODES = 1_000_000
+
+
+def document_problem(
+    raw: bytes,
+    *,
+    max_bytes: int = DOCUMENT_MAX_BYTES,
+    max_depth: int = DOCUMENT_MAX_DEPTH,
+    max_nodes: int = DOCUMENT_MAX_NODES,
+) -> str | None:
+    """Why `raw` is too big to decode: over `max_bytes`, collections nested over `max_depth`
+    deep, or over `max_nodes` values once every alias is expanded; None when it is not (or
+    when it is not YAML at all: the decoder says where). Measured without recursion."""
+    import yaml
+
+    if len(raw) > max_bytes:
+        return f"{len(raw)} bytes, over the limit of {max_bytes}: split it into smaller files"
+    # Open collections' expanded sizes, and each anchor's, as aliases expand them.
+    open_sizes: list[int] = [0]
+    anchors: dict[str, int] = {}
+    opened: list[str | None] = []
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    try:
+        for event in yaml.parse(raw, Loader=loader):
+            size = 0
+            if isinstance(event, yaml.CollectionStartEvent):
+                opened.append(event.anchor)
+                open_sizes.append(1)
+                if len(opened) > max_depth:
+                    return f"collections nested over {max_depth} deep: flatten it"
+                continue
+            if isinstance(event, yaml.CollectionEndEvent):
+                size = open_sizes.pop()
+                anchor = opened.pop()
+                if anchor is not None:
+                    anchors[anchor] = size
+            elif isinstance(event, yaml.ScalarEvent):
+                size = 1
+                if event.anchor is not None:
+                    anchors[event.anchor] = 1
+            elif isinstance(event, yaml.AliasEvent):
+                size = anchors.get(event.anchor or "", 1)
+            else:
+                continue
+            open_sizes[-1] += size
+            if sum(open_sizes) > max_nodes:
+                return f"over {max_nodes} values once its aliases are expanded: write it out plainly"
+    except yaml.YAMLError:
+        return None
+    return None

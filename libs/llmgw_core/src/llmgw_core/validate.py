@@ -12,11 +12,21 @@ aliases, references to the catalog) are in `limits`.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from .events import Autoscale, Deployment, Profile
-from .limits import aliases_problem, key_problem, name_problem, replicas_problem
+from .limits import aliases_problem, key_problem, name_problem, replicas_problem, shown
 
-__all__ = ["DEFAULT_MAX_REPLICAS", "autoscale_problem", "check_deployment", "check_profile"]
+__all__ = [
+    "DEFAULT_MAX_REPLICAS",
+    "autoscale_problem",
+    "check_deployment",
+    "check_profile",
+    "deployments_problem",
+    "names_problem",
+    "names_problems",
+]
 
 DEFAULT_MAX_REPLICAS = 10_000
 
@@ -78,4 +88,107 @@ def check_profile(key: str, profile: Profile) -> str | None:
             f"key {key} holds a profile named {profile.name}: a profile is stored under its own name "
             f"(write it to key {profile.name}, and delete key {key})"
         )
+    return None
+
+
+# --- the names a client sends ------------------------------------------------------------------
+#
+# A model name routes to one deployment: its own name first, else the deployment whose alias it
+# is. An alias equal to another deployment's name is never routed by (the name wins), and one
+# two deployments share routes to whichever sorts first: either way a deployment silently
+# serves, or fails to serve, what its aliases promise, and a key scoped to a name was matched
+# against the alias and reached the other deployment. So every writer refuses a deployment
+# whose names meet another's, naming both.
+
+
+class Routed(Protocol):
+    """A deployment as its names go: a stored `Deployment`, or one in a server.yaml."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def aliases(self) -> tuple[str, ...]: ...
+
+
+class _Routes:
+    """The model names some deployments hold: their names, and their aliases."""
+
+    def __init__(self) -> None:
+        self.named: set[str] = set()
+        self.aliased: dict[str, str] = {}
+
+    def add(self, dep: Routed) -> None:
+        self.named.add(dep.name)
+        for alias in dep.aliases:
+            self.aliased.setdefault(alias, dep.name)
+
+    def problem(self, dep: Routed) -> str | None:
+        where = f"deployment {dep.name}"
+        why = "a model name routes to one deployment"
+        owner = self.aliased.get(dep.name)
+        if owner is not None and owner != dep.name:
+            return (
+                f"{where}: its name is an alias of deployment {owner}: {why}; remove the alias from "
+                f"{owner} first, or name this deployment otherwise"
+            )
+        for alias in dep.aliases:
+            if alias == dep.name:
+                continue
+            if alias in self.named:
+                return (
+                    f"{where}: alias {shown(alias)} is the name of deployment {alias}: {why}; "
+                    f"remove the alias from {dep.name}"
+                )
+            owner = self.aliased.get(alias)
+            if owner is not None:
+                return (
+                    f"{where}: alias {shown(alias)} is also an alias of deployment {owner}: {why}; "
+                    "keep it on one of them"
+                )
+        return None
+
+
+def names_problem(dep: Routed, others: Iterable[Routed]) -> str | None:
+    """Why `dep`'s name and aliases cannot stand beside `others` (the other deployments; one
+    named as `dep` is its own earlier value and left out); None when they can."""
+    routes = _Routes()
+    for other in sorted(others, key=lambda d: d.name):
+        if other.name != dep.name:
+            routes.add(other)
+    return routes.problem(dep)
+
+
+def names_problems(written: Sequence[Routed], others: Iterable[Routed]) -> list[tuple[int, str]]:
+    """Each of `written` (deployments stored together, each name once) whose names meet those of
+    `others` (the deployments left beside them), by its index, with why."""
+    mine = {dep.name for dep in written}
+    routes = _Routes()
+    for other in sorted(others, key=lambda d: d.name):
+        if other.name not in mine:
+            routes.add(other)
+    found = []
+    for i, dep in enumerate(written):
+        problem = routes.problem(dep)
+        if problem is not None:
+            found.append((i, problem))
+    return found
+
+
+def deployments_problem(deployments: Sequence[Routed]) -> tuple[int, str] | None:
+    """The first entry of a list of deployments (a server.yaml's) that repeats an earlier one's
+    name or meets its names (`names_problem`), with why; None when every one stands."""
+    seen: dict[str, int] = {}
+    routes = _Routes()
+    for i, dep in enumerate(deployments):
+        if dep.name in seen:
+            return i, (
+                f"deployment {dep.name} is listed twice (first at $.deployments[{seen[dep.name]}]): "
+                "list each deployment once"
+            )
+        seen[dep.name] = i
+        problem = routes.problem(dep)
+        if problem is not None:
+            return i, problem
+        routes.add(dep)
     return None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +42,10 @@ from llmgw_core.events import (
     ShardStatus,
     decoder,
 )
-from llmgw_core.limits import profile_problem
+from llmgw_core.limits import profile_problem, shown
 from llmgw_core.metrics import exposition
 from llmgw_core.telemetry import context_from, current_traceparent
-from llmgw_core.validate import check_deployment, check_profile
+from llmgw_core.validate import check_deployment, check_profile, names_problem
 from llmgw_core.web import MAX_BODY, json_response
 
 from .decide import Refusal, decide
@@ -205,6 +205,9 @@ class Api:
         self.public: set[str] = {"/healthz"}
         # Tokens spent per key and deployment over the last day (`follow` keeps it current).
         self.usage = UsageWindow(service.bus)
+        # Awaited with a deployment's name between reading its revision and writing it: where a
+        # test makes another writer's change land.
+        self.before_write: Callable[[str], Awaitable[None]] | None = None
         if not self.token and not http.insecure:
             raise ConfigError(
                 "http: no token_file: the API would let anyone who reaches it change deployments; "
@@ -549,12 +552,39 @@ class Api:
             return json_response({"error": str(exc)}, 503)
         if problem is not None:
             return json_response({"error": f"invalid deployment: {problem}"}, 400)
+        based_on = _if_match(req.headers.get("if-match"))
+        if isinstance(based_on, str):
+            return json_response({"error": based_on}, 400)
+        bus = self.service.bus
+        bucket = bus.names.deployments_bucket
+        try:
+            history = await bus.revisions(bucket, dep.name)
+            others = await bus.entries(bucket, Deployment)
+        except BusError as exc:
+            return json_response({"error": str(exc)}, 503)
+        # A model name routes to one deployment: names that meet another's are refused, naming both.
+        problem = names_problem(dep, (c.value for c in others.values() if c.value is not None))
+        if problem is not None:
+            return json_response({"error": f"invalid deployment: {problem}"}, 409)
+        last = history[0][0] if history and history[0][1] is not None else 0
+        if based_on is not None and based_on != last:
+            return _conflict(dep.name, f"the request was based on revision {based_on}", history, based_on)
+        if self.before_write is not None:
+            await self.before_write(dep.name)
         with tracer.start_as_current_span(
             f"api deploy {dep.name}", context=context_from(req.headers.get("traceparent", ""))
         ):
             dep = msgspec.structs.replace(dep, traceparent=current_traceparent())
             try:
-                await self.service.bus.put(self.service.bus.names.deployments_bucket, dep.name, dep)
+                # Compare-and-set at the revision read above: two writers of one deployment at
+                # once each got 200, and the last write won without a word.
+                if last:
+                    written = await bus.update(bucket, dep.name, dep, last=last)
+                else:
+                    written = await bus.create(bucket, dep.name, dep)
+                if written is None:
+                    history = await bus.revisions(bucket, dep.name)
+                    return _conflict(dep.name, "another writer wrote it meanwhile", history, last)
             except StoreFull as exc:
                 # Not stored: 507 Insufficient Storage, in NATS's words.
                 return json_response({"error": str(exc)}, 507)
@@ -570,7 +600,7 @@ class Api:
                 },
                 503,
             )
-        return json_response(_builtins(dep))
+        return json_response(_builtins(dep), headers={"ETag": f'"{written}"'})
 
     async def profile_problem(self, dep: Deployment) -> str | None:
         """Why `dep` names a profile that is not in the catalog; None when it is. The catalog
@@ -587,6 +617,59 @@ class Api:
         if stored is not None and check_profile(dep.profile, stored[0]) is None:
             return None
         return profile_problem(dep.name, dep.profile, catalog)
+
+
+def _if_match(header: str | None) -> int | str | None:
+    """The revision an `If-Match` header bases a write on (0: the deployment must not exist
+    yet); None without one; the refusal's words for one that is no revision."""
+    if header is None:
+        return None
+    given = header.strip().removeprefix("W/").strip('"')
+    if not given.isascii() or not given.isdigit() or len(given) > 19:
+        return (
+            f"If-Match {shown(header)}: give the revision the write is based on, as the ETag of the "
+            'answer that wrote it ("12"), or "0" for a deployment that must not exist yet'
+        )
+    return int(given)
+
+
+def _changed(old: Deployment | None, new: Deployment | None) -> list[str]:
+    """`field: old -> new` for each field that differs (the writer's traceparent left out)."""
+    if old is None or new is None:
+        return [] if old is new else ["added"] if old is None else ["deleted"]
+    a, b = msgspec.to_builtins(old), msgspec.to_builtins(new)
+    return [
+        f"{k}: {_encode(a.get(k)).decode()} -> {_encode(b.get(k)).decode()}"
+        for k in sorted(a.keys() | b.keys())
+        if k != "traceparent" and a.get(k) != b.get(k)
+    ]
+
+
+def _conflict(name: str, why: str, history: list[tuple[int, bytes | None]], since: int) -> Response:
+    """409 for a write that lost to another writer: the revision now, and what changed since the
+    revision the write was based on, from the key's history (newest first, None: deleted)."""
+    now = history[0][0] if history and history[0][1] is not None else 0
+
+    def value_at(revision: int) -> Deployment | None:
+        data = next((d for rev, d in history if rev <= revision), None)
+        try:
+            return decoder(Deployment).decode(data) if data is not None else None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+    if since and not any(rev <= since for rev, _ in history):
+        changed = [f"revision {since} is older than the history the bucket keeps"]
+    else:
+        changed = _changed(value_at(since), value_at(now))
+    return json_response(
+        {
+            "error": f"deployment {name} is at revision {now}, not {since}: {why}; nothing was written; "
+            "read it again and send the change again",
+            "revision": now,
+            "changed": changed,
+        },
+        409,
+    )
 
 
 async def _no_route(request: Request, exc: Exception) -> Response:

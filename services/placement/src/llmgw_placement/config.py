@@ -11,7 +11,7 @@ from llmgw_core.config import NatsConfig
 from llmgw_core.engines import Profile
 from llmgw_core.events import Autoscale, Deployment, EngineSpec
 from llmgw_core.limits import REPLICAS_CEILING, Aliases, Name, replicas_problem
-from llmgw_core.validate import autoscale_problem
+from llmgw_core.validate import autoscale_problem, deployments_problem
 
 # The llama.cpp build every node gets unless server.yaml says otherwise.
 DEFAULT_ENGINES = (EngineSpec(name="llamacpp", version="b11434", source="github:ggml-org/llama.cpp"),)
@@ -120,3 +120,7 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
                 problem = autoscale_problem(dep.name, dep.autoscale, self.max_replicas)
                 if problem is not None:
                     raise ValueError(f"{problem} - at `$.deployments[{i}].autoscale`")
+        # A model name routes to one deployment: aliases that meet another's names are refused here.
+        found = deployments_problem(self.deployments)
+        if found is not None:
+            raise ValueError(f"{found[1]} - at `$.deployments[{found[0]}]`")
