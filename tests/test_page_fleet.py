@@ -239,6 +239,11 @@ async def test_the_first_screen_shows_the_summary_and_the_failing_replica(
                 heights = await page.evaluate("document.getElementById('nodes').offsetHeight")
                 print(f"{screen}: nodes at {tops[0]} px, {heights} px tall; deployments at {tops[1]} px")
                 assert heights < (900 if screen == "desktop" else 1600), (screen, heights)
+                # The whole page: a few screens, never one that grows with every node's reason
+                # (40,000-61,000 px at 500 nodes when each refusal listed them all).
+                tall = await page.evaluate("document.documentElement.scrollHeight")
+                print(f"{screen}: the page is {tall} px tall")
+                assert tall < (6_000 if screen == "desktop" else 15_000), (screen, tall)
 
                 width = await page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
                 assert width[0] <= width[1], (screen, width)

@@ -51,6 +51,13 @@ DESCRIBED = {name: kind for name, kind in KINDS.items() if kind in ("deployment"
 OUTPUTS = ["wide", "json", "yaml", "name"]
 
 
+def names(action: argparse.Action, kind: str) -> argparse.Action:
+    """Completion offers the names of `kind` here, as `llmgw ctl get KIND -o name` lists them
+    (`@KIND`: of the kind that the KIND argument before it named). See `llmgw.completion`."""
+    action.completes = kind  # type: ignore[attr-defined]
+    return action
+
+
 def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
     p_ctl: argparse.ArgumentParser = sub.add_parser(
         "ctl",
@@ -80,13 +87,16 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
 
     p_get = add("get", "list nodes, deployments, replicas, shards or profiles (one, with NAME)")
     p_get.add_argument("kind", choices=KINDS, metavar="KIND", help=f"one of {', '.join(KINDS)}")
-    p_get.add_argument(
-        "name",
-        metavar="NAME",
-        nargs="?",
-        default="",
-        help="one of them: a replica DEPLOYMENT/rN, a shard NODE/SHARD (or SHARD); "
-        "a deployment's name lists its replicas or shards",
+    names(
+        p_get.add_argument(
+            "name",
+            metavar="NAME",
+            nargs="?",
+            default="",
+            help="one of them: a replica DEPLOYMENT/rN, a shard NODE/SHARD (or SHARD); "
+            "a deployment's name lists its replicas or shards",
+        ),
+        "@KIND",
     )
     p_get.add_argument(
         "-o",
@@ -98,13 +108,13 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
     p_get.add_argument("-w", "--watch", action="store_true", help="then print each row as it changes")
     p_describe = add("describe", "the full story of a deployment, a node or a profile")
     p_describe.add_argument("kind", choices=DESCRIBED, metavar="KIND", help=f"one of {', '.join(DESCRIBED)}")
-    p_describe.add_argument("name")
+    names(p_describe.add_argument("name"), "@KIND")
     add("nodes", "every node: alive, GPUs, engines, install progress (= get nodes)")
     p_explain = add("explain", "why a deployment stands as it does: ready of desired, every node's reason")
-    p_explain.add_argument("deployment")
+    names(p_explain.add_argument("deployment"), "deployment")
     p_deploy = add("deploy", "create or change a deployment")
     p_deploy.add_argument("name")
-    p_deploy.add_argument("--profile", required=True, help="a profile of the catalog")
+    names(p_deploy.add_argument("--profile", required=True, help="a profile of the catalog"), "profile")
     p_deploy.add_argument(
         "--replicas", type=int, default=1, help="how many copies of the model serve (default: %(default)s)"
     )
@@ -141,7 +151,7 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
         help="seconds demand stays low before a replica is stopped (default: 300)",
     )
     p_scale = add("scale", "change a deployment's replica count")
-    p_scale.add_argument("name", help="the deployment")
+    names(p_scale.add_argument("name", help="the deployment"), "deployment")
     p_scale.add_argument("--replicas", type=int, required=True, help="the new replica count")
     p_apply = add(
         "apply",
@@ -159,7 +169,7 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
     )
     p_delete = add("delete", "delete a deployment (its replicas stop), or forget a lost node")
     p_delete.add_argument("kind", choices=["deployment", "node"])
-    p_delete.add_argument("name")
+    names(p_delete.add_argument("name"), "@KIND")
     for verb, text in (
         ("cordon", "keep new replicas off a node; its replicas keep running"),
         (
@@ -168,17 +178,22 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
         ),
     ):
         p_node = add(verb, text)
-        p_node.add_argument("node")
+        names(p_node.add_argument("node"), "node")
         p_node.add_argument("--reason", default="", help="why, quoted by every refusal on the node")
-    add("uncordon", "let new replicas go to a cordoned or drained node again").add_argument("node")
+    names(
+        add("uncordon", "let new replicas go to a cordoned or drained node again").add_argument("node"),
+        "node",
+    )
     p_logs = add("logs", "a shard's log lines, from its node's launcher")
-    p_logs.add_argument("shard", help="a shard: NODE/SHARD as `get shards` names it, or SHARD")
+    names(
+        p_logs.add_argument("shard", help="a shard: NODE/SHARD as `get shards` names it, or SHARD"), "shard"
+    )
     p_logs.add_argument("--tail", type=int, default=100, help="the last N lines (0: all that fit 1 MB)")
     p_logs.add_argument("-f", "--follow", action="store_true", help="then print new lines as they come")
     p_logs.add_argument("--process", default="", help="one of the shard's processes (default: the engine)")
     p_events = add("events", "the cluster's events, oldest first")
-    p_events.add_argument("--deployment", default="", help="only this deployment's")
-    p_events.add_argument("--node", default="", help="only this node's")
+    names(p_events.add_argument("--deployment", default="", help="only this deployment's"), "deployment")
+    names(p_events.add_argument("--node", default="", help="only this node's"), "node")
     p_events.add_argument("-f", "--follow", action="store_true", help="then print new events as they come")
     p_events.add_argument("-o", "--output", choices=["json"], default="", help="one JSON object a line")
     p_keys = add("keys", "client API keys the gateways accept: create, list, describe, revoke")
@@ -193,9 +208,7 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
 
     p_create = add_key("create", "make a key; its secret is printed once (with -o json, in `secret`)")
     p_create.add_argument("name")
-    p_create.add_argument(
-        "--models", default="", help="deployments or aliases it may call, a,b (default: every model)"
-    )
+    p_create.add_argument("--models", default="", help="model names it may call, a,b (default: every model)")
     p_create.add_argument("--rpm", type=int, default=0, help="requests per minute (default: no limit)")
     p_create.add_argument(
         "--tpm", type=int, default=0, help="prompt and completion tokens per minute (default: no limit)"

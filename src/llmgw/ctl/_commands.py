@@ -8,7 +8,7 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -29,7 +29,14 @@ from llmgw_core.events import (
     ShardLogsRequest,
     ShardStatus,
 )
-from llmgw_core.limits import NAME_MAX, name_problem, profile_problem, shown
+from llmgw_core.limits import (
+    DOCUMENT_MAX_BYTES,
+    NAME_MAX,
+    document_problem,
+    name_problem,
+    profile_problem,
+    shown,
+)
 from llmgw_core.subjects import ALL, ENGINES_KEY, ONE, Names
 from llmgw_core.telemetry import current_traceparent
 from llmgw_core.validate import check_deployment, check_profile
@@ -39,10 +46,12 @@ from .._parser import stdout_closed
 from . import _read as read
 from . import _views as views
 from ._args import KINDS
-from ._errors import CannotStore, CtlError, NotFound, Refused, Unreachable, UsageError
+from ._errors import CannotStore, Conflict, CtlError, NotFound, Refused, Unreachable, UsageError
 
 if TYPE_CHECKING:
     from llmgw_placement.config import ServerConfig
+
+    from . import _apply
 
 tracer = trace.get_tracer("llmgw.ctl")
 
@@ -51,6 +60,9 @@ CONNECT_TIMEOUT_S = 3.0
 COMMAND_TIMEOUT_S = 30.0
 # How long `deploy` waits for placement's word on the new replica count before judging capacity itself.
 DEPLOY_STATUS_WAIT_S = 3.0
+# How long a command that follows (`--watch`, `--follow`) holds nats-server's refusals of its
+# identity: one that fails its first reads is said in the error line, not twice.
+FOLLOW_REFUSALS_AFTER_S = 5.0
 
 
 class StdoutClosed(Exception):
@@ -125,13 +137,20 @@ def read_apply_file(path: str) -> tuple[ServerConfig, frozenset[str]]:
     from . import _apply
 
     try:
-        raw = Path(path).read_bytes()
+        with Path(path).open("rb") as f:
+            raw = f.read(DOCUMENT_MAX_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    problem = document_problem(raw)
+    if problem:
+        raise ConfigError(f"{path}: {problem}")
     from llmgw_placement.config import ServerConfig
 
-    config = loads(raw, ServerConfig, source=path)
-    named = _apply.named_sections(raw)
+    try:
+        config = loads(raw, ServerConfig, source=path)
+        named = _apply.named_sections(raw)
+    except RecursionError as exc:  # measured above; kept as the last word should one get by
+        raise ConfigError(f"{path}: nested too deep to read") from exc
     for dep in config.deployments if "deployments" in named else ():
         problem = check_deployment(dep.name, dep.wire(), max_replicas=config.max_replicas)
         if problem:
@@ -143,6 +162,46 @@ def read_apply_file(path: str) -> tuple[ServerConfig, frozenset[str]]:
     return config, named
 
 
+async def _live(bus: Bus) -> _apply.Live:
+    """The desired state as the buckets hold it now, with each key's revision. A key whose value
+    does not decode has its revision and no value: the file, if it names it, writes over it."""
+    from llmgw_core.events import DesiredEngines
+
+    from . import _apply
+
+    names = bus.names
+    revisions: dict[tuple[str, str], int] = {}
+
+    async def undecoded(kind: str, bucket: str, keys: set[str]) -> None:
+        for key in sorted(keys):
+            history = await bus.revisions(bucket, key)
+            if history and history[0][1] is not None:
+                revisions[(kind, key)] = history[0][0]
+
+    try:
+        found = await bus.get(names.config_bucket, ENGINES_KEY, DesiredEngines)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        found = None
+        await undecoded("engines", names.config_bucket, {ENGINES_KEY})
+        revisions[("engines", "")] = revisions.pop(("engines", ENGINES_KEY), 0)
+    if found is not None:
+        revisions[("engines", "")] = found[1]
+    catalog = await bus.entries(names.catalog_bucket, Profile)
+    deployments = await bus.entries(names.deployments_bucket, Deployment)
+    for kind, bucket, entries in (
+        ("profile", names.catalog_bucket, catalog),
+        ("deployment", names.deployments_bucket, deployments),
+    ):
+        revisions |= {(kind, k): c.revision for k, c in entries.items() if c.value is not None}
+        await undecoded(kind, bucket, await bus.keys(bucket) - set(entries))
+    return _apply.Live(
+        engines=found[0].engines if found else None,
+        catalog={k: c.value for k, c in catalog.items() if c.value is not None},
+        deployments={k: c.value for k, c in deployments.items() if c.value is not None},
+        revisions=revisions,
+    )
+
+
 async def apply(
     bus: Bus,
     path: str,
@@ -150,6 +209,7 @@ async def apply(
     dry_run: bool = False,
     prune: bool = False,
     checked: tuple[ServerConfig, frozenset[str]] | None = None,
+    between: Callable[[str], Awaitable[None]] | None = None,
 ) -> str:
     """Write what a server.yaml names (its engines, profiles and deployments), and nothing else.
 
@@ -157,6 +217,14 @@ async def apply(
     `prune`. Every reference is checked against the file and the live state before anything is
     written (Refused, nothing written). `dry_run` says what would change and writes nothing.
     `checked`: the file as `read_apply_file` gave it, if it was read already.
+
+    Compare-and-set: every key is written only at the revision the plan was made from (a key
+    the plan adds, only while it has none), and just before writing the live state is read
+    again; another writer's change in between (a `scale`, another apply) is Conflict (exit 5),
+    naming what it changed. Without it, two applies of one deployment at once both exited 0,
+    each having printed a diff the other's write made false, and the last writer won.
+    `between(stage)` is awaited after the plan (`compared`) and after the second read
+    (`checked`): where a test makes another writer's change land.
     """
     from llmgw_core.engines import default_registry
     from llmgw_core.events import DesiredEngines
@@ -165,14 +233,7 @@ async def apply(
 
     config, named = checked or read_apply_file(path)
     names = bus.names
-    found = await bus.get(names.config_bucket, ENGINES_KEY, DesiredEngines)
-    catalog = await bus.entries(names.catalog_bucket, Profile)
-    deployments = await bus.entries(names.deployments_bucket, Deployment)
-    live = _apply.Live(
-        engines=found[0].engines if found else None,
-        catalog={k: c.value for k, c in catalog.items() if c.value is not None},
-        deployments={k: c.value for k, c in deployments.items() if c.value is not None},
-    )
+    live = await _live(bus)
     plan = _apply.plan(config, named, live, prune=prune)
     problems = _apply.reference_problems(
         config, named, live, plan, engines=default_registry().names(), path=path
@@ -182,37 +243,46 @@ async def apply(
     lines = plan.lines()
     if dry_run:
         return "\n".join([*lines, f"dry run of {path}: nothing written; {plan.counts()}"])
+    again = "run the apply again (`--dry-run` shows what it would change now)"
+    if between is not None:
+        await between("compared")
+    moved = _apply.moved(plan, live, await _live(bus))
+    if moved:
+        raise Conflict(
+            f"{path} was compared with a state another writer has changed since: {'; '.join(moved)}; "
+            f"nothing was written; {again}"
+        )
+    if between is not None:
+        await between("checked")
     done: list[str] = []
 
-    async def write(what: str, bucket: str, key: str, value: msgspec.Struct, last: int) -> None:
-        # A changed key is written only at the revision the plan was made from: a `scale` or
-        # another apply in between is not overwritten with a change computed without it.
+    async def write(what: str, bucket: str, key: str, value: msgspec.Struct, kind: str, name: str) -> None:
+        last = live.revisions.get((kind, name), 0)
         if last:
-            if await bus.update(bucket, key, value, last=last) is None:
-                raise Refused(
-                    f"{what} was changed by another writer after {path} was compared with it; "
-                    f"written before that: {', '.join(done) or 'nothing'}; run the apply again "
-                    "(`--dry-run` shows what is left)"
-                )
+            written = await bus.update(bucket, key, value, last=last)
         else:
-            await bus.put(bucket, key, value)
+            written = await bus.create(bucket, key, value)
+        if written is None:
+            raise Conflict(
+                f"{what} was {'changed' if last else 'written'} by another writer after {path} was "
+                f"compared with it; written before that: {', '.join(done) or 'nothing'}; {again}"
+            )
         done.append(what)
 
     writes = {(c.kind, c.name) for c in plan.changes if c.action in ("added", "changed")}
     if ("engines", "") in writes:
         engines = DesiredEngines(engines=plan.engines)
-        await write("engines", names.config_bucket, ENGINES_KEY, engines, found[1] if found else 0)
+        await write("engines", names.config_bucket, ENGINES_KEY, engines, "engines", "")
     for name, profile in sorted(plan.profiles.items()):
         if ("profile", name) in writes:
-            last = catalog[name].revision if name in live.catalog else 0
-            await write(f"profile {name}", names.catalog_bucket, name, profile, last)
+            await write(f"profile {name}", names.catalog_bucket, name, profile, "profile", name)
     for name, wanted in sorted(plan.deployments.items()):
         if ("deployment", name) in writes:
-            last = deployments[name].revision if name in live.deployments else 0
             with tracer.start_as_current_span(f"ctl apply {name}"):
                 wanted = msgspec.structs.replace(wanted, traceparent=current_traceparent())
-                await write(f"deployment {name}", names.deployments_bucket, name, wanted, last)
+                await write(f"deployment {name}", names.deployments_bucket, name, wanted, "deployment", name)
     # Deployments before the profiles they may name, so no deployment is left naming nothing.
+    # (A delete is not conditioned: the second read above is what guards it.)
     for change in plan.of("deleted", "deployment"):
         await bus.delete(names.deployments_bucket, change.name)
     for change in plan.of("deleted", "profile"):
@@ -509,7 +579,6 @@ async def watch(bus: Bus, kind: str, name: str, output: str) -> None:
     if first:
         out(first)
     header_line = "" if output in ("json", "yaml", "name") or not first else first.splitlines()[0]
-    widths = _widths(header_line)
     wide = output == "wide"
     n = bus.names
     bucket: str
@@ -523,10 +592,20 @@ async def watch(bus: Bus, kind: str, name: str, output: str) -> None:
     }[kind]
     revisions = {k: ch.revision for k, ch in (await bus.entries(bucket, value_type)).items()}
     statuses: dict[str, DeploymentStatus] = {}
+    # The keys whose rows were printed: only their deletes are news. The watch first replays
+    # each key's last change, and a key deleted long ago has a delete marker as its last:
+    # every deployment ever deleted was printed `deleted` on every `-w`.
+    printed = set(revisions)
 
     def emit(key: str, item: Any, deleted: bool) -> None:
         if name and not _matches(kind, name, key, item):
             return
+        if deleted:
+            if key not in printed:
+                return
+            printed.discard(key)
+        else:
+            printed.add(key)
         if output in ("json", "yaml"):
             data = {"key": key, "deleted": True} if deleted else views.to_builtins(item)
             out(msgspec.json.encode(data).decode())
@@ -546,7 +625,7 @@ async def watch(bus: Bus, kind: str, name: str, output: str) -> None:
             row = views.profile_row(item, wide=wide)
         else:
             row = views.shard_row(item, wide=wide)
-        out("  ".join(c.ljust(w) for c, w in zip(row, widths + [0] * len(row), strict=False)).rstrip())
+        out(views.under(header_line, row))
 
     async def on_change(key: str, value: Any) -> None:
         if kind == "node" and value is not None:
@@ -586,11 +665,6 @@ async def watch(bus: Bus, kind: str, name: str, output: str) -> None:
 async def _items(bus: Bus, kind: str, name: str) -> list[Any]:
     data = msgspec.json.decode(await get(bus, kind, name, "json"))
     return data if isinstance(data, list) else [data]
-
-
-def _widths(header: str) -> list[int]:
-    """Column widths of a printed table, from its header line."""
-    return [len(m.group(0)) for m in re.finditer(r"\S+(?: \S+)*\s*", header)] if header else []
 
 
 def _shown_key(kind: str, key: str) -> str:
@@ -815,11 +889,66 @@ async def _dispatch(bus: Bus, args: argparse.Namespace) -> str | None:
     raise UsageError(f"unknown command {cmd}")
 
 
+class _Refusals(logging.Handler):
+    """nats-server's refusals of this identity, as the bus client reports them (`llmgw.access`).
+
+    A refusal that fails the command is said in its error line: the client's own report of it
+    too made every refusal of an observer two lines. So they are held, and said only where the
+    error does not say one (a refused subscription fails nothing: it is all there is to tell);
+    a command that follows, which may never end, says them once its first reads are done
+    (`said_after`), and any later one at once."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.at_once = False
+        self.held: list[str] = []
+
+    async def said_after(self, delay_s: float) -> None:
+        await anyio.sleep(delay_s)
+        self.at_once = True
+        self.say()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if self.at_once:
+            warn(text)
+        else:
+            self.held.append(text)
+
+    def say(self) -> None:
+        for text in self.held:
+            warn(text)
+        self.held.clear()
+
+
+def _refused(exc: BaseException | None) -> bool:
+    """Whether a fault is, or was caused by, a refusal of this identity (its line says it)."""
+    seen = 0
+    while exc is not None and seen < 20:
+        if isinstance(exc, PermissionDenied):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
 def run(args: argparse.Namespace) -> int:
     # The bus client logs each failed connection attempt and reconnect; ctl says what failed
     # once, on one line, and scripts read stderr.
     logging.getLogger("llmgw.bus").setLevel(logging.ERROR)
     follows = getattr(args, "watch", False) or getattr(args, "follow", False)
+    access = logging.getLogger("llmgw.access")
+    refusals = _Refusals()
+    access.addHandler(refusals)
+    kept_propagate, access.propagate = access.propagate, False
+    try:
+        return _run(args, follows, refusals)
+    finally:
+        access.removeHandler(refusals)
+        access.propagate = kept_propagate
+
+
+def _run(args: argparse.Namespace, follows: bool, refusals: _Refusals) -> int:
 
     async def main() -> str | None:
         if args.ctl == "apply":
@@ -830,11 +959,16 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(str(exc)) from exc
         bus = await connect(args)
         try:
-            if args.ctl == "get" and args.watch:
-                await watch(bus, KINDS[args.kind], args.name or "", args.output or "")
-                return None
             if follows:
-                return await _dispatch(bus, args)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(refusals.said_after, FOLLOW_REFUSALS_AFTER_S)
+                    if args.ctl == "get" and args.watch:
+                        await watch(bus, KINDS[args.kind], args.name or "", args.output or "")
+                        said = None
+                    else:
+                        said = await _dispatch(bus, args)
+                    tg.cancel_scope.cancel()
+                return said
             try:
                 with anyio.fail_after(COMMAND_TIMEOUT_S):
                     return await _dispatch(bus, args)
@@ -857,10 +991,13 @@ def run(args: argparse.Namespace) -> int:
             exc = exc.exceptions[0]
         if isinstance(exc, StdoutClosed):
             return stdout_closed()
+        if not _refused(exc):
+            refusals.say()
         code = _exit_code(exc)
         if code is None:
             raise
         return code
+    refusals.say()
     if text is not None:
         try:
             out(text)

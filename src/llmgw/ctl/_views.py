@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -83,6 +84,21 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(map(len, column)) for column in zip(headers, *rows, strict=True)]
     line = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join(line.format(*r).rstrip() for r in [headers, *rows])
+
+
+def under(header: str, row: list[str]) -> str:
+    """One row printed under a table's header line (`--watch`'s changed rows): each cell where
+    its column starts, two spaces after the cell before it where that one ran long, as
+    `table` would have printed it. Rows were off by two more characters a column."""
+    # A column's title is words one space apart; `table` puts two between columns.
+    starts = [m.start() for m in re.finditer(r"\S+(?: \S+)*", header)] or [0]
+    line = ""
+    for i, cell in enumerate(row):
+        at = starts[i] if i < len(starts) else len(line) + 2
+        if line:
+            line += " " * max(2, at - len(line))
+        line += cell
+    return line.rstrip()
 
 
 def ago(seconds: float) -> str:
@@ -345,7 +361,10 @@ PROFILE_WIDE = ["TP", "PP", "SERVED AS", "DEPLOYMENTS"]
 
 
 def profile_gpus(p: Profile) -> str:
-    """GPUs one replica holds: per node, times nodes where it spans several."""
+    """GPUs one replica holds: per node, times nodes where it spans several; `0` for a profile
+    with no GPU class, which asks for none and runs on CPUs (docs/engines.md)."""
+    if not p.gpu_class:
+        return "0"
     per = p.per_node_gpus
     return f"{per}x{p.nodes}" if p.nodes > 1 else str(per)
 
@@ -353,7 +372,7 @@ def profile_gpus(p: Profile) -> str:
 def profile_row(
     p: Profile, *, wide: bool = False, deployments: Mapping[str, Deployment] | None = None
 ) -> list[str]:
-    row = [p.name, p.engine, p.model or p.model_path, p.gpu_class or "any", profile_gpus(p), str(p.nodes)]
+    row = [p.name, p.engine, p.model or p.model_path, p.gpu_class or "CPU", profile_gpus(p), str(p.nodes)]
     if wide:
         using = sorted(n for n, d in (deployments or {}).items() if d.profile == p.name)
         row += [str(p.tp), str(p.pp), p.served_name, ",".join(using) or "-"]
@@ -368,9 +387,13 @@ def describe_profile(p: Profile, deployments: Mapping[str, Deployment]) -> str:
         f"Model:        {p.model or '-'}",
         f"Model path:   {p.model_path or '-'}",
         f"Served as:    {p.served_name}",
-        f"GPU class:    {p.gpu_class or '(any)'}",
+        f"GPU class:    {p.gpu_class or '(none: runs on CPUs)'}",
         f"Parallelism:  tp {p.tp}, pp {p.pp}, {p.nodes} node{'s' if p.nodes > 1 else ''}, "
-        f"{p.per_node_gpus} GPU{'' if p.per_node_gpus == 1 else 's'} a node",
+        + (
+            f"{p.per_node_gpus} GPU{'' if p.per_node_gpus == 1 else 's'} a node"
+            if p.gpu_class
+            else "CPU only"
+        ),
         f"Args:         {' '.join(p.args) or '-'}",
         # Names only: a value may be a token (`-o yaml` shows them).
         f"Env:          {', '.join(sorted(p.env)) or '-'}",
@@ -386,7 +409,7 @@ def describe_profile(p: Profile, deployments: Mapping[str, Deployment]) -> str:
 def _profile_line(p: Profile | None, name: str) -> str:
     if p is None:
         return f"{name} (not in the catalog)"
-    gpus = f"{p.gpu_class or 'any GPU'}, tp {p.tp}" + (f", pp {p.pp}" if p.pp > 1 else "")
+    gpus = f"{p.gpu_class or 'CPU'}, tp {p.tp}" + (f", pp {p.pp}" if p.pp > 1 else "")
     nodes = f", {p.nodes} nodes" if p.nodes > 1 else ""
     return f"{name} (engine {p.engine}, model {p.model or p.model_path}, {gpus}{nodes})"
 
@@ -427,8 +450,7 @@ def describe_deployment(name: str, c: Cluster, history: list[Stamped], *, now: f
     else:
         lines.append(f"Replicas:     {dep.replicas} desired; placement has not published a status yet")
     if status is not None and status.reasons:
-        lines += ["", "Refusal (every node's reason):"]
-        lines.append(_indent(table(["NODE", "REASON"], [[r.node, r.reason] for r in status.reasons])))
+        lines += ["", *refusal_lines(name, [(r.node, r.reason) for r in status.reasons])]
     lines += ["", "Replicas:"]
     if replicas:
         rows = []
@@ -457,6 +479,30 @@ def describe_deployment(name: str, c: Cluster, history: list[Stamped], *, now: f
     else:
         lines.append("  (none)")
     return "\n".join([*lines, "", "Events:", _recent(history)])
+
+
+def refusal_lines(deployment: str, reasons: list[tuple[str, str]]) -> list[str]:
+    """A refusal under `describe`: every node's reason when a few; else grouped by reason, with
+    how many nodes gave it and a few of their names, as the page shows it (500 nodes' reasons
+    were 500 lines). `llmgw ctl explain` lists every node's."""
+    from llmgw_placement.view import REASON_GROUPS, reason_groups
+
+    if len(reasons) <= REASON_GROUPS:
+        return [
+            "Refusal (every node's reason):",
+            _indent(table(["NODE", "REASON"], [list(r) for r in reasons])),
+        ]
+    top, other, on = reason_groups(reasons)
+    rows = [
+        [str(g.nodes), g.reason, ", ".join(g.examples) + (", …" if g.nodes > len(g.examples) else "")]
+        for g in top
+    ]
+    if other:
+        rows.append([str(on), f"({other} other reasons)", "-"])
+    return [
+        f"Refusal ({len(reasons)} nodes, by reason; `llmgw ctl explain {deployment}` lists every node's):",
+        _indent(table(["NODES", "REASON", "FOR EXAMPLE"], rows)),
+    ]
 
 
 def _recent(history: list[Stamped]) -> str:
@@ -538,19 +584,23 @@ def describe_node(v: NodeView, c: Cluster, history: list[Stamped], *, now: float
 def event_text(e: object) -> tuple[str, str, str]:
     """What happened, in one line: (kind, object, message)."""
     if isinstance(e, ShardStatus):
-        text = e.state + (f": {failures.reason_line(e)}" if e.reason else "")
+        text = e.state + _said(e.state, failures.reason_line(e) if e.reason else "")
         return "shard", shard_name(e.node, e.shard), text
     if isinstance(e, ReplicaStatus):
         return (
             "replica",
             replica_name(e.deployment, e.replica),
-            e.state + (f": {failures.one_line(e.reason)}" if e.reason else ""),
+            e.state + _said(e.state, failures.one_line(e.reason)),
         )
     if isinstance(e, PlacementDecision):
         if e.outcome == "placed":
             return "placement", replica_name(e.deployment, e.replica), f"placed on {', '.join(e.nodes)}"
-        reasons = "; ".join(f"{r.node}: {r.reason}" for r in e.reasons)
-        return "placement", replica_name(e.deployment, e.replica), f"refused: {reasons or 'no nodes'}"
+        # Imported here, as `describe node` does: only a refusal pays for it.
+        from llmgw_placement.view import REASON_GROUPS, reasons_text
+
+        said = reasons_text((r.node, r.reason) for r in e.reasons)
+        grouped = len(e.reasons) > REASON_GROUPS  # `refused on 500 nodes: …`
+        return "placement", replica_name(e.deployment, e.replica), f"refused{' ' if grouped else ': '}{said}"
     if isinstance(e, DeploymentStatus):
         text = e.summary or f"{e.ready} of {e.desired} ready"
         return "deployment", e.deployment, text
@@ -572,8 +622,21 @@ def event_text(e: object) -> tuple[str, str, str]:
     return "event", "-", type(e).__name__
 
 
+def _said(state: str, reason: str) -> str:
+    """`: why` after a state, without the state said twice: placement's reason for a replica it
+    drains reads `draining: scaled down`, and `draining: draining: scaled down` was printed."""
+    why = reason.removeprefix(f"{state}: ")
+    return f": {why}" if why else ""
+
+
+# The most characters of an event's message: a reason quotes what a node or an engine said.
+EVENT_CHARS = 600
+
+
 def event_line(s: Stamped) -> str:
     kind, obj, text = event_text(s.event)
+    if len(text) > EVENT_CHARS:
+        text = text[:EVENT_CHARS] + "…"
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.time))
     return f"{stamp}  {kind:<10}  {obj}  {text}"
 

@@ -50,7 +50,10 @@ class Liveness:
 
         Silence counts only from when this placement could hear it: after its
         own start, reconnect or stall every node gets a full timeout again,
-        and while it cannot hear the bus at all nobody is declared lost.
+        and while it cannot hear the bus at all nobody is declared lost. A node
+        that just joined gets a full timeout from when its status was first read:
+        its first heartbeat may come after it (500 nodes joining at once were
+        each `lost: no heartbeat since this placement started` for a moment).
         A launcher that restarts (an upgrade) is silent for seconds while its
         engines serve on and its installer beats: failing the node over then
         would cost every replica on it for nothing.
@@ -60,7 +63,7 @@ class Liveness:
         heard_from = self.state.heard_from
         if heard_from is None:
             return True, silent
-        judged = min(silent, at - heard_from)
+        judged = min(silent, at - max(heard_from, self.state.first_known.get(node, heard_from)))
         if judged < self.config.node_timeout_s:
             return True, silent
         return judged < self.config.launcher_grace_s and self.installer_heard(node, at), silent
@@ -75,7 +78,8 @@ class Liveness:
         heard_from = self.state.heard_from
         if heard_from is None:
             return None
-        judged = min(at - seen if seen is not None else float("inf"), at - heard_from)
+        since = at - max(heard_from, self.state.first_known.get(node, heard_from))
+        judged = min(at - seen if seen is not None else float("inf"), since)
         if judged < self.config.node_timeout_s or not self.installer_heard(node, at):
             return None
         left = self.config.launcher_grace_s - judged
@@ -92,11 +96,12 @@ class Liveness:
         since = at - heard_from
         seen = self.state.last_seen
         installer = self.state.installer_seen
+        known = self.state.first_known
         never = float("-inf")
         return frozenset(
             n
             for n in nodes
-            if (silent := at - seen.get(n, never)) < timeout
+            if (silent := min(at - seen.get(n, never), at - known.get(n, never))) < timeout
             or (min(silent, since) < grace and at - installer.get(n, never) < timeout)
         )
 

@@ -35,6 +35,7 @@ from llmgw_core.events import EngineLoad, ReplicaRecord, ShardStatus
 
 from .chart import demand_chart
 from .gpuclass import gpu_class
+from .view import REASON_GROUPS, reason_groups, reasons_text
 
 if TYPE_CHECKING:
     from .service import PlacementService
@@ -58,6 +59,8 @@ SHARED_S = 0.4
 RENDER_SHARE = 20
 # How long a page without JavaScript waits before it reloads itself.
 NOSCRIPT_RELOAD_S = 30
+# The most characters of one event's line: a reason quotes what a node or an engine said.
+EVENT_CHARS = 600
 
 
 def _e(text: object) -> str:
@@ -87,20 +90,42 @@ def event_line(subject: str, data: bytes, steps: dict[tuple[str, str], str] | No
         return None
     if not isinstance(body, dict):
         return None
+    line = _event_words(body, steps)
+    if line is None or len(line) <= EVENT_CHARS:
+        return line
+    return line[:EVENT_CHARS] + "…"
+
+
+def _said(state: object, reason: object) -> str:
+    """`: why` after a state, without the state said twice: placement's reason for a replica it
+    drains reads `draining: scaled down`, and `draining: draining: scaled down` was shown."""
+    if not reason:
+        return ""
+    why = failures.one_line(str(reason)).removeprefix(f"{state}: ")
+    return f": {why}" if why else ""
+
+
+def _event_words(body: dict[str, Any], steps: dict[tuple[str, str], str] | None) -> str | None:
     kind = body.get("kind")
     if kind == "ReplicaStatus":
-        reason = f": {body['reason']}" if body.get("reason") else ""
-        return f"replica {body.get('deployment')}/{body.get('replica')} {body.get('state')}{reason}"
+        state = body.get("state")
+        said = _said(state, body.get("reason"))
+        return f"replica {body.get('deployment')}/{body.get('replica')} {state}{said}"
     if kind == "ShardStatus":
-        reason = f": {body['reason']}" if body.get("reason") else ""
-        return f"shard {body.get('node')}/{body.get('shard')} {body.get('state')}{reason}"
+        state = body.get("state")
+        return f"shard {body.get('node')}/{body.get('shard')} {state}{_said(state, body.get('reason'))}"
     if kind == "PlacementDecision":
         if body.get("outcome") == "placed":
-            return (
-                f"placed {body.get('deployment')}/{body.get('replica')} on {', '.join(body.get('nodes', []))}"
-            )
-        reasons = "; ".join(f"{r.get('node')}: {r.get('reason')}" for r in body.get("reasons", []))
-        return f"cannot place {body.get('deployment')}: {reasons}"
+            nodes = body.get("nodes")
+            on = ", ".join(str(n) for n in nodes) if isinstance(nodes, list) else ""
+            return f"placed {body.get('deployment')}/{body.get('replica')} on {on}"
+        given = body.get("reasons")
+        pairs = [
+            (str(r.get("node")), str(r.get("reason")))
+            for r in (given if isinstance(given, list) else ())
+            if isinstance(r, dict)
+        ]
+        return f"cannot place {body.get('deployment')}: {reasons_text(pairs)}"
     if kind == "DeploymentStatus":
         return str(body.get("summary", ""))
     if kind == "ScaleDecision":
@@ -225,6 +250,13 @@ EVERYTHING = Query()
 
 # A node's state on the page, worst first: the grid's colours and the filter's choices.
 STATES = ("claimed", "lost", "cordoned", "held", "free")
+STATE_WORDS = {
+    "claimed": "nodes two machines claim",
+    "lost": "nodes not heard within node_timeout_s",
+    "cordoned": "alive nodes cordoned or drained: no new replica",
+    "held": "alive nodes where a replica holds a GPU",
+    "free": "alive nodes where no replica holds a GPU",
+}
 
 
 class Counted(NamedTuple):
@@ -379,13 +411,17 @@ class Page:
 
     def _summary(self, nodes: list[Any], counts: dict[str, Counted], statuses: dict[str, Any]) -> str:
         """One line first: nodes alive, lost and cordoned; GPUs held, free and unusable (see
-        `counted`); deployments ready, degraded and unplaceable."""
+        `counted`); deployments ready, degraded and unplaceable.
+
+        The nodes are counted by their state as `counted` gives it, the one the legend, the
+        groups' table and the grid count: a lost node that was cordoned is lost, not also
+        cordoned (the summary said 3 cordoned while the table said 0)."""
         alive = lost = cordoned = held = free = unusable = 0
         for row in nodes:
             c = counts[row.node]
-            alive += row.alive and not row.claimed
-            lost += not row.alive
-            cordoned += bool(row.intent)
+            alive += c.state in ("held", "free", "cordoned")
+            lost += c.state == "lost"
+            cordoned += c.state == "cordoned"
             held += c.held
             free += c.free
             unusable += c.unusable
@@ -434,7 +470,7 @@ class Page:
             failing = r.state in ("degraded", "failed", "unknown", "unplaceable")
             if not failing and (r.state == "ready" or told is None):
                 continue
-            reason = failures.one_line(r.reason) or failures.summary(told)
+            reason = _said(r.state, r.reason).removeprefix(": ") or failures.summary(told)
             last = told.log_tail[-1] if told is not None and told.log_tail else ""
             items.append(
                 f"<li data-problem='{_e(key)}'>"
@@ -460,9 +496,12 @@ class Page:
                     f"<b>{len(named)} node{'s' if len(named) != 1 else ''} {words}</b></a>: {_e(shown)}</li>"
                 )
         if not items:
-            return "<section id=problems><h2>Problems (0)</h2><p>none</p></section>"
+            # No red bar beside "none": the bar's colour says what the count says.
+            return "<section id=problems class=none><h2>Problems (0)</h2><p>none</p></section>"
         return (
-            f"<section id=problems><h2>Problems ({len(items)})</h2><ul>" + "".join(items) + "</ul></section>"
+            f"<section id=problems class=some><h2>Problems ({len(items)})</h2><ul>"
+            + "".join(items)
+            + "</ul></section>"
         )
 
     def _deployment(
@@ -486,7 +525,7 @@ class Page:
             f"<li data-replica='{_e(r.deployment)}.{_e(r.replica)}'><b>{_e(r.replica)}</b> "
             f"<span class='state {_e(r.state)}'>{_e(r.state)}</span>"
             + (f" on {_e(', '.join(sorted({k.split('.', 1)[0] for k in r.shards})))}" if r.shards else "")
-            + (f": {_e(failures.one_line(r.reason))}" if r.reason else "")
+            + _e(_said(r.state, r.reason))
             + "</li>"
             for r in mine
         )
@@ -569,8 +608,11 @@ class Page:
         else:
             title = "Every node" if small else f"Nodes to look at ({len(listed)})"
         by_state = collections.Counter(c.state for c in counts.values())
-        legend = " · ".join(
-            f"<a href='{_e(query.href(state=s))}#nodes'><i class='c {s}'></i> {by_state.get(s, 0)} {s}</a>"
+        # Nodes, as the summary's first part and the groups' table count them (the summary's
+        # `free` and `held` that follow are GPUs, and say so); each a filter.
+        legend = "nodes: " + " · ".join(
+            f"<a href='{_e(query.href(state=s))}#nodes' data-legend={s} title='{_e(STATE_WORDS[s])}'>"
+            f"<i class='c {s}'></i> <b>{by_state.get(s, 0)}</b> {s}</a>"
             for s in STATES
         )
         group_rows = []
@@ -696,13 +738,7 @@ class Page:
             bounds = f" ({dep.autoscale.min_replicas}-{dep.autoscale.max_replicas})" if dep.autoscale else ""
             ready = (f"{status.ready} / {status.desired}" if status else f"? / {dep.replicas}") + bounds
             summary = _e(status.summary) if status else "not yet judged by a leader"
-            reasons = ""
-            if status and status.reasons:
-                reasons = (
-                    "<ul class=reasons>"
-                    + "".join(f"<li><b>{_e(r.node)}</b>: {_e(r.reason)}</li>" for r in status.reasons)
-                    + "</ul>"
-                )
+            reasons = reasons_html(name, [(r.node, r.reason) for r in status.reasons]) if status else ""
             rows.append(
                 Frag(
                     f"d-{name}",
@@ -777,14 +813,18 @@ class Page:
         rows = []
         for p in self.catalog():
             parallel = f"tp {p.tp} × pp {p.pp}" if p.pp > 1 else f"tp {p.tp}"
-            size = f"{p.gpus} GPU{'s' if p.gpus != 1 else ''}"
-            if p.nodes > 1:
-                size += f" ({p.gpus_per_node} on each of {p.nodes} nodes)"
+            if p.gpu_class:
+                size = f"{p.gpus} GPU{'s' if p.gpus != 1 else ''}"
+                if p.nodes > 1:
+                    size += f" ({p.gpus_per_node} on each of {p.nodes} nodes)"
+            else:
+                # A profile with no GPU class asks for no GPU (docs/engines.md): it runs on CPUs.
+                size = "CPU" + (f" (on each of {p.nodes} nodes)" if p.nodes > 1 else "")
             source = p.model or p.model_path
             held = f"<small>staged on {_e(', '.join(p.weights_on))}</small>" if p.weights_on else ""
             rows.append(
                 f"<tr data-profile='{_e(p.name)}'><td>{_e(p.name)}</td><td class=engine>{_e(p.engine)}</td>"
-                f"<td class=class>{_e(p.gpu_class or 'any')}</td>"
+                f"<td class=class>{_e(p.gpu_class or 'CPU')}</td>"
                 f"<td class=size>{_e(size)}, {_e(parallel)}</td>"
                 f"<td class=model>{_e(source)}{held}</td><td>{_e(', '.join(p.deployments)) or '—'}</td></tr>"
             )
@@ -874,6 +914,28 @@ class Page:
             quiet += pause
 
 
+def reasons_html(deployment: str, reasons: Sequence[tuple[str, str]]) -> str:
+    """A refusal's reasons under its deployment: every node's when a few, else grouped by
+    reason with how many nodes and a few of their names (`view.reason_groups`), so that a
+    refusal by 1,000 nodes is a few lines, not 1,000. Every node's reason is one link away."""
+    if not reasons:
+        return ""
+    if len(reasons) <= REASON_GROUPS:
+        items = [f"<li><b>{_e(node)}</b>: {_e(reason)}</li>" for node, reason in reasons]
+    else:
+        top, other, on = reason_groups(reasons)
+        items = [
+            f"<li data-reason-count={g.nodes}><b>{g.nodes} nodes</b>: {_e(g.reason)} <small>"
+            f"({_e(', '.join(g.examples))}{', …' if g.nodes > len(g.examples) else ''})</small></li>"
+            for g in top
+        ]
+        if other:
+            items.append(f"<li>and {other} other reasons on {on} nodes</li>")
+        link = "api/explain/" + _e(deployment)
+        items.append(f"<li><a href='{link}'>every node's reason</a></li>")
+    return "<ul class=reasons>" + "".join(items) + "</ul>"
+
+
 def _find(query: Query) -> str:
     """The nodes' filter: a form, so that it works without JavaScript (with it, the grid
     also dims the nodes that do not match as one types)."""
@@ -923,7 +985,7 @@ text-align:left;vertical-align:top;overflow-wrap:break-word}th{background:#f4f4f
 .gpu{display:inline-block;min-width:4.5em;margin:1px;padding:1px 4px;border-radius:3px;font-size:12px}
 .gpu small{display:block;font-size:10px}.gpu.free{background:#e8f3e8}.gpu.held{background:#dde6f7}
 .gpu.unusable{background:#eee;color:#777}#summary{font-size:15px}#problems li{margin:.2em 0}
-#problems{border-left:3px solid #a11;padding-left:.6em}
+#problems{border-left:3px solid #a11;padding-left:.6em}#problems.none{border-left-color:#176117}
 #problems code,code{overflow-wrap:anywhere;white-space:pre-wrap}
 table.usage-by-key{margin-top:.8em}
 .state.ready{color:#176117;font-weight:600}.state.failed,.state.degraded,.state.unknown{color:#a11}

@@ -201,6 +201,7 @@ class PlacementService:
                         self.state.installer_seen,
                         self.state.clock_offset,
                         self.state.clock_crossed,
+                        self.state.first_known,
                     ):
                         heard.pop(change.key, None)
                     self.state.with_installer.discard(change.key)
@@ -209,6 +210,8 @@ class PlacementService:
                 problem = check(change.key, change.value) if check else None
                 if problem is None:
                     target[change.key] = change.value
+                    if target is self.state.nodes:
+                        self.state.first_known.setdefault(change.key, time.monotonic())
                 else:
                     await self.bus.dead_letter(
                         self.bus.names.kv_subject(bucket, change.key), encode(change.value), problem

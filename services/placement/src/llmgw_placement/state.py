@@ -24,6 +24,9 @@ class ClusterState:
     # When this placement last heard the node's launcher, by its own wall clock (never the
     # node's: a node whose clock is off would read "no heartbeat since" ten minutes ahead).
     last_seen_wall: dict[str, float] = field(default_factory=dict)
+    # When this placement first read the node's status (monotonic): a node that just joined
+    # is given a full node_timeout from then for its first heartbeat, not judged lost before it.
+    first_known: dict[str, float] = field(default_factory=dict)
     # The node's installer last heard (monotonic): shown, never a reason to fail over.
     installer_seen: dict[str, float] = field(default_factory=dict)
     # Nodes whose launcher runs apart from an installer (it beats as `launcher`, not as an

@@ -4,7 +4,8 @@ metrics: liveness judged alike on a leader and a standby, and what the leader ho
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from llmgw_core.engines import ShardSpec
 from llmgw_core.events import DeploymentStatus, NodeLiveness, PlacementDecision, ReplicaRecord
@@ -15,6 +16,70 @@ from .held import Held
 from .index import KeptIndex
 from .liveness import Liveness
 from .state import ClusterState
+
+# A refusal's reasons as the page, the events and `llmgw ctl describe` say them: the commonest
+# reasons first, each with how many nodes gave it and a few of their names. Every node's reason
+# in a line made one "cannot place" event 26,797 characters at 500 nodes, and the page
+# tens of thousands of pixels tall; `llmgw ctl explain` and `/api/explain` keep every node's.
+REASON_GROUPS = 5
+EXAMPLE_NODES = 3
+# A reason is the node's or placement's words: one is cut here, where a line must stay short.
+REASON_CHARS = 240
+
+
+class ReasonGroup(NamedTuple):
+    """One reason, how many nodes gave it, and the first few of them (in the order given)."""
+
+    reason: str
+    nodes: int
+    examples: tuple[str, ...]
+
+
+def _cut(reason: str) -> str:
+    return reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS] + "…"
+
+
+def reason_groups(
+    reasons: Iterable[tuple[str, str]], *, groups: int = REASON_GROUPS, examples: int = EXAMPLE_NODES
+) -> tuple[list[ReasonGroup], int, int]:
+    """`(node, reason)` pairs grouped by reason: the `groups` commonest (most nodes first, then
+    the first given), each with its first `examples` nodes; then how many other reasons were
+    left out and on how many nodes. Memory is bounded by the distinct reasons, never by a
+    copy of every node's name."""
+    counts: dict[str, int] = {}
+    names: dict[str, list[str]] = {}
+    for node, reason in reasons:
+        said = _cut(reason)
+        counts[said] = counts.get(said, 0) + 1
+        kept = names.setdefault(said, [])
+        if len(kept) < examples:
+            kept.append(node)
+    order = sorted(counts, key=lambda r: -counts[r])  # stable: ties keep the order first given
+    top = [ReasonGroup(r, counts[r], tuple(names[r])) for r in order[:groups]]
+    rest = order[groups:]
+    return top, len(rest), sum(counts[r] for r in rest)
+
+
+def reasons_text(reasons: Iterable[tuple[str, str]]) -> str:
+    """A refusal in one bounded line: every node's reason when a few (`node-1: GPU class
+    H100-80G, profile needs A100-80G`), else grouped: `on 1000 nodes: 998 x 0 of 8 GPUs free,
+    profile needs 1 (sim-00000, sim-00001, sim-00002, …); 2 x lost 30 s ago (gone-00000, gone-00001)`."""
+    pairs = list(reasons)
+    if not pairs:
+        return "no nodes known"
+    if len(pairs) <= REASON_GROUPS:
+        return "; ".join(f"{node}: {_cut(reason)}" for node, reason in pairs)
+    top, other, on = reason_groups(pairs)
+    parts = [
+        f"{g.nodes} x {g.reason} ({', '.join(g.examples)}{', …' if g.nodes > len(g.examples) else ''})"
+        for g in top
+    ]
+    if other:
+        parts.append(
+            f"and {other} other reason{'s' if other != 1 else ''} on {on} node{'s' if on != 1 else ''}"
+        )
+    nodes = len(pairs)
+    return f"on {nodes} node{'s' if nodes != 1 else ''}: " + "; ".join(parts)
 
 
 class ClusterView:
