@@ -244,6 +244,17 @@ async def test_apply_refuses_an_alias_that_is_another_deployments_name_writing_n
         with pytest.raises(Refused):
             await apply(bus, path)
         assert await stored(bus) == before
+        # `ctl deploy` of a new name that is another deployment's alias: the same refusal.
+        await seed(bus, dep("yyy", "talk"))
+        before = await stored(bus)
+        code, out, err = await run_ctl(c, "deploy", "talk", "--profile", "tiny")
+        assert (code, out) == (4, "")
+        assert err == (
+            "llmgw: deployment talk: its name is an alias of deployment yyy: "
+            f"{WHY}; remove the alias from yyy first, or name this deployment otherwise; "
+            "nothing was written\n"
+        )
+        assert await stored(bus) == before
 
 
 # --- placement's API ------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from llmgw_core.limits import (
 )
 from llmgw_core.subjects import ALL, ENGINES_KEY, ONE, Names
 from llmgw_core.telemetry import current_traceparent
-from llmgw_core.validate import check_deployment, check_profile
+from llmgw_core.validate import check_deployment, check_profile, names_problem
 
 from .._bus_flags import bus_options
 from .._parser import stdout_closed
@@ -379,6 +379,11 @@ async def request_replicas(bus: Bus, dep: Deployment, verb: str) -> str:
     problem = profile_problem(dep.name, dep.profile, catalog)
     if problem:
         raise Refused(problem)
+    # A name that is another deployment's alias would take its traffic, and its keys' scope.
+    others = await read.values(bus, bus.names.deployments_bucket, Deployment)
+    problem = names_problem(dep, others.values())
+    if problem:
+        raise Refused(f"{problem}; nothing was written")
     seen: list[DeploymentStatus] = []
     got = anyio.Event()
 
