@@ -114,7 +114,8 @@ def test_a_split_gguf_missing_a_part_is_refused_with_the_names(tmp_path: Path) -
 
 
 def safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
-    """A safetensors file with `tensors`' header and no tensor bytes at all: only the header is read."""
+    """A safetensors file with `tensors`' header and its tensors' bytes unwritten (a sparse file):
+    only the header is read."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, (dtype, shape) in tensors.items():
@@ -122,7 +123,10 @@ def safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        # The tensors' bytes as a hole: the file is as long as its header says, and takes no disk.
+        f.truncate(8 + len(raw) + offset)
 
 
 def test_safetensors_shapes_come_from_the_headers_and_config_alone(tmp_path: Path) -> None:

@@ -77,16 +77,25 @@ class Message(Struct, frozen=True, kw_only=True, tag_field="kind", tag=True):
 # --- profiles and shard specs: what placement asks a node to run --------------
 
 
+# The bounds of a node's own figures: a GPU of 10**400 MB, or a host of -1 cores, is a broken
+# or hostile status, never a machine; a node status that carries one does not decode.
+NODE_MAX_GPUS = 4096  # a GPU's index
+NODE_MAX_MB = 2**30  # 1 PiB of GPU or host memory
+NODE_MAX_CORES = 2**20
+GPUIndex = Annotated[int, Meta(ge=0, lt=NODE_MAX_GPUS)]
+NodeMB = Annotated[int, Meta(ge=0, le=NODE_MAX_MB)]
+
+
 class GPUInfo(Struct, frozen=True, kw_only=True):
     """One GPU as the node probe saw it."""
 
-    index: int
+    index: GPUIndex
     name: str
     uuid: str = ""
     # As nvidia-smi prints it ("8.0", "9.0"); kept as text because drivers
     # print "[N/A]" on some virtual GPUs and that must not reject a profile.
     compute_capability: str = ""
-    memory_mb: int = 0
+    memory_mb: NodeMB = 0
 
 
 class Profile(Struct, frozen=True, kw_only=True):
@@ -239,25 +248,42 @@ class NetInterface(Struct, frozen=True, kw_only=True):
     up: bool = True
 
 
+# The bounds of a model's figures. The biggest models are a few TB of weights, a few hundred
+# layers and heads, and a few million tokens of context: a figure past these (or below 0) is a
+# broken or hostile header, never a model. A weight of -10**15 bytes fits any GPU, and one of
+# 10**400 overflows every float the estimate divides it into. `llmgw_core.fit` refuses such a
+# header before a node reports it, and a node status that carries one does not decode.
+MODEL_MAX_BYTES = 2**50  # 1 PiB of weights (and as many elements)
+MODEL_MAX_COUNT = 2**20  # layers, KV heads, a head's dimensions
+MODEL_MAX_TOKENS = 2**32  # a trained context
+MODEL_MAX_DTYPE = 64
+ModelBytes = Annotated[int, Meta(ge=0, le=MODEL_MAX_BYTES)]
+ModelCount = Annotated[int, Meta(ge=0, le=MODEL_MAX_COUNT)]
+ModelTokens = Annotated[int, Meta(ge=0, le=MODEL_MAX_TOKENS)]
+
+
 class ModelShape(Struct, frozen=True, kw_only=True):
     """What the memory estimate needs to know of a model, read from its metadata
-    (`llmgw_core.fit.read_shape`); a node reports it for each model it holds."""
+    (`llmgw_core.fit.read_shape`); a node reports it for each model it holds.
+
+    Every figure is bounded (`MODEL_MAX_*`): decoding checks the bounds, building one in
+    memory does not (`llmgw_core.fit.shape_problem` checks a shape built so)."""
 
     format: Literal["gguf", "safetensors"]
     # Bytes of every weight tensor as stored (a GGUF's quantised blocks; safetensors' dtypes).
-    weight_bytes: int
-    n_layer: int
-    n_head_kv: int
-    head_dim_k: int
-    head_dim_v: int
+    weight_bytes: ModelBytes
+    n_layer: ModelCount
+    n_head_kv: ModelCount
+    head_dim_k: ModelCount
+    head_dim_v: ModelCount
     # The context the model was trained for: the default when a profile sets none.
-    context_length: int
+    context_length: ModelTokens
     # Elements of floating-point tensors, which vLLM casts to its `--dtype`; 0 for GGUF.
-    float_params: int = 0
+    float_params: ModelBytes = 0
     # Bytes of the other tensors (quantised weights and scales), kept as stored.
-    other_bytes: int = 0
+    other_bytes: ModelBytes = 0
     # The checkpoint's dtype from config.json (`torch_dtype`), vLLM's `--dtype auto`.
-    dtype: str = ""
+    dtype: Annotated[str, Meta(max_length=MODEL_MAX_DTYPE)] = ""
 
 
 class NodeFacts(Message, frozen=True):
@@ -268,8 +294,8 @@ class NodeFacts(Message, frozen=True):
     arch: str = ""
     cpu_model: str = ""
     cpu_flags: tuple[str, ...] = ()
-    cores: int = 0
-    memory_mb: int = 0
+    cores: Annotated[int, Meta(ge=0, le=NODE_MAX_CORES)] = 0
+    memory_mb: NodeMB = 0
     nvidia_driver: str = ""
     cuda_driver: str = ""
     gpus: tuple[GPUInfo, ...] = ()
@@ -404,10 +430,13 @@ class WeightsEvicted(Message, frozen=True):
 
 
 class WeightsQuery(Message, frozen=True):
-    """A node staging a blob asks the cluster's nodes for it (`<prefix>.weights.who`, plain
-    NATS request; only node identities may ask or answer). It carries the asker's own offer
+    """A node staging a blob asks the cluster's nodes for it (`<prefix>.weights.who.<node>`,
+    plain NATS; only node identities may ask or answer). It carries the asker's own offer
     (where it will serve the blob, and a token for it): the nodes that want the same blob at
-    the same time learn of each other from it, and one of them fetches the origin."""
+    the same time learn of each other from it, and one of them fetches the origin.
+
+    The asker is the subject's node, which nats-server lets only that node's identity publish;
+    `node` repeats it, and a query whose `node` differs is dropped."""
 
     node: Name
     blob: str  # `sha256-<hex>` or `gitsha1-<hex>`, as the store names it
@@ -417,8 +446,13 @@ class WeightsQuery(Message, frozen=True):
 
 
 class WeightsOffer(Message, frozen=True):
-    """A node's answer: it holds the blob (verified), or fetches it now (from the origin or a
-    peer), or wants it too; where to read it, with a token that node accepts for a while."""
+    """A node's answer (`<prefix>.weights.offer.<asker>.<node>`): it holds the blob (verified),
+    or fetches it now (from the origin or a peer), or wants it too; where to read it, with a
+    token that node accepts for a while.
+
+    The offering node is the subject's last token, not `node` (an offer whose `node` differs is
+    dropped), and `url` must be `http://<mgmt_addr>:<port>/blobs/<blob>` with the `mgmt_addr`
+    that node reports in its status, else the offer is ignored (docs/weights.md)."""
 
     node: Name
     blob: str

@@ -55,6 +55,16 @@ from .weights import Weights, WeightsError
 from .workers import Workers
 
 log = logging.getLogger("llmgw.launcher")
+
+# The most of a failure's reason a shard's status carries: its words come from outside (a
+# model's header, an engine's log) and a status is read by every observer.
+REASON_MAX = 1000
+
+
+def _bounded(reason: str) -> str:
+    return reason if len(reason) <= REASON_MAX else f"{reason[:REASON_MAX]}… ({len(reason):,} characters)"
+
+
 tracer = trace.get_tracer("llmgw.launcher")
 
 # Consecutive failed health checks, after a shard was ready, that fail it.
@@ -489,18 +499,31 @@ class ShardRunner:
                 # replica of a new model comes here unchecked: started, its engine would fail
                 # to allocate in its own words (and be restarted). The node reports the shape
                 # it just recorded, and placement refuses it for the profile in these words.
-                return Failure(too_big, retryable=False)
+                # A hostile header fails here too: once, not retried, its words bounded.
+                return Failure(_bounded(too_big), retryable=False)
         return str(path)
 
     def _too_big(self, view: Path) -> str | None:
         """Whether the staged model at `view` cannot fit the GPUs this shard is pinned to (or, for a
-        CPU profile, the host's memory), by placement's own rule (`fit.check_shard`); in a file
-        thread, since it reads the shape kept beside the view."""
-        shape = staged.recorded_shape(view)
-        if shape is None:
+        CPU profile, the host's memory), by placement's own rule (`fit.check_shard`), or has a
+        header that breaks its format or the bounds (`fit.HeaderError`); in a file thread, since
+        it reads the shape kept beside the view (or, where none was kept, the header itself)."""
+        profile = self.spec.profile
+        try:
+            # Where no shape was kept: a model whose counts are missing (started unchecked, as
+            # before), or a header that is broken or hostile, which no engine is started on.
+            shape = staged.recorded_shape(view) or fit.read_shape(view)
+        except fit.HeaderError as exc:
+            return (
+                f"model {profile.weights_key}: {exc}; the file is broken or not a model: fix it at its source"
+            )
+        except fit.FitError:
             return None
         gpus = [g for g in self.ctx.gpus if g.index in self.spec.gpus]
-        return fit.check_shard(shape, self.spec.profile, gpus, self.ctx.memory_mb)
+        try:
+            return fit.check_shard(shape, profile, gpus, self.ctx.memory_mb)
+        except fit.FitError as exc:  # a figure no estimate can use (a context of 1e308 tokens)
+            return f"model {profile.weights_key}: {exc}"
 
     async def _start(self, cmd: Command) -> Failure | None:
         log_path = self.ctx.state_dir / "logs" / self.key / f"{len(self.procs)}-{cmd.name}.log"

@@ -217,53 +217,69 @@ class Controller:
         counts: dict[str, int] = {}
         told: list[ScaleDecision] = []
         for name in sorted(deployments):
-            bounds = deployments[name].autoscale
-            if bounds is None:
-                held.scaling.pop(name, None)
-                held.scaled.pop(name, None)
-                held.counts.pop(name, None)
+            try:
+                decision = self._autoscale_one(name, deployments[name], sums, at, counts)
+            except Exception:
+                # One deployment's fault keeps its count where it was; the others scale on.
+                log.exception("%s: cannot follow demand this step", name)
+                was = held.scaling.get(name)
+                if was is not None:
+                    counts[name] = was.count
                 continue
-            was = held.scaling.get(name)
-            if was is None:
-                serving = sum(
-                    1 for r in held.replicas.values() if r.deployment == name and r.state != "draining"
-                )
-                was = start(serving, bounds)
-            summed = sums.get(name, Summed())
-            now, change = follow(
-                was,
-                bounds,
-                book.history(name),
-                book.requested_at(name),
-                at,
-                self.windows,
-                # A held request is in its gateway's `queued` and, in the report after it
-                # came, in `arrived` too: adding them said one request at zero was two.
-                waiting=max(summed.queued, summed.arrived),
-            )
-            held.scaling[name] = now
-            counts[name] = now.count
-            chosen = held.counts.setdefault(name, [])
-            if not chosen or chosen[-1][1] != now.count:
-                chosen.append((at, float(now.count)))
-            while len(chosen) > 1 and chosen[1][0] <= at - book.history_s:
-                del chosen[0]
-            if change is not None:
-                decision = ScaleDecision(
-                    deployment=name,
-                    before=change.before,
-                    after=change.after,
-                    reason=change.reason,
-                    at=wall_now(),
-                )
-                held.scaled[name] = decision
+            if decision is not None:
                 told.append(decision)
-                log.info("%s: %s", name, change.reason)
         for name in set(held.scaling) - set(deployments):
             held.scaling.pop(name, None)
             held.scaled.pop(name, None)
             held.counts.pop(name, None)
         return counts, told
+
+    def _autoscale_one(
+        self, name: str, deployment: Deployment, sums: dict[str, Summed], at: float, counts: dict[str, int]
+    ) -> ScaleDecision | None:
+        """One deployment's count from its demand (into `counts`), and its change to tell."""
+        held, book = self.held, self.demand
+        bounds = deployment.autoscale
+        if bounds is None:
+            held.scaling.pop(name, None)
+            held.scaled.pop(name, None)
+            held.counts.pop(name, None)
+            return None
+        was = held.scaling.get(name)
+        if was is None:
+            serving = sum(1 for r in held.replicas.values() if r.deployment == name and r.state != "draining")
+            was = start(serving, bounds)
+        summed = sums.get(name, Summed())
+        now, change = follow(
+            was,
+            bounds,
+            book.history(name),
+            book.requested_at(name),
+            at,
+            self.windows,
+            # A held request is in its gateway's `queued` and, in the report after it
+            # came, in `arrived` too: adding them said one request at zero was two.
+            waiting=max(summed.queued, summed.arrived),
+        )
+        held.scaling[name] = now
+        counts[name] = now.count
+        chosen = held.counts.setdefault(name, [])
+        if not chosen or chosen[-1][1] != now.count:
+            chosen.append((at, float(now.count)))
+        while len(chosen) > 1 and chosen[1][0] <= at - book.history_s:
+            del chosen[0]
+        if change is None:
+            return None
+        decision = ScaleDecision(
+            deployment=name,
+            before=change.before,
+            after=change.after,
+            reason=change.reason,
+            at=wall_now(),
+        )
+        held.scaled[name] = decision
+        log.info("%s: %s", name, change.reason)
+        return decision
 
     def _quiet(self, at: float) -> frozenset[str]:
         """The draining replicas every gateway heard from says have nothing in flight."""
@@ -315,7 +331,11 @@ class Controller:
             elif intent.forget:
                 continue
             else:
-                words = intent.state(index.usage.shards[node])
+                try:
+                    words = intent.state(index.usage.shards[node])
+                except Exception:  # an intent that cannot be said (its time out of range) is not told
+                    log.debug("node %s: its intent cannot be told", node, exc_info=True)
+                    continue
             if words and told.get(node) != words and not (words == "uncordoned" and node not in told):
                 changed.append((node, words))
         for node, words in changed:

@@ -75,12 +75,13 @@ class Refusal:
 Decision = Placement | Refusal
 
 
-def _port(nodes: Sequence[NodeView], port_range: tuple[int, int]) -> int:
+def _port(nodes: Sequence[NodeView], port_range: tuple[int, int]) -> int | None:
+    """The first port of `port_range` free on every one of `nodes`, None where none is."""
     used = set().union(*(n.used_ports for n in nodes))
     for port in range(port_range[0], port_range[1] + 1):
         if port not in used:
             return port
-    raise ValueError(f"no free port in {port_range[0]}-{port_range[1]} on {', '.join(n.node for n in nodes)}")
+    return None
 
 
 def decide(
@@ -205,10 +206,16 @@ def _assemble(
     chosen: Sequence[NodeView],
     fabric_hcas: Mapping[str, tuple[str, ...]] | None,
     port_range: tuple[int, int],
-) -> Placement:
-    """A multi-node replica on `chosen` (in rank order) over `fabric`."""
+) -> Decision:
+    """A multi-node replica on `chosen` (in rank order) over `fabric`; refused where the nodes
+    have no port of `port_range` free in common (their ranks would have nothing to meet on)."""
     need = gpus_needed(profile)
     port = _port(chosen, port_range)
+    if port is None:
+        # Refused in words, as any other node is: raised, it failed the whole step.
+        low, high = port_range
+        why = f"no port of dist_port_range {low}-{high} free on every node of fabric {fabric}"
+        return Refusal(tuple(sorted((n.node, why) for n in chosen)))
     hcas_of_fabric = (fabric_hcas or {}).get(fabric, ())
     members_out = []
     for rank, node in enumerate(chosen):

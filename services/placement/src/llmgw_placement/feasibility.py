@@ -3,10 +3,15 @@
 `unfit` gives every refusal's reason for a node (the words `ctl explain` shows and
 the events carry); `score` ranks the nodes that fit. Both read a `NodeView` only,
 so the index (`index.py`) and the decision (`decide.py`) judge a node alike.
+
+`unfit` is total: a record it cannot use (a model's shape outside its bounds, a GPU
+reporting impossible memory) refuses the node in words for that profile, and any other
+fault in judging one node costs that node, never the decision or the step.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +23,22 @@ from .gpuclass import gpu_class
 
 # How an operator names each engine, for the refusals that speak of its builds.
 ENGINE_NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM", "sglang": "SGLang"}
+
+# How much of an unexpected error a refusal quotes: the rest is in the log.
+WORDS_MAX = 300
+
+log = logging.getLogger("llmgw.placement")
+
+
+def fault_words(exc: BaseException) -> str:
+    """An unexpected error as a refusal quotes it: its type and the start of its message (an
+    error's text may hold a whole hostile value)."""
+    try:
+        text = str(exc)
+    except Exception:  # a message that cannot even be made (a 10**5000 in it)
+        text = ""
+    text = text if len(text) <= WORDS_MAX else f"{text[:WORDS_MAX]}…"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -60,6 +81,9 @@ class NodeView:
     # Weights keys of shards placed here that the node does not report holding yet: it is
     # staging them (or will, once its launcher sees the shard).
     coming: frozenset[str] = frozenset()
+    # Why placement cannot use the node's status at all (`index.unusable_view`): nothing is
+    # placed on it, and every refusal says so.
+    unusable: str = ""
 
     # A view never changes once made: what is derived from it is computed once.
     _free: dict[str, list[GPUInfo]] = field(default_factory=dict, compare=False, repr=False)
@@ -119,7 +143,29 @@ def unfit(
     of the cost of a multi-node decision.
 
     Of the deployment only its pool is read: a NodeIndex keeps one fabric table per
-    profile and pool for every deployment of them (reading more would need more in its key)."""
+    profile and pool for every deployment of them (reading more would need more in its key).
+
+    Never raises: a model's shape the estimate cannot use refuses the node in the estimate's
+    words (`model hf://evil/bomb@main: the model's shape cannot be used: weight_bytes 10**400
+    is outside …`), and any other fault in judging it refuses this node, logged with its
+    traceback (the result is kept per view and deployment: logged once, not every step)."""
+    try:
+        return _unfit(node, profile, deployment, memo)
+    except fit.FitError as exc:
+        return f"model {profile.weights_key or profile.model_path}: {exc}"
+    except Exception as exc:
+        log.exception("cannot judge node %s for profile %s", node.node, profile.name)
+        return f"placement cannot judge this node for profile {profile.name}: {fault_words(exc)}"
+
+
+def _unfit(
+    node: NodeView,
+    profile: Profile,
+    deployment: Deployment,
+    memo: dict[tuple[tuple[str, str, int], ...], list[str]] | None,
+) -> str | None:
+    if node.unusable:
+        return node.unusable
     if not node.alive:
         if node.lost_since:
             return f"lost: no heartbeat since {node.lost_since}"

@@ -5,12 +5,17 @@ status, this placement's config and what the placed shards take, `Usage`);
 `KeptIndex` keeps one current across control steps: only nodes whose status,
 liveness or claim changed, and the nodes a placement or removal touched, are
 viewed again.
+
+A node whose status cannot be viewed or indexed (a GPU reporting 10**400 MB, whose
+class cannot be told) is kept as an unusable view (`unusable_view`): refused in words
+for every profile, while every other node is placed on as before.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import heapq
+import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -22,9 +27,24 @@ from llmgw_core.engines import Profile, ShardSpec
 from llmgw_core.events import Deployment, ModelShape
 
 from .config import ServerConfig
-from .feasibility import NodeView, cached_score, unfit, weights_rank
+from .feasibility import NodeView, cached_score, fault_words, unfit, weights_rank
 from .liveness import Liveness
 from .state import ClusterState
+
+log = logging.getLogger("llmgw.placement")
+
+
+def unusable_view(view: NodeView, exc: Exception) -> NodeView:
+    """The view of a node whose status placement cannot use: no GPUs, engines or weights of its
+    own, only why (logged with the traceback once, when the view is made)."""
+    log.exception("node %s: its status cannot be used for placement", view.node)
+    return NodeView(
+        node=view.node,
+        alive=view.alive,
+        lost_for_s=view.lost_for_s,
+        lost_since=view.lost_since,
+        unusable=f"node status cannot be used: {fault_words(exc)}",
+    )
 
 
 class NodeIndex:
@@ -57,7 +77,7 @@ class NodeIndex:
             self.add(view)
 
     def _keys(self, view: NodeView) -> list[tuple[tuple[str, str], int]]:
-        if not view.alive or view.claimed or view.cordoned:
+        if not view.alive or view.claimed or view.cordoned or view.unusable:
             return []
         return [
             ((engine, cls), len(view.free_gpus(cls)) if cls else 0)
@@ -68,10 +88,16 @@ class NodeIndex:
         ]
 
     def add(self, view: NodeView) -> None:
+        try:
+            # Computed before anything changes: a view whose GPUs cannot be classed (a hostile
+            # status) must not leave the index half-updated.
+            keys = self._keys(view)
+        except Exception as exc:
+            view = unusable_view(view, exc)
+            keys = []
         self.remove(view.node)
         self.generation += 1
         self.views[view.node] = view
-        keys = self._keys(view)
         for key, free in keys:
             self._sorted.pop(key, None)
             self._buckets[key].add(view.node)
@@ -398,6 +424,13 @@ class KeptIndex:
         return [self.view(name, at, usage) for name in sorted(self.state.nodes)]
 
     def view(self, name: str, at: float, usage: Usage | None = None) -> NodeView:
+        """The node's view, or an unusable one where its status cannot be viewed."""
+        try:
+            return self._view(name, at, usage)
+        except Exception as exc:
+            return unusable_view(NodeView(node=name, alive=False), exc)
+
+    def _view(self, name: str, at: float, usage: Usage | None) -> NodeView:
         usage = self.usage if usage is None else usage
         status = self.state.nodes[name]
         alive, since = self.liveness.alive(name, at)

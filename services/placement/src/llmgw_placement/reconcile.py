@@ -20,6 +20,11 @@ under it) and what this placement holds, and for every deployment, in name order
   gateways say nothing is in flight on it (`Snapshot.quiet`) or its drain timed out;
 - reports the deployment's status when it changed.
 
+No single record can fail the step: a fault while converging one deployment (a value
+no decision can use, whatever it is) refuses that deployment in words, once, and every
+other deployment is placed and scaled in the same step; a fault on one held replica
+record costs that record this step.
+
 What it decides is taken in memory at once (`held`, and the index, so the next
 decision sees GPUs taken or freed) and returned as named entries for the applier
 (`apply.py`), which takes back in memory whatever did not land. `steps` is the same
@@ -56,6 +61,7 @@ from llmgw_core.telemetry import context_from, current_traceparent
 
 from .config import ServerConfig
 from .decide import Placement, Refusal, decide
+from .feasibility import fault_words
 from .held import Held, key, replica_order
 from .index import KeptIndex
 from .liveness import Liveness
@@ -124,24 +130,11 @@ class _Walk:
     def run(self) -> Iterator[bool]:
         held, snap, plan = self.held, self.snap, self.plan
         for k in sorted(held.replicas):
-            record = held.replicas.get(k)
-            if record is None:
-                continue
-            if record.deployment not in snap.deployments:
-                held.unwritten.pop(k, None)
-                if record.state == "placing":
-                    self._remove(record, "deployment deleted")
-                else:
-                    self._retire(record, "deployment deleted")
-                yield False
-            elif record.state == "placing":
-                planned = held.unwritten.pop(k, None)
-                if planned is not None and planned.record is record:
-                    plan.placed.append(planned)  # written again, as it was planned
-                    continue
-                # Its shards were not all written (a fault mid-commit): start it again.
-                self._remove(record, "placement was interrupted; placing it again")
-                yield False
+            try:
+                yield from self._held_replica(k)
+            except Exception:
+                # The record stays as held; the next step tries it again.
+                log.exception("replica %s: this step cannot act on it", k)
         held.unwritten.clear()  # what is left names replicas removed since
         for name in sorted(set(held.statuses) - set(snap.deployments)):
             held.decisions.pop(name, None)
@@ -152,7 +145,48 @@ class _Walk:
                 )
             )
         for name in sorted(snap.deployments):
-            yield from self._converge(snap.deployments[name])
+            yield from self._converge_or_refuse(snap.deployments[name])
+
+    def _held_replica(self, k: str) -> Iterator[bool]:
+        """A held replica whose deployment is gone is retired; one still `placing` is written
+        again as planned, or removed to be placed anew."""
+        held, snap, plan = self.held, self.snap, self.plan
+        record = held.replicas.get(k)
+        if record is None:
+            return
+        if record.deployment not in snap.deployments:
+            held.unwritten.pop(k, None)
+            if record.state == "placing":
+                self._remove(record, "deployment deleted")
+            else:
+                self._retire(record, "deployment deleted")
+            yield False
+        elif record.state == "placing":
+            planned = held.unwritten.pop(k, None)
+            if planned is not None and planned.record is record:
+                plan.placed.append(planned)  # written again, as it was planned
+                return
+            # Its shards were not all written (a fault mid-commit): start it again.
+            self._remove(record, "placement was interrupted; placing it again")
+            yield False
+
+    def _converge_or_refuse(self, dep: Deployment) -> Iterator[bool]:
+        """`_converge`, or where it faults, the deployment refused in words (told once: the
+        refusal's reasons are the same in the next step), every other one going on."""
+        try:
+            yield from self._converge(dep)
+        except Exception as exc:
+            words = f"placement cannot place or scale deployment {dep.name}: {fault_words(exc)}"
+            last = self.held.decisions.get(dep.name)
+            if last is None or [r.reason for r in last.reasons] != [words]:
+                log.exception("%s", words)
+            self._refuse(dep, Refusal((("-", words),)), replica="-")
+            try:
+                mine = [r for r in self.held.replicas.values() if r.deployment == dep.name]
+                self._report(dep, mine, refused=True, reasons=self._refused_reasons(dep))
+            except Exception:  # its report faults too: the refusal (event, explain) says it
+                log.debug("deployment %s: no status this step", dep.name, exc_info=True)
+            yield False
 
     # --- one deployment ---------------------------------------------------------------
 
@@ -519,7 +553,12 @@ class _Walk:
             if status is None or shape is None:
                 continue
             gpus = [g for g in status.facts.gpus if g.index in spec.gpus]
-            too_big = fit.check_shard(shape, profile, gpus, status.facts.memory_mb)
+            try:
+                too_big = fit.check_shard(shape, profile, gpus, status.facts.memory_mb)
+            except fit.FitError as exc:
+                # A shape or a reported memory no estimate can use: placed again, the replica
+                # is refused on every node in these words (`unfit` says the same).
+                too_big = f"model {profile.weights_key or profile.model_path}: {exc}"
             if too_big:
                 return f"{spec.node}: {too_big}"
         return ""
