@@ -39,15 +39,23 @@ async def operator_sees_the_cluster(text: str, data: Path) -> None:
     assert "nkey_seed_file" in (data / "agent.yaml").read_text()
     assert str(auth.seed("gateway")) in (data / "gateway.yaml").read_text()
 
-    ctl_line = re.search(r"LLMGW_NATS_URL=(\S+) LLMGW_NATS_NKEY=(\S+) llmgw ctl nodes", text)
+    # The line as printed, pasted into the shell `./dev up` ran from: llmgw is not on its PATH.
+    ctl_line = re.search(
+        r"as the operator: (LLMGW_NATS_URL=(\S+) LLMGW_NATS_NKEY=(\S+) (\S+) ctl nodes)$", text, re.M
+    )
     assert ctl_line, text
-    assert ctl_line.group(2) == str(auth.seed("ctl"))
-    env = {**os.environ, "LLMGW_NATS_URL": ctl_line.group(1), "LLMGW_NATS_NKEY": ctl_line.group(2)}
-    env.pop("LLMGW_NATS_INSECURE", None)
-    ctl = [sys.executable, "-c", "import sys; from llmgw.cli import main; sys.exit(main())", "ctl"]
-    listed = subprocess.run([*ctl, "nodes"], capture_output=True, text=True, env=env, timeout=60)
+    assert ctl_line.group(3) == str(auth.seed("ctl"))
+    assert ctl_line.group(4) == ".venv/bin/llmgw"
+    shell = {k: v for k, v in os.environ.items() if not k.startswith(("LLMGW_", "VIRTUAL_ENV"))}
+    shell["PATH"] = "/usr/bin:/bin"
+    listed = subprocess.run(
+        ["bash", "-c", ctl_line.group(1)], cwd=ROOT, capture_output=True, text=True, env=shell, timeout=60
+    )
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.splitlines()[1].startswith("local-1  alive  2x NVIDIA H100 80GB HBM3")
+    env = {**os.environ, "LLMGW_NATS_URL": ctl_line.group(2), "LLMGW_NATS_NKEY": ctl_line.group(3)}
+    env.pop("LLMGW_NATS_INSECURE", None)
+    ctl = [sys.executable, "-c", "import sys; from llmgw.cli import main; sys.exit(main())", "ctl"]
     env.pop("LLMGW_NATS_NKEY")
     refused = subprocess.run([*ctl, "nodes"], capture_output=True, text=True, env=env, timeout=60)
     assert refused.returncode == 2
@@ -303,6 +311,18 @@ async def test_dev_up_without_authentication_must_be_asked_for_and_says_so(tmp_p
         assert api, text
         async with httpx.AsyncClient(timeout=10) as client:
             assert (await client.get(f"{api.group(1)}/api/replicas")).status_code == 200
+        # The printed command, pasted into the shell `./dev up` ran from (no llmgw on its PATH).
+        line = re.search(
+            r"^llmgw: the cluster: (LLMGW_NATS_URL=\S+ LLMGW_NATS_INSECURE=1 .+ ctl nodes)$", text, re.M
+        )
+        assert line, text
+        shell = {k: v for k, v in os.environ.items() if not k.startswith(("LLMGW_", "VIRTUAL_ENV"))}
+        shell["PATH"] = "/usr/bin:/bin"
+        listed = subprocess.run(
+            ["bash", "-c", line.group(1)], cwd=ROOT, capture_output=True, text=True, env=shell, timeout=60
+        )
+        assert listed.returncode == 0, listed.stderr
+        assert listed.stdout.splitlines()[1].startswith("local-1  alive  2x NVIDIA H100 80GB HBM3")
         await ctrl_c(proc, out, data)
 
 
@@ -381,7 +401,7 @@ async def test_up_says_its_nats_server_died_and_restarts_it_on_the_same_port_and
         # The cluster resumes: the deployment answers through the gateway again, and placement
         # acts on a change made after the restart (its watch and lease came back).
         await eventually(lambda: chat(url, printed_key(text)), timeout=120, interval=1)
-        ctl_line = re.search(r"LLMGW_NATS_URL=(\S+) LLMGW_NATS_NKEY=(\S+) llmgw ctl nodes", text)
+        ctl_line = re.search(r"LLMGW_NATS_URL=(\S+) LLMGW_NATS_NKEY=(\S+) \S+ ctl nodes", text)
         token = re.search(r"its API token: (\S+) ", text)
         api = re.search(r"API (http://\S+)\)", text)
         assert ctl_line, text

@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         "or a GGUF file on this machine (on its GPUs when it has them)",
     )
     p_up.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start from an empty store: remove what an earlier run left in the data dir's NATS store "
+        "(deployments, nodes, keys); identities and staged models stay",
+    )
+    p_up.add_argument(
         "--engine-ports",
         default="28000-28999",
         metavar="LOW-HIGH",
@@ -166,6 +172,7 @@ def _main(argv: list[str] | None) -> int:
                 nodes=args.nodes,
                 engine_ports=up.parse_ports(args.engine_ports),
                 model=args.model,
+                fresh=args.fresh,
             )
         if args.command == "gateway":
             from llmgw_gateway.__main__ import run as run_gateway

