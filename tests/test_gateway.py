@@ -389,8 +389,9 @@ def test_llmgw_gateway_says_what_is_wrong_with_its_config(tmp_path: Path) -> Non
 async def test_a_deployment_placement_cannot_place_is_refused_in_placements_words(
     bus: Bus, nats_url: str, prefix: str, tmp_path: Path
 ) -> None:
-    """The 503 for a deployment with no replica quotes placement's reason, every node's
-    included, even to a gateway started after placement said it."""
+    """A deployment placement can place on no node, none of its replicas placed, is answered
+    at once (422) with placement's reasons, every node's included, even by a gateway started
+    after placement said it."""
     big = {**sim_catalog(name="big"), "tp": 4}
     with cluster(tmp_path, nats_url, prefix) as c:
         c.start_placement("p1", [big], [{"name": "big", "profile": "big", "replicas": 1}])
@@ -411,12 +412,14 @@ async def test_a_deployment_placement_cannot_place_is_refused_in_placements_word
 
             async def refused() -> str:
                 r = await client.post(f"{url}/v1/chat/completions", json={"model": "big", "messages": CHAT})
-                assert r.status_code == 503, r.text
+                assert r.status_code == 422, r.text
+                assert r.json()["error"]["code"] == "deployment_unplaceable", r.text
                 message: str = r.json()["error"]["message"]
-                assert "none placed yet" not in message, message
                 return message
 
             message = await eventually(refused, timeout=30, interval=0.2)
-            assert message.startswith("deployment big has 0 ready replicas: big: 0 of 1 ready"), message
-            assert "1 cannot be placed" in message, message
-            assert "n1" in message, message
+            assert message.startswith(
+                "deployment big cannot be placed on any node, so no replica will serve it until the "
+                "cluster changes: "
+            ), message
+            assert " on n1" in message, message

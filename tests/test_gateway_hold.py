@@ -28,6 +28,7 @@ from llmgw_core.events import (
     Deployment,
     DeploymentDemand,
     DeploymentStatus,
+    NodeReason,
     ReplicaInFlight,
     ReplicaRecord,
 )
@@ -276,21 +277,31 @@ async def test_a_full_queue_is_429_and_a_wait_over_is_503_in_the_replicas_and_pl
                 error["message"],
             ), error
 
-            # No replica record, placement's refusal: its words, after the wait.
+            # No replica record, placement's refusal: nothing can serve it, so its words at once
+            # (422, which the SDKs do not retry), not after the wait.
             await bus.delete(bus.names.replicas_bucket, "chat.r0")
             summary = "chat: 0 of 1 ready; 1 cannot be placed: n1 no GPU of class H100-80G"
-            await bus.publish(
-                bus.names.deployment_event("chat"),
-                DeploymentStatus(deployment="chat", desired=1, unplaceable=1, summary=summary),
+            refusal = DeploymentStatus(
+                deployment="chat",
+                desired=1,
+                unplaceable=1,
+                summary=summary,
+                reasons=(NodeReason(node="n1", reason="no GPU of class H100-80G"),),
             )
+            await bus.publish(bus.names.deployment_event("chat"), refusal)
 
             async def refused() -> str:
+                started = time.monotonic()
                 r = await client.post(f"{url}/v1/chat/completions", json=BODY)
-                assert r.status_code == 503, r.text
+                assert r.status_code == 422, r.text
+                assert "retry-after" not in r.headers
                 message: str = r.json()["error"]["message"]
-                assert message.startswith(
-                    f"deployment chat has 0 ready replicas: {summary}; the request was held 3."
+                assert message == (
+                    "deployment chat cannot be placed on any node, so no replica will serve it until the "
+                    "cluster changes: no GPU of class H100-80G on n1. `llmgw ctl explain chat` shows every "
+                    "node's reason"
                 ), message
+                assert time.monotonic() - started < 2.5
                 return message
 
             await eventually(refused, timeout=40, interval=0.1)

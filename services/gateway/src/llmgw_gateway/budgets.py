@@ -13,14 +13,26 @@ claimed, and the claims add up to at most the limit. The price is the other way:
 gateway claimed and did not serve is lost when the minute ends, so a key may be refused
 with up to (gateways - 1) batches of its minute unserved.
 
-Tokens are known only when an answer ends: each answer's tokens are added to the key's
-window (in the background, coalesced per key), and every gateway sees every gateway's
-additions through its watch of the bucket. A request is admitted while the window's tokens
-are under the limit, so a minute can overshoot by the tokens of the requests admitted
-before the window's count reached the limit (those in flight then, and those admitted in
-the FLUSH_S a gateway gathers its tokens for, plus the few milliseconds a write takes to
-reach the other gateways). Far from the limit (the key's minute under half its tpm, and a
-gateway's tokens not yet added under a twentieth of it) a gateway gathers tokens for
+Tokens are known only when an answer ends, so each request reserves what it may spend before
+it is sent (`Estimate`: its prompt, the body's bytes / 4, and the most it may generate, its
+`max_tokens` times its `n`, UNCAPPED_TOKENS where it gives none; at most the tpm), held by this
+gateway until its answer ends and settled then with what it spent (`Reservation`). A request
+is admitted while the key's tokens this minute and those held for its requests in flight are
+under the tpm. So one gateway's minute stays within the tpm, plus the reservation of the
+request admitted last, plus what answers spent beyond their reservations (a prompt over its
+estimate; an answer that gave no max_tokens, past UNCAPPED_TOKENS): with every request capped,
+under twice the tpm. Without reservations the overshoot was the tokens of every request
+admitted before the count reached the limit, all of them at once (tpm 300, 40 requests at once:
+2,200 tokens). A reservation dropped without an answer (its client left before the answer
+began) gives its tokens back when it is collected.
+
+Each answer's tokens are added to the key's window (in the background, coalesced per key), and
+every gateway sees every gateway's additions through its watch of the bucket; reservations
+stay with their gateway. Between gateways, a minute can overshoot by the tokens of the requests
+admitted before the window's count reached the limit on each (those in flight then, and those
+admitted in the FLUSH_S a gateway gathers its tokens for, plus the few milliseconds a write
+takes to reach the other gateways). Far from the limit (the key's minute under half its tpm,
+and a gateway's tokens not yet added under a twentieth of it) a gateway gathers tokens for
 FLUSH_IDLE_S instead: the other gateways then lag by at most a twentieth of the tpm each,
 which cannot take the key past its limit unseen.
 
@@ -54,6 +66,7 @@ import math
 import secrets
 import time
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import anyio
 import anyio.abc
@@ -82,6 +95,47 @@ CAS_ATTEMPTS = 20
 # a compare-and-set and the watch's echo, which held a request in flight up to a millisecond:
 # at 1,400 requests a second, one in a hundred).
 BATCH_S = 2.0
+
+
+# The completion tokens a request that gives no max_tokens reserves: an engine then generates
+# up to the model's context less the prompt, which the gateway does not know.
+UNCAPPED_TOKENS = 1024
+# The most one count of a body (max_tokens, n) weighs in an estimate: a reservation is at most
+# the key's tpm anyway, and a product of two bodies' integers stays small.
+_MOST = 1 << 32
+# The body fields that cap what a request generates: chat's (`max_completion_tokens` first,
+# as vLLM reads them) and completions' and Anthropic's `max_tokens`, the Responses API's
+# `max_output_tokens`; and those that multiply it (`n` answers, `best_of` generated).
+_CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+_TIMES = ("n", "best_of")
+
+
+class Estimate(NamedTuple):
+    """What a request may spend, judged from its body before it is sent."""
+
+    # Its prompt: the body's bytes / 4 (English text runs about 4 characters a token; the
+    # JSON around the text stands for the chat template's tokens around each message).
+    prompt: int
+    # Its prompt and the most its answer may generate.
+    tokens: int
+    # Whether its answer generates tokens (all but embeddings).
+    generates: bool = True
+
+
+def estimate(payload: dict[str, Any], size: int, path: str) -> Estimate:
+    """What a request to `path` with body `payload` (`size` bytes) may spend. Pure; the
+    fields it reads are integers or absent (`limits.body_problem` refused any other)."""
+    prompt = -(-max(0, size) // 4)
+    if path == "/v1/embeddings":
+        return Estimate(prompt, prompt, generates=False)
+    cap = UNCAPPED_TOKENS
+    for name in _CAPS:
+        value = payload.get(name)
+        if type(value) is int:
+            cap = value
+            break
+    times = max([1, *(v for v in map(payload.get, _TIMES) if type(v) is int)])
+    return Estimate(prompt, prompt + min(max(0, cap), _MOST) * min(times, _MOST))
 
 
 def chunk(rpm: int) -> int:
@@ -125,11 +179,57 @@ class _Local:
 
 @dataclass(frozen=True)
 class Limited:
-    """A request refused: which limit, and how long until its minute ends."""
+    """A request refused: which limit, and how long until its minute ends (or, where tokens held
+    for answers in flight fill what the minute has left, a second: they end sooner)."""
 
     what: str  # "requests" or "tokens"
     limit: int
     retry_after: int
+    # Of the tokens: those held for the key's answers in flight on this gateway.
+    held: int = 0
+
+
+@dataclass(slots=True)
+class _Held:
+    """The tokens held for one key's requests in flight."""
+
+    tokens: int = 0
+
+
+class Reservation:
+    """A request admitted with `tokens` held against its key's tpm (0 where it has none) until
+    `settle` charges what its answer spent; `estimate` is what it was judged to spend (its
+    prompt's part is charged where the answer was cut off before it said its usage).
+
+    One dropped unsettled (a path that never reached an answer, e.g. a client that left before
+    its streamed answer began: the relay never ran) gives its tokens back when it is collected,
+    so its key is never left short for good. That only changes an integer of an object of its
+    own: a finalizer may run inside any allocation, a dict's included."""
+
+    __slots__ = ("_budgets", "_held", "_open", "estimate", "key", "tokens")
+
+    def __init__(self, budgets: Budgets, key: ApiKey, estimate: Estimate, tokens: int, held: _Held) -> None:
+        self._budgets = budgets
+        self._held = held
+        self.key = key
+        self.estimate = estimate
+        self.tokens = tokens
+        held.tokens += tokens
+        self._open = True
+
+    def settle(self, spent: int, now: float | None = None) -> None:
+        """The answer ended having spent `spent` tokens: charged, and the held tokens given back.
+        Once: a later call does nothing."""
+        if not self._open:
+            return
+        self._open = False
+        self._held.tokens -= self.tokens
+        self._budgets.charge(self.key, spent, now)
+
+    def __del__(self) -> None:
+        if self._open:
+            self._open = False
+            self._held.tokens -= self.tokens
 
 
 class Budgets:
@@ -142,6 +242,8 @@ class Budgets:
         # The shared windows as the watch last showed them.
         self._seen: dict[str, KeyWindow] = {}
         self._locks: dict[str, anyio.Lock] = {}
+        # The tokens reserved for each key's requests in flight here (`Reservation`).
+        self._held: dict[str, _Held] = {}
         self._dirty = anyio.Event()
         # Set when tokens were spent that could bring a key near its tpm: added after FLUSH_S.
         self._urgent = anyio.Event()
@@ -197,14 +299,46 @@ class Budgets:
             local.rate_used = 0
         return local
 
+    def held(self, name: str) -> int:
+        """The tokens held for key `name`'s requests in flight here."""
+        found = self._held.get(name)
+        return found.tokens if found is not None else 0
+
+    def _tokens_left(self, key: ApiKey, now: float) -> bool:
+        """Whether `key`'s minute has tokens left: those spent and those held under its tpm."""
+        return not key.tpm or self.tokens(key.name, now) + self.held(key.name) < key.tpm
+
+    def _out_of_tokens(self, key: ApiKey, now: float) -> Limited:
+        held = self.held(key.name)
+        # Where the answers in flight hold what is left, the room comes back as they end.
+        wait = 1 if held and self.tokens(key.name, now) < key.tpm else retry_after(now)
+        return Limited("tokens", key.tpm, wait, held)
+
+    async def reserve(
+        self, key: ApiKey, estimate: Estimate, now: float | None = None
+    ) -> Reservation | Limited:
+        """`admit`, and `estimate`'s tokens (at most the tpm) held for the request once admitted."""
+        limited = await self.admit(key, now)
+        return self._reservation(key, estimate) if limited is None else limited
+
+    def reserve_at_once(self, key: ApiKey, estimate: Estimate, now: float) -> Reservation | None:
+        """`admit_at_once`, and `estimate`'s tokens held for the request once admitted."""
+        return self._reservation(key, estimate) if self.admit_at_once(key, now) else None
+
+    def _reservation(self, key: ApiKey, estimate: Estimate) -> Reservation:
+        held = self._held.get(key.name)
+        if held is None:
+            held = self._held[key.name] = _Held()
+        return Reservation(self, key, estimate, min(estimate.tokens, key.tpm), held)
+
     async def admit(self, key: ApiKey, now: float | None = None) -> Limited | None:
         """None when `key` may send one more request now (counted), else which limit it hit."""
         clock = now is None
         now = time.time() if now is None else now
         if self.admit_at_once(key, now):
             return None
-        if key.tpm and self.tokens(key.name, now) >= key.tpm:
-            return Limited("tokens", key.tpm, retry_after(now))
+        if not self._tokens_left(key, now):
+            return self._out_of_tokens(key, now)
         # The minute's batch is spent: the next one is claimed, unless the limit is.
         window = window_of(now)
         local = self._fresh(key.name, window)
@@ -221,6 +355,9 @@ class Budgets:
                 return await self.admit(key, max(later, local.window * WINDOW_S))
         if local.used >= local.granted:
             return Limited("requests", key.rpm, retry_after(now))
+        if not self._tokens_left(key, now):
+            # Requests that waited for the claim together: those admitted first hold the rest.
+            return self._out_of_tokens(key, now)
         self._use(key, local)
         return None
 
@@ -230,7 +367,7 @@ class Budgets:
         for `admit` to decide."""
         if not key.rpm and not key.tpm:
             return True
-        if key.tpm and self.tokens(key.name, now) >= key.tpm:
+        if not self._tokens_left(key, now):
             return False
         if not key.rpm:
             return True

@@ -27,6 +27,16 @@ class HttpConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # neither: a client sending a header every 5 s is closed like one that sends nothing.
     header_timeout_s: Annotated[float, Meta(gt=0)] = 20.0
     body_timeout_s: Annotated[float, Meta(gt=0)] = 60.0
+    # A request's head: one header (its name and value) of at most max_header_field_bytes, at
+    # most max_header_fields headers, and its target and header lines together at most
+    # max_header_section_bytes; past any, 431 and the connection closed.
+    max_header_field_bytes: Annotated[int, Meta(ge=256)] = 16 << 10
+    max_header_fields: Annotated[int, Meta(ge=8)] = 100
+    max_header_section_bytes: Annotated[int, Meta(ge=1024)] = 64 << 10
+    # Bytes of request heads held at once, every connection's (still arriving, or of a request
+    # in progress). At the limit a new head closes the connection whose head has been arriving
+    # longest; where every head held is a request's in progress, it is answered 503.
+    header_bytes_in_flight: Annotated[int, Meta(ge=1 << 20)] = 64 << 20
     # Client connections held at once. At the limit a new connection closes the one that has
     # waited longest without a request in progress (idle, or still sending its headers); when
     # every one has a request in progress it is answered 503 and closed. 0: as many as the
@@ -102,6 +112,9 @@ class GatewayConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # 503 quoting the replicas' states). Either 0: such a request is answered 503 at once.
     hold_queue: Annotated[int, Meta(ge=0)] = 100
     hold_timeout_s: Annotated[float, Meta(ge=0)] = 120.0
+    # Held requests go out, once a replica can take them, at most this many a second per
+    # deployment, first come first: a replica that has just started is not sent every one at once.
+    hold_release_per_s: Annotated[float, Meta(gt=0)] = 100.0
 
     def __post_init__(self) -> None:
         # ValueError: msgspec reports it with the file's name, as any other mistake in it.

@@ -21,6 +21,14 @@ Without replacing the server:
   keep-alive connections), so idle or stalled clients cannot lock out a real one; when every
   connection has a request in progress the new one is answered 503 at once and closed.
 
+And a request's head is bounded (`HeadCount`, `HeaderLimits`): llhttp (httptools) keeps
+every byte of a header until its line ends, and uvicorn every header of a request, with no
+limit of their own, so one 1 MiB header, 20,000 headers, or many connections sending heads
+slowly were held whole. A header over `field_bytes`, more than `fields` headers, or a head
+over `section_bytes` is answered 431 and the connection closed; and the bytes of every head
+held (one still arriving, or one whose request is in progress) count against
+`in_flight_bytes` gateway-wide (`Connections.charge`), as connections count against `limit`.
+
 And the express lane (`Lane`): a routed POST with its body's length given (64 KiB at most)
 is handed to the proxy (`Proxy.express`) from the protocol's callbacks once its body is in,
 without uvicorn's request cycle, a task or the ASGI layer, and its answer, where it comes
@@ -37,14 +45,17 @@ import resource
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
+import httptools
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from llmgw_core.errors import ConfigError
 
+from .limits import shown
 from .proxy import RESUMED, error_body
 
 log = logging.getLogger("llmgw.gateway")
@@ -58,6 +69,99 @@ UNLIMITED_FILES = 1 << 20
 WARN_EVERY_S = 60.0
 
 Phase = Literal["headers", "body"]
+# What a head not yet complete may hold past `section_bytes` before it is refused: the
+# request line's method and version, and each header line's `: ` and CRLF, which the exact
+# count (`HeadCount.bytes`) adds as 4 a header.
+HEAD_SLACK = 1024
+# How long a connection whose request was refused from its head is read (and what comes
+# dropped) before it is closed.
+LINGER_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderLimits:
+    """How large a request's head may be (gateway.yaml's `http:`): one header (its name and
+    value), the number of headers, and the whole head (the request target and every header
+    line); and the bytes of heads the gateway holds at once, every connection's together."""
+
+    field_bytes: int = 16 << 10
+    section_bytes: int = 64 << 10
+    fields: int = 100
+    in_flight_bytes: int = 64 << 20
+
+
+class HeaderTooLarge(Exception):
+    """A request's head past a limit of `HeaderLimits`: answered 431, the connection closed."""
+
+
+class HeadCount:
+    """The size of one request's head so far, checked at each piece the parser hands over:
+    its target (`target`), each header (`field`), and the bytes of a head not yet complete
+    (`unfinished`: the parser keeps a header's bytes until its line ends, so a 1 MiB header
+    is refused once its first 65 KiB are in, not once it is whole). Raises `HeaderTooLarge`,
+    and nothing else, past a limit."""
+
+    __slots__ = ("bytes", "fields", "limits")
+
+    def __init__(self, limits: HeaderLimits) -> None:
+        self.limits = limits
+        self.bytes = 0
+        self.fields = 0
+
+    def reset(self) -> None:
+        self.bytes = 0
+        self.fields = 0
+
+    def target(self, size: int) -> None:
+        self.bytes += size
+        if self.bytes > self.limits.section_bytes:
+            raise HeaderTooLarge(self._section_message(self.bytes, "by its target and headers"))
+
+    def field(self, name: bytes, value: bytes) -> None:
+        # On every header of every request: the checks inline, the words only for a refusal.
+        size = len(name) + len(value)
+        self.fields += 1
+        self.bytes += size + 4
+        limits = self.limits
+        if size > limits.field_bytes or self.fields > limits.fields or self.bytes > limits.section_bytes:
+            raise self._refusal(name, size)
+
+    def unfinished(self, received: int) -> None:
+        """`received` bytes of a head not yet complete are in."""
+        if received > self.limits.section_bytes + HEAD_SLACK:
+            raise HeaderTooLarge(self._section_message(received, "and not yet complete"))
+
+    def _refusal(self, name: bytes, size: int) -> HeaderTooLarge:
+        limits = self.limits
+        if self.fields > limits.fields:
+            return HeaderTooLarge(
+                f"the request has more than {limits.fields} headers (the gateway's http: "
+                "max_header_fields); send fewer"
+            )
+        if size > limits.field_bytes:
+            return HeaderTooLarge(
+                f"request header {shown(name.decode('latin-1'))} is {size} bytes, over the gateway's "
+                f"limit of {limits.field_bytes} a header (http: max_header_field_bytes); send it smaller"
+            )
+        return HeaderTooLarge(self._section_message(self.bytes, "by its target and headers"))
+
+    def _section_message(self, size: int, how: str) -> str:
+        return (
+            f"the request's head is {size} bytes {how}, over the gateway's limit of "
+            f"{self.limits.section_bytes} (http: max_header_section_bytes); send fewer or smaller headers"
+        )
+
+
+def _answer(status: int, message: str, kind: str, code: str, retry_after: int | None = None) -> bytes:
+    """A whole answer the protocol writes itself, then closes: OpenAI's error object."""
+    body = json.dumps(error_body(message, kind, code)).encode()
+    retry = b"retry-after: %d\r\n" % retry_after if retry_after is not None else b""
+    return b"%scontent-type: application/json\r\n%sconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (
+        STATUS_LINE[status],
+        retry,
+        len(body),
+        body,
+    )
 
 
 def raise_open_file_limit() -> None:
@@ -108,25 +212,35 @@ class Connections:
         header_timeout_s: float,
         body_timeout_s: float,
         registry: CollectorRegistry,
+        headers: HeaderLimits | None = None,
     ) -> None:
         self.limit = limit
         self.header_timeout_s = header_timeout_s
         self.body_timeout_s = body_timeout_s
+        self.headers = headers or HeaderLimits()
         self._open: set[GuardedProtocol] = set()
         # Connections without a request in progress, the longest waiting first.
         self._waiting: OrderedDict[GuardedProtocol, None] = OrderedDict()
+        # Bytes of request heads held, every connection's (`GuardedProtocol.charged`), and the
+        # connections whose head is still arriving, the one that began it longest ago first.
+        self.head_bytes = 0
+        self._heads: OrderedDict[GuardedProtocol, None] = OrderedDict()
         self._warned: dict[str, float] = {}
-        body = json.dumps(
-            error_body(
-                f"the gateway holds its limit of {limit} client connections (http: max_connections), "
-                "each with a request in progress; retry shortly",
-                "service_unavailable",
-                "too_many_connections",
-            )
-        ).encode()
-        self.refusal = (
-            b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-            b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        self.refusal = _answer(
+            503,
+            f"the gateway holds its limit of {limit} client connections (http: max_connections), "
+            "each with a request in progress; retry shortly",
+            "service_unavailable",
+            "too_many_connections",
+            retry_after=1,
+        )
+        self.head_refusal = _answer(
+            503,
+            f"the gateway holds its limit of {self.headers.in_flight_bytes} bytes of request headers "
+            "(http: header_bytes_in_flight), each of a request in progress; retry shortly",
+            "service_unavailable",
+            "too_many_header_bytes",
+            retry_after=1,
         )
         Gauge(
             "llmgw_gateway_connections",
@@ -143,12 +257,29 @@ class Connections:
             "llmgw_gateway_connections_closed",
             "Client connections the gateway closed, by reason: header_timeout, body_timeout, "
             "evicted (at the limit, for a new connection: it had waited longest without a request), "
-            "refused (at the limit, every connection with a request in progress).",
+            "refused (at the limit, every connection with a request in progress), header_too_large "
+            "(answered 431: a header, the headers' count or the head over its limit), head_evicted "
+            "(at http: header_bytes_in_flight, for another head: its head had been arriving longest), "
+            "head_refused (at http: header_bytes_in_flight, every head held of a request in progress).",
             ["reason"],
             registry=registry,
         )
-        for reason in ("header_timeout", "body_timeout", "evicted", "refused"):
+        for reason in (
+            "header_timeout",
+            "body_timeout",
+            "evicted",
+            "refused",
+            "header_too_large",
+            "head_evicted",
+            "head_refused",
+        ):
             self.closed.labels(reason)  # each at 0 from the start, for rate() and alerts
+        Gauge(
+            "llmgw_gateway_header_bytes",
+            "Bytes of request heads the gateway holds (still arriving, or of a request in progress); "
+            "at most http: header_bytes_in_flight.",
+            registry=registry,
+        ).set_function(lambda: self.head_bytes)
 
     @property
     def held(self) -> int:
@@ -188,12 +319,50 @@ class Connections:
     def gone(self, conn: GuardedProtocol) -> None:
         self._open.discard(conn)
         self._waiting.pop(conn, None)
+        self.charge(conn, 0, arriving=False)
+
+    def charge(self, conn: GuardedProtocol, size: int, *, arriving: bool) -> bool:
+        """`conn` holds `size` bytes of request heads now (`arriving`: its head is still coming).
+        Grown past `header_bytes_in_flight`, the connections whose heads have been arriving
+        longest are closed to make room, as `admit` closes the longest waiting for a new
+        connection; False where only heads of requests in progress are left and `conn`'s is
+        still arriving: refuse it (it is uncounted then). A whole head is kept: its request
+        goes on."""
+        grew = size > conn.charged
+        self.head_bytes += size - conn.charged
+        conn.charged = size
+        if arriving:
+            self._heads.setdefault(conn, None)
+        else:
+            self._heads.pop(conn, None)
+        while grew and self.head_bytes > self.headers.in_flight_bytes:
+            oldest = next((c for c in self._heads if c is not conn), None)
+            if oldest is None:
+                if not arriving:
+                    return True
+                self.charge(conn, 0, arriving=False)
+                self.closed.labels("head_refused").inc()
+                self._warn("head_refused", "heads of requests in progress hold it all: new ones get 503")
+                return False
+            self.gone(oldest)
+            self.closed.labels("head_evicted").inc()
+            self._warn("head_evicted", "each new head closes the one that has been arriving longest")
+            oldest.abort()
+        return True
 
     def _warn(self, kind: str, what: str) -> None:
         now = time.monotonic()
         if now - self._warned.get(kind, -WARN_EVERY_S) < WARN_EVERY_S:
             return
         self._warned[kind] = now
+        if kind.startswith("head_"):
+            log.warning(
+                "request heads at the gateway's limit of %d bytes held at once (http: "
+                "header_bytes_in_flight): %s",
+                self.headers.in_flight_bytes,
+                what,
+            )
+            return
         log.warning(
             "client connections at the gateway's limit of %d (http: max_connections, or what the "
             "open-file limit allows): %s",
@@ -396,6 +565,19 @@ class GuardedProtocol(HttpToolsProtocol):
         # In a read: a phase's deadline is started at its end, so that a request whose headers
         # and body come in one read (the usual case) starts none.
         self._reading = False
+        # The request's head: its size so far, whether it is still arriving, the bytes read
+        # while it is, and the size of the last whole head, held until its answer is out.
+        self._head = HeadCount(self.guard.headers)
+        self._in_head = True
+        self._received = 0
+        self._kept = 0
+        # What a header callback refused, for `_feed` to answer (the parser says only that a
+        # callback failed).
+        self._too_large: HeaderTooLarge | None = None
+        # Refused and closing: what the client still sends is dropped (`_refuse`).
+        self._lingering = False
+        # Bytes of heads counted against `header_bytes_in_flight` (`Connections.charge`).
+        self.charged = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(CorkedTransport(transport, self.loop))  # type: ignore[arg-type]
@@ -407,22 +589,108 @@ class GuardedProtocol(HttpToolsProtocol):
         self._arm("headers")
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # answered and closing: dropped unread
+        if self._in_head:
+            self._received += len(data)
         self._reading = True
         try:
-            super().data_received(data)
+            self._feed(data)
         finally:
             self._reading = False
             if self._phase is not None and self._deadline is None:
                 self._start_deadline(self._phase)
+        if self._in_head and self._received and not self.transport.is_closing():
+            # A head still arriving after this read: what the parser keeps of it is refused
+            # past the head's limit, and counted against the gateway's (a head that comes
+            # whole in one read, the usual case, is counted once, whole).
+            try:
+                self._head.unfinished(self._received)
+            except HeaderTooLarge as exc:
+                self._refuse_head(exc)
+            else:
+                if not self.guard.charge(self, self._kept + self._received, arriving=True):
+                    self._refuse(self.guard.head_refusal)
         self._follow()
+
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's `data_received`, with a head over its limits answered 431 rather than 400
+        and logged as no invalid request."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+        except httptools.HttpParserError:
+            too_large, self._too_large = self._too_large, None
+            if too_large is not None:
+                self._refuse_head(too_large)
+                return
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+
+    def _refuse_head(self, exc: HeaderTooLarge) -> None:
+        self.guard.closed.labels("header_too_large").inc()
+        self._refuse(_answer(431, str(exc), "invalid_request_error", "request_header_too_large"))
+
+    def _refuse(self, answer: bytes) -> None:
+        """Answer the request whose head is arriving with `answer`, and close. Where an answer
+        to a request before it is still going out (pipelined), the connection is aborted
+        instead: a second answer would cut into the first."""
+        self._disarm()
+        self._in_head = False
+        self.guard.charge(self, 0, arriving=False)
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.abort()
+            return
+        transport: CorkedTransport = self.transport  # type: ignore[assignment]
+        transport.write_now(answer)
+        # The client may still be sending its head (a 1 MiB header): closed with its bytes
+        # unread, the connection is reset, and the client reads the reset instead of the
+        # answer. So the gateway stops writing and drops what still comes, for LINGER_S at
+        # most, before it closes (nginx's lingering close).
+        self._lingering = True
+        transport.write_eof()
+        self._deadline = self.loop.call_later(LINGER_S, self.abort)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        head = self._head
+        head.bytes = head.fields = 0
         if self._phase is None:
             # The next request on a kept-alive connection: its headers are due from its first byte.
             self._arm("headers")
 
+    def on_url(self, url: bytes) -> None:
+        try:
+            self._head.target(len(url))
+        except HeaderTooLarge as exc:
+            self._too_large = exc  # for `_feed` to answer: the parser says only that a callback failed
+            raise
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        try:
+            self._head.field(name, value)
+        except HeaderTooLarge as exc:
+            self._too_large = exc
+            raise
+        # uvicorn's own `on_header`, here rather than called: this runs for every header of
+        # every request.
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
+
     def on_headers_complete(self) -> None:
+        # The head is whole: what it holds now is its headers, until its answer is out.
+        self._in_head = False
+        self._kept, self._received = self._head.bytes, 0
+        self.guard.charge(self, self._kept, arriving=False)
         if self.url in self.lane_paths and self._lane_fits():
             # What uvicorn sets in the scope for such a request; the lane stands for its cycle.
             path = self.url.decode("ascii")
@@ -459,6 +727,8 @@ class GuardedProtocol(HttpToolsProtocol):
         return length.isdigit() and int(length) <= HIGH_WATER_LIMIT
 
     def on_message_complete(self) -> None:
+        # What comes next on the connection is the next request's head.
+        self._in_head, self._received = True, 0
         lane = self.cycle
         if isinstance(lane, Lane):
             lane.more_body = False
@@ -473,6 +743,10 @@ class GuardedProtocol(HttpToolsProtocol):
             self._arm("headers")
 
     def on_response_complete(self) -> None:
+        self._kept = 0
+        if self.charged:
+            arriving = self._in_head and self._received > 0
+            self.guard.charge(self, self._received if arriving else 0, arriving=arriving)
         super().on_response_complete()
         self._follow()
 

@@ -1,5 +1,6 @@
-"""Who a request's `Authorization: Bearer <key>` is: the keys of the keys bucket (kept from its
-watch) and of `http: api_keys_file`, looked up by the hash of the secret.
+"""Who a request's `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) is: the
+keys of the keys bucket (kept from its watch) and of `http: api_keys_file`, looked up by the
+hash of the secret.
 
 Pure: the service feeds it every change of the bucket; the proxy asks it for a request's key.
 """
@@ -47,12 +48,19 @@ class Keyring:
             self._by_name[name] = value
             self._by_hash[value.hash] = name
 
-    def identify(self, authorization: str, now: float | None = None) -> ApiKey | Refused:
-        """The key `authorization` (the header's value) names, or why the request is refused."""
-        scheme, _, secret = authorization.partition(" ")
-        secret = secret.strip()
+    def identify(
+        self, authorization: str, now: float | None = None, *, api_key: str = ""
+    ) -> ApiKey | Refused:
+        """The key `authorization` (the header's value) names, else `api_key` (the value of
+        `x-api-key`, where Anthropic's clients send the key), or why the request is refused."""
+        scheme, _, offered = authorization.partition(" ")
+        offered = offered.strip()
+        secret = offered if scheme.lower() == "bearer" else ""
+        if not secret:
+            secret = api_key.strip()
+            offered = secret or offered
         key: ApiKey | None = None
-        if scheme.lower() == "bearer" and secret:
+        if secret:
             digest = secret_hash(secret)
             key = self.file.get(digest)
             if key is None:
@@ -61,12 +69,33 @@ class Keyring:
         if key is None:
             if not self.required:
                 return OPEN
-            what = "missing" if not secret else "unknown"
+            what = "missing" if not offered else "unknown"
             return Refused(
-                f"{what} API key: send `Authorization: Bearer <key>` with a key that `llmgw ctl keys "
-                "create` made (or one of the gateway's api_keys_file)",
+                f"{what} API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`) with a key "
+                "that `llmgw ctl keys create` made (or one of the gateway's api_keys_file)",
                 "invalid_api_key",
             )
+        return self._state(key, now)
+
+    def recheck(self, key: ApiKey, now: float | None = None) -> ApiKey | Refused:
+        """`key` (found by `identify` for a request) as the keyring holds it now, or why the
+        request is refused: a request held for a replica is sent only where its key is still
+        active (one revoked while it waited was served 27 s after the revocation)."""
+        if key is OPEN or not self.required:
+            return key
+        current = self.file.get(key.hash)
+        if current is None:
+            name = self._by_hash.get(key.hash)
+            current = self._by_name.get(name) if name is not None else None
+        if current is None:
+            return Refused(
+                f"API key {key.name!r} was deleted; send `Authorization: Bearer <key>` with a key that "
+                "`llmgw ctl keys create` made",
+                "invalid_api_key",
+            )
+        return self._state(current, now)
+
+    def _state(self, key: ApiKey, now: float | None) -> ApiKey | Refused:
         state = key_state(key, time.time() if now is None else now)
         if state == "active":
             return key

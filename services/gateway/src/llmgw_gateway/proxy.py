@@ -29,8 +29,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlsplit
 
@@ -53,14 +54,14 @@ from llmgw_core.keys import ApiKey, allows
 from llmgw_core.metrics import Collect, exposition, new_registry
 
 from . import worker_metrics
-from .budgets import Budgets
+from .budgets import Budgets, Limited, Reservation, estimate
 from .demand import DemandCounts
 from .holds import FULL_RETRY_AFTER_S, RESTART_RETRY_AFTER_S, TIMEOUT_RETRY_AFTER_S, Holds
-from .keyring import Keyring, file_keys
-from .limits import json_nests_deeper, shown
+from .keyring import Keyring, Refused, file_keys
+from .limits import body_problem, json_nests_deeper, shown
 from .routing import Table, prompt_blocks
 from .upstream import FAILED, HIGH_WATER, REFUSED, Answer, Upstream, UpstreamError, before_answer
-from .usage import JsonTail, Meter, Usage, read_events
+from .usage import Events, JsonTail, Meter, Usage
 
 if TYPE_CHECKING:
     from .connections import Lane
@@ -81,6 +82,8 @@ _HOP = frozenset(
         "host",
         "content-length",
         "authorization",
+        # Anthropic's clients send the key here: the gateway's secret, never the replica's.
+        "x-api-key",
     }
 )
 # Also dropped from a replica's answer: the gateway's HTTP server sets its own `Date`.
@@ -117,15 +120,21 @@ RESUMED = "llmgw.resumed"
 _NO_BODY = frozenset({204, 304})
 
 
-def error_body(message: str, kind: str, code: str) -> dict[str, Any]:
-    """An OpenAI-style error, as the official clients parse it."""
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+def error_body(message: str, kind: str, code: str, param: str | None = None) -> dict[str, Any]:
+    """An OpenAI-style error, as the official clients parse it; `param`: the body's field at fault."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _error(
-    status: int, message: str, kind: str, code: str, *, retry_after: int | None = None
+    status: int,
+    message: str,
+    kind: str,
+    code: str,
+    *,
+    retry_after: int | None = None,
+    param: str | None = None,
 ) -> JSONResponse:
-    response = JSONResponse(error_body(message, kind, code), status_code=status)
+    response = JSONResponse(error_body(message, kind, code, param), status_code=status)
     if retry_after is not None:
         response.headers["Retry-After"] = str(retry_after)
     return response
@@ -146,11 +155,51 @@ class PassedResponse(StreamingResponse):
 
 
 class BadBody(NamedTuple):
-    """Why a routed request's body is refused: its status, message and error code."""
+    """Why a routed request's body is refused: its status, message and error code, and the
+    body's field at fault where one is."""
 
     status: int
     message: str
     code: str
+    param: str | None = None
+
+
+@dataclass(slots=True)
+class _Lookup:
+    """A read of a replica's served model name under way (`Proxy._served_name`)."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    # Whether it ended with an answer (`name`; None: it could not be read), not cancelled.
+    read: bool = False
+    name: str | None = None
+
+
+class Relay:
+    """A replica's answer as the server passes it on (`Proxy._relay`'s chunks), ended once
+    however the response goes: where the server never asked for a chunk (its client had left),
+    `aclose` ends it with `unstarted` (the replica's count released, the reservation settled,
+    the span ended), which the relay's own end would have done."""
+
+    __slots__ = ("_chunks", "_unstarted", "started")
+
+    def __init__(self, chunks: AsyncGenerator[bytes, None], unstarted: Callable[[], None]) -> None:
+        self._chunks = chunks
+        self._unstarted = unstarted
+        self.started = False
+
+    def __aiter__(self) -> Relay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        # `_relay` enters its `try` before its first await: once asked, its end is its own.
+        self.started = True
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        if not self.started:
+            self.started = True
+            self._unstarted()
+        await self._chunks.aclose()
 
 
 class BrokenAnswer(Exception):
@@ -173,6 +222,9 @@ class Routed:
     headers: list[tuple[bytes, bytes]]
     # The prompt's leading blocks, hashed once for every attempt.
     blocks: Sequence[int]
+    # Its tokens held against the key's tpm until its answer ends, and what it was judged to
+    # spend: settled with what the answer spent, once (given back where none came).
+    reservation: Reservation
     # A streamed answer's usage chunk is taken out: the client did not ask for it.
     strip: bool = False
     # The replica the lane chose (counted as chosen), or None: none could take the request.
@@ -185,6 +237,46 @@ class Routed:
     decided: bool = False
     # The deadline of the next read of an answer the lane waits for whole (`_waits_whole`).
     wait: asyncio.TimerHandle | None = None
+
+
+def parsed_body(body: bytes, max_json_depth: int) -> tuple[dict[str, Any], str] | BadBody:
+    """A routed request's body: its JSON object and its `model`, or why it is refused (400).
+    Pure."""
+    if json_nests_deeper(body, max_json_depth):
+        return BadBody(
+            400,
+            f"the body's JSON nests arrays and objects more than {max_json_depth} deep "
+            "(the gateway's max_json_depth)",
+            "json_too_deep",
+        )
+    try:
+        payload = json.loads(body)
+    except ValueError as exc:
+        return BadBody(400, f"the body is not JSON: {exc}", "invalid_json")
+    model = payload.get("model") if isinstance(payload, dict) else None
+    if not isinstance(model, str) or not model:
+        return BadBody(
+            400,
+            "the body must be a JSON object with a `model` (a deployment's name or alias)",
+            "missing_model",
+        )
+    # The fields the gateway reads to stream, count and reserve, read as the engine reads them.
+    problem = body_problem(payload)
+    if problem is not None:
+        return BadBody(400, problem.message, problem.code, problem.param)
+    return payload, model
+
+
+def _unplaceable(message: str) -> JSONResponse:
+    """The answer for a deployment placement cannot place on any node: at once, and with a
+    status the OpenAI and Anthropic SDKs do not retry (they retry 408, 409, 429 and 5xx,
+    three tries by default: a 503 held 120 s took 381 s to reach the user). 422: the request
+    is well formed, and the model it names cannot be served as the cluster stands; sent again
+    unchanged it fails the same way until an operator acts. No `Retry-After`, and
+    `x-should-retry: false`, which both SDKs obey."""
+    response = _error(422, message, "invalid_request_error", "deployment_unplaceable", param="model")
+    response.headers["x-should-retry"] = "false"
+    return response
 
 
 def _sse_error(message: str, path: str) -> bytes:
@@ -252,6 +344,7 @@ class Metrics:
             "llmgw_gateway_errors",
             "Requests the gateway answered with an error, or whose replica failed, by reason class: "
             "bad_request, unauthorized, rate_limited, gateway_starting, unknown_model, no_ready_replica, "
+            "unplaceable (placement can place the deployment on no node; answered 422 at once), "
             "unsupported_path (the deployment's engine does not serve the path), "
             "connect (a replica refused, retried elsewhere), "
             "reset (a replica closed the connection before answering, retried elsewhere), "
@@ -345,11 +438,16 @@ class Proxy:
         # /v1/models). The fingerprint: a changed profile restarted on the same port may serve
         # another name.
         self._served: dict[tuple[str, str], str] = {}
+        # The reads of those names under way, which the other requests for the replica wait on.
+        self._lookups: dict[tuple[str, str], _Lookup] = {}
         self._engines = default_registry()
         # Every path but the routed ones; those `app` takes itself.
         self._routes = Starlette(
             routes=[
                 Route("/healthz", self.healthz, methods=["GET"]),
+                # As llama-server, vLLM and SGLang answer it: load generators (guidellm) and
+                # clients check `/health` before they start.
+                Route("/health", self.healthz, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
@@ -378,7 +476,15 @@ class Proxy:
             # logs the exception.
             await (await _internal(request, exc))(scope, receive, send)
             raise
-        await response(scope, receive, send)
+        try:
+            await response(scope, receive, send)
+        finally:
+            relay = getattr(response, "body_iterator", None)
+            if isinstance(relay, Relay):
+                # A client gone before the server asked for the first chunk left the relay
+                # never begun, and so never ended: its replica counted busy for good.
+                with anyio.CancelScope(shield=True):
+                    await relay.aclose()
 
     async def aclose(self) -> None:
         await self.upstream.aclose()
@@ -429,17 +535,21 @@ class Proxy:
 
     def _key_ok(self, request: Request) -> bool:
         """Whether keys are not required, or the request carries a valid one."""
-        return isinstance(self.keyring.identify(request.headers.get("authorization", "")), ApiKey)
+        return isinstance(self._identify(request), ApiKey)
+
+    def _identify(self, request: Request) -> ApiKey | Refused:
+        """The key the request carries: `Authorization: Bearer`, or Anthropic's `x-api-key`."""
+        headers = request.headers
+        return self.keyring.identify(headers.get("authorization", ""), api_key=headers.get("x-api-key", ""))
 
     async def _authorize(self, request: Request) -> ApiKey | JSONResponse:
         """The request's key (open access where keys are not required), or its 401. A starting
         gateway has not read the keys bucket yet: it waits for it before refusing a key."""
-        header = request.headers.get("authorization", "")
-        found = self.keyring.identify(header)
+        found = self._identify(request)
         if not isinstance(found, ApiKey) and not self.loaded.is_set():
             with anyio.move_on_after(LOAD_WAIT_S):
                 await self.loaded.wait()
-            found = self.keyring.identify(header)
+            found = self._identify(request)
         if isinstance(found, ApiKey):
             return found
         self.metrics.errors.labels(UNKNOWN, "unauthorized").inc()
@@ -451,13 +561,13 @@ class Proxy:
 
     def _visible(self, key: ApiKey) -> list[str]:
         """The deployments `key` may call (and so sees), sorted."""
-        return [name for name in self.table.known() if allows(key, name, self.table.aliases(name))]
+        return [name for name in self.table.known() if allows(key, name, self.table.resolve)]
 
     def _resolve(self, key: ApiKey, model: str) -> str | None:
         """The deployment `model` names, if `key` may call it: a model the key may not call is
         unknown to it, as one that does not exist (its name is not confirmed to the key)."""
         deployment = self.table.resolve(model)
-        if deployment is None or not allows(key, deployment, self.table.aliases(deployment)):
+        if deployment is None or not allows(key, deployment, self.table.resolve):
             return None
         return deployment
 
@@ -540,30 +650,12 @@ class Proxy:
 
     def _parsed(self, body: bytes) -> tuple[dict[str, Any], str] | BadBody:
         """The body's JSON object and its `model`, or why it is refused."""
-        if json_nests_deeper(body, self.max_json_depth):
-            return BadBody(
-                400,
-                f"the body's JSON nests arrays and objects more than {self.max_json_depth} deep "
-                "(the gateway's max_json_depth)",
-                "json_too_deep",
-            )
-        try:
-            payload = json.loads(body)
-        except ValueError as exc:
-            return BadBody(400, f"the body is not JSON: {exc}", "invalid_json")
-        model = payload.get("model") if isinstance(payload, dict) else None
-        if not isinstance(model, str) or not model:
-            return BadBody(
-                400,
-                "the body must be a JSON object with a `model` (a deployment's name or alias)",
-                "missing_model",
-            )
-        return payload, model
+        return parsed_body(body, self.max_json_depth)
 
-    def _bad_request(self, status: int, message: str, code: str) -> JSONResponse:
+    def _bad_request(self, status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
         """A request refused before any deployment is known: counted, then answered."""
         self.metrics.errors.labels(UNKNOWN, "bad_request").inc()
-        return _error(status, message, "invalid_request_error", code)
+        return _error(status, message, "invalid_request_error", code, param=param)
 
     async def complete(self, request: Request) -> Response:
         arrived = time.monotonic()
@@ -604,19 +696,9 @@ class Proxy:
         if unsupported is not None:
             self.metrics.errors.labels(deployment, "unsupported_path").inc()
             return unsupported
-        limited = await self.budgets.admit(key)
-        if limited is not None:
-            self.metrics.errors.labels(deployment, "rate_limited").inc()
-            per = "requests" if limited.what == "requests" else "tokens (prompt and completion)"
-            response = _error(
-                429,
-                f"API key {key.name!r} is at its limit of {limited.limit} {per} per minute; "
-                f"retry in {limited.retry_after}s",
-                limited.what,
-                "rate_limit_exceeded",
-            )
-            response.headers["Retry-After"] = str(limited.retry_after)
-            return response
+        reservation = await self.budgets.reserve(key, estimate(payload, len(body), path))
+        if isinstance(reservation, Limited):
+            return self._limited(key, deployment, reservation)
         # A streamed answer's usage comes in its last chunk, where the engine is asked for it;
         # the client sees that chunk only if it asked too.
         strip = False
@@ -639,20 +721,42 @@ class Proxy:
             arrived,
             self._replica_headers(request.scope["headers"], span),
             prompt_blocks(self.table.routing, deployment, path, payload),
+            reservation,
             strip=strip,
         )
         return await self._send(request, routed, unserved)
 
+    def _limited(self, key: ApiKey, deployment: str, limited: Limited) -> JSONResponse:
+        """The 429 of a request over one of its key's limits."""
+        self.metrics.errors.labels(deployment, "rate_limited").inc()
+        per = "requests" if limited.what == "requests" else "tokens (prompt and completion)"
+        held = f", {limited.held} of them held for its requests in flight" if limited.held else ""
+        response = _error(
+            429,
+            f"API key {key.name!r} is at its limit of {limited.limit} {per} per minute{held}; "
+            f"retry in {limited.retry_after}s",
+            limited.what,
+            "rate_limit_exceeded",
+        )
+        response.headers["Retry-After"] = str(limited.retry_after)
+        return response
+
     async def _send(self, request: Request, routed: Routed, unserved: frozenset[str] = _NONE) -> Response:
-        """`_forward`, the request's span ended where it raises."""
+        """`_forward`, the request's span ended where it raises, and its reservation given back
+        where no answer is to be passed on (an error of the gateway's own, or an exception)."""
         try:
-            return await self._forward(request, routed, unserved)
+            response = await self._forward(request, routed, unserved)
         except BaseException as exc:
+            routed.reservation.settle(0)
             span = routed.span
             span.record_exception(exc)
             span.set_status(trace.StatusCode.ERROR, str(exc))
             span.end()
             raise
+        if not isinstance(response, StreamingResponse):
+            # Answered whole (settled as it was counted) or refused: nothing more will be spent.
+            routed.reservation.settle(0)
+        return response
 
     def _server_span(self, scope: Scope, model: str, deployment: str) -> trace.Span:
         span = self.tracer.start_span(
@@ -695,7 +799,9 @@ class Proxy:
         arrived = time.monotonic()
         if not self.loaded.is_set():
             return False
-        key = self.keyring.identify(_first(lane.headers, b"authorization"))
+        key = self.keyring.identify(
+            _first(lane.headers, b"authorization"), api_key=_first(lane.headers, b"x-api-key")
+        )
         if not isinstance(key, ApiKey):
             return False
         body = bytes(lane.body)
@@ -710,12 +816,13 @@ class Proxy:
         if deployment is None or self._unserved(deployment, path):
             return False
         blocks = prompt_blocks(self.table.routing, deployment, path, payload)
-        if not self.budgets.admit_at_once(key, time.time()):
+        reservation = self.budgets.reserve_at_once(key, estimate(payload, len(body), path), time.time())
+        if reservation is None:
             return False
         # Taken: counted once the request is on its way to a replica, or handed over.
         span = self._server_span(lane.scope, model, deployment)
         headers = self._replica_headers(lane.headers, span)
-        routed = Routed(payload, body, model, deployment, key, span, arrived, headers, blocks)
+        routed = Routed(payload, body, model, deployment, key, span, arrived, headers, blocks, reservation)
         chosen = routed.chosen = self.table.pick(deployment, _NONE, routed.blocks)
         served = None if chosen is None else self._served.get((chosen[1].url, chosen[1].profile_fp))
         if chosen is None or served is None:
@@ -830,11 +937,31 @@ class Proxy:
         return sorted(paths)
 
     async def _served_name(self, record: ReplicaRecord) -> str | None:
-        """The model name the replica's engine answers to (engines refuse any other)."""
+        """The model name the replica's engine answers to (engines refuse any other), read
+        once however many requests ask at once: the first reads it, the others wait for its
+        answer (1,000 held requests released together each read it, and most timed out in
+        the pool of the client that reads it, and were sent without the name)."""
+        key = (record.url, record.profile_fp)
+        while key not in self._served:
+            lookup = self._lookups.get(key)
+            if lookup is None:
+                lookup = self._lookups[key] = _Lookup()
+                try:
+                    lookup.name = await self._read_served_name(record)
+                    lookup.read = True
+                finally:
+                    del self._lookups[key]
+                    lookup.done.set()
+                return lookup.name
+            await lookup.done.wait()
+            if lookup.read:
+                return lookup.name
+            # The one reading it was cancelled (its client left): another reads it.
+        return self._served[key]
+
+    async def _read_served_name(self, record: ReplicaRecord) -> str | None:
         url = record.url
         key = (url, record.profile_fp)
-        if key in self._served:
-            return self._served[key]
         try:
             r = await self.client.get(f"{url}/v1/models", timeout=5.0)
             r.raise_for_status()
@@ -877,6 +1004,10 @@ class Proxy:
                 held_since = time.monotonic() if held_since is None else held_since
                 outcome = await self._hold(request, deployment, held_since + self.holds.timeout_s)
                 if outcome == "sent":
+                    # Its key may have been revoked, or have expired, while it was held.
+                    revoked = self._held_key_refused(routed, held_since)
+                    if revoked is not None:
+                        return self._refuse(span, deployment, revoked, "unauthorized")
                     # A replica is ready now; it may run an engine that does not serve the path.
                     unserved = self._unserved(deployment, path)
                     unsupported = self._unsupported(deployment, path, unserved)
@@ -887,6 +1018,9 @@ class Proxy:
                 answer, why = self._held_answer(deployment, outcome, held_since)
                 return self._refuse(span, deployment, answer, why)
             if chosen is None:
+                cannot = None if failures else self.table.refused(deployment)
+                if cannot is not None:
+                    return self._refuse(span, deployment, _unplaceable(cannot), "unplaceable")
                 if failures:
                     attempts = len(tried - unserved)
                     plural = "" if attempts == 1 else "s"
@@ -959,7 +1093,7 @@ class Proxy:
             # The whole answer came with its head (an engine sends an answer not streamed once
             # it is done): passed on in one piece, with its length.
             return self._whole(upstream, out_headers, chosen_key, deployment, routed)
-        response = (StreamingResponse if sse else PassedResponse)(
+        relay = Relay(
             self._relay(
                 upstream,
                 chosen_key,
@@ -967,11 +1101,12 @@ class Proxy:
                 span,
                 routed.arrived,
                 sse=path if sse else "",
-                api_key=routed.key,
+                reservation=routed.reservation,
                 strip=routed.strip,
             ),
-            status_code=status,
+            partial(self._relay_end, upstream, chosen_key, deployment, span, routed.reservation),
         )
+        response = (StreamingResponse if sse else PassedResponse)(relay, status_code=status)
         response.raw_headers = out_headers
         return response
 
@@ -1005,7 +1140,12 @@ class Proxy:
         tail = JsonTail(upstream.header(b"content-encoding"))
         tail.feed(body)
         tail.read(meter)
-        self._done(key, deployment, routed.span, routed.key, meter)
+        if tail.unread:
+            # Encoded past what is inflated to read it: charged for its bytes, as one cut off.
+            meter.passed = len(body)
+            estimate = routed.reservation.estimate
+            meter.estimate(estimate.prompt, generates=estimate.generates)
+        self._done(key, deployment, routed.span, routed.reservation, meter)
 
     def _arrived(self, deployment: str) -> None:
         """A request for `deployment` counted: in its metrics and the demand the autoscaler hears."""
@@ -1031,9 +1171,16 @@ class Proxy:
     def _holdable(self, deployment: str) -> bool:
         """Whether a request for `deployment` with no replica to take it waits for one: it is in
         the deployments bucket, meant to run (an autoscale, or a count above 0) and holding is
-        on. A deployment scaled to 0 by hand is answered at once: nothing will start it."""
+        on. A deployment scaled to 0 by hand is answered at once: nothing will start it; so is
+        one placement could place on no node, with none of its replicas placed (`Table.refused`):
+        nothing can serve it until the cluster changes."""
         d = self.table.deployments.get(deployment)
-        return self.holds.enabled and d is not None and (d.autoscale is not None or d.replicas > 0)
+        return (
+            self.holds.enabled
+            and d is not None
+            and (d.autoscale is not None or d.replicas > 0)
+            and self.table.refused(deployment) is None
+        )
 
     async def _hold(self, request: Request, deployment: str, deadline: float) -> str:
         """Hold the request until a replica of `deployment` can take it: `sent` (one can now),
@@ -1066,12 +1213,33 @@ class Proxy:
                 with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
                     await held.woken.wait()
                     outcome = "restarting" if held.closing else "sent"
+                if outcome == "sent":
+                    # Its turn among those released together (`Holds.release` paces them),
+                    # unless the gateway stops first.
+                    with anyio.move_on_after(max(0.0, held.at - time.monotonic())):
+                        await held.stopped.wait()
+                        outcome = "restarting"
                 tg.cancel_scope.cancel()
         finally:
             self.holds.remove(held)
             self.metrics.held.labels(deployment).dec()
             self.metrics.hold_wait.labels(deployment, outcome).observe(time.monotonic() - held.since)
         return outcome
+
+    def _held_key_refused(self, routed: Routed, since: float) -> JSONResponse | None:
+        """The 401 for a request whose key was revoked, deleted or expired while it was held;
+        None where the key is still active."""
+        found = self.keyring.recheck(routed.key)
+        if isinstance(found, ApiKey):
+            return None
+        waited = time.monotonic() - since
+        return _error(
+            401,
+            f"{found.message} (the request was held {waited:.1f}s for a ready replica of deployment "
+            f"{routed.deployment} and was not sent)",
+            "authentication_error",
+            found.code,
+        )
 
     def replicas_changed(self, deployment: str) -> None:
         """A replica or the deployment changed: held requests go where a replica can take them
@@ -1138,38 +1306,41 @@ class Proxy:
         arrived: float,
         *,
         sse: str = "",
-        api_key: ApiKey,
+        reservation: Reservation,
         strip: bool = False,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         first = True
         meter = Meter()
         # A JSON answer: its end, read for its usage once whole.
         tail = JsonTail(upstream.header(b"content-encoding")) if not sse else None
-        # Server-sent events (`sse` is the request's path): passed on whole, up to the last
-        # blank line of each chunk, so that a stream broken off mid-event can still end with a
-        # well-formed error event.
-        pending = b""
+        # Server-sent events (`sse` is the request's path): passed on whole events at a time, so
+        # that a stream broken off mid-event can still end with a well-formed error event.
+        events = Events(meter, strip=strip) if sse else None
+        # Whether the answer came to its end, or the replica broke it off: else the client left
+        # before its end (and its usage), and it is charged for what was passed on.
+        ended = False
         try:
             async for chunk in upstream.chunks():
                 if first:
                     first = False
                     self.metrics.of(deployment).ttfb.observe(time.monotonic() - arrived)
-                if sse:
-                    chunk = pending + chunk
-                    end = chunk.rfind(b"\n\n")
-                    end = end + 2 if end >= 0 else 0
-                    chunk, pending = chunk[:end], chunk[end:]
-                    chunk = read_events(chunk, meter, strip=strip)
+                if events is not None:
+                    chunk = events.feed(chunk)
                     if not chunk:
                         continue
                 elif tail is not None:
                     tail.feed(chunk)
+                    meter.passed += len(chunk)
                 yield chunk
-            if pending:
-                yield read_events(pending, meter, strip=strip)
+            if events is not None:
+                rest = events.end()
+                if rest:
+                    yield rest
             if tail is not None:
                 tail.read(meter)
+            ended = True
         except FAILED as exc:
+            ended = True  # by the replica: what it said is charged, as before it failed
             # Mid-answer: never retried (the replica had the request). A streamed answer ends
             # with an error event and [DONE]; any other is cut off without its last chunk
             # (raised to the server, which closes the connection), so the client sees it
@@ -1190,16 +1361,44 @@ class Proxy:
                 self.metrics.errors.labels(deployment, "upstream").inc()
                 raise BrokenAnswer(f"{deployment}: {key} broke off its answer: {failure}") from exc
         finally:
-            # Read to its end, the connection is back in the pool already; else it is closed.
-            upstream.release()
-            self._done(key, deployment, span, api_key, meter)
+            self._relay_end(upstream, key, deployment, span, reservation, meter, tail, ended=ended)
 
-    def _done(self, key: str, deployment: str, span: trace.Span, api_key: ApiKey, meter: Meter) -> None:
+    def _relay_end(
+        self,
+        upstream: Answer,
+        key: str,
+        deployment: str,
+        span: trace.Span,
+        reservation: Reservation,
+        meter: Meter | None = None,
+        tail: JsonTail | None = None,
+        *,
+        ended: bool = False,
+    ) -> None:
+        """The end of a replica's answer passed on (`_relay`), or never begun: its client left
+        before the server asked for its first chunk (`Relay.aclose`), and the replica's count
+        was held for ever."""
+        meter = meter or Meter()
+        # Read to its end, the connection is back in the pool already; else it is closed.
+        upstream.release()
+        if tail is not None and tail.unread:
+            # An encoded answer past what is inflated to read it: charged as one cut off.
+            ended = False
+        if not ended and 200 <= upstream.status < 300:
+            # A successful answer the client cut off: what was passed on, charged.
+            if tail is not None:
+                tail.read(meter)  # its usage, where what was passed on holds it
+            meter.estimate(reservation.estimate.prompt, generates=reservation.estimate.generates)
+        self._done(key, deployment, span, reservation, meter)
+
+    def _done(
+        self, key: str, deployment: str, span: trace.Span, reservation: Reservation, meter: Meter
+    ) -> None:
         """A replica's answer passed on, whole or not: its replica's count released, its tokens
-        recorded and charged, its span ended."""
+        recorded and charged, its reservation settled, its span ended."""
         self._release(key, deployment)
-        self.usage.add(api_key.name, deployment, meter)
-        self.budgets.charge(api_key, meter.prompt + meter.completion)
+        self.usage.add(reservation.key.name, deployment, meter)
+        reservation.settle(meter.prompt + meter.completion)
         if meter.prompt:
             span.set_attribute("gen_ai.usage.input_tokens", meter.prompt)
         if meter.completion:

@@ -66,6 +66,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import re
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -235,6 +236,49 @@ class PrefixIndex:
             keys.remove(key)
             if not keys:
                 del self._held[block]
+
+
+# The most of placement's refusal a client is answered: every node's reason, grouped, fits a
+# few lines where the nodes are few; a thousand nodes' reasons would not fit an error message.
+REFUSAL_CHARS = 1000
+# Groups of nodes with one reason, and nodes named in each, before the rest are counted.
+REFUSAL_GROUPS = 4
+REFUSAL_NODES = 3
+# Placement's words for a node getting ready for a profile (feasibility.py): its installer at
+# work on the engine (`installing: …`, `engine llamacpp installing: …`, `engine vllm not
+# installed` before the installer said more). Such a refusal is held for, not answered at once.
+_READYING = re.compile(r"(installing\b|engine \S+ (installing\b|not installed$))")
+# One node's reason, as it is grouped (placement's words are one line of a few dozen characters).
+REFUSAL_REASON_CHARS = 200
+
+
+def refusal_text(deployment: str, status: DeploymentStatus) -> str:
+    """Why placement places no replica of `deployment`, for a client: its nodes grouped by
+    reason, the most common first (`no GPU of class H100 on n1, n2, n3 and 5 more; 0 of 2 GPUs
+    free on n9`), cut to REFUSAL_CHARS. Pure."""
+    by_reason: dict[str, list[str]] = {}
+    for r in status.reasons:
+        reason = failures.one_line(r.reason)[:REFUSAL_REASON_CHARS] or "(no reason given)"
+        by_reason.setdefault(reason, []).append(r.node[:REFUSAL_REASON_CHARS])
+    groups = sorted(by_reason.items(), key=lambda item: (-len(item[1]), item[0]))
+    parts = []
+    for reason, nodes in groups[:REFUSAL_GROUPS]:
+        named = ", ".join(nodes[:REFUSAL_NODES])
+        if len(nodes) > REFUSAL_NODES:
+            named += f" and {len(nodes) - REFUSAL_NODES} more"
+        parts.append(f"{reason} on {named}")
+    if len(groups) > REFUSAL_GROUPS:
+        rest = sum(len(nodes) for _, nodes in groups[REFUSAL_GROUPS:])
+        parts.append(f"{len(groups) - REFUSAL_GROUPS} other reasons on {rest} nodes")
+    said = failures.one_line(status.summary)[:REFUSAL_CHARS]
+    why = "; ".join(parts) if parts else said or "no node fits it"
+    text = (
+        f"deployment {deployment} cannot be placed on any node, so no replica will serve it until "
+        f"the cluster changes: {why}. `llmgw ctl explain {deployment}` shows every node's reason"
+    )
+    if len(text) > REFUSAL_CHARS:
+        text = text[: REFUSAL_CHARS - 1] + "…"
+    return text
 
 
 @dataclass
@@ -420,6 +464,26 @@ class Table:
         outstanding = self.outstanding
         fewest = min(outstanding[k] for k in candidates)
         return [k for k in candidates if outstanding[k] == fewest]
+
+    def refused(self, deployment: str) -> str | None:
+        """Placement's refusal, where nothing can serve `deployment` until the cluster changes:
+        no replica of it is placed (none loading, none starting, no node staging one) and its
+        last `DeploymentStatus` says placement could place none, every node known refusing it
+        for good (none installing its engine). Its node reasons,
+        grouped by reason, cut to REFUSAL_CHARS; None where something may still serve it."""
+        if self._of.get(deployment):
+            return None
+        status = self.statuses.get(deployment)
+        if status is None or not status.unplaceable or status.ready or status.pending:
+            return None
+        if not status.reasons or any(_READYING.match(r.reason) for r in status.reasons):
+            # No node heard of yet (a cluster starting), or a node installing the engine: one
+            # may take the replica within the hold.
+            return None
+        d = self.deployments.get(deployment)
+        if d is not None and d.autoscale is None and d.replicas == 0:
+            return None  # scaled to 0 by hand: `unavailable` says so
+        return refusal_text(deployment, status)
 
     def unavailable(self, deployment: str, now: float | None = None) -> str:
         """Why `deployment` has no ready replica, quoting each replica's state (and for how long,

@@ -33,7 +33,14 @@ from llmgw_core.retry import Retry
 from . import worker_metrics
 from .budgets import Budgets
 from .config import GatewayConfig, load_api_keys
-from .connections import ACCEPT_BACKLOG, Connections, connection_limit, open_file_limit, protocol
+from .connections import (
+    ACCEPT_BACKLOG,
+    Connections,
+    HeaderLimits,
+    connection_limit,
+    open_file_limit,
+    protocol,
+)
 from .demand import default_id
 from .holds import Holds
 from .keyring import Keyring, file_keys
@@ -99,7 +106,7 @@ class Gateway:
             max_json_depth=config.max_json_depth,
             tracer=tracer,
             upstream=self.upstream,
-            holds=Holds(config.hold_queue, config.hold_timeout_s),
+            holds=Holds(config.hold_queue, config.hold_timeout_s, config.hold_release_per_s),
         )
         # Which gateway answered a scrape: with workers on one port, each has its own counts.
         Info(
@@ -114,6 +121,12 @@ class Gateway:
             header_timeout_s=http.header_timeout_s,
             body_timeout_s=http.body_timeout_s,
             registry=self.proxy.metrics.registry,
+            headers=HeaderLimits(
+                field_bytes=http.max_header_field_bytes,
+                section_bytes=http.max_header_section_bytes,
+                fields=http.max_header_fields,
+                in_flight_bytes=http.header_bytes_in_flight,
+            ),
         )
         log.info(
             "holding up to %d client connections (open-file limit %d, http: reserved_fds %d)",
@@ -195,6 +208,9 @@ class Gateway:
         async for _, status in self.bus.last_per_subject(subject, DeploymentStatus):
             retry.succeeded()
             self.table.set_status(status)
+            # Requests held for it are answered at once where placement now says it can place
+            # none: nothing will serve them within hold_timeout_s.
+            self.proxy.replicas_changed(status.deployment)
 
     def demand(self) -> Demand:
         """This gateway's demand report now (the arrivals since the last one are reset)."""

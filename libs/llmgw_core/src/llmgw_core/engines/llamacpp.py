@@ -44,8 +44,12 @@ class LlamaCpp:
     name = "llamacpp"
     health_path = "/health"
     metrics_path = "/metrics"
-    # llama-server: /v1/embeddings answers where the profile passes --embeddings.
-    api_paths = BASE_API_PATHS | {"/v1/embeddings", "/v1/messages"}
+    # llama-server serves OpenAI's Responses API and Anthropic's Messages API beside chat and
+    # completions. Not /v1/embeddings: it answers 501 without `--embeddings`, and with it
+    # refuses every completion ("This server does not support completions. Start it without
+    # `--embeddings`"), so llmgw never passes it to a chat profile, and the gateway answers an
+    # embeddings request for llama.cpp with its own 400 naming what the engine serves.
+    api_paths = BASE_API_PATHS | {"/v1/responses", "/v1/messages"}
 
     def __init__(self, config: LlamaCppConfig | None = None) -> None:
         self.config = config or LlamaCppConfig()
