@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -48,11 +49,28 @@ def sim_engines(*argsets: list[str]) -> Iterator[list[str]]:
                 )
             )
             urls.append(f"http://127.0.0.1:{port}")
+        for url, proc in zip(urls, procs, strict=True):
+            _wait_healthy(url, proc)
         yield urls
     finally:
         for p in procs:
             p.kill()
             p.wait()
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    """Until the sim engine at `url` answers its /health: on a loaded machine its start takes
+    seconds, and a request sent before then is refused at connect."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the sim engine for {url} exited with {proc.returncode} before it answered")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the sim engine at {url} did not answer /health within {timeout_s:g} s")
+        time.sleep(0.05)
 
 
 async def test_models_embeddings_messages_and_responses_through_placement(

@@ -153,7 +153,7 @@ class KV:
         try:
             return int(
                 await self._kv_call(
-                    f"create {bucket}/{key}", bucket, lambda kv: kv.create(key, data), write=True
+                    f"write {bucket}/{key}", bucket, lambda kv: kv.create(key, data), write=True
                 )
             )
         except nats.js.errors.KeyWrongLastSequenceError:
@@ -166,7 +166,7 @@ class KV:
         try:
             return int(
                 await self._kv_call(
-                    f"update {bucket}/{key}", bucket, lambda kv: kv.update(key, data, last=last), write=True
+                    f"write {bucket}/{key}", bucket, lambda kv: kv.update(key, data, last=last), write=True
                 )
             )
         except nats.js.errors.KeyWrongLastSequenceError:
