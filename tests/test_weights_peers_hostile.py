@@ -39,11 +39,13 @@ from llmgw_launcher.peers import (
     OfferRefused,
     Peers,
     Transfer,
+    blob_of,
     checked,
     decide,
     exhausted,
     on_address,
     peer_url,
+    range_start,
     read_offer,
     read_query,
     sender_of,
@@ -567,3 +569,21 @@ def test_a_peer_that_trickles_or_redirects_is_left_within_the_read_timeout(
     # The origin is not held to a peer's rate: the same server, slowly, is read whole.
     done = _fetch(f"{peer_server}/trickle", tmp_path)
     assert done.read_bytes() == _Peer.body
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    path=st.one_of(st.text(max_size=300), st.builds(lambda b: f"/blobs/{b}", st.text(max_size=80))),
+    header=st.one_of(st.text(max_size=60), st.builds(lambda n: f"bytes={n}-", st.text(max_size=30))),
+)
+def test_a_blob_request_names_a_blob_or_nothing_and_a_range_a_bounded_start(path: str, header: str) -> None:
+    """What a client sends the blob server, read: a path names a blob in the store's own form or
+    is a 404; a `Range` is a start of at most 19 ASCII digits or the whole blob."""
+    blob = blob_of(path)
+    assert blob is None or (re.fullmatch(r"(sha256|gitsha1)-[0-9a-f]{40,64}", blob) and blob in path)
+    start, rng = range_start(header)
+    assert 0 <= start < 10**19
+    assert (start, rng) == (0, "") or rng == header
+    assert blob_of("/blobs/sha256-" + "a" * 64 + "?x=1") == "sha256-" + "a" * 64
+    assert range_start("bytes=12-") == (12, "bytes=12-")
+    assert range_start("bytes=²-") == (0, "")

@@ -68,7 +68,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, TypeVar
 
 import anyio
 import anyio.abc
@@ -78,8 +78,9 @@ import nats.errors
 from nats.aio.msg import Msg
 
 from llmgw_core.bus import Bus
+from llmgw_core.bus.deadletter import DecodeFailure, decode
 from llmgw_core.errors import BusError
-from llmgw_core.events import NodeStatus, WeightsOffer, WeightsQuery, decoder, encode
+from llmgw_core.events import NodeStatus, WeightsOffer, WeightsQuery, encode
 from llmgw_core.limits import NAME_MAX
 from llmgw_core.subjects import ONE
 
@@ -150,15 +151,27 @@ def sender_of(subject: str) -> str:
     return node
 
 
+_Message = TypeVar("_Message", WeightsQuery, WeightsOffer)
+
+
+def _decoded(kind: type[_Message], what: Literal["query", "offer"], data: bytes, sender: str) -> _Message:
+    """`data` from `sender` as a `kind`, at most `MAX_MESSAGE_BYTES` long, through the bus's own
+    decode (its words bounded); `OfferRefused` otherwise."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        article = "an" if what == "offer" else "a"
+        raise OfferRefused(
+            f"{article} {what} of {len(data)} bytes from {sender} (at most {MAX_MESSAGE_BYTES})"
+        )
+    try:
+        return decode(kind, sender, data)
+    except DecodeFailure as exc:
+        raise OfferRefused(f"not a weights {what} from {sender}: {exc.error}") from None
+
+
 def read_query(data: bytes, sender: str) -> WeightsQuery:
     """`sender`'s query, checked: at most `MAX_MESSAGE_BYTES`, a query, naming `sender` itself
     and a blob as the store names it. Raises `OfferRefused` (only) saying what is wrong."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise OfferRefused(f"a query of {len(data)} bytes from {sender} (at most {MAX_MESSAGE_BYTES})")
-    try:
-        query = decoder(WeightsQuery).decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise OfferRefused(f"not a weights query from {sender}: {exc}") from None
+    query = _decoded(WeightsQuery, "query", data, sender)
     if query.node != sender:
         raise OfferRefused(f"a query from {sender} in the name of {query.node}")
     if not _BLOB.fullmatch(query.blob):
@@ -173,17 +186,30 @@ def read_offer(data: bytes, sender: str, blob: str) -> WeightsOffer:
     of `sender` itself for `blob`, with a token that fits a header and a URL of the blob
     server's shape (its address is checked against the node's status by `checked`). Raises
     `OfferRefused` (only) saying what is wrong."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise OfferRefused(f"an offer of {len(data)} bytes from {sender} (at most {MAX_MESSAGE_BYTES})")
-    try:
-        offer = decoder(WeightsOffer).decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise OfferRefused(f"not a weights offer from {sender}: {exc}") from None
+    offer = _decoded(WeightsOffer, "offer", data, sender)
     if offer.node != sender:
         raise OfferRefused(f"an offer from {sender} in the name of {offer.node}")
     if offer.blob != blob:
         raise OfferRefused(f"an offer from {sender} of {offer.blob[:80]!r}, not the {blob} asked for")
     return offer
+
+
+def blob_of(path: str) -> str | None:
+    """The blob a blob server's request path names (`/blobs/<algo>-<hex>`, a query ignored);
+    None for any other path."""
+    parts = path.split("?", 1)[0].strip("/").split("/")
+    if len(parts) != 2 or parts[0] != "blobs" or not _BLOB.fullmatch(parts[1]):
+        return None
+    return parts[1]
+
+
+def range_start(header: str) -> tuple[int, str]:
+    """Where a `Range: bytes=<start>-` asks the blob to start, with the header as it counts;
+    (0, "") for any other form: the whole blob."""
+    asked = _RANGE.fullmatch(header)
+    if asked is None:
+        return 0, ""
+    return int(asked[1]), header
 
 
 def peer_url(addr: str, port: int, blob: str) -> str:
@@ -749,10 +775,9 @@ def _handler(peers: Peers) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             self.server.phase(self.connection, False)
-            parts = self.path.split("?", 1)[0].strip("/").split("/")
-            if len(parts) != 2 or parts[0] != "blobs" or not _BLOB.fullmatch(parts[1]):
+            blob = blob_of(self.path)
+            if blob is None:
                 return self._refuse(404, f"no such path {self.path[:200]}; blobs are at /blobs/<algo>-<hex>")
-            blob = parts[1]
             token = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
             if not token or not peers.allowed(token, blob):
                 return self._refuse(
@@ -760,13 +785,7 @@ def _handler(peers: Peers) -> type[BaseHTTPRequestHandler]:
                     f"{peers.node} serves weights only to the cluster's nodes: ask on "
                     f"{peers.bus.names.weights_query('<your node>')} for a token (as that node's identity)",
                 )
-            start = 0
-            rng = self.headers.get("Range", "")
-            asked = _RANGE.fullmatch(rng)
-            if asked is not None:
-                start = int(asked[1])
-            else:
-                rng = ""  # a range of another form: the whole blob
+            start, rng = range_start(self.headers.get("Range", ""))
             final = peers.blobs / blob
             if final.exists():
                 return self._send(final, start, _size(final), rng, growing=False)
