@@ -20,14 +20,22 @@ up *ARGS:
     uv sync --frozen --inexact --no-group engines
     uv run --frozen --no-sync llmgw up {{ARGS}}
 
+# Tests run in parallel, a file to a worker (most of a test's time is spent waiting on its
+# processes, so a 2-core machine runs three at once); LLMGW_TEST_WORKERS=0 runs them in turn.
+workers := env("LLMGW_TEST_WORKERS", "3")
+
 # Lint, type-check and run the whole test suite (builds llama.cpp once, then cached).
 test *ARGS: system-packages sync-all lint
-    uv run --frozen --no-sync pytest {{ARGS}}
+    uv run --frozen --no-sync pytest -n {{workers}} --dist loadfile {{ARGS}}
 
 # Only the tests over plain data (no NATS, no processes): seconds, for the edit-test loop.
 test-fast *ARGS:
     uv sync --frozen --inexact --no-group engines --no-group real-engines
     uv run --frozen --no-sync pytest -m fast {{ARGS}}
+
+# The long faults at full length (NATS down 5 min, the chaos soak 150 s): `./dev test` runs them shorter.
+soak *ARGS: sync-all
+    uv run --frozen --no-sync pytest -m soak --soak {{ARGS}}
 
 sync-all:
     uv sync --frozen --all-groups

