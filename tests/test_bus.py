@@ -316,3 +316,23 @@ async def test_a_bucket_created_by_another_service_meanwhile_is_used(own_nats: N
     finally:
         await first.close()
         await late.close()
+
+
+async def test_closing_with_a_subscription_nobody_reads_takes_seconds_not_30(
+    nats_url: str, prefix: str
+) -> None:
+    """Regression: a watch that stopped reading (its task ended) left messages in its
+    subscription, and closing the connection waited nats-py's 30 s drain for them."""
+    b = await Bus.connect(BusOptions(url=nats_url, prefix=prefix), service="test")
+    await b.ensure()
+    subject = b.names.node_install("gpu-01")
+    for i in range(20):
+        await b.publish(subject, progress(f"step {i}"))
+    sub = await b.js.subscribe(subject, ordered_consumer=True)
+    first = await sub.next_msg(timeout=5)
+    assert first.data
+    await eventually(lambda: sub.pending_msgs > 0, timeout=5)
+    started = anyio.current_time()
+    await b.close()
+    assert anyio.current_time() - started < 10
+    assert b.conn.nc.is_closed

@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 import time
 from typing import Any
 
 import msgspec
-import nats.errors
-from nats.js import api
 
 from llmgw_core.bus import Bus
-from llmgw_core.errors import BusError
-from llmgw_core.events import decoder
 from llmgw_core.keys import (
     FILE_KEY_PREFIX,
     ApiKey,
     UsageRecord,
+    UsageRow,
     key_state,
     new_secret,
     parse_duration,
@@ -45,14 +41,6 @@ class KeyView(msgspec.Struct, frozen=True, kw_only=True):
     revoked_at: float
     # The first 8 hex digits of the secret's SHA-256: tells two keys apart in a gateway's log.
     fingerprint: str
-
-
-class UsageRow(msgspec.Struct, frozen=True, kw_only=True):
-    key: str
-    deployment: str
-    prompt_tokens: int
-    completion_tokens: int
-    requests: int
 
 
 def _view(key: ApiKey, now: float) -> KeyView:
@@ -200,40 +188,18 @@ async def revoke(bus: Bus, name: str) -> str:
 async def records(bus: Bus, since_s: float) -> list[UsageRecord]:
     """Every usage record written in the last `since_s` seconds, oldest first."""
     stream = bus.names.usage_stream
-    try:
-        info = await bus.js.stream_info(stream)
-    except (nats.errors.Error, OSError) as exc:
-        bus.raise_if_final(exc)
-        raise BusError(f"cannot read the usage stream {stream}: {exc or type(exc).__name__}") from exc
+    info = await bus.stream_info(stream)
     if not info.state.messages:
-        return []
-    start = datetime.datetime.fromtimestamp(time.time() - since_s, tz=datetime.UTC)
-    dec = decoder(UsageRecord)
-    out: list[UsageRecord] = []
-    try:
-        sub = await bus.js.subscribe(
-            bus.names.usage_all,
-            stream=stream,
-            ordered_consumer=True,
-            deliver_policy=api.DeliverPolicy.BY_START_TIME,
-            config=api.ConsumerConfig(opt_start_time=start),
-        )
-    except (nats.errors.Error, OSError) as exc:
-        bus.raise_if_final(exc)
-        raise BusError(f"cannot read the usage stream {stream}: {exc or type(exc).__name__}") from exc
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=USAGE_IDLE_S)
-            except nats.errors.TimeoutError:
-                return out
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                out.append(dec.decode(msg.data))
-            if msg.metadata.num_pending == 0:
-                return out
-    finally:
-        with contextlib.suppress(nats.errors.Error, OSError):
-            await sub.unsubscribe()
+        return []  # nothing to wait out
+    found: list[UsageRecord] = []
+    replayed = bus.replay(
+        bus.names.usage_all, UsageRecord, stream=stream, since=time.time() - since_s, idle_s=USAGE_IDLE_S
+    )
+    async with contextlib.aclosing(replayed):
+        async for record in replayed:
+            if record is not None:
+                found.append(record.value)
+    return found
 
 
 def summed(found: list[UsageRecord], by: str) -> list[UsageRow]:

@@ -11,10 +11,8 @@ from typing import TypeVar
 
 import anyio
 import msgspec
-import nats.errors
-import nats.js.errors
 
-from llmgw_core.bus import Bus
+from llmgw_core.bus import Bus, DecodeFailure, NoAnswer
 from llmgw_core.engines import Profile
 from llmgw_core.errors import BusError
 from llmgw_core.events import (
@@ -34,8 +32,6 @@ from llmgw_core.events import (
     ShardLogs,
     ShardLogsRequest,
     ShardStatus,
-    decoder,
-    encode,
 )
 from llmgw_core.subjects import ALL
 
@@ -59,7 +55,6 @@ Event = (
     | DeploymentStatus
     | ScaleDecision
 )
-_event_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)
 
 
 async def values(bus: Bus, bucket: str, kind: type[T], keys: str = ALL) -> dict[str, T]:
@@ -71,10 +66,9 @@ async def liveness(bus: Bus) -> Liveness | None:
     """Placement's own judgement of every node (the one that fails nodes over), or None
     when no placement answers."""
     try:
-        reply = await bus.nc.request(bus.names.liveness_request, b"", timeout=LIVENESS_TIMEOUT_S)
-    except (nats.errors.Error, OSError):
+        return await bus.request(bus.names.liveness_request, None, Liveness, timeout=LIVENESS_TIMEOUT_S)
+    except (BusError, DecodeFailure):  # an answer that is no judgement is dead-lettered
         return None
-    return decoder(Liveness).decode(reply.data)
 
 
 async def cannot_write(bus: Bus) -> str:
@@ -93,17 +87,9 @@ async def cannot_write(bus: Bus) -> str:
 
 
 async def last_on(bus: Bus, subject: str, kind: type[T]) -> T | None:
-    """The last message on `subject` still in the events stream, or None."""
-    try:
-        msg = await bus.js.get_msg(bus.names.events_stream, subject=subject, direct=False)
-    except nats.js.errors.NotFoundError:
-        return None
-    except nats.errors.Error as exc:
-        raise BusError(f"cannot read {subject}: {exc or type(exc).__name__}") from exc
-    try:
-        return decoder(kind).decode(msg.data or b"")
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
+    """The last message on `subject` still in the events stream, or None (also when that
+    one does not decode: it is dead-lettered)."""
+    return await bus.last(bus.names.events_stream, subject, kind)
 
 
 async def deployment_status(bus: Bus, name: str) -> DeploymentStatus | None:
@@ -199,37 +185,11 @@ class Stamped:
 async def events(bus: Bus, subject: str, *, follow: bool) -> AsyncIterator[Stamped | None]:
     """Every event on `subject` still in the stream, oldest first; with `follow`, then None
     (caught up) and each new event as it comes."""
-    try:
-        sub = await bus.js.subscribe(subject, stream=bus.names.events_stream, ordered_consumer=True)
-    except (nats.errors.Error, OSError) as exc:
-        raise BusError(f"cannot read {subject}: {exc or type(exc).__name__}") from exc
-    caught_up = False
-    try:
-        while True:
-            try:
-                if caught_up:
-                    msg = await sub.next_msg(timeout=3600)
-                else:
-                    msg = await sub.next_msg(timeout=HISTORY_IDLE_S)
-            except nats.errors.TimeoutError:
-                if caught_up:
-                    continue
-                if not follow:
-                    return
-                caught_up = True
-                yield None
-                continue
-            meta = msg.metadata
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                yield Stamped(msg.subject, meta.timestamp.timestamp(), _event_decoder.decode(msg.data))
-            if meta.num_pending == 0 and not caught_up:
-                if not follow:
-                    return
-                caught_up = True
-                yield None
-    finally:
-        with anyio.CancelScope(shield=True), contextlib.suppress(nats.errors.Error, OSError):
-            await sub.unsubscribe()
+    kind: type[Event] = Event  # type: ignore[assignment]
+    replayed = bus.replay(subject, kind, stream=bus.names.events_stream, follow=follow, idle_s=HISTORY_IDLE_S)
+    async with contextlib.aclosing(replayed):
+        async for record in replayed:
+            yield None if record is None else Stamped(record.subject, record.time, record.value)
 
 
 async def merged_events(
@@ -278,16 +238,20 @@ async def merged_events(
 async def shard_logs(bus: Bus, node: str, request: ShardLogsRequest) -> ShardLogs:
     subject = bus.names.launcher_logs(node)
     try:
-        reply = await bus.nc.request(subject, encode(request), timeout=LOGS_TIMEOUT_S)
-    except nats.errors.NoRespondersError as exc:
-        raise Unreachable(
-            f"the launcher of node {node} does not answer on {subject}: is it running?"
-        ) from exc
-    except nats.errors.TimeoutError as exc:
+        logs = await bus.request(subject, request, ShardLogs, timeout=LOGS_TIMEOUT_S)
+    except NoAnswer as exc:
+        if not exc.responders:
+            raise Unreachable(
+                f"the launcher of node {node} does not answer on {subject}: is it running?"
+            ) from exc
         raise Unreachable(
             f"the launcher of node {node} did not answer on {subject} within {LOGS_TIMEOUT_S:g} s"
         ) from exc
-    logs = decoder(ShardLogs).decode(reply.data)
+    except DecodeFailure as exc:
+        raise Unreachable(
+            f"the launcher of node {node} answered on {subject} with no logs reply ({exc.error}); "
+            "is its llmgw the same version as this one?"
+        ) from exc
     if logs.error:
         raise NotFound(logs.error)
     return logs

@@ -16,7 +16,6 @@ status; a replacement machine, whose predecessor is gone, starts at once.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -28,14 +27,12 @@ from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
-import msgspec
-import nats.errors
-from nats.aio.msg import Msg
 
-from .events import Heartbeat, decoder, now
+from .errors import BusError
+from .events import Heartbeat, now
 
 if TYPE_CHECKING:
-    from .bus import Bus
+    from .beats import HeartbeatBus
 
 log = logging.getLogger("llmgw.claims")
 
@@ -227,7 +224,7 @@ class Holder:
 
 
 async def hold(
-    bus: Bus,
+    bus: HeartbeatBus,
     node: str,
     service: str,
     interval: float,
@@ -242,44 +239,38 @@ async def hold(
     at once, as before."""
     holder = Holder(node, service, interval, claimant)
     subject = bus.names.heartbeat(node, service)
-    dec = decoder(Heartbeat)
 
-    async def on_msg(msg: Msg) -> None:
-        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-            holder.heard(dec.decode(msg.data), time.monotonic())
+    async def on_beat(beat: Heartbeat, subject: str) -> None:
+        holder.heard(beat, time.monotonic())
 
-    sub = None
-    try:
-        sub = await bus.nc.subscribe(subject, cb=on_msg)
-    except (nats.errors.Error, OSError) as exc:
-        log.warning("%s %s: cannot hear its node's other agents (%s); working at once", node, service, exc)
-    try:
-        async with anyio.create_task_group() as tg:
+    async with anyio.create_task_group() as tg:
+        hearing = True
+        try:  # a beat that does not decode goes to the DLQ (Bus.subscribe_core)
+            await tg.start(bus.subscribe_core, subject, Heartbeat, on_beat)
+        except BusError as exc:
+            hearing = False
+            log.warning(
+                "%s %s: cannot hear its node's other agents (%s); working at once", node, service, exc
+            )
 
-            def beat() -> Heartbeat:
-                return holder.me.beat(
-                    node, service, standby=holder.standby, missing_models=holder.missing_models
-                )
+        def beat() -> Heartbeat:
+            return holder.me.beat(node, service, standby=holder.standby, missing_models=holder.missing_models)
 
-            tg.start_soon(bus.heartbeat, node, service, interval, beat)
-            if sub is not None:
-                await anyio.sleep(SETTLE_BEATS * interval)
-                told = False
-                while (why := holder.must_wait(time.monotonic())) is not None:
-                    if not told:
-                        log.error("%s", why)
-                        told = True
-                    await anyio.sleep(interval)
-                if told:
-                    log.warning("%s %s: the other instance is silent; taking over", node, service)
-            holder.standby = False
-            task_status.started(holder)
-            while True:
+        tg.start_soon(bus.heartbeat, node, service, interval, beat)
+        if hearing:
+            await anyio.sleep(SETTLE_BEATS * interval)
+            told = False
+            while (why := holder.must_wait(time.monotonic())) is not None:
+                if not told:
+                    log.error("%s", why)
+                    told = True
                 await anyio.sleep(interval)
-                clash = holder.clash(time.monotonic())
-                if clash is not None:
-                    log.error("%s; placement places nothing more on it until one of them stops", clash)
-    finally:
-        if sub is not None:
-            with anyio.CancelScope(shield=True), contextlib.suppress(nats.errors.Error, OSError):
-                await sub.unsubscribe()
+            if told:
+                log.warning("%s %s: the other instance is silent; taking over", node, service)
+        holder.standby = False
+        task_status.started(holder)
+        while True:
+            await anyio.sleep(interval)
+            clash = holder.clash(time.monotonic())
+            if clash is not None:
+                log.error("%s; placement places nothing more on it until one of them stops", clash)

@@ -73,7 +73,7 @@ def bus_metrics(bus: Bus) -> Iterator[Metric]:
     yield counter(
         "llmgw_bus_permission_denied",
         "Publishes and subscriptions nats-server refused.",
-        getattr(bus.nc, "denied_total", 0),
+        bus.denied_total,
     )
     yield GaugeMetricFamily(
         "llmgw_bus_store_full",

@@ -75,12 +75,11 @@ import anyio.abc
 import anyio.from_thread
 import msgspec
 import nats.errors
-from nats.aio.msg import Msg
 
 from llmgw_core.bus import Bus
 from llmgw_core.bus.deadletter import DecodeFailure, decode
 from llmgw_core.errors import BusError
-from llmgw_core.events import NodeStatus, WeightsOffer, WeightsQuery, encode
+from llmgw_core.events import NodeStatus, WeightsOffer, WeightsQuery
 from llmgw_core.limits import NAME_MAX
 from llmgw_core.subjects import ONE
 
@@ -392,47 +391,44 @@ class Peers:
                 exc.strerror or exc,
             )
             server = None
-        sub = None
         try:
-            if server is not None:
-                self._server = server
-                self.port = int(server.server_address[1])
-                threading.Thread(target=server.serve_forever, name="weights-peers", daemon=True).start()
-                threading.Thread(target=server.reap, name="weights-peers-reaper", daemon=True).start()
-                self.serving = True
-                subject = self.bus.names.weights_query(ONE)
-                try:
-                    sub = await self.bus.nc.subscribe(subject, cb=self._on_query)
-                except (nats.errors.Error, OSError) as exc:
-                    log.error("%s: cannot answer weights queries: %s", subject, exc)
-            task_status.started()
-            await anyio.sleep_forever()
+            async with anyio.create_task_group() as tg:
+                if server is not None:
+                    self._server = server
+                    self.port = int(server.server_address[1])
+                    threading.Thread(target=server.serve_forever, name="weights-peers", daemon=True).start()
+                    threading.Thread(target=server.reap, name="weights-peers-reaper", daemon=True).start()
+                    self.serving = True
+                    subject = self.bus.names.weights_query(ONE)
+                    try:
+                        await tg.start(self.bus.listen, subject, self._on_query)
+                    except BusError as exc:
+                        log.error("%s: cannot answer weights queries: %s", subject, exc)
+                task_status.started()
+                await anyio.sleep_forever()
         finally:
             with anyio.CancelScope(shield=True):
                 self.serving = False
-                if sub is not None:
-                    with contextlib.suppress(nats.errors.Error, OSError):
-                        await sub.unsubscribe()
                 if server is not None:
                     await anyio.to_thread.run_sync(server.close)
 
     # --- the bus ------------------------------------------------------------------------
 
-    async def _on_query(self, msg: Msg) -> None:
+    async def _on_query(self, subject: str, data: bytes) -> None:
         sender = ""
         try:
-            sender = sender_of(msg.subject)
+            sender = sender_of(subject)
             if sender == self.node:
                 return
-            offer = self.offer(read_query(msg.data, sender), sender)
+            offer = self.offer(read_query(data, sender), sender)
             if offer is not None:
-                await self.bus.nc.publish(self.bus.names.weights_offer(sender, self.node), encode(offer))
+                await self.bus.publish_core(self.bus.names.weights_offer(sender, self.node), offer)
         except OfferRefused as exc:
-            self._quiet.warn(sender or msg.subject, f"{msg.subject}: dropped: {exc}")
-        except (nats.errors.Error, OSError) as exc:
-            log.warning("%s: cannot answer %s: %s", msg.subject, sender, exc)
+            self._quiet.warn(sender or subject, f"{subject}: dropped: {exc}")
+        except BusError as exc:
+            log.warning("%s: cannot answer %s: %s", subject, sender, exc)
         except Exception:  # one bad query must not end the subscription
-            log.exception("%s: cannot answer %s", msg.subject, sender)
+            log.exception("%s: cannot answer %s", subject, sender)
 
     def offer(self, query: WeightsQuery, sender: str) -> WeightsOffer | None:
         """This node's answer to `sender`'s `query`: what it has of the blob, and a token to read it."""
@@ -507,30 +503,26 @@ class Peers:
             url=f"{self.url}/blobs/{blob}" if self.serving else "",
             token=self.grant(blob) if self.serving else "",
         )
-        nc = self.bus.nc
         names = self.bus.names
         offers: dict[str, WeightsOffer] = {}
 
-        async def on_offer(msg: Msg) -> None:
+        async def on_offer(subject: str, data: bytes) -> None:
             sender = ""
             try:
-                sender = sender_of(msg.subject)
+                sender = sender_of(subject)
                 if sender not in offers and len(offers) < MAX_OFFERS:
-                    offers[sender] = read_offer(msg.data, sender, blob)
+                    offers[sender] = read_offer(data, sender, blob)
             except OfferRefused as exc:
-                self._quiet.warn(sender or msg.subject, f"{msg.subject}: dropped: {exc}")
+                self._quiet.warn(sender or subject, f"{subject}: dropped: {exc}")
 
-        try:
-            sub = await nc.subscribe(names.weights_offer(self.node, ONE), cb=on_offer)
-            try:
-                await nc.publish(names.weights_query(self.node), encode(query))
-                await nc.flush()
+        async with anyio.create_task_group() as tg:
+            try:  # the offers are heard from before the query goes out
+                await tg.start(self.bus.listen, names.weights_offer(self.node, ONE), on_offer)
+                await self.bus.publish_core(names.weights_query(self.node), query)
                 await anyio.sleep(self.window_s)
-            finally:
-                with contextlib.suppress(nats.errors.Error, OSError):
-                    await sub.unsubscribe()
-        except (nats.errors.Error, OSError) as exc:
-            log.warning("%s: cannot ask the other nodes for %s: %s", self.node, blob, exc)
+            except BusError as exc:
+                log.warning("%s: cannot ask the other nodes for %s: %s", self.node, blob, exc)
+            tg.cancel_scope.cancel()
         return list(offers.values())
 
     async def addresses(self, nodes: Iterable[str]) -> dict[str, str]:

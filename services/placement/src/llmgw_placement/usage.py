@@ -4,41 +4,26 @@ One ordered consumer follows the usage stream from a day back and adds each `Usa
 to a per-minute tally; the page and the API read the tally, never the stream, so a slow or
 unreachable stream never holds a page up. A consumer that cannot be opened is tried again
 (the tally rebuilt from the stream) after a pause; until then the rows are empty and `error`
-says why.
+says why. One lost to a reconnect is opened again after the last record taken (`Bus.replay`):
+no record is counted twice.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import time
 
 import anyio
-import msgspec
-import nats.errors
-from nats.aio.msg import Msg
-from nats.js import api
 
 from llmgw_core.bus import Bus
-from llmgw_core.events import decoder
-from llmgw_core.keys import UsageRecord
+from llmgw_core.keys import UsageRecord, UsageRow
 
 log = logging.getLogger("llmgw.placement.usage")
 
 WINDOW_S = 24 * 3600.0
 BUCKET_S = 60.0
 RETRY_S = 5.0
-
-
-class UsageRow(msgspec.Struct, frozen=True, kw_only=True):
-    """One row, as `llmgw ctl usage -o json` writes it (`*` where the rows are summed over it)."""
-
-    key: str
-    deployment: str
-    prompt_tokens: int
-    completion_tokens: int
-    requests: int
 
 
 class UsageWindow:
@@ -52,7 +37,6 @@ class UsageWindow:
         self._minutes: dict[int, dict[tuple[str, str], list[int]]] = {}
         self._totals: dict[tuple[str, str], list[int]] = {}
         self.error = ""
-        self._decode = decoder(UsageRecord)
 
     def clear(self) -> None:
         self._minutes.clear()
@@ -103,36 +87,21 @@ class UsageWindow:
             for (k, d), (p, c, n) in sorted(sums.items())
         ]
 
-    async def _on_msg(self, msg: Msg) -> None:
-        try:
-            self.add(self._decode.decode(msg.data))
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("usage stream: a record on %s cannot be read (%s); skipped", msg.subject, exc)
-
     async def follow(self) -> None:
-        """Follow the usage stream for ever; a failure costs a pause and a fresh read."""
+        """Follow the usage stream for ever; a failure costs a pause and a fresh read. A record
+        that does not decode goes to the DLQ and is skipped (`Bus.replay`)."""
         bus = self.bus
         stream = bus.names.usage_stream
         while True:
-            start = datetime.datetime.fromtimestamp(time.time() - WINDOW_S, tz=datetime.UTC)
             self.clear()
+            records = bus.replay(bus.names.usage_all, UsageRecord, since=time.time() - WINDOW_S, follow=True)
             try:
-                sub = await bus.js.subscribe(
-                    bus.names.usage_all,
-                    stream=stream,
-                    ordered_consumer=True,
-                    deliver_policy=api.DeliverPolicy.BY_START_TIME,
-                    config=api.ConsumerConfig(opt_start_time=start),
-                    cb=self._on_msg,
-                )
+                async with contextlib.aclosing(records):
+                    async for record in records:
+                        self.error = ""
+                        if record is not None:
+                            self.add(record.value)
             except Exception as exc:  # a refusal or an outage costs this try, never placement
                 self.error = f"cannot read the usage stream {stream}: {exc or type(exc).__name__}"
                 log.warning("%s; trying again in %.0f s", self.error, RETRY_S)
                 await anyio.sleep(RETRY_S)
-                continue
-            self.error = ""
-            try:
-                await anyio.sleep_forever()
-            finally:
-                with anyio.CancelScope(shield=True), contextlib.suppress(nats.errors.Error, OSError):
-                    await sub.unsubscribe()

@@ -14,8 +14,8 @@
 - A KV watch yields every key's current value first, then changes, and
   survives a server restart without missing an update.
 
-`Bus` (facade.py) is the one object services hold; the modules beside it do the work
-(the map is in facade.py). Everything a caller needs is importable from here.
+`Bus` (facade.py) is the one object services hold, and the only door to NATS; the modules
+beside it do the work (the map is in facade.py). Everything a caller needs is importable from here.
 """
 
 from .batch import ATOMIC_MAX, Writes, _Write
@@ -24,6 +24,8 @@ from .deadletter import DecodeFailure
 from .facade import Bus
 from .kv import KV_OPS_DELETE, SNAPSHOT_INACTIVE_S, KVChange
 from .options import DEFAULT_URL, BusOptions
+from .plain import NoAnswer
+from .replay import Replayed
 from .start import prepare_node, require_streams
 from .watch import WATCH_TURN_EVERY
 
@@ -39,6 +41,8 @@ __all__ = [
     "Connection",
     "DecodeFailure",
     "KVChange",
+    "NoAnswer",
+    "Replayed",
     "Writes",
     "_Write",
     "prepare_node",

@@ -35,6 +35,11 @@ log = logging.getLogger("llmgw.bus")
 # NATS cluster whose auth.conf was not reloaded yet.)
 REFUSED_RECONNECT_GRACE_S = 10.0
 
+# How long closing waits for subscriptions to hand over what they hold before it flushes what
+# was published and closes. A subscription read by an iterator that stopped reading (a watch
+# whose task ended) never empties: nats-py's default of 30 s made every such close take 30 s.
+DRAIN_TIMEOUT_S = 5.0
+
 
 def transient(exc: BaseException) -> bool:
     """Whether trying the same call again can help: a timeout, a reconnect, a stream
@@ -145,6 +150,7 @@ class Connection:
             "max_reconnect_attempts": -1,
             "reconnect_time_wait": 0.5,
             "connect_timeout": 5,
+            "drain_timeout": DRAIN_TIMEOUT_S,
             "disconnected_cb": self._disconnected,
             "reconnected_cb": self._reconnected,
             "closed_cb": self._closed,
@@ -213,6 +219,13 @@ class Connection:
             if _authentication_refused(exc):
                 self._refused_reconnect(exc)
             return  # each failed reconnect of an outage: the disconnect was logged once
+        if isinstance(exc, nats.errors.DrainTimeoutError):
+            log.info(
+                "%s: closing: a subscription still held messages nobody read after %g s; closed without them",
+                self.service,
+                DRAIN_TIMEOUT_S,
+            )
+            return
         log.warning("%s: NATS error: %s", self.service, exc)
 
     def _refused_reconnect(self, exc: BaseException) -> None:

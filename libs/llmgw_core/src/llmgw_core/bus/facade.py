@@ -7,22 +7,28 @@
     Publisher     events, plain messages, heartbeats       (publish.py)
     KV            one key's reads and writes, snapshots    (kv.py)
     Batches       many writes in one commit                (batch.py)
-    Watches       watches, subscriptions, event history    (watch.py)
+    Watches       watches, subscriptions                   (watch.py)
+    Replay        a stream's history, then what comes      (replay.py)
+    Plain         requests, answers, plain subscriptions   (plain.py)
 
 Each method here says what it is for and hands the call to its part.
+
+`Bus` is the only door to NATS: no module outside this package touches nats-py's client
+or JetStream context (tests/test_bus_door.py walks the tree for it). `nc` and `js` stay
+attributes for tests that play a raw or hostile client.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import anyio
 import anyio.abc
 import msgspec
 from nats.aio.client import Client
-from nats.js import JetStreamContext
+from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
 from ..errors import StoreFull
@@ -34,12 +40,16 @@ from .connection import Connection
 from .deadletter import DeadLetters
 from .kv import KV, KVChange
 from .options import BusOptions
+from .plain import Plain
 from .publish import Publisher
+from .replay import REPLAY_IDLE_S, Replay, Replayed
 from .space import Space
 from .streams import Streams
 from .watch import Watches
 
 T = TypeVar("T", bound=msgspec.Struct)
+# A stream's records may be a union of message kinds (`llmgw ctl events`).
+V = TypeVar("V")
 
 
 class Bus:
@@ -62,6 +72,8 @@ class Bus:
         self.streams = Streams(conn, self.space, self.kvs, self.batches, self.limits)
         self.publisher = Publisher(conn, self.space)
         self.watches = Watches(conn, self.kvs, self.dlq)
+        self.replays = Replay(conn, self.dlq)
+        self.plain = Plain(conn, self.dlq)
 
     # --- the connection ------------------------------------------------------
 
@@ -79,6 +91,21 @@ class Bus:
     def connected_since(self) -> float:
         """Since when (time.monotonic()): a judge of liveness grants a fresh timeout from then."""
         return self.conn.connected_since
+
+    @property
+    def closed(self) -> bool:
+        """Whether NATS closed this client's connection (for good, or being closed)."""
+        return bool(self.conn.nc.is_closed)
+
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server takes (0 before it said)."""
+        return int(self.conn.nc.max_payload or 0)
+
+    @property
+    def denied_total(self) -> int:
+        """Publishes and subscriptions the server refused, since this client connected."""
+        return int(getattr(self.conn.nc, "denied_total", 0))
 
     @property
     def reconnects(self) -> int:
@@ -193,9 +220,32 @@ class Bus:
         """A snapshot of every key's current value (bad values dead-lettered and skipped)."""
         return await self.kvs.entries(bucket, kind, keys)
 
+    async def stream_info(self, stream: str) -> api.StreamInfo:
+        """A stream's configuration and state (how many messages it holds, from when)."""
+        return await self.replays.info(stream)
+
+    async def last(self, stream: str, subject: str, kind: type[T]) -> T | None:
+        """The last message on `subject` that `stream` holds; None if it holds none, or if that
+        one does not decode (it goes to the DLQ)."""
+        return await self.replays.last(stream, subject, kind)
+
     async def history(self, subject: str, kind: type[T], *, idle_s: float = 1.0) -> list[T]:
-        """Every event on `subject` still in the events stream, oldest first."""
-        return await self.watches.history(subject, kind, idle_s=idle_s)
+        """Every event on `subject` still in the events stream, oldest first (`replay`, listed)."""
+        return await self.replays.history(subject, kind, idle_s=idle_s)
+
+    def replay(
+        self,
+        subject: str,
+        kind: type[V],
+        *,
+        stream: str = "",
+        since: float | None = None,
+        follow: bool = False,
+        idle_s: float = REPLAY_IDLE_S,
+    ) -> AsyncGenerator[Replayed[V] | None, None]:
+        """Every record on `subject` its stream still holds (from `since` on), oldest first;
+        with `follow`, then None (caught up) and each new one. Bad records go to the DLQ."""
+        return self.replays.replay(subject, kind, stream=stream, since=since, follow=follow, idle_s=idle_s)
 
     # --- bad messages ------------------------------------------------------------
 
@@ -220,6 +270,37 @@ class Bus:
     ) -> None:
         """Handle plain NATS messages (heartbeats) until cancelled; bad ones go to the DLQ."""
         await self.watches.subscribe_core(subject, kind, handler, task_status=task_status)
+
+    async def listen(
+        self,
+        subject: str,
+        handler: Callable[[str, bytes], Awaitable[None]],
+        *,
+        queue: str = "",
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Hand each plain NATS message's subject and bytes to `handler` until cancelled, for a
+        handler with a parser of its own; BusError before started if the server refuses."""
+        await self.plain.listen(subject, handler, queue=queue, task_status=task_status)
+
+    async def answer(
+        self,
+        subject: str,
+        handler: Callable[[bytes], Awaitable[bytes]],
+        *,
+        queue: str = "",
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Answer each request on `subject` with `handler(data)` until cancelled; BusError
+        before started if the server refuses."""
+        await self.plain.answer(subject, handler, queue=queue, task_status=task_status)
+
+    async def request(
+        self, subject: str, value: msgspec.Struct | None, kind: type[T], *, timeout: float
+    ) -> T:
+        """Ask on `subject` and decode the answer; NoAnswer when nobody answers in time,
+        DecodeFailure (dead-lettered) when the answer is not a `kind`."""
+        return await self.plain.request(subject, value, kind, timeout=timeout)
 
     def last_per_subject(self, subject: str, kind: type[T]) -> AsyncIterator[tuple[str, T]]:
         """The last event on each subject matching `subject`, then each new one."""

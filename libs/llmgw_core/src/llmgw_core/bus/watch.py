@@ -1,5 +1,5 @@
 """Reading as things happen: KV watches that survive reconnects, plain NATS subscriptions
-(heartbeats), and the events still in the events stream."""
+(heartbeats), and each subject's last event then every new one."""
 
 from __future__ import annotations
 
@@ -40,31 +40,6 @@ class Watches:
         self.conn = conn
         self.kv = kv
         self.dlq = dlq
-
-    async def history(self, subject: str, kind: type[T], *, idle_s: float = 1.0) -> list[T]:
-        """Every event on `subject` (wildcards allowed) still in the events stream, oldest first:
-        read until none has come for `idle_s`. Values that do not decode are skipped."""
-        self.conn.check(subject)
-        dec = decoder(kind)
-        out: list[T] = []
-        try:
-            sub = await self.conn.js.subscribe(
-                subject, stream=self.conn.names.events_stream, ordered_consumer=True
-            )
-        except (nats.errors.Error, OSError) as exc:
-            self.conn.raise_if_final(exc)
-            raise BusError(f"cannot read {subject}: {exc or type(exc).__name__}") from exc
-        try:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=idle_s)
-                except nats.errors.TimeoutError:
-                    return out
-                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                    out.append(dec.decode(msg.data))
-        finally:
-            with anyio.CancelScope(shield=True), contextlib.suppress(nats.errors.Error, OSError):
-                await sub.unsubscribe()
 
     async def last_per_subject(self, subject: str, kind: type[T]) -> AsyncIterator[tuple[str, T]]:
         """The last event still in the events stream on each subject matching `subject`, then
