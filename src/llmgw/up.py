@@ -60,7 +60,7 @@ import nats.js.errors
 from llmgw_core import telemetry
 from llmgw_core.bus import Bus, BusOptions, require_streams
 from llmgw_core.config import AgentConfig
-from llmgw_core.engines import GPUInfo, SourceError, parse_source
+from llmgw_core.engines import GPUInfo, SourceError, is_source, parse_source
 from llmgw_core.errors import BusError, LlmgwError
 from llmgw_core.events import NodeStatus, ReplicaRecord, ShardStatus
 from llmgw_core.keys import ApiKey, key_state, new_secret, secret_hash
@@ -217,7 +217,7 @@ MODEL_READY_TIMEOUT_S = 3600.0
 def model_source(model: str, cwd: Path) -> str:
     """`--model` as a profile's `model:` source (`hf://…`, or `file://` and the absolute path of a
     local file), or SystemExit saying what is wrong and what to give instead."""
-    if "://" not in model:
+    if not is_source(model):
         path = (cwd / model).resolve()
         if not path.is_file():
             raise SystemExit(

@@ -19,7 +19,7 @@ from msgspec import Meta, Struct
 
 # Names and ids that become subject or key tokens: their rules are in `llmgw_core.limits`.
 from .limits import Aliases, Name, Token
-from .sources import node_file, staged_key, weights_key
+from .sources import ModelRef, ModelSource, SourceError, node_file, parse_model, staged_key, weights_key
 
 __all__ = [
     "Autoscale",
@@ -99,14 +99,20 @@ class GPUInfo(Struct, frozen=True, kw_only=True):
 
 
 class Profile(Struct, frozen=True, kw_only=True):
-    """How one model runs on one class of GPU, as the catalog states it."""
+    """How one model runs on one class of GPU, as the catalog states it.
+
+    `model` is read as one value (`model_ref`: the served name, or the source, or why neither),
+    parsed once per text where a profile first enters (a config loaded, an API write, `ctl
+    apply`, a spec decoded from the bus) and kept (`sources.parse_model`); its readers take
+    `source`, `served_name` or the keys, never the text.
+    """
 
     name: Name
     engine: str
     # Where the engine reads the weights. With `model` naming a source (hf://, https://,
     # file://) the node stages them and the engine reads the staged path instead.
     model_path: str = ""
-    # The served name, or where the weights come from (`llmgw_core.engines.parse_source`).
+    # The served name, or where the weights come from (`llmgw_core.sources`): read as `model_ref`.
     model: str = ""
     gpu_class: str = ""
     tp: int = 1
@@ -121,10 +127,25 @@ class Profile(Struct, frozen=True, kw_only=True):
     model_sha256: str = ""
 
     @property
+    def model_ref(self) -> ModelRef:
+        """`model` parsed: the served name it gives, or the source it names, or why neither."""
+        return parse_model(self.model, self.model_sha256, self.name)
+
+    @property
+    def source(self) -> ModelSource | None:
+        """Where the node stages the weights from; None where `model` is the served name (the
+        weights are at `model_path`). Raises SourceError, naming the profile, for a source that
+        cannot be staged."""
+        ref = self.model_ref
+        if ref.error is not None:
+            # A new error each time: the kept one raised again would gather every raiser's frames.
+            raise SourceError(ref.error.words, profile=ref.error.profile)
+        return ref.source
+
+    @property
     def served_name(self) -> str:
         # A source is not a name a client would ask for.
-        named = "" if "://" in self.model else self.model
-        return self.served_model_name or named or self.name
+        return self.served_model_name or self.model_ref.name or self.name
 
     @property
     def weights_key(self) -> str:
@@ -133,12 +154,12 @@ class Profile(Struct, frozen=True, kw_only=True):
 
     @property
     def staged_key(self) -> str:
-        """`weights_key` where the node stages the weights itself, else "" (`sources.staged_key`)."""
+        """`weights_key` where the node stages the weights itself, else "" (`ModelRef.staged_key`)."""
         return staged_key(self.model, self.model_sha256)
 
     @property
     def node_file(self) -> str:
-        """The file the node must already hold for this profile (see `sources.node_file`), or ""."""
+        """The file the node must already hold for this profile (see `ModelRef.node_file`), or ""."""
         return node_file(self.model, self.model_sha256, self.model_path)
 
     @property
@@ -763,8 +784,13 @@ class ReplicaStatus(Message, frozen=True):
 
 
 class NodeReason(Struct, frozen=True, kw_only=True):
+    """Why placement cannot put a replica on `node`: the operator's words, and what refused it
+    (`kind`, one of `llmgw_core.failures.REFUSAL_KINDS`), which readers act on instead of the
+    words. "" from a placement that predates kinds (`failures.readying` reads its words)."""
+
     node: str
     reason: str
+    kind: str = ""
 
 
 class DeploymentStatus(Message, frozen=True):

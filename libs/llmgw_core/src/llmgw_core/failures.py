@@ -4,15 +4,31 @@ take their words from here, and the launcher its text for readers that predate t
 A failure travels as fields (`ShardFailure`: reason, exit, log tail, attempt). Its text
 form, "<reason>; last log lines:\\n<lines>", is written only for old readers; the one place
 that reads it back is `failure_of`, for a launcher or placement that predates the fields.
+
+A node's refusal of a replica travels so too (`NodeReason`: node, words, kind): readers act
+on its kind (`readying`); the one place that reads its words instead is `readying`, for a
+placement that predates kinds.
 """
 
 from __future__ import annotations
 
+import re
 import signal
 
-from .events import ReplicaRecord, ShardFailure, ShardStatus
+from .events import NodeReason, ReplicaRecord, ShardFailure, ShardStatus
 
-__all__ = ["details", "failure_of", "how_it_ended", "one_line", "reason_line", "retrying", "summary", "text"]
+__all__ = [
+    "REFUSAL_KINDS",
+    "details",
+    "failure_of",
+    "how_it_ended",
+    "one_line",
+    "readying",
+    "reason_line",
+    "retrying",
+    "summary",
+    "text",
+]
 
 # Between a failure's reason and the log lines it quotes, in its text form.
 _LOG_MARK = "; last log lines:"
@@ -86,3 +102,58 @@ def how_it_ended(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+# What refused a node (`NodeReason.kind`), as placement's feasibility names it.
+UNUSABLE = "unusable"  # placement cannot use the node's status at all
+LOST = "lost"  # no heartbeat within node_timeout_s
+CLAIMED = "claimed"  # two machines send the node's heartbeats
+CORDONED = "cordoned"  # the operator keeps new replicas off it (cordon, drain)
+POOL = "pool"  # not in the deployment's pool
+MODEL_MISSING = "model-missing"  # the node's launcher found the model file missing
+ENGINE_INSTALLING = "engine-installing"  # the node's installer is at work on the engine
+ENGINE_MISSING = "engine-missing"  # the engine is not installed, and the installer said nothing yet
+ENGINE_DOWN = "engine-down"  # the engine's install failed, or its build is broken
+CPU_BUILD = "cpu-build"  # a GPU profile, and the node installed the engine's CPU build
+GPUS = "gpus"  # no GPUs, none of the profile's class, or too few free
+PROFILE = "profile"  # the profile cannot run on the GPUs the node would give it
+MODEL_FIT = "model-fit"  # the model does not fit the node's memory, or its shape is unusable
+AVX2 = "avx2"  # a CPU profile on a node without AVX2
+FABRIC = "fabric"  # a multi-node profile: no fabric, too few fitting nodes on it, no port in common
+FAULT = "fault"  # placement could not judge the node (its log has the traceback)
+CATALOG = "catalog"  # the deployment names no profile of the catalog
+REFUSAL_KINDS = frozenset(
+    {
+        UNUSABLE,
+        LOST,
+        CLAIMED,
+        CORDONED,
+        POOL,
+        MODEL_MISSING,
+        ENGINE_INSTALLING,
+        ENGINE_MISSING,
+        ENGINE_DOWN,
+        CPU_BUILD,
+        GPUS,
+        PROFILE,
+        MODEL_FIT,
+        AVX2,
+        FABRIC,
+        FAULT,
+        CATALOG,
+    }
+)
+# The node is getting ready for the profile: its installer may yet make the engine run there.
+READYING_KINDS = frozenset({ENGINE_INSTALLING, ENGINE_MISSING})
+# A placement that predates kinds said so only in words: the installer's progress (`installing:
+# …`), the engine's state (`engine llamacpp installing: …`), or `engine vllm not installed`.
+_READYING_WORDS = re.compile(r"(installing\b|engine \S+ (installing\b|not installed$))")
+
+
+def readying(reason: NodeReason) -> bool:
+    """Whether the refusing node is getting ready for the profile (its engine installing, or
+    not installed yet), so that a replica may be placed there soon: read from the reason's
+    kind, or, from a placement that predates kinds, its words."""
+    if reason.kind:
+        return reason.kind in READYING_KINDS
+    return _READYING_WORDS.match(reason.reason) is not None

@@ -85,6 +85,18 @@ class UsageRecord(Message, frozen=True):
     gateway: str = ""
 
 
+class UsageRow(Struct, frozen=True, kw_only=True):
+    """Tokens spent, summed per key and deployment (`*` where the rows are summed over it):
+    one row as `llmgw ctl usage` prints it and writes it with `-o json`, and as the cluster
+    page's `/api/usage` answers it."""
+
+    key: str
+    deployment: str
+    prompt_tokens: int
+    completion_tokens: int
+    requests: int
+
+
 def new_secret() -> str:
     return SECRET_PREFIX + secrets.token_urlsafe(32)
 

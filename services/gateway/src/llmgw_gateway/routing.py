@@ -66,7 +66,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
-import re
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -244,10 +243,6 @@ REFUSAL_CHARS = 1000
 # Groups of nodes with one reason, and nodes named in each, before the rest are counted.
 REFUSAL_GROUPS = 4
 REFUSAL_NODES = 3
-# Placement's words for a node getting ready for a profile (feasibility.py): its installer at
-# work on the engine (`installing: …`, `engine llamacpp installing: …`, `engine vllm not
-# installed` before the installer said more). Such a refusal is held for, not answered at once.
-_READYING = re.compile(r"(installing\b|engine \S+ (installing\b|not installed$))")
 # One node's reason, as it is grouped (placement's words are one line of a few dozen characters).
 REFUSAL_REASON_CHARS = 200
 
@@ -476,9 +471,10 @@ class Table:
         status = self.statuses.get(deployment)
         if status is None or not status.unplaceable or status.ready or status.pending:
             return None
-        if not status.reasons or any(_READYING.match(r.reason) for r in status.reasons):
-            # No node heard of yet (a cluster starting), or a node installing the engine: one
-            # may take the replica within the hold.
+        if not status.reasons or any(failures.readying(r) for r in status.reasons):
+            # No node heard of yet (a cluster starting), or a node installing the engine
+            # (`failures.readying`, read from the reason's kind): one may take the replica
+            # within the hold.
             return None
         d = self.deployments.get(deployment)
         if d is not None and d.autoscale is None and d.replicas == 0:

@@ -13,10 +13,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
+from llmgw_core import failures
 from llmgw_core.engines import Profile
-from llmgw_core.events import Deployment
+from llmgw_core.events import Deployment, NodeReason
 
-from .feasibility import NodeView, cached_score, choose_gpus, gpus_needed, score, unfit
+from .feasibility import NodeView, Reason, cached_score, choose_gpus, gpus_needed, node_reason, score, unfit
 from .index import NodeIndex
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "NodeIndex",
     "NodeView",
     "Placement",
+    "Reason",
     "Refusal",
     "choose_gpus",
     "decide",
@@ -52,7 +54,17 @@ class Placement:
 
 @dataclass(frozen=True)
 class Refusal:
+    # Each node and its reason: a `Reason` (words and kind) where placement judged the node.
     reasons: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, reasons: Sequence[NodeReason]) -> Refusal:
+        """A refusal as it was told, its kinds kept."""
+        return cls(tuple((r.node, Reason.of(r)) for r in reasons))
+
+    def node_reasons(self) -> tuple[NodeReason, ...]:
+        """Every node's reason as it travels (`NodeReason`: words and kind as fields)."""
+        return tuple(node_reason(node, reason) for node, reason in self.reasons)
 
     def text(self) -> str:
         if not self.reasons:
@@ -121,7 +133,7 @@ def decide(
         ordered = chain(
             sorted(holders, key=lambda v: score(v, profile, deployment)), index.binpack_order(profile, need)
         )
-        memo: dict[tuple[tuple[str, str, int], ...], list[str]] = {}
+        memo: dict[tuple[tuple[str, str, int], ...], list[Reason]] = {}
         # Kept in the view under _decide's key: _decide finds it there for the winner, and
         # the next decision for the deployment finds it for every node walked past.
         cache_key = (profile.fingerprint(), deployment.name, deployment.pool)
@@ -146,7 +158,7 @@ def _decide(
 ) -> Decision:
     reasons: dict[str, str] = {}
     fit: list[NodeView] = []
-    memo: dict[tuple[tuple[str, str, int], ...], list[str]] = {}
+    memo: dict[tuple[tuple[str, str, int], ...], list[Reason]] = {}
     fp = profile.fingerprint()
     cache_key = (fp, deployment.name, deployment.pool)
     for node in nodes:
@@ -184,9 +196,10 @@ def _decide(
     for fabric, members in by_fabric.items():
         if len(members) < profile.nodes:
             for node in members:
-                reasons[node.node] = (
+                reasons[node.node] = Reason(
                     f"fabric {fabric} has {len(members)} fitting node{'s' if len(members) != 1 else ''}, "
-                    f"profile needs {profile.nodes}"
+                    f"profile needs {profile.nodes}",
+                    failures.FABRIC,
                 )
             continue
         free_after = sum(len(n.free_gpus(profile.gpu_class)) for n in members) - need * profile.nodes
@@ -214,7 +227,9 @@ def _assemble(
     if port is None:
         # Refused in words, as any other node is: raised, it failed the whole step.
         low, high = port_range
-        why = f"no port of dist_port_range {low}-{high} free on every node of fabric {fabric}"
+        why = Reason(
+            f"no port of dist_port_range {low}-{high} free on every node of fabric {fabric}", failures.FABRIC
+        )
         return Refusal(tuple(sorted((n.node, why) for n in chosen)))
     hcas_of_fabric = (fabric_hcas or {}).get(fabric, ())
     members_out = []

@@ -1,8 +1,9 @@
 """Whether one node can take one rank of a profile, and in whose words it cannot; how well it fits.
 
-`unfit` gives every refusal's reason for a node (the words `ctl explain` shows and
-the events carry); `score` ranks the nodes that fit. Both read a `NodeView` only,
-so the index (`index.py`) and the decision (`decide.py`) judge a node alike.
+`unfit` gives every refusal's reason for a node (a `Reason`: the words `ctl explain`
+shows and the events carry, and their kind, which readers act on); `score` ranks the
+nodes that fit. Both read a `NodeView` only, so the index (`index.py`) and the decision
+(`decide.py`) judge a node alike.
 
 `unfit` is total: a record it cannot use (a model's shape outside its bounds, a GPU
 reporting impossible memory) refuses the node in words for that profile, and any other
@@ -12,12 +13,13 @@ fault in judging one node costs that node, never the decision or the step.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from llmgw_core import fit
-from llmgw_core.engines import GPUInfo, Profile, validate_profile
-from llmgw_core.events import Deployment, EngineState, ModelShape
+from llmgw_core import failures, fit
+from llmgw_core.engines import GPUInfo, Profile, profile_problems
+from llmgw_core.events import Deployment, EngineState, ModelShape, NodeReason
 
 from .gpuclass import gpu_class
 
@@ -28,6 +30,37 @@ ENGINE_NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM", "sglang": "SGLang"}
 WORDS_MAX = 300
 
 log = logging.getLogger("llmgw.placement")
+
+# The installer's progress while it works (`installing: downloading …`): the node's status
+# carries its words only, so they are classed here, where the refusal is made.
+_INSTALLING = re.compile(r"installing\b")
+
+
+class Reason(str):
+    """Why one node cannot take a rank: the operator's words (the string itself, so that every
+    reader of the words reads them as before) and what refused the node (`kind`, one of
+    `failures.REFUSAL_KINDS`) as a field, carried from where the refusal is made to where it
+    is said (`NodeReason`), never read back out of the words."""
+
+    kind: str
+
+    def __new__(cls, words: str, kind: str) -> Reason:
+        made = super().__new__(cls, words)
+        made.kind = kind
+        return made
+
+    def __reduce__(self) -> tuple[type[Reason], tuple[str, str]]:
+        return Reason, (str(self), self.kind)
+
+    @classmethod
+    def of(cls, reason: NodeReason) -> Reason:
+        return cls(reason.reason, reason.kind)
+
+
+def node_reason(node: str, reason: str) -> NodeReason:
+    """One node's refusal as it travels: plain words (msgspec encodes no `str` subclass) and,
+    from a `Reason`, its kind."""
+    return NodeReason(node=node, reason=str(reason), kind=reason.kind if isinstance(reason, Reason) else "")
 
 
 def fault_words(exc: BaseException) -> str:
@@ -92,7 +125,7 @@ class NodeView:
     _chosen: dict[tuple[str, int], list[GPUInfo]] = field(default_factory=dict, compare=False, repr=False)
     # unfit() per (profile fingerprint, deployment name, pool): the many replicas of one
     # deployment placed in a step meet the same unchanged views again and again.
-    _unfit: dict[tuple[str, str, str], str | None] = field(default_factory=dict, compare=False, repr=False)
+    _unfit: dict[tuple[str, str, str], Reason | None] = field(default_factory=dict, compare=False, repr=False)
     # score() per (profile fingerprint, deployment name, strategy).
     _scores: dict[tuple[str, str, str], tuple[object, ...]] = field(
         default_factory=dict, compare=False, repr=False
@@ -134,8 +167,8 @@ def unfit(
     node: NodeView,
     profile: Profile,
     deployment: Deployment,
-    memo: dict[tuple[tuple[str, str, int], ...], list[str]] | None = None,
-) -> str | None:
+    memo: dict[tuple[tuple[str, str, int], ...], list[Reason]] | None = None,
+) -> Reason | None:
     """Why `node` cannot take one rank of `profile`, in the node's own words where it gave them.
 
     `memo` keeps the profile's validation per kind of GPU set across the nodes of one
@@ -152,59 +185,64 @@ def unfit(
     try:
         return _unfit(node, profile, deployment, memo)
     except fit.FitError as exc:
-        return f"model {profile.weights_key or profile.model_path}: {exc}"
+        return Reason(f"model {profile.weights_key or profile.model_path}: {exc}", failures.MODEL_FIT)
     except Exception as exc:
         log.exception("cannot judge node %s for profile %s", node.node, profile.name)
-        return f"placement cannot judge this node for profile {profile.name}: {fault_words(exc)}"
+        return Reason(
+            f"placement cannot judge this node for profile {profile.name}: {fault_words(exc)}", failures.FAULT
+        )
 
 
 def _unfit(
     node: NodeView,
     profile: Profile,
     deployment: Deployment,
-    memo: dict[tuple[tuple[str, str, int], ...], list[str]] | None,
-) -> str | None:
+    memo: dict[tuple[tuple[str, str, int], ...], list[Reason]] | None,
+) -> Reason | None:
     if node.unusable:
-        return node.unusable
+        return Reason(node.unusable, failures.UNUSABLE)
     if not node.alive:
         if node.lost_since:
-            return f"lost: no heartbeat since {node.lost_since}"
-        return f"lost {int(node.lost_for_s)} s ago"
+            return Reason(f"lost: no heartbeat since {node.lost_since}", failures.LOST)
+        return Reason(f"lost {int(node.lost_for_s)} s ago", failures.LOST)
     if node.claimed:
-        return node.claimed
+        return Reason(node.claimed, failures.CLAIMED)
     if node.cordoned:
-        return node.cordoned
+        return Reason(node.cordoned, failures.CORDONED)
     if deployment.pool and deployment.pool not in node.pools:
-        return f"not in pool {deployment.pool}"
+        return Reason(f"not in pool {deployment.pool}", failures.POOL)
     if node.missing_models and profile.node_file in node.missing_models:
-        return f"model file not found: {profile.node_file}"
+        return Reason(f"model file not found: {profile.node_file}", failures.MODEL_MISSING)
     engine = node.engines.get(profile.engine)
     if engine is None:
-        return node.install or f"engine {profile.engine} not installed"
+        if not node.install:
+            return Reason(f"engine {profile.engine} not installed", failures.ENGINE_MISSING)
+        installing = _INSTALLING.match(node.install) is not None
+        return Reason(node.install, failures.ENGINE_INSTALLING if installing else failures.ENGINE_DOWN)
     if not engine.runs:
         # The node's own words: the install's progress while it installs, else the detail
         # the installer gave (why it failed, the library a broken build misses).
         words = engine.detail or (
             node.install.removeprefix("installing: ") if engine.state == "installing" else ""
         )
-        return (
-            f"engine {profile.engine} {engine.state}: {words}"
-            if words
-            else f"engine {profile.engine} {engine.state}"
-        )
+        said = f"engine {profile.engine} {engine.state}"
+        readying = failures.ENGINE_INSTALLING if engine.state == "installing" else failures.ENGINE_DOWN
+        return Reason(f"{said}: {words}" if words else said, readying)
     need = gpus_needed(profile)
     if profile.gpu_class and engine.cpu_only:
         # The node installed the CPU build (its driver runs none of the CUDA builds): a GPU
         # profile there would run on the CPU, several times slower, with nothing looking wrong.
-        return f"engine {profile.engine} is the CPU build here: {engine.cpu_only}"
+        return Reason(f"engine {profile.engine} is the CPU build here: {engine.cpu_only}", failures.CPU_BUILD)
     if profile.gpu_class:
         if not node.gpus:
-            return f"no GPUs, profile needs {profile.gpu_class}"
+            return Reason(f"no GPUs, profile needs {profile.gpu_class}", failures.GPUS)
         if profile.gpu_class not in node.classes:
-            return f"GPU class {', '.join(sorted(node.classes))}, profile needs {profile.gpu_class}"
+            classes = ", ".join(sorted(node.classes))
+            return Reason(f"GPU class {classes}, profile needs {profile.gpu_class}", failures.GPUS)
         free = node.free_gpus(profile.gpu_class)
         if len(free) < need:
-            return f"{len(free)} of {node.count_of(profile.gpu_class)} GPUs free, profile needs {need}"
+            have = f"{len(free)} of {node.count_of(profile.gpu_class)} GPUs free"
+            return Reason(f"{have}, profile needs {need}", failures.GPUS)
         chosen = node.chosen(profile.gpu_class, need)
         kind = tuple((g.name, g.compute_capability, g.memory_mb) for g in chosen)
         problems = memo.get(kind) if memo is not None else None
@@ -218,30 +256,32 @@ def _unfit(
         # Refused, not only warned: a CPU replica there looks as healthy as any other
         # and answers several times slower (docs/placement.md, "No AVX2").
         name = ENGINE_NAMES.get(profile.engine, profile.engine)
-        return (
+        return Reason(
             f"no AVX2: {name}'s CPU build would run several times slower here; "
             "place CPU profiles on nodes with AVX2 (`llmgw ctl nodes` marks those without), "
-            "or give the profile a gpu_class"
+            "or give the profile a gpu_class",
+            failures.AVX2,
         )
     else:
         shape = node.shapes.get(profile.weights_key)
         if shape is not None:
             too_big = fit.check_shard(shape, profile, memory_mb=node.memory_mb)
             if too_big:
-                return too_big
+                return Reason(too_big, failures.MODEL_FIT)
     if profile.nodes > 1 and not node.fabric:
-        return f"on no fabric; profile needs {profile.nodes} nodes on one fabric"
+        return Reason(f"on no fabric; profile needs {profile.nodes} nodes on one fabric", failures.FABRIC)
     return None
 
 
-def _gpu_problems(profile: Profile, chosen: list[GPUInfo], shape: ModelShape | None) -> list[str]:
-    """Why `profile` cannot run on the GPUs `chosen`: the engine's own checks, then whether the
-    model's share fits the smallest of them (they are of one class) with its KV cache."""
-    problems = [p.split(": ", 1)[1] for p in validate_profile(profile, chosen)]
+def _gpu_problems(profile: Profile, chosen: list[GPUInfo], shape: ModelShape | None) -> list[Reason]:
+    """Why `profile` cannot run on the GPUs `chosen`: the engine's own checks (their words: the
+    refusal is of this profile already), then whether the model's share fits the smallest of
+    them (they are of one class) with its KV cache."""
+    problems = [Reason(p.words, failures.PROFILE) for p in profile_problems(profile, chosen)]
     if not problems and shape is not None:
         too_small = fit.check_shard(shape, profile, chosen)
         if too_small:
-            problems.append(too_small)
+            problems.append(Reason(too_small, failures.MODEL_FIT))
     return problems
 
 

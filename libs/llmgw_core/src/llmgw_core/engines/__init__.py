@@ -7,7 +7,7 @@ Nothing here starts a process; the launcher does that with what these return.
 # re-exported here because most of the code that builds or reads them imports them from here.
 from ..events import GPUInfo, Member, Profile, ShardSpec
 from ..limits import TOKEN_PATTERN, Name, Token
-from ..sources import ModelSource, SourceError, is_source, parse_source, weights_key
+from ..sources import ModelRef, ModelSource, SourceError, is_source, parse_model, parse_source
 from ._env import generated_env, materialise
 from ._quant import MIN_CAPABILITY, parse_capability, quantization_of
 from ._registry import (
@@ -19,7 +19,7 @@ from ._registry import (
     extra_ports_needed,
 )
 from ._types import BASE_API_PATHS, Address, Command, Engine
-from ._validate import validate_profile
+from ._validate import Problem, profile_problems, validate_profile
 from .llamacpp import LlamaCpp, LlamaCppConfig
 from .sglang import SGLang, SGLangConfig
 from .sim import Sim, SimConfig
@@ -39,8 +39,10 @@ __all__ = [
     "LlamaCpp",
     "LlamaCppConfig",
     "Member",
+    "ModelRef",
     "ModelSource",
     "Name",
+    "Problem",
     "Profile",
     "Registry",
     "SGLang",
@@ -58,8 +60,9 @@ __all__ = [
     "is_source",
     "materialise",
     "parse_capability",
+    "parse_model",
     "parse_source",
+    "profile_problems",
     "quantization_of",
     "validate_profile",
-    "weights_key",
 ]

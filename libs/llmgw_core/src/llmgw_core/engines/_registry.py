@@ -3,7 +3,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from ..events import ShardSpec
-from ._types import BASE_API_PATHS, Engine
+from ._types import Engine
 
 
 class UnknownEngineError(KeyError):
@@ -51,7 +51,7 @@ class Registry:
         engine = self._engines.get(name)
         if engine is None:
             return None
-        return frozenset(getattr(engine, "api_paths", BASE_API_PATHS))
+        return engine.api_paths
 
     def names(self) -> list[str]:
         return sorted(self._engines)

@@ -59,6 +59,11 @@ class Engine(Protocol):
     @property
     def metrics_path(self) -> str: ...
 
+    @property
+    def api_paths(self) -> frozenset[str]:
+        """The HTTP API paths the engine's server answers: `BASE_API_PATHS` and its own."""
+        ...
+
     def validate(
         self, profile: Profile, gpus: list[GPUInfo], shard: ShardSpec | None = None
     ) -> list[str]: ...
