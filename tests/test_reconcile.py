@@ -2,9 +2,15 @@
 
 Each case is a cluster (nodes, when each was last heard, the replicas placement holds,
 the shards' statuses) and the entries the step must plan: the same cases the end-to-end
-placement tests drive through processes, here in the plan's own terms and words."""
+placement tests drive through processes, here in the plan's own terms and words.
+
+Every step of every case is decided twice from the same inputs (`World.step`): the two
+plans must be equal and the inputs (what placement holds, the kept index) unchanged, as
+`reconcile` is pure. The plan is then taken into memory as if every write landed."""
 
 from __future__ import annotations
+
+import copy
 
 import msgspec
 import pytest
@@ -24,7 +30,7 @@ from llmgw_core.events import (
 from llmgw_core.events import ReplicaRecord as Record
 from llmgw_placement.apply import BATCH_MAX
 from llmgw_placement.config import ServerConfig
-from llmgw_placement.held import Held
+from llmgw_placement.held import Held, key
 from llmgw_placement.index import KeptIndex
 from llmgw_placement.liveness import Liveness
 from llmgw_placement.plan import Plan, Refuse
@@ -134,7 +140,38 @@ class World:
             counts=counts or {},
             quiet=quiet,
         )
-        return reconcile(snap, self.held, self.index, at)
+        before = self.memory()
+        plan = reconcile(snap, self.held, self.index, at)
+        assert self.memory() == before, "reconcile changed what placement holds"
+        again = reconcile(snap, self.held, self.index, at)
+        assert again == plan, "the same snapshot, replicas and index gave another plan"
+        assert self.memory() == before, "reconcile changed what placement holds"
+        self.landed(plan)
+        return plan
+
+    def memory(self) -> tuple[object, ...]:
+        """What placement holds, as values: `Held`, what the kept index counts taken (as the
+        views read it), its generation, and which view object is each node's."""
+        usage = self.index.usage
+        return (
+            copy.deepcopy(self.held),
+            {n: g for n, g in usage.gpus.items() if g},
+            {n: p for n, p in usage.ports.items() if p},
+            +usage.shards,
+            {n: +c for n, c in usage.replicas_of.items() if +c},
+            {n: +c for n, c in usage.weights.items() if +c},
+            self.index.index.generation,
+            {n: id(v) for n, v in self.index.index.views.items()},
+        )
+
+    def landed(self, plan: Plan) -> None:
+        """As the applier does once every write of `plan` landed (placements stay unnamed)."""
+        proposed = plan.proposed
+        assert proposed is not None
+        proposed.removed(plan.removals)
+        gone = {key(r.record) for r in plan.removals}
+        proposed.saved([s for s in plan.saves if key(s.after) not in gone])
+        proposed.settle()
 
 
 def placed_on(plan: Plan) -> list[tuple[str, ...]]:
@@ -304,7 +341,7 @@ def test_a_replica_is_observed_from_its_shards(
         return
     [save] = plan.saves
     assert (save.after.state, save.after.reason, save.after.url) == (state, reason, url)
-    assert w.held.replicas["chat.r0"] is save.after, "taken in memory at once"
+    assert w.held.replicas["chat.r0"] is save.after, "taken in memory once written"
     assert plan.places == []
     assert plan.removals == []
 

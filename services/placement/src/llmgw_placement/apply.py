@@ -1,20 +1,21 @@
-"""Writing a Plan: fence, name, commit, undo, publish.
+"""Writing a Plan: fence, name, commit, take what landed, publish.
 
 The applier proves the lease before writing (at most once per heartbeat interval),
-gives each placement the next replica id of its deployment (reserving a block of
-ids in the leases bucket by compare-and-set when none is left), turns the plan's
-entries into writes, commits them (one atomic batch per stream where the server
-takes them), takes back in memory what did not land, and publishes what was written.
+gives each placement the next replica id of its deployment (`ids.py`), turns the
+plan's entries into writes, commits them (one atomic batch per stream where the
+server takes them), and publishes what was written. Placement's memory (`Held`, the
+kept index) changes only from what landed: each commit acknowledged is taken into it
+(`proposed.Proposed`), and a step whose writes all landed settles its plan.
 
-Undo rules: placements whose writes fail stay `placing` in memory with their ids,
-and the next step writes them again as they are (a NATS that refuses writes for
-space costs no replica ids, however long it lasts); removals that fail are
-remembered again and retried; changes of state that fail are taken back, and the
-next step observes them again. A commit that raised may still have landed (its
-answer lost on every try), so the records of changes taken back after one was
-sent are written again from memory by the next flush, whatever else it writes: the
-bucket never keeps a change placement took back. A placement decided but not named
-when the step failed is given back (its GPUs free again, no id used).
+What did not land was never taken, so nothing is taken back: placements named and not
+written are kept (`Held.unwritten`) and the next step writes them again with the same
+ids (a NATS that refuses writes for space costs no replica ids, however long it lasts);
+removals and changes of state are decided again by the next step from what placement
+holds. A commit that raised may still have landed (its answer lost on every try), so
+the records of changes it carried are written again, as memory holds them, by the next
+flush, whatever else it writes: the bucket never keeps a change placement does not
+hold. A placement decided but not named when the step failed is dropped with the
+step's plan (no id used, no GPU held).
 """
 
 from __future__ import annotations
@@ -33,25 +34,19 @@ from llmgw_core.events import PlacementDecision, ReplicaRecord, ReplicaStatus, n
 from llmgw_core.telemetry import context_from, current_traceparent, links
 
 from .config import ServerConfig
-from .held import REPLICA_NUMBER, Held, key
+from .held import Held, key
+from .ids import ID_BLOCK, ID_BLOCK_MAX, ReplicaIds, next_replica_id
 from .index import KeptIndex
 from .metrics import PlacementMetrics
 from .plan import Place, Placed, Plan, Refuse, Remove, Save
+from .proposed import Proposed
+
+__all__ = ["BATCH_MAX", "ID_BLOCK", "ID_BLOCK_MAX", "Applier", "ReplicaIds"]
 
 log = logging.getLogger("llmgw.placement")
 tracer = trace.get_tracer("llmgw.placement")
 
 
-class ReplicaIds(msgspec.Struct, frozen=True, kw_only=True):
-    """`replica-ids.<deployment>` in the leases bucket: replica numbers below `next` were handed out."""
-
-    deployment: str
-    next: int
-
-
-# Replica numbers are reserved this many at a time: one write per block, not per replica.
-ID_BLOCK = 64
-ID_BLOCK_MAX = 4096
 # Placements written together after one proof of the lease, and how many are in flight at once.
 BATCH_MAX = 512
 
@@ -90,33 +85,43 @@ class Applier:
             for seconds in plan.decision_seconds:
                 self.metrics.decision_seconds.observe(seconds)
         plan.decision_seconds = []
+        proposed = self._proposed(plan)
         done = 0
         try:
             for place in plan.places:
-                replica = await self._next_replica_id(place.deployment.name, place.wanted)
-                plan.placed.append(self._build(place, replica))
+                replica = await next_replica_id(self.bus, self.held, place.deployment.name, place.wanted)
+                placed = self._build(place, replica)
+                proposed.named(placed)
+                plan.placed.append(placed)
                 done += 1
         finally:
             del plan.places[:done]
         refusals, plan.refusals = plan.refusals, []
         for refuse in refusals:
-            replica = refuse.replica or await self._next_replica_id(refuse.deployment, refuse.wanted)
-            await self._refuse(refuse, replica)
+            replica = refuse.replica or await next_replica_id(
+                self.bus, self.held, refuse.deployment, refuse.wanted
+            )
+            await self._refuse(refuse, replica, proposed)
         letters, plan.dead_letters = plan.dead_letters, []
         for letter in letters:
             await self.bus.dead_letter(letter.subject, letter.data, letter.error)
 
-    def give_back(self, plan: Plan) -> None:
-        """A step that failed: what `plan` still holds is not written. Placements named stay
-        `placing` in memory and are written again next step; those not named are given back;
-        removals are remembered again and changes of state taken back. Nothing is reported."""
+    def _proposed(self, plan: Plan) -> Proposed:
+        """What `plan` was decided against (a plan made by hand gets an overlay of its own)."""
+        if plan.proposed is None:
+            plan.proposed = Proposed.over(self.held, self.index)
+        return plan.proposed
+
+    def settle(self, plan: Plan) -> None:
+        """A step whose every write landed: what it decided and remembers is placement's now."""
+        self._proposed(plan).settle()
+
+    def abandon(self, plan: Plan) -> None:
+        """A step that failed: what `plan` still holds is not written, and placement's memory
+        keeps only what landed. Placements named are kept to be written again next step;
+        the rest is decided again from what placement holds. Nothing is reported."""
         self._keep_unwritten(plan.placed)
-        for place in plan.places:
-            multi = len(place.placement.members) > 1
-            key = place.profile.staged_key
-            for a in place.placement.members:
-                self.index.give_back(a.node, a.gpus, a.port if multi else None, place.deployment.name, key)
-        self._undo(plan.removals, plan.saves)
+        self._proposed(plan).drop()
         plan.take()
         plan.reports = []
 
@@ -172,10 +177,6 @@ class Applier:
         )
         number, end = self.held.ids[dep.name]
         self.held.ids[dep.name] = (number + 1, end)
-        self.held.replicas[key(record)] = record
-        for spec in specs:
-            # Its GPUs were taken in the index when it was decided.
-            self.held.shards[names.shard_key(spec.node, spec.shard)] = spec
         decision = PlacementDecision(
             deployment=dep.name,
             replica=replica,
@@ -183,46 +184,8 @@ class Applier:
             nodes=tuple(a.node for a in p.members),
             at=now(),
         )
-        self.held.decisions[dep.name] = decision
         log.info("placed %s/%s on %s", dep.name, replica, ", ".join(decision.nodes))
         return Placed(record, specs, decision, traceparent)
-
-    async def _next_replica_id(self, dep: str, wanted: int = 1) -> str:
-        """A replica id never used before in this deployment, across failovers, restarts and
-        leaders: numbers are reserved in the leases bucket by compare-and-set, a block at a
-        time, the block as big as the `wanted` replicas still to place (up to ID_BLOCK_MAX):
-        10,000 new replicas cost a few reservations, not one per 64."""
-        number, end = self.held.ids.get(dep, (0, 0))
-        if number >= end:
-            number, end = await self._reserve_ids(dep, min(max(ID_BLOCK, wanted), ID_BLOCK_MAX))
-        self.held.ids[dep] = (number, end)
-        return f"r{number}"
-
-    async def _reserve_ids(self, dep: str, size: int) -> tuple[int, int]:
-        bucket, k = self.bus.names.leases_bucket, f"replica-ids.{dep}"
-        ids = self.held.ids
-        if dep in ids:
-            used = ids[dep][0]  # every replica held was numbered below it
-        else:  # the first block of this leader: the replicas it loaded
-            used = max(
-                (
-                    int(m.group(1)) + 1
-                    for r in self.held.replicas.values()
-                    if r.deployment == dep
-                    if (m := REPLICA_NUMBER.match(r.replica))
-                ),
-                default=0,
-            )
-        while True:
-            current = await self.bus.get(bucket, k, ReplicaIds)
-            start = max(used, current[0].next if current else 0, ids.get(dep, (0, 0))[0])
-            block = ReplicaIds(deployment=dep, next=start + size)
-            if current is None:
-                written = await self.bus.create(bucket, k, block)
-            else:
-                written = await self.bus.update(bucket, k, block, last=current[1])
-            if written is not None:
-                return start, start + size
 
     # --- writing ------------------------------------------------------------------
 
@@ -243,85 +206,103 @@ class Applier:
         change of state, after one proof of the lease: each as one commit per stream (an
         atomic batch where the server takes them), its events after it.
 
-        Removals go first: a placement may reuse GPUs a removal freed. What fails is
-        taken back as the module's docstring says. Any failure costs this step (BusError).
+        Removals go first: a placement may reuse GPUs a removal freed. Each commit that
+        lands is taken into placement's memory at once (`Proposed.removed`, `placed`,
+        `saved`); what does not land is not (see the module's docstring). Any failure
+        costs this step (BusError).
         """
-        held = self.held
+        held, proposed = self.held, self._proposed(plan)
         removals, plan.removals = plan.removals, []
+        gone = {key(r.record) for r in removals}
         # A placement removed since it was queued (its node was lost meanwhile) is not written.
-        batch = [b for b in plan.placed if held.replicas.get(key(b.record)) is b.record]
+        batch = [b for b in plan.placed if key(b.record) not in gone]
         plan.placed = []
         saves, plan.saves = plan.saves, []
         if self.metrics is not None:
             for save in saves:
                 if save.after.state == "ready" and save.before is not None and save.before.state != "ready":
                     self.metrics.replica_ready(save.before)
+        # Of a replica's changes queued, only its last is written, and none of one removed since.
+        last = {key(s.after): s for s in saves}
+        saves = [s for s in saves if last[key(s.after)] is s and key(s.after) not in gone]
         if not removals and not batch and not saves and not held.rewrite:
             return
         try:
             await self.fenced()
+            await self._remove(removals, proposed)
         except BaseException:
-            self._undo(removals, saves)
             self._keep_unwritten(batch)
             raise
+        await self._place(batch, proposed)
+        await self._save(saves, {key(p.record) for p in batch}, proposed)
+
+    async def _remove(self, removals: list[Remove], proposed: Proposed) -> None:
+        """Delete the removed replicas' shard specs and records, then tell it."""
+        if not removals:
+            return
         names = self.bus.names
-        if removals:
-            kv, events = Writes(), Writes()
-            for removal in removals:
-                record = removal.record
-                for k in record.shards:
-                    kv.delete(names.shards_bucket, k)
-                kv.delete(names.replicas_bucket, key(record))
-                events.publish(
-                    names.replica_event(record.deployment, record.replica),
-                    ReplicaStatus(
-                        deployment=record.deployment,
-                        replica=record.replica,
-                        state=removal.state,
-                        reason=removal.why,
-                        at=now(),
-                    ),
-                )
-            await self._write(kv, removals, saves)
-            await self._publish(events)
-        if batch:
-            kv, events = Writes(), Writes()
-            started: list[tuple[ReplicaRecord, ReplicaRecord]] = []
-            # Shards before records: a record never names shards that were not written.
-            for placed in batch:
-                for spec in placed.specs:
-                    kv.put(names.shards_bucket, names.shard_key(spec.node, spec.shard), spec)
-            for placed in batch:
-                record = placed.record
-                starting = msgspec.structs.replace(record, state="starting", updated_at=now(), since=now())
-                started.append((record, starting))
-                kv.put(names.replicas_bucket, key(record), starting)
-                events.publish(
-                    names.replica_event(record.deployment, record.replica),
-                    ReplicaStatus(
-                        deployment=record.deployment, replica=record.replica, state="starting", at=now()
-                    ),
-                    traceparent=placed.traceparent,
-                )
-                events.publish(
-                    names.placement_event(record.deployment), placed.decision, traceparent=placed.traceparent
-                )
-            # One commit does the work of many deployments' traces: each is linked to it.
-            with tracer.start_as_current_span(
-                f"commit {len(batch)} placements", links=links(p.traceparent for p in batch)
-            ):
-                try:
-                    await self._write(kv, [], saves)
-                except BaseException:
-                    self._keep_unwritten(batch)
-                    raise
-            for record, starting in started:
-                if held.replicas.get(key(record)) is record:
-                    held.replicas[key(record)] = starting
-            await self._publish(events)
-        # Changes of state of replicas still held (one removed since is not written back).
-        saves = [s for s in saves if held.replicas.get(key(s.after)) is s.after]
-        saved = {key(s.after) for s in saves} | {key(p.record) for p in batch}
+        kv, events = Writes(), Writes()
+        for removal in removals:
+            record = removal.record
+            for k in record.shards:
+                kv.delete(names.shards_bucket, k)
+            kv.delete(names.replicas_bucket, key(record))
+            events.publish(
+                names.replica_event(record.deployment, record.replica),
+                ReplicaStatus(
+                    deployment=record.deployment,
+                    replica=record.replica,
+                    state=removal.state,
+                    reason=removal.why,
+                    at=now(),
+                ),
+            )
+        await self._write(kv)
+        proposed.removed(removals)
+        await self._publish(events)
+
+    async def _place(self, batch: list[Placed], proposed: Proposed) -> None:
+        """Write the named placements: shard specs, then records (`starting`), then their events."""
+        if not batch:
+            return
+        names = self.bus.names
+        kv, events = Writes(), Writes()
+        started: list[tuple[Placed, ReplicaRecord]] = []
+        # Shards before records: a record never names shards that were not written.
+        for placed in batch:
+            for spec in placed.specs:
+                kv.put(names.shards_bucket, names.shard_key(spec.node, spec.shard), spec)
+        for placed in batch:
+            record = placed.record
+            starting = msgspec.structs.replace(record, state="starting", updated_at=now(), since=now())
+            started.append((placed, starting))
+            kv.put(names.replicas_bucket, key(record), starting)
+            events.publish(
+                names.replica_event(record.deployment, record.replica),
+                ReplicaStatus(
+                    deployment=record.deployment, replica=record.replica, state="starting", at=now()
+                ),
+                traceparent=placed.traceparent,
+            )
+            events.publish(
+                names.placement_event(record.deployment), placed.decision, traceparent=placed.traceparent
+            )
+        # One commit does the work of many deployments' traces: each is linked to it.
+        with tracer.start_as_current_span(
+            f"commit {len(batch)} placements", links=links(p.traceparent for p in batch)
+        ):
+            try:
+                await self._write(kv)
+            except BaseException:
+                self._keep_unwritten(batch)
+                raise
+        proposed.placed(started)
+        await self._publish(events)
+
+    async def _save(self, saves: list[Save], placed: set[str], proposed: Proposed) -> None:
+        """Write the replicas' changes of record, with the records whose last commit raised."""
+        held, names = self.held, self.bus.names
+        saved = {key(s.after) for s in saves} | placed
         # Records whose last commit raised and that this flush writes no change of: as memory
         # holds them now (one removed since was deleted with its removal; a placement not yet
         # written is written as such).
@@ -356,12 +337,13 @@ class Applier:
                 f"commit {len(saves) + len(again)} replica changes", links=links(s.traceparent for s in saves)
             ):
                 try:
-                    await self._write(kv, [], saves)
+                    await self._write(kv)
                 except BaseException:
                     # Sent, so perhaps landed: what memory holds for them is written again.
                     held.rewrite.update(again)
                     held.rewrite.update(key(s.after) for s in saves)
                     raise
+            proposed.saved(saves)
             await self._publish(events)
 
     async def report(self, plan: Plan) -> None:
@@ -382,10 +364,14 @@ class Applier:
         nobody's, and a shard spec of it would run an engine that holds GPUs forever."""
         names = self.bus.names
         kv = Writes()
-        for k in sorted(await self.bus.keys(names.replicas_bucket) - set(self.held.replicas)):
+        # A placement whose commit raised may have landed all the same: it is this leader's.
+        unwritten = self.held.unwritten.values()
+        replicas = set(self.held.replicas) | set(self.held.unwritten)
+        shards = set(self.held.shards) | {k for p in unwritten for k in p.record.shards}
+        for k in sorted(await self.bus.keys(names.replicas_bucket) - replicas):
             log.warning("replica record %s is not this leader's (an ex-leader's late write?); removing it", k)
             kv.delete(names.replicas_bucket, k)
-        for k in sorted(await self.bus.keys(names.shards_bucket) - set(self.held.shards)):
+        for k in sorted(await self.bus.keys(names.shards_bucket) - shards):
             log.warning("shard spec %s is not this leader's (an ex-leader's late write?); removing it", k)
             kv.delete(names.shards_bucket, k)
         if kv:
@@ -400,37 +386,15 @@ class Applier:
             self.index.remove(spec)
         self.writes += 1
 
-    async def _write(self, kv: Writes, removals: list[Remove], saves: list[Save]) -> None:
-        """Commit `kv`; if it does not land, undo `removals` and `saves` in memory and raise."""
-        try:
-            await self.bus.commit(kv)
-        except BaseException:
-            self._undo(removals, saves)
-            raise
+    async def _write(self, kv: Writes) -> None:
+        """Commit `kv` (raising where it does not land)."""
+        await self.bus.commit(kv)
         self.writes += len(kv)
 
     def _keep_unwritten(self, batch: list[Placed]) -> None:
-        """Placements whose writes did not land: the next step writes them again."""
+        """Placements named whose writes did not land: the next step writes them again."""
         for placed in batch:
             self.held.unwritten[key(placed.record)] = placed
-
-    def _undo(self, removals: list[Remove], saves: list[Save]) -> None:
-        """Writes that did not land: removals are remembered again, changes of state taken back."""
-        held = self.held
-        for removal in removals:
-            # A removal whose deletes failed: remembered again, so the next step removes it again.
-            held.replicas.setdefault(key(removal.record), removal.record)
-            for k, spec in removal.specs.items():
-                if k not in held.shards:
-                    held.shards[k] = spec
-                    self.index.add(spec)
-        for save in reversed(saves):
-            k = key(save.after)
-            if held.replicas.get(k) is save.after:
-                if save.before is None:
-                    del held.replicas[k]
-                else:
-                    held.replicas[k] = save.before
 
     async def _publish(self, events: Writes) -> None:
         """Events tell what was written; one that fails is logged, never undoes the write."""
@@ -443,12 +407,12 @@ class Applier:
         except BusError as exc:
             log.warning("could not publish %d events: %s", len(events), exc)
 
-    async def _refuse(self, refuse: Refuse, replica: str) -> None:
+    async def _refuse(self, refuse: Refuse, replica: str, proposed: Proposed) -> None:
         dep = refuse.deployment
         decision = PlacementDecision(
             deployment=dep, replica=replica, outcome="refused", reasons=refuse.reasons, at=now()
         )
-        self.held.decisions[dep] = decision
+        proposed.decisions[dep] = decision
         if not refuse.tell:
             return
         # Every node's reason goes to the event; the log says it in one line.

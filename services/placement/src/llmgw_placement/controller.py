@@ -8,10 +8,12 @@ placement loads the buckets and, for replicas that are fine, writes nothing.
 A step works on a snapshot taken when it starts: the watchers keep changing
 `ClusterState` while the step awaits its writes (a deployment deleted mid-step
 must cost nothing but its replicas). What to do is decided by `reconcile.py`
-(pure), written by `apply.py`; this module loads what the buckets hold and runs
-the two, writing a batch whenever BATCH_MAX of one kind are queued and letting
-the event loop run between decisions. A step that fails part-way leaves state
-the next step repairs (see `apply.py` for what is taken back and what is kept).
+(pure, against placement's memory with the step's plan over it: `proposed.py`),
+written by `apply.py`; this module loads what the buckets hold and runs the two,
+writing a batch whenever BATCH_MAX of one kind are queued and letting the event loop
+run between decisions. Placement's memory takes only what the bus acknowledged: a
+step that fails part-way keeps what landed and drops the rest of its plan, and the
+next step decides again from there (see `apply.py` for what is kept to be written again).
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ from llmgw_core.events import (
 )
 from llmgw_core.events import now as wall_now
 
-from .apply import BATCH_MAX, ID_BLOCK, ID_BLOCK_MAX, Applier, ReplicaIds
+from .apply import BATCH_MAX, Applier
 from .autoscale import Windows, follow, start
 from .config import ServerConfig
 from .decide import NodeView
 from .demand import DemandBook, Summed, engine_demand
 from .held import Held
+from .ids import ID_BLOCK, ID_BLOCK_MAX, ReplicaIds
 from .index import KeptIndex, Usage
 from .liveness import Liveness
 from .metrics import PlacementMetrics
@@ -197,8 +200,9 @@ class Controller:
             await applier.name(plan)
             await applier.flush(plan)
         except BaseException:
-            applier.give_back(plan)
+            applier.abandon(plan)
             raise
+        applier.settle(plan)
         await applier.report(plan)
         await self._forget(at)
         await self._tell_lifecycles()

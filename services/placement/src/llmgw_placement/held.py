@@ -1,5 +1,8 @@
 """What this placement wrote, in memory: the shards and replicas buckets as it holds them, and
-what it remembers between steps (decisions, statuses published, ids reserved, writes to retry)."""
+what it remembers between steps (decisions, statuses published, ids reserved, writes to retry).
+
+It changes only from what the bus acknowledged (`proposed.py`): a step decides against it
+with its own plan over it, never in it."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from llmgw_core.events import Deployment, DeploymentStatus, PlacementDecision, R
 from llmgw_core.subjects import Names
 
 from .autoscale import Scaling
-from .plan import Placed
+from .entries import Placed
 
 REPLICA_NUMBER = re.compile(r"^r(\d+)$")
 
@@ -28,12 +31,14 @@ class Held:
     refused: dict[str, tuple[int, int, str, str, str]] = field(default_factory=dict)
     # Deployments whose unknown profile was dead-lettered already (by value).
     told_unknown: dict[str, Deployment] = field(default_factory=dict)
-    # Placements named whose writes did not land, by replica key: the next step writes them
-    # again as they are (a new id each time would use ids up while NATS cannot store).
+    # Placements named whose writes did not land, by replica key (not in `replicas` or
+    # `shards`: the store does not hold them): the next step's plan starts with them and
+    # writes them again as they are (a new id each time would use ids up while NATS cannot
+    # store).
     unwritten: dict[str, Placed] = field(default_factory=dict)
-    # Replica records whose change of state was taken back because its commit raised, though
-    # it may have landed (its answer lost on every try): the next flush writes what memory
-    # holds for them, so that the bucket never keeps a change placement no longer holds.
+    # Replica records whose change's commit raised, though it may have landed (its answer
+    # lost on every try): the next flush writes what memory holds for them, so that the
+    # bucket never keeps a change placement does not hold.
     rewrite: set[str] = field(default_factory=set)
     # Per deployment, the next replica number and the end of the block reserved in the bucket.
     ids: dict[str, tuple[int, int]] = field(default_factory=dict)

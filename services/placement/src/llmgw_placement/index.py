@@ -13,8 +13,8 @@ for every profile, while every other node is placed on as before.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
-import heapq
 import logging
 import time
 from collections import Counter, defaultdict
@@ -27,7 +27,8 @@ from llmgw_core.engines import Profile, ShardSpec
 from llmgw_core.events import Deployment, ModelShape
 
 from .config import ServerConfig
-from .feasibility import NodeView, cached_score, fault_words, unfit, weights_rank
+from .fabric import FabricFit
+from .feasibility import NodeView, fault_words
 from .liveness import Liveness
 from .state import ClusterState
 
@@ -72,7 +73,7 @@ class NodeIndex:
         # the first decision for it and kept current by add() and remove() from then on. The
         # least recently used goes beyond FABRIC_TABLES, so an edited profile's old table does
         # not cost every later update.
-        self._fabric_fits: dict[tuple[str, str], _FabricFit] = {}
+        self._fabric_fits: dict[tuple[str, str], FabricFit] = {}
         for view in views:
             self.add(view)
 
@@ -125,6 +126,20 @@ class NodeIndex:
         for table in self._fabric_fits.values():
             table.remove(node)
 
+    def copy(self) -> NodeIndex:
+        """An index that changes apart from this one (the views themselves are shared: a view
+        is never changed, only replaced)."""
+        twin = NodeIndex()
+        twin.views = dict(self.views)
+        twin._buckets.update((k, set(nodes)) for k, nodes in self._buckets.items())
+        for k, by_free in self._by_free.items():
+            twin._by_free[k].update((free, nodes.copy()) for free, nodes in by_free.items())
+        twin._by_weights.update((k, set(nodes)) for k, nodes in self._by_weights.items())
+        twin.generation = self.generation
+        twin._sorted = dict(self._sorted)  # each list is replaced, never changed
+        twin._fabric_fits = {k: table.copy() for k, table in self._fabric_fits.items()}
+        return twin
+
     def is_candidate(self, profile: Profile, node: str) -> bool:
         return node in self._buckets.get((profile.engine, profile.gpu_class), set())
 
@@ -151,13 +166,13 @@ class NodeIndex:
     def all(self) -> list[NodeView]:
         return [self.views[n] for n in sorted(self.views)]
 
-    def fabric_fit(self, profile: Profile, deployment: Deployment, fp: str) -> _FabricFit:
+    def fabric_fit(self, profile: Profile, deployment: Deployment, fp: str) -> FabricFit:
         """The fabric table of a multi-node `profile` in the deployment's pool (`fp` is the
         profile's fingerprint), made from the candidates if there is none yet."""
         key = (fp, deployment.pool)
         table = self._fabric_fits.pop(key, None)
         if table is None:
-            table = _FabricFit(profile, deployment)
+            table = FabricFit(profile, deployment)
             table.fill([self.views[n] for n in self._buckets.get(table.bucket, set())])
             while len(self._fabric_fits) >= FABRIC_TABLES:
                 del self._fabric_fits[next(iter(self._fabric_fits))]
@@ -171,111 +186,6 @@ class NodeIndex:
 FABRIC_TABLES = 32
 
 
-class _FabricFit:
-    """The candidates that fit one rank of a multi-node profile in one pool, by fabric.
-
-    A multi-node decision picks the fabric from each fabric's totals (fitting nodes,
-    their free GPUs), then the members within it. Examining every candidate for
-    that costs a pass over the fleet per decision; this table is updated per node
-    as the index changes instead, so a decision reads one fabric's members.
-    Fit is `unfit(...) is None`, exactly as a full decision would judge it.
-    """
-
-    def __init__(self, profile: Profile, deployment: Deployment) -> None:
-        self.profile = profile
-        # unfit() reads only the deployment's pool, the same for every deployment sharing this.
-        self.deployment = deployment
-        self.bucket = (profile.engine, profile.gpu_class)
-        self._memo: dict[tuple[tuple[str, str, int], ...], list[str]] = {}
-        # node -> (its fabric, its rank key): the key is binpack's score (see `score`) with
-        # free GPUs for free GPUs left, which orders the same for one profile.
-        self._fits: dict[str, tuple[str, tuple[int, int, int, str]]] = {}
-        self._views: dict[str, NodeView] = {}
-        self._members: dict[str, SortedList] = {}
-        self._free: dict[str, int] = {}
-        # (free GPUs, fabric) of the fabrics with enough fitting nodes for a replica.
-        self._ready = SortedList()
-
-    def fill(self, views: Sequence[NodeView]) -> None:
-        """Every candidate at once into an empty table: each sorted list made once, not grown."""
-        ranks: dict[str, list[tuple[int, int, int, str]]] = defaultdict(list)
-        for view in views:
-            rank = self._rank(view)
-            if rank is not None:
-                self._fits[view.node] = (view.fabric, rank)
-                self._views[view.node] = view
-                ranks[view.fabric].append(rank)
-        for fabric, found in ranks.items():
-            self._members[fabric] = SortedList(found)
-            self._free[fabric] = sum(rank[1] for rank in found)
-        self._ready = SortedList(
-            (self._free[f], f) for f, members in self._members.items() if len(members) >= self.profile.nodes
-        )
-
-    def _rank(self, view: NodeView) -> tuple[int, int, int, str] | None:
-        if unfit(view, self.profile, self.deployment, self._memo) is not None:
-            return None
-        free = len(view.free_gpus(self.profile.gpu_class))
-        return (weights_rank(view, self.profile.weights_key), free, -view.shards, view.node)
-
-    def add(self, view: NodeView) -> None:
-        """Take `view` in if one rank fits on it; the index removed its old view first."""
-        rank = self._rank(view)
-        if rank is None:
-            return
-        fabric, free = view.fabric, rank[1]
-        self._unready(fabric)
-        self._fits[view.node] = (fabric, rank)
-        self._views[view.node] = view
-        self._members.setdefault(fabric, SortedList()).add(rank)
-        self._free[fabric] = self._free.get(fabric, 0) + free
-        self._make_ready(fabric)
-
-    def remove(self, node: str) -> None:
-        found = self._fits.pop(node, None)
-        if found is None:
-            return
-        fabric, rank = found
-        del self._views[node]
-        self._unready(fabric)
-        members = self._members[fabric]
-        members.remove(rank)
-        if members:
-            self._free[fabric] -= rank[1]
-            self._make_ready(fabric)
-        else:
-            del self._members[fabric], self._free[fabric]
-
-    def _unready(self, fabric: str) -> None:
-        if len(self._members.get(fabric, ())) >= self.profile.nodes:
-            self._ready.remove((self._free[fabric], fabric))
-
-    def _make_ready(self, fabric: str) -> None:
-        if len(self._members[fabric]) >= self.profile.nodes:
-            self._ready.add((self._free[fabric], fabric))
-
-    def choose(self, deployment: Deployment, fp: str) -> tuple[str, list[NodeView]] | None:
-        """The fabric and members in rank order a full decision would pick, or None where none fits.
-
-        Binpack takes the fabric with the fewest free GPUs left, spread the most; ties go
-        to the lower fabric name either way (the key `_decide` compares)."""
-        if not self._ready:
-            return None
-        nodes = self.profile.nodes
-        if deployment.strategy == "binpack":
-            fabric = self._ready[0][1]
-            chosen = [self._views[rank[-1]] for rank in self._members[fabric][:nodes]]
-            return fabric, chosen
-        most = self._ready[-1][0]
-        fabric = self._ready[self._ready.bisect_left((most, ""))][1]
-        chosen = heapq.nsmallest(
-            nodes,
-            (self._views[rank[-1]] for rank in self._members[fabric]),
-            key=lambda n: cached_score(n, self.profile, deployment, fp),
-        )
-        return fabric, chosen
-
-
 @dataclass
 class Usage:
     """What the placed shards take on each node."""
@@ -287,6 +197,8 @@ class Usage:
     # Per node, the weights keys of its shards that the node stages itself (`Profile.staged_key`):
     # it holds them, or is staging them.
     weights: defaultdict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    # A fork's nodes whose sets it copied already (None: it owns every one; see `fork`).
+    owned: set[str] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, specs: Iterable[ShardSpec]) -> Usage:
@@ -304,6 +216,30 @@ class Usage:
             defaultdict(Counter, {n: Counter(c) for n, c in self.weights.items()}),
         )
 
+    def fork(self) -> Usage:
+        """A copy that changes apart from this one, made by copying the per-node tables only:
+        a node's own sets are copied when the fork first changes them (`_own`), so a step's
+        fork costs a few dict copies, not a set per node."""
+        return Usage(
+            defaultdict(set, self.gpus),
+            defaultdict(set, self.ports),
+            Counter(self.shards),
+            defaultdict(Counter, self.replicas_of),
+            defaultdict(Counter, self.weights),
+            owned=set(),
+        )
+
+    def _own(self, node: str) -> None:
+        if self.owned is None or node in self.owned:
+            return
+        self.owned.add(node)
+        gpus, ports = self.gpus.get(node), self.ports.get(node)
+        self.gpus[node] = set(gpus) if gpus else set()
+        self.ports[node] = set(ports) if ports else set()
+        of, weights = self.replicas_of.get(node), self.weights.get(node)
+        self.replicas_of[node] = of.copy() if of else Counter()
+        self.weights[node] = weights.copy() if weights else Counter()
+
     def add(self, spec: ShardSpec) -> None:
         port = spec.members[spec.rank].port if spec.members else None
         self.take(spec.node, spec.gpus, port, spec.deployment, spec.profile.staged_key)
@@ -315,6 +251,7 @@ class Usage:
     def take(
         self, node: str, gpus: Iterable[int], port: int | None, deployment: str, weights: str = ""
     ) -> None:
+        self._own(node)
         self.gpus[node].update(gpus)
         self.shards[node] += 1
         self.replicas_of[node][deployment] += 1
@@ -326,6 +263,7 @@ class Usage:
     def give_back(
         self, node: str, gpus: Iterable[int], port: int | None, deployment: str, weights: str = ""
     ) -> None:
+        self._own(node)
         self.gpus[node].difference_update(gpus)
         self.shards[node] -= 1
         self.replicas_of[node][deployment] -= 1
@@ -344,8 +282,9 @@ class KeptIndex:
 
     `refresh` views again only the nodes whose status changed (`state.dirty_nodes`)
     or whose liveness or claim flipped, and placements and removals update the nodes
-    they touch (`take`, `give_back`), so a step costs O(changes), not O(nodes).
-    (Computing who is alive is the one pass over every node.)"""
+    they touch (`add`, `remove`, `take`), so a step costs O(changes), not O(nodes).
+    (Computing who is alive is the one pass over every node.) A step decides on a
+    `fork` of it, which it `adopt`s once the step's writes all landed."""
 
     def __init__(self, config: ServerConfig, state: ClusterState, liveness: Liveness) -> None:
         self.config = config
@@ -366,6 +305,20 @@ class KeptIndex:
         # Every model shape the nodes reported, by weights key, and each node's part of it.
         self.shapes: dict[str, ModelShape] = {}
         self._shapes_of: dict[str, dict[str, ModelShape]] = {}
+
+    def fork(self) -> KeptIndex:
+        """A copy for one control step to decide on: what the step takes and frees changes the
+        copy only, so this index keeps what the store says until the step's writes landed."""
+        twin = copy.copy(self)
+        twin.usage = self.usage.fork()
+        twin.index = self.index.copy()
+        return twin
+
+    def adopt(self, fork: KeptIndex) -> None:
+        """A fork whose every change was written: it becomes this index (and owns its sets:
+        nothing else holds the ones it shared)."""
+        self.index, self.usage = fork.index, fork.usage
+        self.usage.owned = None
 
     def reset(self, specs: Iterable[ShardSpec]) -> None:
         """What the held shards take, from scratch (after loading the buckets)."""
@@ -490,10 +443,4 @@ class KeptIndex:
     ) -> None:
         """A rank decided and not yet named: its GPUs (and port) are taken for the next decision."""
         self.usage.take(node, gpus, port, deployment, weights)
-        self.reindex(node)
-
-    def give_back(
-        self, node: str, gpus: Iterable[int], port: int | None, deployment: str, weights: str = ""
-    ) -> None:
-        self.usage.give_back(node, gpus, port, deployment, weights)
         self.reindex(node)
