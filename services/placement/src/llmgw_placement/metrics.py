@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING, Protocol, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -21,13 +21,42 @@ from llmgw_core.metrics import FAST_BUCKETS, SLOW_BUCKETS, Collect, add_bus, cou
 from llmgw_core.subjects import Names
 
 if TYPE_CHECKING:
-    from .service import PlacementService
+    from llmgw_core.bus import Bus
+
+    from .demand import DemandBook
+    from .state import ClusterState
+    from .view import ClusterView
 
 REPLICA_STATES: tuple[str, ...] = get_args(ReplicaState)
 # Replicas whose first ready was observed, kept so that a replica that goes
 # degraded and comes back is not timed again. Ids are never reused, so the
 # memory is bounded by forgetting the oldest instead.
 READY_MEMORY = 65536
+
+
+class Watched(Protocol):
+    """What the metrics read of the placement service at every scrape. A protocol, so that the
+    metrics, which the controller and the applier observe into, import no service."""
+
+    @property
+    def bus(self) -> Bus: ...
+    @property
+    def state(self) -> ClusterState: ...
+    @property
+    def view(self) -> ClusterView: ...
+    @property
+    def demand(self) -> DemandBook: ...
+    @property
+    def is_leader(self) -> bool: ...
+    @property
+    def behind(self) -> bool: ...
+    @property
+    def stalls(self) -> int: ...
+    @property
+    def step_failures(self) -> int: ...
+    @property
+    def invalid_inputs(self) -> int: ...
+    def warnings(self) -> list[str]: ...
 
 
 class PlacementMetrics:
@@ -58,7 +87,7 @@ class PlacementMetrics:
         )
         self._ready: OrderedDict[str, None] = OrderedDict()
 
-    def watch(self, service: PlacementService) -> None:
+    def watch(self, service: Watched) -> None:
         """Read the service's state at every scrape."""
         self.registry.register(Collect(lambda: _state(service)))
         add_bus(self.registry, service.bus)
@@ -75,7 +104,7 @@ class PlacementMetrics:
         self.deploy_ready_seconds.observe(max(0.0, now() - record.created_at))
 
 
-def _state(service: PlacementService) -> Iterator[Metric]:
+def _state(service: Watched) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "llmgw_placement_leader", "1 if this placement holds the lease.", value=int(service.is_leader)
     )
