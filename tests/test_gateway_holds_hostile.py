@@ -265,13 +265,13 @@ async def test_the_served_name_is_read_once_for_many_and_again_where_its_reader_
         names: list[str | None] = []
 
         async def ask() -> None:
-            names.append(await proxy._served_name(replica))
+            names.append(await proxy.names.of(replica))
 
         first = anyio.CancelScope()
 
         async def lead() -> None:
             with first:
-                await proxy._served_name(replica)
+                await proxy.names.of(replica)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(lead)
@@ -285,7 +285,7 @@ async def test_the_served_name_is_read_once_for_many_and_again_where_its_reader_
         assert names == [SERVED] * 50
         assert reads == 2
         # Read, it is kept: no more reads.
-        assert await proxy._served_name(replica) == SERVED
+        assert await proxy.names.of(replica) == SERVED
         assert reads == 2
 
 

@@ -1,0 +1,142 @@
+"""The attempts of one routed request: a replica picked (or the request held for one), the
+request sent there through a transport, and, where the replica failed before any byte of
+answer (it refused the connection, or closed or reset it before answering: it died, and
+placement has not said so yet), another attempt, on the same replica once where it closed a
+pooled connection, else on another. The first answer that begins goes to the relay; a failure
+after it began is the replica's, answered 502 and never retried.
+
+A transport sends one attempt: `Replicas` sends it to the replica's engine, by its served
+name; the express lane's is the attempt it made itself before it handed the request over
+(`express.LaneTaken`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Protocol
+
+from opentelemetry import trace
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from llmgw_core.events import ReplicaRecord
+
+from .errors import error
+from .ledger import Ledger
+from .metrics import Metrics
+from .names import ServedNames
+from .pick import Picker, Tries
+from .relay import Relays
+from .routed import Routed
+from .upstream import FAILED, REFUSED, Answer, Upstream, before_answer
+
+log = logging.getLogger("llmgw.gateway")
+
+
+class Transport(Protocol):
+    """What sends one attempt of a request to a replica and gives back its answer, the status
+    line in; a failure raises one of `upstream.FAILED`."""
+
+    async def send(self, method: str, record: ReplicaRecord, path: str, routed: Routed) -> Answer: ...
+
+
+class Replicas:
+    """The transport to replicas' engines: the request sent by the model name the replica's
+    engine answers to (its body rewritten where that is not the name the client used)."""
+
+    __slots__ = ("names", "upstream")
+
+    def __init__(self, names: ServedNames, upstream: Upstream) -> None:
+        self.names = names
+        self.upstream = upstream
+
+    async def send(self, method: str, record: ReplicaRecord, path: str, routed: Routed) -> Answer:
+        served = await self.names.of(record)
+        content = routed.body
+        if served is not None and served != routed.model:
+            content = json.dumps({**routed.payload, "model": served}).encode()
+        return await self.upstream.request(method, record.url, path, content, routed.headers)
+
+
+class Attempts:
+    """Sends a request until a replica's answer begins, or answers it where none will."""
+
+    __slots__ = ("ledger", "metrics", "names", "picker", "relays", "replicas")
+
+    def __init__(
+        self, picker: Picker, replicas: Replicas, relays: Relays, ledger: Ledger, metrics: Metrics
+    ) -> None:
+        self.picker = picker
+        self.replicas = replicas
+        self.names = replicas.names
+        self.relays = relays
+        self.ledger = ledger
+        self.metrics = metrics
+
+    async def forward(
+        self, request: Request, routed: Routed, unserved: frozenset[str], taken: Transport | None = None
+    ) -> Response:
+        """The client's response: the replica's answer, or the gateway's own error. `taken`:
+        the express lane sent the request to `routed.chosen` already (and counted it there)."""
+        path: str = request.scope["path"]
+        deployment, span = routed.deployment, routed.span
+        tries = Tries(unserved)
+        if routed.chosen is not None and taken is None:
+            # The lane chose a replica but could not send to it: asked first.
+            tries.again = routed.chosen
+        while True:
+            transport: Transport
+            if taken is not None and routed.chosen is not None:
+                chosen, transport, taken = routed.chosen, taken, None
+            else:
+                picked = await self.picker.pick(request, routed, tries)
+                if isinstance(picked, JSONResponse):
+                    return picked
+                chosen, transport = picked, self.replicas
+                # Counted at once, before any await: requests arriving together must see each other.
+                self.ledger.in_flight(chosen[0], chosen[1], deployment, span)
+            chosen_key, record = chosen
+            tries.tried.add(chosen_key)
+            try:
+                answer = await transport.send(request.method, record, path, routed)
+            except FAILED as exc:
+                self.ledger.release(chosen_key, deployment)
+                if not before_answer(exc):
+                    return self._failed(record, deployment, span, exc)
+                # No byte of answer came: the replica refused the connection, or closed or reset
+                # it before answering (it died with the request). Another one may take it.
+                refused = isinstance(exc, REFUSED)
+                self.metrics.errors.labels(deployment, "connect" if refused else "reset").inc()
+                if not refused and chosen_key not in tries.reconnected:
+                    tries.reconnected.add(chosen_key)
+                    tries.again = chosen
+                    log.info(
+                        "%s: %s closed the connection before answering (%s); asking it again",
+                        deployment,
+                        chosen_key,
+                        exc,
+                    )
+                    continue
+                self.names.forget(record)
+                tries.failures.append(f"{record.replica} at {record.url}: {exc or type(exc).__name__}")
+                what = "refused the connection" if refused else "failed before answering"
+                log.warning("%s: %s %s (%s); trying another", deployment, chosen_key, what, exc)
+                continue
+            except BaseException:
+                self.ledger.release(chosen_key, deployment)
+                raise
+            return self.relays.response(answer, chosen_key, routed, path)
+
+    def _failed(
+        self, record: ReplicaRecord, deployment: str, span: trace.Span, exc: BaseException
+    ) -> Response:
+        """The 502 of a replica that failed after it had the request: never retried."""
+        self.metrics.errors.labels(deployment, "upstream").inc()
+        message = (
+            f"replica {record.replica} of deployment {deployment} at {record.url} failed: "
+            f"{exc or type(exc).__name__}"
+        )
+        span.set_attributes({"http.response.status_code": 502, "error.type": "replica_failed"})
+        span.set_status(trace.StatusCode.ERROR, message)
+        span.end()
+        return error(502, message, "upstream_error", "replica_failed")
