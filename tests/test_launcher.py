@@ -468,12 +468,12 @@ async def test_ports_go_round_the_range_and_skip_ports_in_use(
         blocker.bind(("127.0.0.1", low + 3))
         blocker.listen()
         async with running_launcher(config) as launcher:
-            got = [launcher._allocate_port() for _ in range(4)]
+            got = [launcher.ports.allocate() for _ in range(4)]
             assert len(set(got)) == 4
             assert all(low <= p <= low + 6 for p in got)
             assert low + 3 not in got
-            launcher._ports_in_use.discard(got[0])
-            assert launcher._allocate_port() != got[0]
+            launcher.ports.in_use.discard(got[0])
+            assert launcher.ports.allocate() != got[0]
 
 
 def _time_wait_on(port: int) -> None:
@@ -503,4 +503,4 @@ async def test_a_port_whose_connections_are_in_time_wait_is_free(
     assert busy.value.errno == errno.EADDRINUSE
     config = agent_config(nats_url, prefix, tmp_path / "agent", port_range=[port, port])
     async with running_launcher(config) as launcher:
-        assert launcher._allocate_port() == port
+        assert launcher.ports.allocate() == port

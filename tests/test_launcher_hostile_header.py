@@ -65,7 +65,8 @@ async def test_a_hostile_header_fails_its_shard_once_with_the_reason_and_starts_
 
 
 def test_a_reason_from_outside_is_bounded_in_a_shards_status() -> None:
-    from llmgw_launcher.runner import REASON_MAX, _bounded
+    from llmgw_launcher.attempt import REASON_MAX
+    from llmgw_launcher.attempt import bounded as _bounded
 
     long = "x" * 10_000_000
     said = _bounded(long)

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from llmgw_core.bus import Bus
+from llmgw_core.events import ShardStatus
 from llmgw_launcher import ports
 from tests.cluster_support import cluster, sim_catalog
 from tests.launcher_support import agent_config, running_launcher, shard, shard_events, sim_profile
@@ -74,10 +75,17 @@ async def test_a_shard_is_not_started_on_a_port_another_process_holds(
     bus: Bus, nats_url: str, prefix: str, tmp_path: Path
 ) -> None:
     """Regression: a process already listening on an engine's port answered /health, the shard
-    was ready 86 ms into loading, and the engine then died with "Address already in use"."""
+    was ready 86 ms into loading, and the engine then died with "Address already in use".
+
+    Each wait is for the launcher's own transition, never for an engine's cold start to beat a
+    deadline: that start (a Python process importing its web server) took 20 s and more on a
+    loaded 2-core machine, past the profile's health timeout, and each timeout cost another
+    cold start. The engine here has `health_s` to answer; the test waits for the outcome the
+    launcher gives its attempt, whichever it is, and says it."""
     port = free_port()
     config = agent_config(nats_url, prefix, tmp_path / "agent")
-    spec = shard("node-a", "s1", sim_profile(), port=port)
+    health_s = 120.0
+    spec = shard("node-a", "s1", sim_profile(health_timeout_s=health_s), port=port)
     async with shard_events(bus) as events, running_launcher(config):
         with squatter(tmp_path, port) as (proc, requests):
             await bus.put(bus.names.shards_bucket, "node-a.s1", spec)
@@ -90,10 +98,21 @@ async def test_a_shard_is_not_started_on_a_port_another_process_holds(
                 assert s.pids == (), "an engine was started on a port another process holds"
             assert "ready" not in events.states("s1")
             assert requests.read_text() == "", "the launcher sent the squatter requests"
-        # Once the port is free again, the next attempt starts the engine on it.
-        ready = await eventually(lambda: (s := events.last("s1")) and s.state == "ready" and s, timeout=30)
-        assert ready.port == port
-        assert len(ready.pids) == 1
+        # Once the port is free again, the next attempt starts the engine on it: `loading` at the
+        # port with the engine's pid (a spawn away, after at most one restart backoff).
+        loading = await eventually(
+            lambda: next((s for s in events.of("s1") if s.state == "loading"), None), timeout=30
+        )
+        assert (loading.port, len(loading.pids)) == (port, 1)
+
+        def outcome() -> ShardStatus | None:
+            after = events.of("s1")[events.of("s1").index(loading) + 1 :]
+            return next((s for s in after if s.state in ("ready", "failed")), None)
+
+        # That engine's attempt ends by the launcher's own deadline: ready, or failed in its words.
+        ended = await eventually(outcome, timeout=health_s + 30)
+        assert (ended.state, ended.reason) == ("ready", "")
+        assert (ended.port, ended.pids) == (port, loading.pids)
 
 
 async def test_a_squatter_that_answers_health_never_gets_a_user_request(

@@ -10,20 +10,24 @@ port must be free, and before it is ready, every socket listening on it must
 be one of the engine's own processes (the processes it started and their
 descendants: vLLM's API server forks, a wrapper script execs).
 
-Everything here reads procfs and blocks: the launcher calls it from a worker
+The functions read procfs and block: the launcher calls them from a worker
 thread. Where there is no procfs (not Linux), nothing can be told and
-nothing is refused.
+nothing is refused. `PortPool` is the node's range of engine ports: which
+of them this launcher handed out, and a free one on request.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import random
+import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 PROC = Path("/proc")
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LISTEN = "0A"
 # A command line quoted in a reason is cut here: some carry a whole config.
 CMDLINE_LIMIT = 200
@@ -190,3 +194,67 @@ def foreign(port: int, host: str, roots: Iterable[int], proc: Path = PROC) -> st
             mine |= socket_inodes(pid, proc)
         strangers = [x for x in strangers if x.inode not in mine]
     return _held_by(strangers[0], proc) if strangers else None
+
+
+class PortPool:
+    """The engine ports of `port_range` (inclusive) on `host`: those this launcher handed out
+    (or adopted with a shard), and a free one on request."""
+
+    def __init__(self, port_range: tuple[int, int], host: str, node: str) -> None:
+        self.low, self.high = port_range
+        self.host = host
+        self.node = node
+        self.in_use: set[int] = set()
+        self._cursor: int | None = None  # where the next search for a free port starts
+
+    def allocate(self) -> int:
+        """A port of the range that nothing listens on now. The search goes round the range
+        from where the last one ended (first from a random place): a port just released is
+        not handed out again at once, and launchers sharing one host (a test cluster, a
+        simulated fleet) seldom race another process for the same port between this check
+        and the engine's own bind."""
+        low, high = self.low, self.high
+        size = high - low + 1
+        if self._cursor is None:
+            self._cursor = random.randrange(size)
+        for i in range(size):
+            port = low + (self._cursor + i) % size
+            if port in self.in_use:
+                continue
+            with socket.socket() as s:
+                # As every engine's server binds: a port whose last connections are in
+                # TIME_WAIT is free to listen on, and without SO_REUSEADDR churn (engines
+                # stopped and started again) made whole ranges look taken.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((self.host, port))
+                except OSError:
+                    continue
+            self.in_use.add(port)
+            self._cursor = (port - low + 1) % size
+            return port
+        raise RuntimeError(f"no free port in {low}-{high} on {self.node}")
+
+    def hold(self, port: int) -> None:
+        """Count `port` in use (an adopted shard's): it is not handed out again."""
+        self.in_use.add(port)
+
+    def release(self, port: int) -> None:
+        self.in_use.discard(port)
+
+
+def ephemeral_overlap(port_range: tuple[int, int], source: Path = EPHEMERAL_PORTS) -> str | None:
+    """Why engine ports from `port_range` may be found taken: the kernel hands the same ports to
+    outgoing connections (a health probe's, a client's) as their local ends. None if they are apart."""
+    try:
+        low, high = map(int, source.read_text().split())
+    except (OSError, ValueError):
+        return None
+    first, last = port_range
+    if last < low or first > high:
+        return None
+    return (
+        f"port_range {first}-{last} overlaps the ports the kernel gives outgoing connections "
+        f"({low}-{high}, net.ipv4.ip_local_port_range): an engine can find its port held by one "
+        "and fail to start; set a port_range outside it"
+    )

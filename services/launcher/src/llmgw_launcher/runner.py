@@ -20,143 +20,38 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit
+from typing import TypeVarTuple
 
 import anyio
 import msgspec
 from opentelemetry import trace
 
-from llmgw_core import failures, fit, staged
-from llmgw_core.engines import (
-    Address,
-    Command,
-    Engine,
-    GPUInfo,
-    Registry,
-    ShardSpec,
-    SourceError,
-    UnknownEngineError,
-    extra_ports_needed,
-    parse_source,
-)
+from llmgw_core import failures
+from llmgw_core.engines import Engine, ShardSpec
 from llmgw_core.events import EngineLoad, ShardFailure, ShardState, ShardStatus, now
 from llmgw_core.redact import scrub, secret_values
 from llmgw_core.retry import Backoff
 from llmgw_core.telemetry import context_from
 
-from . import oom, ports, procs
-from .health import HealthProber
+from . import oom, procs
+from .attempt import Failure, Proc
+from .context import Context
 from .load import LOAD_METRICS, LoadMetrics, Scraper, changed, parse_load
-from .records import ProcRecord, RecordError, RecordWriter, ShardRecord
-from .weights import Weights, WeightsError
-from .workers import Workers
+from .records import RecordError, ShardRecord
+from .start import START, Attempt, engine_for, healthy
+
+Args = TypeVarTuple("Args")
 
 log = logging.getLogger("llmgw.launcher")
-
-# The most of a failure's reason a shard's status carries: its words come from outside (a
-# model's header, an engine's log) and a status is read by every observer.
-REASON_MAX = 1000
-
-
-def _bounded(reason: str) -> str:
-    return reason if len(reason) <= REASON_MAX else f"{reason[:REASON_MAX]}… ({len(reason):,} characters)"
-
 
 tracer = trace.get_tracer("llmgw.launcher")
 
 # Consecutive failed health checks, after a shard was ready, that fail it.
 HEALTH_FAILURES_TO_FAIL = 3
 LOG_LINES_IN_REASON = 10
-# While an engine loads, its health is probed this often: the delay it adds to "ready".
-LOADING_PROBE_S = 0.1
 # Where pidfds are missing, process exits are polled this often.
 EXIT_POLL_S = 0.5
-
-
-@dataclass
-class Context:
-    """What every runner on a node shares."""
-
-    node: str
-    state_dir: Path
-    registry: Registry
-    gpus: list[GPUInfo]
-    records: RecordWriter
-    publish: Callable[[ShardStatus], None]
-    prober: HealthProber
-    allocate_port: Callable[[], int]
-    release_port: Callable[[int], None]
-    mgmt_addr: str = "127.0.0.1"
-    stop_grace_s: float = 10.0
-    wait_timeout_s: float = 600.0
-    backoff_s: float = 1.0
-    backoff_cap_s: float = 60.0
-    health_interval_s: float = 1.0
-    # Engines run this many nice steps below the launcher (see AgentConfig.engine_nice).
-    engine_nice: int = 0
-    environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
-    # Points an adapter at the build the installer installed, if any.
-    refresh_engine: Callable[[str], Awaitable[None]] = field(default=lambda _name: _nothing())
-    # The threads that blocking work runs in (one for spawns, a few for files).
-    workers: Workers = field(default_factory=Workers)
-    # A ready engine's metrics are read this often for its load (0: never), through `scraper`;
-    # a load that changed goes out by `publish_quietly` (the status bucket, no event).
-    load_interval_s: float = 5.0
-    scraper: Scraper | None = None
-    publish_quietly: Callable[[ShardStatus], None] | None = None
-    # Stages the weights a profile's `model` names (hf://, https://, file://) before its engine starts.
-    weights: Weights | None = None
-    # Told the path of a model file a shard found missing (see `modelfiles`).
-    model_missing: Callable[[str], None] = field(default=lambda _path: None)
-    # The host's memory in MB, what CPU profiles are fitted against (0: not known, not checked).
-    memory_mb: int = 0
-
-
-async def _nothing() -> None:
-    return None
-
-
-@dataclass
-class Failure:
-    """Why an attempt ended: `reason` in one line; the exit status and the attempt's last log
-    lines where a process's exit ended it (see `ShardFailure`)."""
-
-    reason: str
-    retryable: bool = True
-    exit: int | None = None
-    log_tail: tuple[str, ...] = ()
-
-
-@dataclass
-class Proc:
-    name: str
-    pid: int
-    start_time: int
-    log: Path
-    child: procs.Child | None = None  # None: adopted, not started by this launcher
-    # Its memory cgroup and the OOM kills counted there when it started (see `oom`).
-    memcg: oom.MemCgroup | None = None
-
-    def exit_reason(self) -> str | None:
-        """None while running; else how it ended."""
-        if self.child is not None:
-            code = self.child.poll()
-            if code is None:
-                if not self.child.ended:
-                    return None
-                return f"{self.name} (pid {self.pid}) exited (its exit status was collected elsewhere)"
-            if code < 0:
-                return f"{self.name} (pid {self.pid}) killed by signal {signal.Signals(-code).name}"
-            return f"{self.name} (pid {self.pid}) exited with code {code}"
-        if procs.alive(self.pid, self.start_time):
-            return None
-        return f"{self.name} (pid {self.pid}) exited while the launcher was away (exit status unknown)"
-
-    def record(self) -> ProcRecord:
-        return ProcRecord(name=self.name, pid=self.pid, start_time=self.start_time, log=str(self.log))
 
 
 class ShardRunner:
@@ -181,11 +76,11 @@ class ShardRunner:
         # The last failure (scrubbed of the shard's secrets), kept across restarts until the
         # shard is ready again.
         self.last_failure: ShardFailure | None = None
-        self._owns_port = False
+        self.owns_port = False
         # Ports the engine's own processes need beyond `port` (a Ray head's client
         # server): always this runner's, given back with every failed attempt.
         self.extra_ports: tuple[int, ...] = ()
-        self._leader_url = ""
+        self.leader_url = ""
         self._secret_values: list[str] | None = None
         # The engine's load as last published; only while ready.
         self.load: EngineLoad | None = None
@@ -204,7 +99,7 @@ class ShardRunner:
             self._secret_values = secret_values(self.spec.profile.env, self.ctx.environ)
         return self._secret_values
 
-    def _set(self, state: ShardState, reason: str = "", retryable: bool = True) -> None:
+    def set_state(self, state: ShardState, reason: str = "", retryable: bool = True) -> None:
         self.state = state
         if state != "ready":
             self.load = None
@@ -221,6 +116,13 @@ class ShardRunner:
         self.load = load
         # `at` stays when the shard became ready: it dates the state, which has not changed.
         status = msgspec.structs.replace(self._status("ready"), at=self._state_at)
+        self.status = status
+        (self.ctx.publish_quietly or self.ctx.publish)(status)
+
+    def progress(self, state: ShardState, words: str) -> None:
+        """How a long step of the current state goes (weights staged so far), in the status bucket
+        only: `at` still dates the state, and the events carry only transitions."""
+        status = msgspec.structs.replace(self._status(state, words), at=self._state_at)
         self.status = status
         (self.ctx.publish_quietly or self.ctx.publish)(status)
 
@@ -243,7 +145,7 @@ class ShardRunner:
             retryable=retryable,
             pids=tuple(p.pid for p in self.procs),
             port=self.port,
-            url=self._leader_url if state == "ready" else "",
+            url=self.leader_url if state == "ready" else "",
             profile_fp=self.spec.profile_fp,
             pool=self.spec.pool,
             fabric=self.spec.fabric,
@@ -257,7 +159,7 @@ class ShardRunner:
         )
         return status
 
-    async def _save(self, ready: bool = False) -> Failure | None:
+    async def save(self, ready: bool = False) -> Failure | None:
         """Write the shard's record; a failed write fails the attempt (a successor could not adopt it)."""
         record = ShardRecord(
             key=self.key,
@@ -285,12 +187,12 @@ class ShardRunner:
         while True:
             await self._kill_all()
             self.last_failure = self._fields(failure)
-            self._set("failed", failures.text(self.last_failure), failure.retryable)
+            self.set_state("failed", failures.text(self.last_failure), failure.retryable)
             if not failure.retryable:
                 # Not worth retrying until the spec changes; a changed spec
                 # replaces this runner.
                 await anyio.sleep_forever()
-            if self._owns_port:
+            if self.owns_port:
                 # The port may be why it failed (another process took it): pick again.
                 self._release_port()
             self._release_extra_ports()
@@ -322,50 +224,43 @@ class ShardRunner:
 
     def _release_extra_ports(self) -> None:
         for port in self.extra_ports:
-            self.ctx.release_port(port)
+            self.ctx.ports.release(port)
         self.extra_ports = ()
 
     def _release_port(self) -> None:
-        self.ctx.release_port(self.port)
+        self.ctx.ports.release(self.port)
         self.port = 0
-        self._owns_port = False
+        self.owns_port = False
 
     async def _adopt(self, record: ShardRecord) -> Failure:
         self.port = record.port
         # A port the spec did not name was picked from the range (the launcher counts it in
         # use at its start): released when the shard fails, so that a port another process
         # took meanwhile is not tried again and again.
-        self._owns_port = bool(record.port) and not self.spec.port
-        engine, failure = await self._engine()
+        self.owns_port = bool(record.port) and not self.spec.port
+        engine, failure = await engine_for(self)
         if failure is not None or engine is None:
             return failure or Failure("no engine")
-        self._leader_url = self._url() if engine.serves_http(self.spec) else ""
+        self.leader_url = self.url() if engine.serves_http(self.spec) else ""
         dead = [r for p in self.procs if (r := p.exit_reason())]
         if dead or not self.procs:
-            return await self._exit_failure(dead[0] if dead else "no processes were recorded")
+            return await self.exit_failure(dead[0] if dead else "no processes were recorded")
         log.info("shard %s: adopted pids %s", self.key, [p.pid for p in self.procs])
-        if engine.serves_http(self._spec_with_port()):
+        if engine.serves_http(self.spec_with_port()):
             # Recorded as ready is not ready: it must answer again before we say so.
             failure = await self._await_health(engine)
             if failure is not None:
                 return failure
-        self._set("ready")
-        failure = await self._save(ready=True)
+        self.set_state("ready")
+        failure = await self.save(ready=True)
         if failure is not None:
             return failure
         return await self._supervise(engine)
 
-    async def _engine(self) -> tuple[Engine | None, Failure | None]:
-        await self.ctx.refresh_engine(self.spec.profile.engine)
-        try:
-            return self.ctx.registry.get(self.spec.profile.engine), None
-        except UnknownEngineError as exc:
-            return None, Failure(str(exc), retryable=False)
-
-    def _spec_with_port(self) -> ShardSpec:
+    def spec_with_port(self) -> ShardSpec:
         return msgspec.structs.replace(self.spec, port=self.port, extra_ports=self.extra_ports)
 
-    def _url(self) -> str:
+    def url(self) -> str:
         host = self.spec.host
         if host in ("", "0.0.0.0", "::"):
             host = self.ctx.mgmt_addr
@@ -384,179 +279,29 @@ class ShardRunner:
         return await self._supervise(outcome)
 
     async def _start_all(self) -> Failure | Engine:
-        """pending -> starting -> (waiting) -> (loading) -> ready; the engine, or why not."""
+        """pending -> starting -> (waiting) -> (loading) -> ready: the start's hooks in order
+        (see `start`); the engine, or why not."""
         self.procs = []
-        self._set("pending")
-        engine, failure = await self._engine()
-        if failure is not None or engine is None:
-            return failure or Failure("no engine")
-        problems = engine.validate(self.spec.profile, self.ctx.gpus, self.spec)
-        if problems:
-            return Failure("; ".join(problems), retryable=False)
-        failure = await self._missing_model()
+        self.set_state("pending")
+        attempt = Attempt()
+        for hook in START:
+            failure = await hook.run(self, attempt)
+            if failure is not None:
+                return failure
+        self.set_state("ready")
+        failure = await self.save(ready=True)
         if failure is not None:
             return failure
-        model_path = await self._stage_weights()
-        if isinstance(model_path, Failure):
-            return model_path
-        serves = engine.serves_http(self.spec)
-        if not self.port and serves:
-            self.port = self.spec.port or self.ctx.allocate_port()
-            self._owns_port = not self.spec.port
-        if not self.extra_ports:
-            self.extra_ports = tuple(
-                self.ctx.allocate_port() for _ in range(extra_ports_needed(engine, self.spec))
-            )
-        spec = self._spec_with_port()
-        if model_path != spec.profile.model_path:
-            spec = msgspec.structs.replace(
-                spec, profile=msgspec.structs.replace(spec.profile, model_path=model_path)
-            )
-        self._leader_url = self._url() if serves else ""
-        if serves:
-            # An engine started on a port another process holds dies with "Address already in
-            # use", and until it does the other process answers its health checks.
-            held = await self.ctx.workers.files(ports.held, self.port, self.spec.host)
-            if held is not None:
-                return Failure(held)
-        commands = engine.commands(spec, self.ctx.environ)
-        self._set("starting")
-        for i, cmd in enumerate(commands):
-            if cmd.wait_for:
-                self._set("waiting", f"waiting for {', '.join(map(str, cmd.wait_for))}")
-                failure = await self._until_exit(self._wait_for, cmd)
-                if failure is not None:
-                    return failure
-            failure = await self._start(cmd)
-            if failure is None and i < len(commands) - 1:
-                # A sidecar runs while the next command may wait: on disk first, so
-                # that a launcher that dies meanwhile leaves it adoptable.
-                failure = await self._save()
-            if failure is not None:
-                return failure
-        if serves:
-            self._set("loading")
-            url = self._leader_url + engine.health_path
-            failure = await self._until_exit(self._recorded_and_healthy, url)
-            if failure is not None:
-                return failure
-        else:
-            failure = await self._save()
-            if failure is not None:
-                return failure
-            dead = self._first_exit()
-            if dead:
-                return await self._exit_failure(dead)
-        await self._read_cgroups()
-        self._set("ready")
-        failure = await self._save(ready=True)
-        if failure is not None:
-            return failure
-        return engine
+        return attempt.need_engine()
 
-    async def _missing_model(self) -> Failure | None:
-        """The file the node must already hold for the profile, if it does not: found before any
-        engine starts, since an engine that cannot open its model exits, is restarted, and exits
-        again forever; and told to the node, whose heartbeats keep placement from sending the
-        profile here again until the file is there."""
-        path = self.spec.profile.node_file
-        if not path or await self.ctx.workers.files(os.path.exists, path):
-            return None
-        self.ctx.model_missing(path)
-        return Failure(f"model file not found: {path}", retryable=False)
-
-    async def _stage_weights(self) -> Failure | str:
-        """The path the engine reads the weights at: the node's staged copy when `model` names a
-        source, waited for with its progress as the shard's status; else `model_path` as given."""
-        profile = self.spec.profile
-        try:
-            source = parse_source(profile.model, profile.model_sha256, profile=profile.name)
-        except SourceError as exc:
-            return Failure(str(exc), retryable=False)
-        if source is None:
-            return profile.model_path
-        if self.ctx.weights is None:
-            return Failure(f"profile {profile.name}: this node stages no weights", retryable=False)
-        first = True
-
-        def report(words: str) -> None:
-            nonlocal first
-            if first:
-                first = False
-                self._set("waiting", words)
-                return
-            status = msgspec.structs.replace(self._status("waiting", words), at=self._state_at)
-            (self.ctx.publish_quietly or self.ctx.publish)(status)
-
-        try:
-            path = await self.ctx.weights.stage(source, report)
-        except WeightsError as exc:
-            return Failure(exc.reason, retryable=exc.retryable)
-        if source.kind != "file":
-            too_big = await self.ctx.workers.files(self._too_big, path)
-            if too_big:
-                # Placement fits a model only once some node reported its shape, so the first
-                # replica of a new model comes here unchecked: started, its engine would fail
-                # to allocate in its own words (and be restarted). The node reports the shape
-                # it just recorded, and placement refuses it for the profile in these words.
-                # A hostile header fails here too: once, not retried, its words bounded.
-                return Failure(_bounded(too_big), retryable=False)
-        return str(path)
-
-    def _too_big(self, view: Path) -> str | None:
-        """Whether the staged model at `view` cannot fit the GPUs this shard is pinned to (or, for a
-        CPU profile, the host's memory), by placement's own rule (`fit.check_shard`), or has a
-        header that breaks its format or the bounds (`fit.HeaderError`); in a file thread, since
-        it reads the shape kept beside the view (or, where none was kept, the header itself)."""
-        profile = self.spec.profile
-        try:
-            # Where no shape was kept: a model whose counts are missing (started unchecked, as
-            # before), or a header that is broken or hostile, which no engine is started on.
-            shape = staged.recorded_shape(view) or fit.read_shape(view)
-        except fit.HeaderError as exc:
-            return (
-                f"model {profile.weights_key}: {exc}; the file is broken or not a model: fix it at its source"
-            )
-        except fit.FitError:
-            return None
-        gpus = [g for g in self.ctx.gpus if g.index in self.spec.gpus]
-        try:
-            return fit.check_shard(shape, profile, gpus, self.ctx.memory_mb)
-        except fit.FitError as exc:  # a figure no estimate can use (a context of 1e308 tokens)
-            return f"model {profile.weights_key}: {exc}"
-
-    async def _start(self, cmd: Command) -> Failure | None:
-        log_path = self.ctx.state_dir / "logs" / self.key / f"{len(self.procs)}-{cmd.name}.log"
-        workdir = self.ctx.state_dir / "run" / self.key
-        attempt, nice = self.restarts + 1, self.ctx.engine_nice
-        try:
-            # All of it in the spawning thread, the directories and the log included: on a
-            # node whose disk is busy, creating a file can wait for the filesystem's journal.
-            child, started = await self.ctx.workers.spawn(
-                lambda: procs.spawn(cmd, log_path, workdir, attempt, nice)
-            )
-        except OSError as exc:
-            return Failure(f"cannot start {cmd.name} ({cmd.path}): {exc.strerror or exc}")
-        memcg = await self.ctx.workers.files(oom.find, child.pid)
-        self.procs.append(Proc(cmd.name, child.pid, started, log_path, child, memcg))
-        return None
-
-    async def _read_cgroups(self) -> None:
-        """Each process's memory cgroup again, now that it runs: a wrapper (a script that enters
-        a cgroup, `systemd-run --scope`, a container's shim) may have moved it since it started,
-        and its OOM kills are counted where it is now."""
-        for p in self.procs:
-            if p.child is not None:
-                p.memcg = await self.ctx.workers.files(oom.find, p.pid) or p.memcg
-
-    def _first_exit(self) -> str | None:
+    def first_exit(self) -> str | None:
         for p in self.procs:
             reason = p.exit_reason()
             if reason:
                 return reason
         return None
 
-    async def _exit_failure(self, reason: str, proc: Proc | None = None) -> Failure:
+    async def exit_failure(self, reason: str, proc: Proc | None = None) -> Failure:
         """How a process ended, with the last lines of its log; `proc` is found by its reason if not given."""
         found = proc or next((p for p in self.procs if p.exit_reason() == reason), None)
         if found is None:
@@ -577,18 +322,20 @@ class ShardRunner:
 
     # --- waiting on processes ---------------------------------------------------
 
-    async def _until_exit(self, work: Callable[[Any], Awaitable[Failure | None]], arg: Any) -> Failure | None:
-        """`work(arg)`'s outcome, unless one of the shard's processes exits first: then that exit's."""
+    async def until_exit(
+        self, work: Callable[[*Args], Awaitable[Failure | None]], *args: *Args
+    ) -> Failure | None:
+        """`work(*args)`'s outcome, unless one of the shard's processes exits first: then that exit's."""
         outcome: list[Failure | None] = []
         async with anyio.create_task_group() as tg:
 
             async def run_work() -> None:
-                outcome.append(await work(arg))
+                outcome.append(await work(*args))
                 tg.cancel_scope.cancel()
 
             async def watch_exits() -> None:
                 proc, reason = await self._any_exit()
-                outcome.append(await self._exit_failure(reason, proc))
+                outcome.append(await self.exit_failure(reason, proc))
                 tg.cancel_scope.cancel()
 
             tg.start_soon(watch_exits)
@@ -610,78 +357,24 @@ class ShardRunner:
             await anyio.sleep_forever()
         return exits[0]
 
-    async def _wait_for(self, cmd: Command) -> Failure | None:
-        deadline = time.monotonic() + self.ctx.wait_timeout_s
-        pending = list(cmd.wait_for)
-        while pending:
-            pending = [a for a in pending if not await _accepts(a)]
-            if not pending:
-                return None
-            if time.monotonic() > deadline:
-                return Failure(
-                    f"{cmd.name}: waited {self.ctx.wait_timeout_s:g}s for "
-                    f"{', '.join(map(str, pending))} to accept connections; it never did"
-                )
-            await anyio.sleep(0.2)
-        return None
-
     async def _await_health(self, engine: Engine) -> Failure | None:
-        return await self._until_exit(self._poll_until_healthy, self._leader_url + engine.health_path)
-
-    async def _recorded_and_healthy(self, url: str) -> Failure | None:
-        """The record written while the engine loads, side by side: a record write is no reason to wait
-        before the first probe, but a shard is not ready before it is on disk."""
-        failures: list[Failure | None] = []
-        async with anyio.create_task_group() as tg:
-
-            async def record() -> None:
-                failure = await self._save()
-                if failure is not None:
-                    failures.append(failure)
-                    tg.cancel_scope.cancel()
-
-            tg.start_soon(record)
-            failures.append(await self._poll_until_healthy(url))
-        return next((f for f in failures if f is not None), None)
-
-    async def _poll_until_healthy(self, url: str) -> Failure | None:
-        timeout = self.spec.profile.health_timeout_s
-        deadline = time.monotonic() + timeout
-        while True:
-            problem = await self.ctx.prober.check(url)
-            if problem is None:
-                return await self._port_owned()
-            if time.monotonic() > deadline:
-                return Failure(f"no health answer within {timeout:g} s from {url} (last: {problem})")
-            await anyio.sleep(LOADING_PROBE_S)
-
-    async def _port_owned(self) -> Failure | None:
-        """None if the health answer came from the engine's own processes; else who answered.
-
-        A process that held the port before the engine (or took it between the free-port check
-        and the engine's bind) answers /health like an engine: without this check the shard was
-        ready within 100 ms and the gateway sent users to the stranger."""
-        host = urlsplit(self._leader_url).hostname or self.ctx.mgmt_addr
-        pids = [p.pid for p in self.procs]
-        held = await self.ctx.workers.files(ports.foreign, self.port, host, pids)
-        return Failure(held) if held is not None else None
+        return await self.until_exit(healthy, self, self.leader_url + engine.health_path)
 
     async def _supervise(self, engine: Engine) -> Failure:
-        url = self._leader_url + engine.health_path if engine.serves_http(self._spec_with_port()) else ""
-        failure = await self._until_exit(self._watch, (engine, url))
+        url = self.leader_url + engine.health_path if engine.serves_http(self.spec_with_port()) else ""
+        failure = await self.until_exit(self._watch, engine, url)
         assert failure is not None
         return failure
 
-    async def _watch(self, what: tuple[Engine, str]) -> Failure:
+    async def _watch(self, engine: Engine, url: str) -> Failure:
         """Health checks until they fail; meanwhile the engine's load, where it can be read."""
-        engine, url = what
         metrics = LOAD_METRICS.get(engine.name)
         scraper = self.ctx.scraper
         if not url or metrics is None or scraper is None or self.ctx.load_interval_s <= 0:
             return await self._check_health(url)
         outcome: list[Failure] = []
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._read_load, scraper, self._leader_url + engine.metrics_path, metrics)
+            tg.start_soon(self._read_load, scraper, self.leader_url + engine.metrics_path, metrics)
             outcome.append(await self._check_health(url))
             tg.cancel_scope.cancel()
         return outcome[0]
@@ -753,14 +446,14 @@ class ShardRunner:
                 procs.signal_group(p.pid, signal.SIGKILL)
             while await self.ctx.workers.files(_any_lingers, live):
                 await anyio.sleep(0.05)
-            if self._leader_url:
-                await self.ctx.prober.forget(self._leader_url)
+            if self.leader_url:
+                await self.ctx.prober.forget(self.leader_url)
 
     async def terminate(self, publish: bool = True) -> None:
         """Stop the engine for good (the shard is no longer desired here)."""
         with anyio.CancelScope(shield=True):
             if publish:
-                self._set("stopping")
+                self.set_state("stopping")
             await self._kill_all()
             try:
                 await self.ctx.records.remove(self.key)
@@ -768,11 +461,11 @@ class ShardRunner:
                 # The engine is stopped; a stale record only makes a successor
                 # find a dead process and drop it.
                 log.warning("shard %s: %s", self.key, exc)
-            if self._owns_port:
-                self.ctx.release_port(self.port)
+            if self.owns_port:
+                self.ctx.ports.release(self.port)
             self._release_extra_ports()
             if publish:
-                self._set("stopped")
+                self.set_state("stopped")
 
 
 def next_tick(after: float, interval: float) -> float:
@@ -819,16 +512,6 @@ def _lingers(p: Proc) -> bool:
     if p.child is not None:
         p.child.poll()  # reap, so the group's leader is not a zombie forever
     return procs.group_alive(p.pid, p.start_time)
-
-
-async def _accepts(addr: Address) -> bool:
-    try:
-        with anyio.fail_after(1):
-            stream = await anyio.connect_tcp(addr.host, addr.port)
-    except (OSError, TimeoutError):
-        return False
-    await stream.aclose()
-    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
