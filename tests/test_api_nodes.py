@@ -76,6 +76,8 @@ async def test_api_nodes_says_what_encoding_every_row_says_and_follows_changes(
                     ("gpu-2", True),
                     ("gpu-3", True),
                 ]
+                # Alive and heard: a node just read is alive for a timeout before its first beat.
+                assert all(r["seen_s_ago"] >= 0 for r in rows), rows  # type: ignore[operator]
                 return rows
 
             rows = await eventually(all_alive, timeout=10)

@@ -168,10 +168,9 @@ class Api:
         return json_response({k: _builtins(v) for k, v in sorted(self.service.state.deployments.items())})
 
     async def get_replicas(self, _: Request) -> Response:
-        held = self.service.view.mine()
-        if held is None:
+        if self.service.view.mine() is None:
             return self.standby()
-        return json_response({k: _builtins(v) for k, v in sorted(held.replicas.items())})
+        return json_response({k: _builtins(v) for k, v in sorted(self.service.view.replicas().items())})
 
     async def get_shards(self, _: Request) -> Response:
         return json_response(_builtins(self.shards()))

@@ -136,9 +136,12 @@ class ClusterView:
         return self.held if self._leading() else None
 
     def replicas(self) -> dict[str, ReplicaRecord]:
-        """The replicas the leader holds (empty on a standby)."""
+        """The replicas the leader holds (empty on a standby), with the placements whose write
+        did not land yet (the store full): `placing`, as their records say."""
         mine = self.mine()
-        return dict(mine.replicas) if mine else {}
+        if mine is None:
+            return {}
+        return {k: placed.record for k, placed in mine.unwritten.items()} | mine.replicas
 
     def shards(self) -> dict[str, ShardSpec]:
         mine = self.mine()
