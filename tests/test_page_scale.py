@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,12 +17,21 @@ from hypothesis import strategies as st
 
 from llmgw_core.bus import Bus
 from llmgw_core.engines import GPUInfo, Profile
-from llmgw_core.events import NodeFacts, NodeIntent, NodeReason, NodeStatus, PlacementDecision, encode
+from llmgw_core.events import (
+    InstallProgress,
+    NodeFacts,
+    NodeIntent,
+    NodeReason,
+    NodeStatus,
+    PlacementDecision,
+    encode,
+)
 from llmgw_placement import PlacementService
 from llmgw_placement.api import Api
 from llmgw_placement.page import EVENT_CHARS, Page, document_of, event_line, reasons_html
-from tests.control_support import server_config
+from tests.control_support import dlq, server_config
 from tests.test_page import CHROMIUM, FLAGS
+from tests.waiting import eventually
 
 NODES = 1000
 GPUS = 8
@@ -307,3 +317,33 @@ def test_a_node_just_joined_gets_a_full_timeout_for_its_first_heartbeat() -> Non
     # Past a full timeout from when it was first read, a node never heard is lost.
     assert judge.alive_nodes(101.2) == {"beating"}
     assert not judge.alive("joined", 101.2)[0]
+
+
+@pytest.mark.anyio
+async def test_bytes_on_an_event_subject_that_are_no_event_are_dead_lettered_by_the_page(
+    bus: Bus, nats_url: str, prefix: str
+) -> None:
+    """A node's identity may publish its own events: bytes that are no event are counted and
+    copied to placement's DLQ with msgspec's words, never dropped unsaid; the events after
+    them are still shown."""
+    service = PlacementService(server_config(nats_url, prefix, http={"insecure": True}), bus)
+    api = Api(service)
+    page = Page(service, api.nodes, catalog=api.catalog)
+    subject = bus.names.node_install("n1")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(page.listen)
+        good = InstallProgress(node="n1", engine="e", step="s", message="fetched")
+
+        async def shown() -> bool:
+            await bus.publish_core(subject, good)
+            return any(line.endswith("n1: fetched") for _, _, line in page.events)
+
+        await eventually(shown, timeout=10, interval=0.2)
+        for data in (b"\xff not json", b"[1, 2]"):
+            await bus.nc.publish(subject, data)
+        await eventually(lambda: bus.decode_errors[subject] == 2, timeout=10)
+        tg.cancel_scope.cancel()
+    letters = await dlq(bus, bus.conn.service)
+    assert [m.data for m in letters] == [b"\xff not json", b"[1, 2]"]
+    assert letters[1].headers is not None
+    assert letters[1].headers["Llmgw-Error"] == "an event is a JSON object, not a list"

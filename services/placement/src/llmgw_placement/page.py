@@ -27,12 +27,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from llmgw_core.bus import DecodeFailure
 from llmgw_core.events import ReplicaRecord
 
 from . import page_sections as sections
 from .chart import demand_chart
 from .page_assets import CHAT, PAGE
-from .page_events import EVENT_CHARS, event_line, reason_said
+from .page_events import EVENT_CHARS, body_line, event_body, event_line, reason_said
 from .page_fleet import EVERYTHING, Counted, Fleet, Query, counted
 from .page_parts import Frag, Keyed, Part, Sent, changes, document_of, esc
 from .page_sections import reasons_html
@@ -108,7 +109,12 @@ class Page:
         bus = self.service.bus
 
         async def on_msg(subject: str, data: bytes) -> None:
-            line = event_line(subject, data, self._install_steps)
+            try:
+                body = event_body(subject, data)
+            except DecodeFailure as exc:
+                await bus.dead_letter(subject, data, exc.error)
+                return
+            line = body_line(body, self._install_steps)
             if line:
                 self.heard(line)
 

@@ -1,5 +1,6 @@
 """The cluster page's event feed: one line for each event on the bus, in the words its writer
-gave, or None for the ones the page skips (an install's progress within a step).
+gave, or None for the ones the page skips (an install's progress within a step); bytes that
+are no event are dead-lettered by the page's listener.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from typing import Any
 import msgspec
 
 from llmgw_core import failures
+from llmgw_core.bus import DecodeFailure
+from llmgw_core.bus.deadletter import decode_error
 
 from .view import reasons_text
 
@@ -16,18 +19,33 @@ from .view import reasons_text
 EVENT_CHARS = 600
 
 
+def event_body(subject: str, data: bytes) -> dict[str, Any]:
+    """An event's JSON object, or `DecodeFailure` with msgspec's words (bounded)."""
+    try:
+        body = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise DecodeFailure(subject, decode_error(exc)) from exc
+    if not isinstance(body, dict):
+        raise DecodeFailure(subject, f"an event is a JSON object, not a {type(body).__name__}")
+    return body
+
+
 def event_line(subject: str, data: bytes, steps: dict[tuple[str, str], str] | None = None) -> str | None:
-    """One line for an event, in the words its writer gave; None for the ones the page skips.
+    """One line for an event, in the words its writer gave; None for the ones the page skips
+    (and for bytes that are no event: `event_body` says what they are)."""
+    try:
+        body = event_body(subject, data)
+    except DecodeFailure:
+        return None
+    return body_line(body, steps)
+
+
+def body_line(body: dict[str, Any], steps: dict[tuple[str, str], str] | None = None) -> str | None:
+    """`event_line` of a decoded event.
 
     `steps`: each install's step so far, by (node, engine). Given it, progress within a step
     (`downloading … (38%, …)`, every second or so) is skipped: it updates the node's row, and
     the event list keeps what matters, a new step and how the install ended."""
-    try:
-        body = msgspec.json.decode(data)
-    except msgspec.DecodeError:
-        return None
-    if not isinstance(body, dict):
-        return None
     line = _event_words(body, steps)
     if line is None or len(line) <= EVENT_CHARS:
         return line
