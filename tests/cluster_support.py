@@ -23,6 +23,16 @@ from llmgw_placement.config import ServerConfig
 from tests.auth_support import session_for
 from tests.metrics_support import value
 
+# Engine ports of the test clusters: 20000-27499, a block of 2,500 for each of three xdist
+# workers (`./dev test` runs three); `llmgw up` keeps its own 28000-28999.
+PORTS_PER_WORKER = 2500
+
+
+def worker_ports() -> int:
+    """The first engine port of this xdist worker's block (the first block outside xdist)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    return 20000 + PORTS_PER_WORKER * (int(worker) % 3 if worker.isdigit() else 0)
+
 
 @dataclass
 class Cluster:
@@ -113,8 +123,10 @@ class Cluster:
         extra: dict[str, Any] | None = None,
         simulate: dict[str, Any] | None = None,
     ) -> Path:
-        # Nodes share this machine: each gets its own engine ports.
-        base = 20000 + 100 * (len(list(self.root.glob("agent-*.yaml"))) + 1)
+        # Nodes share this machine: each gets its own engine ports, and so does each xdist
+        # worker's cluster (an engine that binds late, as vLLM does after a minute of imports,
+        # would otherwise find its port taken by another test's).
+        base = worker_ports() + 100 * (len(list(self.root.glob("agent-*.yaml"))) + 1)
         if self.session is not None:
             self.session.add_node(self.prefix, node)
         config = msgspec.convert(
