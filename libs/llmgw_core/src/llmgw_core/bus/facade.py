@@ -269,7 +269,7 @@ class Bus:
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         """Handle plain NATS messages (heartbeats) until cancelled; bad ones go to the DLQ."""
-        await self.watches.subscribe_core(subject, kind, handler, task_status=task_status)
+        await self.plain.subscribe_core(subject, kind, handler, task_status=task_status)
 
     async def listen(
         self,

@@ -23,9 +23,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from ..errors import BusError
-from ..events import encode
+from ..events import decoder, encode
 from .connection import Connection
-from .deadletter import DeadLetters, DecodeFailure, decode
+from .deadletter import DeadLetters, DecodeFailure, decode, decode_error
 
 log = logging.getLogger("llmgw.bus")
 
@@ -87,6 +87,36 @@ class Plain:
                 log.exception("%s: handler for %s failed", self.conn.service, msg.subject)
 
         await self._hold(subject, on_msg, queue, task_status)
+
+    async def subscribe_core(
+        self,
+        subject: str,
+        kind: type[T],
+        handler: Callable[[T, str], Awaitable[None]],
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Handle plain NATS messages (heartbeats) until cancelled; bad ones go to the DLQ.
+
+        The handler runs in the subscription's own callback, one message at a
+        time, with no queue of llmgw's in between: a heartbeat handler only
+        records a time, and a queue that a burst overflows would turn a busy
+        judge into a cluster of "lost" nodes.
+        """
+        dec = decoder(kind)
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                value = dec.decode(msg.data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                await self.dlq.dead_letter(msg.subject, msg.data, decode_error(exc))
+                return
+            try:
+                await handler(value, msg.subject)
+            except Exception as exc:  # a handler's fault costs that message, never the subscription
+                log.exception("%s: handler for %s failed: %s", self.conn.service, msg.subject, exc)
+
+        await self._hold(subject, on_msg, "", task_status)
 
     async def answer(
         self,

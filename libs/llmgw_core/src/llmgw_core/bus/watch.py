@@ -116,55 +116,6 @@ class Watches:
                     with contextlib.suppress(nats.errors.Error, OSError):
                         await sub.unsubscribe()
 
-    async def subscribe_core(
-        self,
-        subject: str,
-        kind: type[T],
-        handler: Callable[[T, str], Awaitable[None]],
-        *,
-        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Handle plain NATS messages (heartbeats) until cancelled; bad ones go to the DLQ.
-
-        The handler runs in the subscription's own callback, one message at a
-        time, with no queue of llmgw's in between: a heartbeat handler only
-        records a time, and a queue that a burst overflows would turn a busy
-        judge into a cluster of "lost" nodes.
-        """
-        self.conn.check(subject)
-        dec = decoder(kind)
-
-        async def on_msg(msg: Msg) -> None:
-            try:
-                value = dec.decode(msg.data)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                await self.dlq.dead_letter(msg.subject, msg.data, decode_error(exc))
-                return
-            try:
-                await handler(value, msg.subject)
-            except Exception as exc:  # a handler's fault costs that message, never the subscription
-                log.exception("%s: handler for %s failed: %s", self.conn.service, msg.subject, exc)
-
-        try:
-            sub = await self.conn.nc.subscribe(subject, cb=on_msg)
-        except (nats.errors.Error, OSError) as exc:
-            self.conn.raise_if_final(exc)
-            raise BusError(f"cannot subscribe to {subject}: {exc or type(exc).__name__}") from exc
-        try:
-            # Started means the server holds the subscription: what another connection
-            # publishes after that is heard (before the round trip it could be missed).
-            try:
-                await self.conn.nc.flush()
-            except (nats.errors.Error, OSError) as exc:
-                self.conn.raise_if_final(exc)
-                raise BusError(f"cannot subscribe to {subject}: {exc or type(exc).__name__}") from exc
-            task_status.started()
-            await anyio.sleep_forever()
-        finally:
-            with anyio.CancelScope(shield=True):
-                with contextlib.suppress(nats.errors.Error, OSError):
-                    await sub.unsubscribe()
-
     async def watch(
         self, bucket: str, kind: type[T], keys: str = ALL, *, undecodable: bool = False
     ) -> AsyncIterator[KVChange[T]]:
