@@ -215,11 +215,10 @@ class KV:
             return
 
     async def keys(self, bucket: str) -> set[str]:
-        """Every key that holds a value now (the values are not read)."""
-        try:
-            return set(await self._kv_call(f"list {bucket}", bucket, lambda kv: kv.keys()))
-        except nats.js.errors.NoKeysError:
-            return set()
+        """Every key that holds a value now (the values are not decoded). Read as `entries`
+        reads: nats-py's own `keys()` decides it has seen every key by what the client has
+        taken so far, and on a busy machine answered a partial list."""
+        return set(await self._snapshot(bucket, ALL))
 
     async def entries(self, bucket: str, kind: type[T], keys: str = ALL) -> dict[str, KVChange[T]]:
         """A snapshot of every key's current value (bad values are skipped, and counted).
@@ -228,6 +227,15 @@ class KV:
         in: through `watch`, every key costs a queue hop and a timed wait, which made
         `llmgw ctl get nodes` take seconds at 10,000 nodes. A reconnect meanwhile reads again.
         """
+        out: dict[str, KVChange[T]] = {}
+        for key, (revision, data) in (await self._snapshot(bucket, keys)).items():
+            value = await self._value(bucket, key, data, kind)
+            if value is not None:
+                out[key] = KVChange(key, value, revision)
+        return out
+
+    async def _snapshot(self, bucket: str, keys: str) -> dict[str, tuple[int, bytes]]:
+        """Each matching key's last value and revision, read again after a reconnect."""
         self.conn.check(Names.kv_subject(bucket, keys))
         retry = Retry(log, f"{self.conn.service}: reading {bucket}", base_s=0.5, cap_s=2.0, known=KNOWN)
         try:
@@ -244,15 +252,9 @@ class KV:
                         continue
                     if found is not None:
                         retry.succeeded()
-                        break
+                        return found
         except TimeoutError as exc:
             raise BusError(f"reading {bucket} took over 30 s; is NATS reachable?") from exc
-        out: dict[str, KVChange[T]] = {}
-        for key, (revision, data) in found.items():
-            value = await self._value(bucket, key, data, kind)
-            if value is not None:
-                out[key] = KVChange(key, value, revision)
-        return out
 
     async def _last_messages(self, bucket: str, keys: str) -> dict[str, tuple[int, bytes]] | None:
         """Each key's last value and revision, deleted keys left out, read by one ordered
