@@ -28,10 +28,21 @@ from tests.metrics_support import value
 PORTS_PER_WORKER = 2500
 
 
+def _worker() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    return int(worker) % 3 if worker.isdigit() else 0
+
+
 def worker_ports() -> int:
     """The first engine port of this xdist worker's block (the first block outside xdist)."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-    return 20000 + PORTS_PER_WORKER * (int(worker) % 3 if worker.isdigit() else 0)
+    return 20000 + PORTS_PER_WORKER * _worker()
+
+
+def up_engine_ports() -> list[str]:
+    """`llmgw up`'s `--engine-ports` for this xdist worker: a third of 28000-28998 each, so two
+    `up` tests at once never take one engine port."""
+    low = 28000 + 333 * _worker()
+    return ["--engine-ports", f"{low}-{low + 332}"]
 
 
 @dataclass

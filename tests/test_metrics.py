@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.auth import AuthDir
+from tests.cluster_support import up_engine_ports
 from tests.metrics_support import families, samples, value
 from tests.test_sim_engine import free_port
 from tests.test_up import printed_key
@@ -58,6 +59,7 @@ def llmgw_up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path, Pa
     out = tmp_path / "up.log"
     argv = [sys.executable, "-c", "import sys; from llmgw.cli import main; sys.exit(main())", "up"]
     argv += ["--data-dir", str(data), "--port", str(free_port()), "--api-port", str(free_port())]
+    argv += up_engine_ports()
     with out.open("wb") as log:
         proc = subprocess.Popen(
             argv,

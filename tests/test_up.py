@@ -21,6 +21,7 @@ import pytest
 from llmgw.auth import AuthDir
 from llmgw_launcher import procs
 from llmgw_launcher.records import Records
+from tests.cluster_support import up_engine_ports
 from tests.launcher_support import pid_alive, processes_with
 from tests.test_sim_engine import free_port
 from tests.waiting import eventually
@@ -112,6 +113,7 @@ def dev_up(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes
         str(free_block(8)),  # and the metrics ports of up to 3 nodes after it
         "--gateway-port",
         str(free_port()),
+        *up_engine_ports(),
     ]
     with out.open("wb") as log:
         proc = subprocess.Popen(

@@ -36,6 +36,7 @@ from llmgw.up import (
 from llmgw_core.events import EngineState, NodeFacts, NodeStatus
 from llmgw_installer.checks import LINKS_MANIFEST, missing_libraries
 from llmgw_placement.config import ServerConfig
+from tests.cluster_support import up_engine_ports
 from tests.launcher_support import processes_with
 from tests.test_sim_engine import free_port
 from tests.test_up import ROOT, free_block, printed_key
@@ -160,7 +161,7 @@ def up(
     cwd: Path, data: Path, out: Path, *args: str, env: dict[str, str] | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
     argv = [*LLMGW, "up", "--data-dir", str(data), "--port", str(free_port())]
-    argv += ["--api-port", str(free_block(4)), "--gateway-port", str(free_port()), *args]
+    argv += ["--api-port", str(free_block(4)), "--gateway-port", str(free_port()), *up_engine_ports(), *args]
     with out.open("wb") as log:
         proc = subprocess.Popen(
             argv,

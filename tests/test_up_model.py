@@ -14,6 +14,7 @@ import pytest
 
 from llmgw.up import model_name, model_profile, model_source
 from llmgw_core.engines import GPUInfo
+from tests.cluster_support import up_engine_ports
 from tests.hf_server import hf_hub
 from tests.launcher_support import pid_alive, processes_with
 from tests.test_launcher_llamacpp import llama_bin
@@ -38,7 +39,7 @@ async def up_with_model(
     out = tmp_path / "up.log"
     argv = [sys.executable, "-c", "import sys; from llmgw.cli import main; sys.exit(main())", "up"]
     argv += ["--model", model, "--data-dir", str(data), "--port", str(free_port())]
-    argv += ["--api-port", str(free_block(4)), "--gateway-port", str(free_port())]
+    argv += ["--api-port", str(free_block(4)), "--gateway-port", str(free_port()), *up_engine_ports()]
     with out.open("wb") as log:
         proc = subprocess.Popen(
             argv,
