@@ -42,13 +42,15 @@ sync-all:
 
 # podman (with runc, netavark and aardvark-dns for service names, iptables for
 # its bridge, catatonit for compose's `init: true`) and mmdebstrap for the
-# container test, chromium for the browser test: installed with apt when root
-# and missing; otherwise this says so and those tests skip with their reason.
+# container test, chromium for the browser test, iproute2 (`ip netns`) for the
+# multi-host tests' hosts: installed with apt when root and missing; otherwise
+# this says so and those tests skip with their reason (the multi-host tests
+# fail instead when CI=true).
 # As root, install the Debian packages some tests need (podman, mmdebstrap, chromium).
 system-packages:
     #!/usr/bin/env bash
     set -euo pipefail
-    wanted=(podman runc netavark aardvark-dns iptables catatonit mmdebstrap chromium)
+    wanted=(podman runc netavark aardvark-dns iptables iproute2 catatonit mmdebstrap chromium)
     missing=()
     for p in "${wanted[@]}"; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q ' installed$' || missing+=("$p")
