@@ -255,6 +255,27 @@ async def test_a_download_cut_off_midway_resumes_where_it_broke(tmp_path: Path, 
 
 
 @pytest.mark.anyio
+async def test_an_attempt_after_a_stall_says_how_far_the_last_one_got_while_it_resolves(
+    tmp_path: Path, hub: Hub
+) -> None:
+    hub.state.cut_once["tiny.gguf"] = 4000
+    weights = store(tmp_path, hub, timeout_s=0.5)
+    with pytest.raises(WeightsError):
+        await stage(weights, "hf://org/repo/tiny.gguf")
+    # The next attempt waits on the hub's metadata: its shards hear how far the last one got.
+    hub.state.hang_metadata = True
+    said: list[str] = []
+    with anyio.fail_after(30), pytest.raises(WeightsError):
+        await stage(weights, "hf://org/repo/tiny.gguf", said=said)
+    commit = hub.state.repos["org/repo"].commit
+    assert said[-1] == (
+        f"weights repo@{commit[:6]}: resolving again "
+        "(tiny.gguf: 39%, 4.0 of 10.2 kB here, resumed from there)"
+    )
+    assert all("39%" in words for words in said), said
+
+
+@pytest.mark.anyio
 async def test_a_sha256_mismatch_is_discarded_never_staged(tmp_path: Path, hub: Hub) -> None:
     hub.state.wrong_sha.add("tiny.gguf")
     with pytest.raises(WeightsError) as caught:

@@ -144,6 +144,12 @@ class Progress:
                 f"weights {self.label}: downloading {self.file}{source} "
                 f"({pct}%, {amount(self.done, self.total)})"
             )
+        if self.phase == "resolving" and self.total:
+            pct = int(self.done * 100 / self.total)
+            return (
+                f"weights {self.label}: resolving again ({self.file}: {pct}%, "
+                f"{amount(self.done, self.total)} here, resumed from there)"
+            )
         target = f" {self.file}" if self.file and self.phase != "resolving" else ""
         return f"weights {self.label}: {self.phase}{target}"
 
@@ -300,8 +306,13 @@ class Weights:
             _touch(staged)
             _record_shape(staged)
             return staged
-        progress.label, progress.phase, progress.file = source.name, "resolving", ""
-        progress.done = progress.total = 0
+        if progress.phase == "downloading" and progress.done:
+            # Again, after an attempt that broke off: what came then is still here (resumed),
+            # and its shards keep saying how far it got, never `resolving` from nothing.
+            progress.phase = "resolving"
+        else:
+            progress.label, progress.phase, progress.file = source.name, "resolving", ""
+            progress.done = progress.total = 0
         try:
             plan = resolve(source, self.root, self.environ, self.timeout_s)
         except WeightsError as exc:
