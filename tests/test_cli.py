@@ -51,8 +51,8 @@ def test_a_typo_is_answered_with_the_closest_word_and_that_command_s_usage() -> 
     assert done.stderr.startswith("usage: llmgw ctl [-h] [--version]"), done.stderr
     assert done.stderr.splitlines()[-1] == (
         "llmgw ctl: error: argument COMMAND: invalid choice: 'gte' (did you mean 'get'? choose from "
-        "get, describe, nodes, explain, deploy, scale, apply, delete, cordon, drain, uncordon, logs, events, "
-        "keys, usage)"
+        "get, describe, nodes, explain, deploy, scale, apply, backup, restore, delete, cordon, drain, "
+        "uncordon, logs, events, keys, usage)"
     )
     done = llmgw("ctl", "deploy", "chat", "--profile", "tiny", "--replcas", "2")
     assert done.returncode == 2

@@ -184,6 +184,6 @@ async def test_a_replacement_machine_with_fewer_gpus_gets_its_replicas_placed_ag
         events = await bus.history(
             bus.names.replica_event("chat", gone.split(".")[1]), ReplicaStatus, idle_s=0.3
         )
-        assert ("failed", "GPU 1 no longer on node n1 (it reports 1 GPU: 0)") in [
+        assert ("failed", "GPU 1 is no longer on n1 (it reports 1 GPU: 0)") in [
             (e.state, e.reason) for e in events
         ], events

@@ -354,7 +354,7 @@ def test_a_replica_failed_for_a_gpu_its_node_no_longer_has_is_placed_again() -> 
     )
     w.deploy(replicas=1)
     plan = w.step()
-    assert removed(plan) == [("r0", "failed", "GPU 1 no longer on node n0 (it reports 1 GPU: 0)")]
+    assert removed(plan) == [("r0", "failed", "GPU 1 is no longer on n0 (it reports 1 GPU: 0)")]
     assert placed_on(plan) == [("n0",)]
 
 

@@ -25,6 +25,8 @@ examples:
   llmgw ctl drain gpu-3 --reason "disk swap"
   llmgw ctl keys create team-a --models chat --rpm 60 --tpm 100000 --expires 30d
   llmgw ctl usage --by key --since 24h -o json
+  llmgw ctl backup -o llmgw-backup.json     the desired state (catalog, deployments, keys, ...) to a file
+  llmgw ctl restore -f llmgw-backup.json    written back after a lost NATS store
 
 exit codes: 0 done, 2 usage, 3 not found, 4 refused, 5 cannot reach NATS (3 s) or the launcher asked;
 141 when stdout's reader went away (`| head`).
@@ -166,6 +168,20 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
         "--prune",
         action="store_true",
         help="delete the profiles and deployments a named section omits (without it nothing is deleted)",
+    )
+    p_backup = add(
+        "backup",
+        "write the desired state (engines, catalog, deployments, keys as hashes, node intents) to a file",
+    )
+    p_backup.add_argument("-o", "--output", dest="file", required=True, help="the backup file to write")
+    p_restore = add(
+        "restore",
+        "write a backup's desired state back into the store (after a lost NATS store); "
+        "records stored since the backup are left unless --force",
+    )
+    p_restore.add_argument("-f", "--file", required=True, help="a file `llmgw ctl backup` wrote")
+    p_restore.add_argument(
+        "--force", action="store_true", help="write over records stored after the backup was taken"
     )
     p_delete = add("delete", "delete a deployment (its replicas stop), or forget a lost node")
     p_delete.add_argument("kind", choices=["deployment", "node"])

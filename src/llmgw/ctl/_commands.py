@@ -514,6 +514,12 @@ async def get(bus: Bus, kind: str, name: str, output: str) -> str:
             items = _pick({v.name: v for v in items}, name, "deployment", lambda _: False)
         headers = views.DEPLOYMENT_HEADERS + (views.DEPLOYMENT_WIDE if wide else [])
         rows = [views.deployment_row(v, wide=wide) for v in items]
+        if not items and not name:
+            from . import _backup
+
+            lost = await _backup.none_stored(bus, bus.names.deployments_bucket, "deployments")
+            if lost:
+                warn(lost)
     elif kind == "replica":
         c = await read.cluster(bus, what=frozenset({"replicas", "shards"}))
         records = {k: views.replica_view(r, c.shards) for k, r in c.replicas.items()}
@@ -871,6 +877,12 @@ async def _dispatch(bus: Bus, args: argparse.Namespace) -> str | None:
     if cmd == "events":
         await events(bus, deployment=args.deployment, node=args.node, follow=args.follow, output=args.output)
         return None
+    if cmd in ("backup", "restore"):
+        from . import _backup
+
+        if cmd == "backup":
+            return await _backup.backup(bus, args.file)
+        return await _backup.restore(bus, args.file, force=args.force)
     if cmd in ("keys", "usage"):
         from . import _keys
 

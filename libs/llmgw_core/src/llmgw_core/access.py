@@ -17,7 +17,8 @@ whose rights nats-server itself enforces, subject by subject:
     gateway     reads the replicas, deployments and keys buckets; reads and writes
                 the limits bucket (per-key counters, compare-and-set); writes usage;
                 reads placement's deployment statuses (the reason none is placed);
-                publishes its demand (`<prefix>.demand.<gateway>`, plain NATS)
+                publishes its demand (`<prefix>.demand.<gateway>`, plain NATS) and
+                its judgements of replicas (`<prefix>.judgement.<gateway>`)
     node-<id>   one per node, shared by its installer and launcher: writes only its
                 own status, shard statuses, heartbeats and events; reads the desired
                 engines, only its own shard specs and shard statuses, and its own
@@ -226,6 +227,8 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             names.placement_file,
             names.events_all,
             names.demand(ONE),
+            # The gateways' judgements of replicas by their answers.
+            names.judgement(ONE),
         )
         return Permissions(tuple(publish), subscribe, allow_responses=True)
     if role == "ctl":
@@ -258,6 +261,8 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             *_read_filtered(names.events_stream, names.deployment_event("*")),
             # Its demand reports, for placement's autoscaler (every gateway shares the identity).
             names.demand(ONE),
+            # Its judgements of replicas by their answers (outlier detection), for placement.
+            names.judgement(ONE),
         ]
         return Permissions(tuple(publish), (inbox,))
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)} or node-<node id>")
@@ -411,6 +416,18 @@ class GuardedClient(Client):
 
     def jetstream(self, **opts: Any) -> JetStreamContext:
         return _JetStream(self, **opts)
+
+    async def _process_connect_init(self) -> None:
+        # A server that takes the connection and says nothing (stopped, or cut off after the
+        # handshake) fails it at the timeout, and nats-py opens the next one without closing
+        # this one: its socket was left to the collector (a ResourceWarning per reconnect
+        # attempt once a dead server is found by its pings: bus/connection.py).
+        try:
+            await super()._process_connect_init()
+        except BaseException:
+            if self._transport is not None:
+                self._transport.close()  # type: ignore[no-untyped-call]
+            raise
 
     @property
     def denied_total(self) -> int:

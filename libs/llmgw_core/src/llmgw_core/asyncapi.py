@@ -129,6 +129,17 @@ CHANNELS: list[tuple[str, str, type[msgspec.Struct], str, list[str], str]] = [
         "receive",
     ),
     (
+        "judgement",
+        _N.judgement("{gateway}"),
+        ev.Judgement,
+        "Plain NATS, gateway to placement (not stored): the replicas that failed the gateway's "
+        "requests in its outlier window (5xx answers, connections refused or reset, no first byte "
+        "in time), with the engine's own words, sent with each demand report; placement marks a "
+        "replica any gateway judges failing degraded and restarts it after unhealthy_restart_s.",
+        ["gateway"],
+        "receive",
+    ),
+    (
         "launcherLogs",
         _N.launcher_logs("{node}"),
         ev.ShardLogsRequest,

@@ -35,6 +35,7 @@ __all__ = [
     "GPUInfo",
     "Heartbeat",
     "InstallProgress",
+    "Judgement",
     "Liveness",
     "Member",
     "ModelShape",
@@ -48,6 +49,7 @@ __all__ = [
     "PlacementDecision",
     "Profile",
     "ReplicaInFlight",
+    "ReplicaJudgement",
     "ReplicaRecord",
     "ReplicaStatus",
     "ScaleDecision",
@@ -856,6 +858,48 @@ class Demand(Message, frozen=True):
     gateway: Token
     deployments: tuple[DeploymentDemand, ...] = ()
     # Seconds between this gateway's reports: a report older than a few of them is dropped.
+    interval_s: float = 1.0
+    at: float = 0.0
+
+
+# The most of an engine's own words a judgement carries (the body of its failed answer).
+JUDGEMENT_WORDS_MAX = 300
+# Replicas one gateway judges in one report; counts it may give for one replica.
+JUDGED_MAX = 10_000
+JUDGED_COUNT_MAX = 1_000_000_000
+
+
+class ReplicaJudgement(Struct, frozen=True, kw_only=True):
+    """What one gateway saw of one replica's answers over its outlier window."""
+
+    deployment: Name
+    replica: Token
+    # Attempts sent to it in the window, and those that failed: a 5xx answer, a connection
+    # refused or reset, or no first byte within the read timeout (a 4xx is the client's).
+    requests: Annotated[int, Meta(ge=0, le=JUDGED_COUNT_MAX)] = 0
+    failed: Annotated[int, Meta(ge=0, le=JUDGED_COUNT_MAX)] = 0
+    # Failures in a row, up to the report.
+    consecutive: Annotated[int, Meta(ge=0, le=JUDGED_COUNT_MAX)] = 0
+    # Seconds from the window's first failure to the report.
+    failing_for_s: Annotated[float, Meta(ge=0, le=86_400)] = 0.0
+    # Whether the gateway judges it an outlier (too many failures in a row, or too low a
+    # success rate), whether or not it could take it out of routing; and whether it did.
+    failing: bool = False
+    ejected: bool = False
+    # The last failure: its HTTP status (0: no answer) and the engine's own words, cut short.
+    status: Annotated[int, Meta(ge=0, le=999)] = 0
+    words: Annotated[str, Meta(max_length=JUDGEMENT_WORDS_MAX)] = ""
+
+
+class Judgement(Message, frozen=True):
+    """One gateway's judgement of the replicas it sent requests to, on
+    `<prefix>.judgement.<gateway>` (plain NATS, not stored): with its demand report, for each
+    replica that failed in its window, and once more with zeros once it stopped failing.
+    Placement sums the latest report of each gateway heard within a few intervals, as it sums
+    demand, and marks a replica any gateway judges failing `degraded`, then restarts it."""
+
+    gateway: Token
+    replicas: Annotated[tuple[ReplicaJudgement, ...], Meta(max_length=JUDGED_MAX)] = ()
     interval_s: float = 1.0
     at: float = 0.0
 

@@ -167,6 +167,11 @@ class Names:
         """Plain NATS, gateway to placement: a `Demand` every second (not stored)."""
         return f"{self.prefix}.demand.{gateway}"
 
+    def judgement(self, gateway: str) -> str:
+        """Plain NATS, gateway to placement: a `Judgement` of the replicas that failed its
+        requests, with each demand report (not stored)."""
+        return f"{self.prefix}.judgement.{gateway}"
+
     def deployment_event(self, deployment: str) -> str:
         """`DeploymentStatus`: desired, ready, pending and unplaceable, with the refusal."""
         return f"{self.prefix}.events.deployment.{deployment}"

@@ -84,6 +84,34 @@ class RoutingConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     prefix_balance: Annotated[float, Meta(ge=1.0)] = 1.25
     # Block hashes remembered (least recently routed forgotten first), across deployments.
     index_blocks: Annotated[int, Meta(ge=1)] = 65536
+    # A chat or completion answer its replica broke off (it died, or cut the connection) is
+    # continued on another ready replica of the deployment, from what the client already has,
+    # at most this many times per request (docs/gateway.md, "Continuation"); 0: never, the
+    # stream ends with an error event.
+    continuations: Annotated[int, Meta(ge=0, le=16)] = 2
+
+
+class OutliersConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Outlier detection (docs/gateway.md): a replica whose answers fail is taken out of routing
+    for a while, and placement is told, as Envoy's outlier detection does."""
+
+    # false: every replica is routed to however its answers go (placement is still told).
+    enabled: bool = True
+    # Failures in a row (5xx, connection refused or reset, no first byte in time) that take a
+    # replica out of routing; 0: never on this count alone.
+    consecutive_failures: Annotated[int, Meta(ge=0, le=1_000_000)] = 5
+    # Over the last window_s, a replica with at least min_requests attempts whose share of
+    # successes is below min_success_rate is taken out too (min_success_rate 0: never).
+    window_s: Annotated[float, Meta(gt=0, le=3600)] = 10.0
+    min_requests: Annotated[int, Meta(ge=1, le=1_000_000)] = 10
+    min_success_rate: Annotated[float, Meta(ge=0, le=1)] = 0.5
+    # The n-th time in a row a replica is taken out, it stays out base_ejection_s x n, at most
+    # max_ejection_s.
+    base_ejection_s: Annotated[float, Meta(gt=0, le=86_400)] = 30.0
+    max_ejection_s: Annotated[float, Meta(gt=0, le=86_400)] = 300.0
+    # The most of a deployment's replicas out at once, in percent; never its last one (its
+    # requests keep going to it and its own 5xx tells the client why).
+    max_ejection_percent: Annotated[int, Meta(ge=0, le=100)] = 50
 
 
 class GatewayConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -115,6 +143,8 @@ class GatewayConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # Held requests go out, once a replica can take them, at most this many a second per
     # deployment, first come first: a replica that has just started is not sent every one at once.
     hold_release_per_s: Annotated[float, Meta(gt=0)] = 100.0
+    # Replicas judged by their answers: taken out of routing while they fail (outliers.py).
+    outliers: OutliersConfig = OutliersConfig()
 
     def __post_init__(self) -> None:
         # ValueError: msgspec reports it with the file's name, as any other mistake in it.

@@ -58,7 +58,8 @@ keeps that URL only while it judges the node alive. A request it cannot take
 costs a connection attempt and goes to the next replica.
 
 A `draining` replica is never chosen, not even as a last resort: placement is about to stop
-it, and a request sent now would be cut off. Its requests in flight run to their end.
+it, and a request sent now would be cut off. Its requests in flight run to their end, but
+its chat and completion streams, handed over to another replica (`relay.py`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import logging
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -75,6 +77,9 @@ from llmgw_core import failures
 from llmgw_core.events import Deployment, DeploymentStatus, ReplicaRecord
 
 from .config import RoutingConfig
+from .outliers import Outliers
+
+log = logging.getLogger("llmgw.gateway")
 
 # The paths whose prompts engines cache by prefix (embeddings are not cached), and the body
 # fields that make up the prompt, in the order engines' templates put them.
@@ -291,6 +296,8 @@ class Table:
     _last_pick: dict[str, int] = field(default_factory=dict)
     _picks: itertools.count[int] = field(default_factory=itertools.count)
     prefixes: PrefixIndex = field(init=False)
+    # Each replica's answers, and those taken out of routing for failing them (outliers.py).
+    outliers: Outliers = field(default_factory=Outliers)
     # Replicas chosen, by (deployment, what chose it): `prefix` (a match of the prompt's
     # blocks), `hash` (rendezvous: a lead no candidate holds) or `load` (least outstanding:
     # none within the bound, a lead every candidate holds, or too few blocks to have a lead).
@@ -331,6 +338,7 @@ class Table:
         if value is None:
             if self.replicas.pop(key, None) is not None:
                 self.prefixes.forget(key)
+                self.outliers.forget(key)
             self._last_pick.pop(key, None)
         else:
             self.replicas[key] = value
@@ -391,12 +399,17 @@ class Table:
         """The ready replica, not in `exclude`, that holds the deepest match of the prompt's
         `blocks`, else for a lead none holds the heaviest by rendezvous hashing of the least
         busy with room for it (see the module's docstring), else the one with the fewest
-        requests in flight; where none is ready, the `unknown` one with a URL, chosen alike."""
+        requests in flight; where none is ready, the `unknown` one with a URL, chosen alike. A
+        replica out of routing for failing its answers (`outliers.py`) only where no other is."""
         candidates = [(k, r) for k, r in self.ready(deployment) if k not in exclude]
         if not candidates:
             candidates = [(k, r) for k, r in self.unknown(deployment) if k not in exclude]
         if not candidates:
             return None
+        out = self.outliers.ejected([k for k, _ in candidates])
+        if out:
+            # Replicas failing their answers are skipped while any other can take the request.
+            candidates = [(k, r) for k, r in candidates if k not in out] or candidates
         records = dict(candidates)
         how = "load"
         key = ""
@@ -459,6 +472,24 @@ class Table:
         outstanding = self.outstanding
         fewest = min(outstanding[k] for k in candidates)
         return [k for k in candidates if outstanding[k] == fewest]
+
+    def outcome(self, key: str, status: int, words: str = "") -> None:
+        """Count an attempt's outcome at replica `key` (`status` 0: no answer came) for outlier
+        detection: a replica failing its answers is taken out of routing for a while."""
+        record = self.replicas.get(key)
+        if record is None:
+            return
+        failed = not 0 < status < 500
+        size = (len(self.ready(record.deployment)) or len(self.unknown(record.deployment))) if failed else 0
+        if self.outliers.record(key, record.deployment, record.replica, status, words, size):
+            log.warning(
+                "%s: replica %s at %s taken out of routing for failing its answers (last: %s %s)",
+                record.deployment,
+                record.replica,
+                record.url,
+                status or "no answer",
+                words,
+            )
 
     def refused(self, deployment: str) -> str | None:
         """Placement's refusal, where nothing can serve `deployment` until the cluster changes:

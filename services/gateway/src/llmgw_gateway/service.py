@@ -6,7 +6,8 @@ value first, then each change; a watch survives NATS restarts). Any number of ga
 
 Each reports its demand (requests in flight, held and arrived per deployment) on
 `<prefix>.demand.<id>` every `demand_interval_s`, and at once when it starts holding a
-request for a deployment with no ready replica, for placement's autoscaler to sum.
+request for a deployment with no ready replica, for placement's autoscaler to sum; and with
+it, on `<prefix>.judgement.<id>`, the replicas failing its requests (`outliers.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from prometheus_client import Info
 
 from llmgw_core.bus import Bus
 from llmgw_core.errors import BusError
-from llmgw_core.events import Demand, Deployment, DeploymentStatus, ReplicaRecord, encode
+from llmgw_core.events import Demand, Deployment, DeploymentStatus, Judgement, ReplicaRecord, encode
 from llmgw_core.keys import ApiKey, KeyWindow
 from llmgw_core.limits import key_problem
 from llmgw_core.metrics import serve_metrics
@@ -44,6 +45,7 @@ from .connections import (
 from .demand import default_id
 from .holds import Holds
 from .keyring import Keyring, file_keys
+from .outliers import Outliers
 from .proxy import ROUTED, Proxy
 from .routing import Table
 from .upstream import Upstream
@@ -56,6 +58,14 @@ RETRY_FIRST_S = 0.5
 RETRY_CAP_S = 10.0
 # How long a stopping gateway tries to send its last demand report.
 LAST_REPORT_S = 1.0
+
+
+def cut_off(bus: Bus) -> str:
+    """What `/healthz` says while this gateway cannot hear NATS ("" while it can)."""
+    if bus.connected:
+        return ""
+    since = time.monotonic() - bus.conn.disconnected_since
+    return f"cut off from NATS for {since:.0f} s: serving the replicas it knew then"
 
 
 class Gateway:
@@ -75,7 +85,7 @@ class Gateway:
         # (its index, the supervisor's run directory) for a worker of several: its registry is
         # also served on a private port, for the worker a scrape reaches (`worker_metrics`).
         self.worker = worker
-        self.table = Table(routing=config.routing)
+        self.table = Table(routing=config.routing, outliers=Outliers(config.outliers))
         # Its name in its demand reports.
         self.id = config.id or default_id()
         http = config.http
@@ -116,6 +126,7 @@ class Gateway:
         ).info({"id": self.id})
         self.usage = self.proxy.usage
         self.usage.bus = bus
+        self.proxy.cut_off = partial(cut_off, bus)
         self.connections = Connections(
             limit,
             header_timeout_s=http.header_timeout_s,
@@ -234,6 +245,13 @@ class Gateway:
             self.proxy.demand.wanted = anyio.Event()
             try:
                 await self.bus.publish_core(subject, self.demand())
+                judged = self.table.outliers.judgements()
+                if judged:
+                    # The replicas failing their answers, in their engines' words, for placement.
+                    await self.bus.publish_core(
+                        self.bus.names.judgement(self.id),
+                        Judgement(gateway=self.id, replicas=judged, interval_s=interval, at=time.time()),
+                    )
             except BusError as exc:
                 if not failing:
                     log.warning("cannot publish demand on %s (retrying each interval): %s", subject, exc)

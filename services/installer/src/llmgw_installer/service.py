@@ -42,7 +42,7 @@ from llmgw_core.events import (
 )
 from llmgw_core.installed import engines_root, read_marker
 from llmgw_core.metrics import SLOW_BUCKETS, Collect, add_bus, counter, new_registry, serve_metrics
-from llmgw_core.probe import Probe
+from llmgw_core.probe import Probe, advertised_address
 from llmgw_core.retry import Backoff, Outage, Retry
 from llmgw_core.staged import held, shapes
 from llmgw_core.subjects import ENGINES_KEY
@@ -180,6 +180,9 @@ class Installer:
         self.faults = 0
         self._wake = anyio.Event()
         self._lock = anyio.Lock()
+        # The NATS store was lost and its buckets are back: report this node again now (a pass
+        # ends with it), not at the next recheck; until then placement knew no node.
+        bus.losses.on_lost.append(lambda: self._wake.set())
         self.metrics_registry = new_registry("installer")
         self.install_seconds = Histogram(
             "llmgw_installer_install_duration_seconds",
@@ -422,7 +425,7 @@ class Installer:
                 self.metrics_port = await tg.start(
                     serve_metrics,
                     self.metrics_registry,
-                    self.config.mgmt_addr,
+                    advertised_address(self.config.mgmt_addr, self.config.mgmt_iface),
                     self.config.installer_metrics_port,
                 )
             await self.converge_once()

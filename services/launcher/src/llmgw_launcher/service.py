@@ -30,7 +30,7 @@ from llmgw_core.config import AgentConfig
 from llmgw_core.engines import GPUInfo, ModelSource, Registry, ShardSpec
 from llmgw_core.events import ShardStatus, encode
 from llmgw_core.limits import key_problem
-from llmgw_core.probe import Probe
+from llmgw_core.probe import Probe, with_mgmt_addr
 from llmgw_core.subjects import ONE
 
 from .audit import StatusAudit
@@ -94,7 +94,9 @@ class Launcher:
         registry: Registry | None = None,
         gpus: list[GPUInfo] | None = None,
     ) -> None:
-        self.config = config
+        # Left out of agent.yaml, the node's address is found once, here: its engines, the
+        # weights it serves and its port checks all use it (never loopback on a fleet).
+        self.config = config = with_mgmt_addr(config)
         self.bus = bus
         state_dir = Path(config.state_dir).resolve()
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -102,6 +104,8 @@ class Launcher:
         self.workers = Workers()
         self.writer = RecordWriter(self.records, self.workers)
         self.outbox = StatusOutbox(bus, self.node)
+        # The NATS store was lost and its buckets are back: say again at once what runs here.
+        bus.losses.on_lost.append(self._announce)
         self.prober = HealthProber(timeout_s=PROBE_TIMEOUT_S)
         self.handles: dict[str, Handle] = {}
         # Shards being stopped (no longer in `handles`): their statuses are theirs to remove.
@@ -256,6 +260,14 @@ class Launcher:
                 else:
                     continue
                 self._changed.set()
+
+    def _announce(self) -> None:
+        """Each running shard's last status into the status bucket again (not as an event: no
+        state changed), for a placement that read an emptied store and knew none of them."""
+        for handle in list(self.handles.values()):
+            status = handle.runner.status
+            if status is not None and status.state != "stopped":
+                self.outbox.push(status, event=False)
 
     async def _acceptable(self, key: str, spec: ShardSpec) -> bool:
         """Whether a spec may run under `key`; one that may not is dead-lettered. The key names

@@ -155,6 +155,9 @@ class Api:
 
     async def whoami(self, _: Request) -> Response:
         body: dict[str, Any] = {"leader": self.service.is_leader, "identity": self.service.identity}
+        lost = self.service.store_lost()
+        if lost:
+            body["store"] = lost
         trouble = self.service.trouble()
         if trouble:
             body["error"] = trouble
@@ -225,6 +228,18 @@ class Api:
             "refused_total": store.refused_total,
             "episodes": store.episodes,
         }
+        lost = self.service.bus.losses.last
+        # A store emptied or replaced under the cluster: which streams, since when, rebuilt when.
+        body["lost"] = (
+            {
+                "since": lost.since,
+                "streams": list(lost.streams),
+                "rebuilt": lost.rebuilt,
+                "banner": lost.words(),
+            }
+            if lost is not None
+            else None
+        )
         return json_response(body)
 
     async def get_catalog(self, _: Request) -> Response:

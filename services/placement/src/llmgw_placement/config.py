@@ -109,6 +109,10 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     # installer is silent too is lost after node_timeout_s, as ever.
     launcher_grace_s: Annotated[float, Meta(ge=0)] = 60.0
     autoscaler: AutoscalerConfig = AutoscalerConfig()
+    # A replica the gateways judge failing its requests (5xx, no answer) while its engine says
+    # it is healthy is marked `degraded` at once, and restarted (removed and placed again)
+    # after this long marked.
+    unhealthy_restart_s: Annotated[float, Meta(ge=0, le=86_400)] = 60.0
 
     def __post_init__(self) -> None:
         # Refused at load, naming the entry: placement would only dead-letter it after seeding.

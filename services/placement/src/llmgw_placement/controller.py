@@ -46,6 +46,7 @@ from .demand import DemandBook, Summed, engine_demand
 from .held import Held
 from .ids import ID_BLOCK, ID_BLOCK_MAX, ReplicaIds
 from .index import KeptIndex, Usage
+from .judged import JudgedBook
 from .liveness import Liveness
 from .metrics import PlacementMetrics
 from .plan import Plan
@@ -78,6 +79,7 @@ class Controller:
         fence: Callable[[], Awaitable[None]] | None = None,
         metrics: PlacementMetrics | None = None,
         demand: DemandBook | None = None,
+        judged: JudgedBook | None = None,
     ) -> None:
         self.config = config
         self.bus = bus
@@ -93,6 +95,8 @@ class Controller:
         # The gateways' demand, as every placement hears it (the service's book, or one of its own).
         a = config.autoscaler
         self.demand = demand or DemandBook(started=clock(), stale_intervals=a.demand_stale_intervals)
+        # The gateways' judgements of replicas by their answers (the service's book, or its own).
+        self.judged = judged or JudgedBook(stale_intervals=a.demand_stale_intervals)
         self.windows = Windows(
             stable_s=a.stable_window_s,
             panic_s=a.panic_window_s,
@@ -183,6 +187,7 @@ class Controller:
             missing_models=dict(state.missing_models),
             counts=scaled[0],
             quiet=self._quiet(at),
+            unhealthy=self.judged.mark(at, self.held.replicas),
         )
         applier = self.applier
         plan = Plan()

@@ -114,7 +114,7 @@ class NodeView:
     # Weights keys of shards placed here that the node does not report holding yet: it is
     # staging them (or will, once its launcher sees the shard).
     coming: frozenset[str] = frozenset()
-    # Why placement cannot use the node's status at all (`index.unusable_view`): nothing is
+    # Why placement cannot use the node's status at all (`unusable_view`): nothing is
     # placed on it, and every refusal says so.
     unusable: str = ""
 
@@ -157,6 +157,27 @@ class NodeView:
         if found is None:
             found = self._chosen[(cls, n)] = choose_gpus(self.free_gpus(cls), n)
         return found
+
+
+def stale_marked(install: str, node: str, stale: bool) -> str:
+    """A node's install progress as a refusal quotes it, marked while its installer is silent
+    (`stale`): the node's surfaces said so, while the deployment's summary, `explain`, the page
+    and the gateway's 503 quoted a killed installer's `downloading … (20%)` as live. The same
+    words every step (no age in them): a refusal is published when its words change."""
+    return f"{install}, stale: installer on {node} silent" if install and stale else install
+
+
+def unusable_view(view: NodeView, exc: Exception) -> NodeView:
+    """The view of a node whose status placement cannot use: no GPUs, engines or weights of its
+    own, only why (logged with the traceback once, when the view is made)."""
+    log.exception("node %s: its status cannot be used for placement", view.node)
+    return NodeView(
+        node=view.node,
+        alive=view.alive,
+        lost_for_s=view.lost_for_s,
+        lost_since=view.lost_since,
+        unusable=f"node status cannot be used: {fault_words(exc)}",
+    )
 
 
 def gpus_needed(profile: Profile) -> int:

@@ -28,24 +28,11 @@ from llmgw_core.events import Deployment, ModelShape
 
 from .config import ServerConfig
 from .fabric import FabricFit
-from .feasibility import NodeView, fault_words
+from .feasibility import NodeView, stale_marked, unusable_view
 from .liveness import Liveness
 from .state import ClusterState
 
 log = logging.getLogger("llmgw.placement")
-
-
-def unusable_view(view: NodeView, exc: Exception) -> NodeView:
-    """The view of a node whose status placement cannot use: no GPUs, engines or weights of its
-    own, only why (logged with the traceback once, when the view is made)."""
-    log.exception("node %s: its status cannot be used for placement", view.node)
-    return NodeView(
-        node=view.node,
-        alive=view.alive,
-        lost_for_s=view.lost_for_s,
-        lost_since=view.lost_since,
-        unusable=f"node status cannot be used: {fault_words(exc)}",
-    )
 
 
 class NodeIndex:
@@ -297,6 +284,8 @@ class KeptIndex:
         self.alive: frozenset[str] | None = None
         # The nodes claimed by two machines when the index was last brought up to date.
         self._claimed: frozenset[str] = frozenset()
+        # The nodes whose installer was silent (their install progress stale) then.
+        self._stale: frozenset[str] = frozenset()
         # What every held shard takes, this step's placements included.
         self.usage = Usage()
         self.at = 0.0
@@ -329,6 +318,7 @@ class KeptIndex:
         self.at = at
         alive = self.liveness.alive_nodes(at)
         claimed = frozenset(self.state.claims.contested(at))
+        stale = frozenset(n for n in self.state.with_installer if self.liveness.installer_stale(n, at))
         dirty = self.state.dirty_nodes
         self.state.dirty_nodes = set()
         if self._shapes_changed(dirty):
@@ -339,7 +329,8 @@ class KeptIndex:
             self.index = NodeIndex([self.view(n, at) for n in sorted(self.state.nodes)])
             self.id += 1
         else:
-            for node in sorted(dirty | (alive ^ self.alive) | (claimed ^ self._claimed)):
+            flipped = (alive ^ self.alive) | (claimed ^ self._claimed) | (stale ^ self._stale)
+            for node in sorted(dirty | flipped):
                 if node in self.state.nodes:
                     self.index.add(self.view(node, at))
                 else:
@@ -347,6 +338,7 @@ class KeptIndex:
                     self.gone.add(node)
         self.alive = alive
         self._claimed = claimed
+        self._stale = stale
         return alive
 
     def _shapes_changed(self, dirty: set[str]) -> bool:
@@ -408,7 +400,7 @@ class KeptIndex:
             gpus=facts.gpus,
             used_gpus=frozenset(usage.gpus[name]),
             engines={e.name: e for e in status.engines},
-            install=status.install,
+            install=stale_marked(status.install, name, self.liveness.installer_stale(name, at)),
             avx2=facts.has_avx2,
             hcas=facts.hcas,
             weights=held,

@@ -112,6 +112,18 @@ class Liveness:
         seen = max(self.state.last_seen.get(node, float("-inf")), self.state.heard_from)
         return at - seen > self._stale_after()
 
+    def installer_beats(self, node: str, at: float) -> bool:
+        """Whether the node's installer is heard by the clock its launcher's silence is judged
+        on (`launcher_stale`): a few heartbeats, counted from when this placement could hear.
+        An agent restart is told from a dead machine by it; judged on `node_timeout_s` instead,
+        an installer killed with its launcher read as still beating (`an agent restart?`) for
+        seconds after the launcher read as silent."""
+        heard_from = self.state.heard_from
+        if heard_from is None:
+            return self.installer_heard(node, at)
+        seen = self.state.installer_seen.get(node)
+        return seen is not None and at - max(seen, heard_from) <= self._stale_after()
+
     def installer_stale(self, node: str, at: float) -> bool:
         """Whether the node's launcher beats while its installer has missed a few heartbeats: the
         install progress its status shows is the installer's last word (a killed installer's

@@ -1,8 +1,8 @@
 """What a held replica's shards and node say of it now: pure functions of one step's snapshot.
 
-`observe` reads a replica's state from its shards' statuses; `gpus_gone` and `node_unfit`
-say why a replica that failed for good is to be placed again (its node no longer has
-its GPUs, or is now unfit for its profile).
+`observe` reads a replica's state from its shards' statuses; `gpus_gone` says why a replica
+is to be placed again because its node no longer has its GPUs, and `node_unfit` why one
+that failed for good is (its node is now unfit for its profile).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def observe(record: ReplicaRecord, snap: Snapshot, at: float) -> ReplicaRecord |
     if silent:
         state = "unknown"
         reason = f"launcher on {', '.join(silent)} silent: readiness unknown"
-        if all(liveness.installer_heard(n, at) for n in silent):
+        if all(liveness.installer_beats(n, at) for n in silent):
             reason += (
                 f"; its installer still beats (an agent restart?): its engines are routed to for up "
                 f"to launcher_grace_s ({snap.config.launcher_grace_s:g} s) before it fails over"
@@ -94,9 +94,31 @@ def observe(record: ReplicaRecord, snap: Snapshot, at: float) -> ReplicaRecord |
     )
 
 
+def replace_words(
+    record: ReplicaRecord,
+    shards: Mapping[str, ShardSpec],
+    snap: Snapshot,
+    shapes: Mapping[str, ModelShape],
+    restart: str,
+) -> str:
+    """Why a replica is failed whatever its state and placed again, else "": a GPU its node no
+    longer reports (a replacement machine with fewer GPUs under the same node id); a node now
+    unfit for its profile by what it reported since (the model file it lacks, or a model shape
+    the shard's GPUs cannot hold); or `restart`, the gateways' judgement of its answers held for
+    `unhealthy_restart_s` (`judged.restart_words`). The decision then places it on a node that
+    fits, or says every node's figures."""
+    return gpus_gone(record, shards, snap) or node_unfit(record, shards, snap, shapes) or restart
+
+
 def gpus_gone(record: ReplicaRecord, shards: Mapping[str, ShardSpec], snap: Snapshot) -> str:
-    """Why a replica that failed for good holds GPUs its node no longer has, else ""."""
-    if record.state != "failed":
+    """Why a replica holds GPUs its node no longer reports, else "": `GPU 1 is no longer on
+    node-a (it reports 1 GPU: 0)`. Whatever the replica's state: a node that came back with
+    fewer GPUs (a card pulled, a replacement machine under the same id) left a replica pinned
+    to GPU 1 `ready` by its last word, counted held on a GPU that is not there, and nothing
+    said so. One still being written has nothing to check yet. A node that reports no GPU at
+    all fails only the replicas already failed: a probe whose driver call failed once reads
+    as no GPU, and would take every serving replica off a healthy node."""
+    if record.state == "placing":
         return ""
     for k in record.shards:
         spec = shards.get(k)
@@ -104,11 +126,13 @@ def gpus_gone(record: ReplicaRecord, shards: Mapping[str, ShardSpec], snap: Snap
         if spec is None or status is None:
             continue
         have = sorted(g.index for g in status.facts.gpus)
+        if not have and record.state != "failed":
+            continue
         missing = [i for i in spec.gpus if i not in have]
         if missing:
-            plural = "s" if len(missing) > 1 else ""
+            plural, verb = ("s", "are") if len(missing) > 1 else ("", "is")
             return (
-                f"GPU{plural} {', '.join(map(str, missing))} no longer on node {spec.node} "
+                f"GPU{plural} {', '.join(map(str, missing))} {verb} no longer on {spec.node} "
                 f"(it reports {len(have)} GPU{'' if len(have) == 1 else 's'}"
                 f"{': ' + ', '.join(map(str, have)) if have else ''})"
             )

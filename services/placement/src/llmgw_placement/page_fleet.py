@@ -313,12 +313,14 @@ class Fleet:
             + tuple(f"model file not found: {p}" for p in row.missing_models)
         )
         warnings = "".join(f"<div class=warn>{esc(w)}</div>" for w in said)
-        # Its shards as they read now: a lost node's read `unknown (node lost 13 s ago)`.
-        for k, state in shards:
-            cls = "ok" if state == "ready" else "bad"
+        # Its shards as they read now: a lost node's read `unknown (node lost 13 s ago)`. Named
+        # apart from the node's `state`: the loop once wrote its last shard's `ready` over it, and
+        # a node draining with nowhere to go read `ready` in its row.
+        for k, shard_state in shards:
+            cls = "ok" if shard_state == "ready" else "bad"
             engines += (
                 f"<div class=shard data-shard='{esc(k)}'>{esc(k.split('.', 1)[-1])}: "
-                f"<span class={cls}>{esc(state)}</span></div>"
+                f"<span class={cls}>{esc(shard_state)}</span></div>"
             )
         return (
             f"<tr id='n-{esc(row.node)}' data-node='{esc(row.node)}'><td>{esc(row.node)}</td>"

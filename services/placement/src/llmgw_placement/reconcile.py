@@ -8,7 +8,7 @@ placement holds, and for every deployment, in name order:
 - fails over: a replica with any rank on a lost node is removed (`failed`) and placed
   again, whole;
 - observes: a replica's state from its shards' statuses (`observe.py`);
-- places again a replica that failed for good because a GPU it was given is gone;
+- places again a replica holding a GPU its node no longer reports;
 - rolls: a deployment whose profile changed gets replicas of the new profile one at a
   time, a new one ready before an old one goes where capacity allows; a replica on a
   draining node is rolled the same way, except that it never goes before its
@@ -53,7 +53,8 @@ from .decide import Refusal
 from .feasibility import Reason, fault_words
 from .held import Held, key, replica_order
 from .index import KeptIndex
-from .observe import gpus_gone, node_unfit, observe
+from .judged import judged, restart_words
+from .observe import observe, replace_words
 from .plan import Place, Plan, Refuse, Remove, Report, Save
 from .proposed import Proposed
 from .snapshot import Snapshot
@@ -179,18 +180,14 @@ class _Walk:
                 if record.state != "ready" and p.replicas[key(record)].state == "ready":
                     just_ready.add(key(record))
                 yield False
-        # A replica that failed for good because a GPU it was given is not on its node (a
-        # replacement machine with fewer GPUs under the same node id) is placed again, by
-        # what the node reports it has now; left alone it would stay failed forever.
-        # So is one that failed on a node now unfit for its profile by what the node reported
-        # since: the model file it lacks (its heartbeats say so), or a model whose shape it read
-        # when staged and that the shard's GPUs cannot hold (its facts carry the shape). The
-        # decision then places the replica on a node that fits, or says every node's figures.
+        # A replica on GPUs or a node that can no longer run it, or judged unhealthy too long,
+        # is failed whatever its state and placed again by what the node reports now
+        # (`observe.replace_words`): left alone it stayed failed forever, or `ready` on no GPU.
         for record in mine:
             now_held = p.replicas[key(record)]
-            gone = gpus_gone(now_held, p.shards, self.snap) or node_unfit(
-                now_held, p.shards, self.snap, p.index.shapes
-            )
+            marked = self.snap.unhealthy.get(key(now_held))
+            restart = restart_words(now_held, marked, self.config.unhealthy_restart_s, self.now)
+            gone = replace_words(now_held, p.shards, self.snap, p.index.shapes, restart)
             if gone:
                 self._remove(now_held, gone, state="failed")
                 yield False
@@ -350,10 +347,9 @@ class _Walk:
         """The deployment's status (`status.deployment_status`), reported when it changed."""
         p = self.p
         keys = {key(r) for r in observed}
-        # Placed in this step (not observed yet): placing.
-        placed_now = self.placed[dep.name] + sum(
-            1 for x in self.plan.placed if x.record.deployment == dep.name and key(x.record) not in keys
-        )
+        # Placed in this step: placing, once (named mid-step, also in `plan.placed`: counted twice,
+        # a scale past capacity read `1 of 6 ready; 6 placing`, none unplaceable, and no warning).
+        placed_now = self.placed[dep.name]
         status = deployment_status(
             dep,
             [p.replicas[k] for k in keys if k in p.replicas],
@@ -422,7 +418,10 @@ class _Walk:
     def _observe(self, record: ReplicaRecord) -> bool:
         """A replica's state from its shards (`observe.observe`): whether its record changed
         (queued to be saved)."""
-        changed = observe(record, self.snap, self.now)
+        # What its shards say, with the gateways' judgement of its answers over it.
+        changed = judged(
+            record, observe(record, self.snap, self.now), self.snap.unhealthy.get(key(record)), self.snap.wall
+        )
         if changed is None:
             return False
         if changed.state == record.state:

@@ -42,12 +42,14 @@ from llmgw_core.subjects import ENGINES_KEY
 from llmgw_core.telemetry import current_traceparent
 from llmgw_core.validate import check_deployment, check_profile
 
+from . import judged
 from .attempts import Attempts
 from .config import ServerConfig
 from .controller import ClusterState, Controller
 from .demand import DemandBook
 from .desired import placement_file
 from .hearing import Hearing
+from .judged import JudgedBook
 from .lease import Lease, LeaseLost
 from .metrics import PlacementMetrics
 from .mirror import Mirror, check_intent, check_node, check_shard_status
@@ -56,6 +58,9 @@ from .view import ClusterView
 
 log = logging.getLogger("llmgw.placement")
 tracer = trace.get_tracer("llmgw.placement")
+
+# How often a leader looks that every stream and bucket is still there (one request each).
+STORE_LOOK_S = 5.0
 
 
 class PlacementService:
@@ -83,11 +88,16 @@ class PlacementService:
         # each placement's server.yaml would seed.
         self.mirror = Mirror(bus, self.state, self.identity, self.wake)
         self.hearing = Hearing(config, bus, self.state, self.demand, self.identity, self.wake)
+        # The gateways' judgements of replicas by their answers (`judged.py`), heard alike.
+        self.judged = JudgedBook(stale_intervals=config.autoscaler.demand_stale_intervals)
         self.server_files = ServerFiles(bus, self.identity, placement_file(self.identity, config))
         # "<bucket>/<key>" -> why its stored value is refused and what placement keeps instead.
         self.held = self.mirror.held
         self.metrics = PlacementMetrics()
         self.metrics.watch(self)
+        # When every stream was last seen there, and at which reconnect (`_rebuild`).
+        self._store_seen_at = 0.0
+        self._store_seen_epoch = -1
 
     def wake(self) -> None:
         self._wake.set()
@@ -140,9 +150,11 @@ class PlacementService:
         return ""
 
     def warnings(self) -> list[str]:
-        """What an operator should know: another placement with a different server.yaml, and
-        keys whose stored value is refused."""
-        out = self.server_files.differences()
+        """What an operator should know: a NATS store lost under the cluster, another placement
+        with a different server.yaml, and keys whose stored value is refused."""
+        lost = self.store_lost()
+        out = [lost] if lost else []
+        out += self.server_files.differences()
         out.extend(self.held[where] for where in sorted(self.held))
         return out
 
@@ -213,6 +225,7 @@ class PlacementService:
         async with anyio.create_task_group() as tg:
             await tg.start(self.hearing.heartbeats)
             await tg.start(self.hearing.demand)
+            await tg.start(judged.hear, self.bus, self.judged)
             tg.start_soon(self._answer_liveness)
             tg.start_soon(self.hearing.hearing)
             tg.start_soon(self.server_files.run)
@@ -256,6 +269,7 @@ class PlacementService:
             fence=lease.renew,
             metrics=self.metrics,
             demand=self.demand,
+            judged=self.judged,
         )
         async with anyio.create_task_group() as tg:
             tg.start_soon(lease.hold)
@@ -268,17 +282,45 @@ class PlacementService:
             log.info("%s: active placement", self.identity)
             interval = min(self.config.heartbeat_interval_s, self.config.node_timeout_s / 4)
             steps = Attempts(self.identity, "control step")
+
+            async def step() -> None:
+                await self._rebuild()
+                await controller.step()
+
             while True:
                 self._wake = anyio.Event()
                 with self.metrics.step_seconds.time():
-                    stepped = await steps.run(controller.step)
+                    stepped = await steps.run(step)
                 if not stepped:
+                    self._store_seen_at = 0.0  # a failed step looks at the store first
                     self.step_failures += 1
                     await anyio.sleep(steps.delay)
                     continue
                 with anyio.move_on_after(interval):
                     await self._wake.wait()
 
+    async def _rebuild(self, *, now: bool = False) -> None:
+        """Make again every stream and bucket that is gone, with its configured limits, before
+        this leader writes: after a reconnect (a server restarted on an emptied store), after a
+        failed step, and every STORE_LOOK_S. A bucket made on first use took no atomic batch and
+        no events stream came back: every commit failed while `/healthz` said leader."""
+        epoch = self.bus.reconnects
+        if (
+            not now
+            and epoch == self._store_seen_epoch
+            and time.monotonic() - self._store_seen_at < STORE_LOOK_S
+        ):
+            return
+        await self.bus.rebuild()
+        self._store_seen_at = time.monotonic()
+        self._store_seen_epoch = epoch
+
+    def store_lost(self) -> str:
+        """What this placement knows of a NATS store lost under it, in one line ("" if none)."""
+        last = self.bus.losses.last
+        return last.words() if last is not None else ""
+
     async def _take_over(self, controller: Controller) -> None:
+        await self._rebuild(now=True)
         await self.seed()
         await controller.load()

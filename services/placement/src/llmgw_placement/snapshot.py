@@ -9,6 +9,7 @@ from llmgw_core.events import Deployment, NodeIntent, NodeStatus, ReplicaRecord,
 from llmgw_core.events import now as wall_now
 
 from .config import ServerConfig
+from .judged import Marked
 from .liveness import Liveness
 
 
@@ -34,6 +35,8 @@ class Snapshot:
     counts: dict[str, int] = field(default_factory=dict)
     # Draining replicas (by key) that every gateway heard from says have nothing in flight.
     quiet: frozenset[str] = frozenset()
+    # Replicas the gateways judge failing their requests, by key (`judged.py`).
+    unhealthy: dict[str, Marked] = field(default_factory=dict)
     # The step's wall-clock time (records' `since`, statuses' `at`): one value per step, so a
     # step's plan is a function of its snapshot.
     wall: float = field(default_factory=wall_now)

@@ -14,6 +14,11 @@ from .held import key, replica_order
 from .plan import DeadLetter
 from .snapshot import Snapshot
 
+# The states of a replica that failed (for good, or retrying): each one's reason is said in
+# its deployment's summary, up to FAILING_SAID of them.
+FAILING = ("failed", "degraded")
+FAILING_SAID = 5
+
 
 def deployment_status(
     dep: Deployment,
@@ -41,9 +46,16 @@ def deployment_status(
         if placed_now:
             states["placing"] += placed_now
         parts.append(", ".join(f"{n} {state}" for state, n in sorted(states.items())))
-        # Why the first replicas still starting are not ready (a few, in replica order).
-        waiting = [r for r in sorted(records, key=replica_order) if r.state == "starting" and r.reason]
-        parts += [f"{r.replica}: {r.reason}" for r in waiting[:3]]
+        # Why the replicas that failed are failing, then why the first still starting are not
+        # ready (a few, in replica order): a replica failed on a gated repository read only
+        # `1 failed` here and in `explain`, its reason on its shard alone.
+        ordered = sorted(records, key=replica_order)
+        failing = [r for r in ordered if r.state in FAILING and r.reason]
+        waiting = [r for r in ordered if r.state == "starting" and r.reason]
+        said = failing[:FAILING_SAID]
+        parts += [f"{r.replica}: {r.reason}" for r in said + waiting[: max(0, 3 - len(said))]]
+        if len(failing) > len(said):
+            parts.append(f"{len(failing) - len(said)} more failing (`llmgw ctl get replicas`)")
     if unplaceable:
         parts.append(f"{unplaceable} cannot be placed: {reasons_text(reasons)}")
     if blocked:

@@ -12,7 +12,10 @@
 - A subscription or watch never dies of a bad message: it is logged with subject and
   msgspec's path, counted, copied to `<prefix>.dlq.<service>` and skipped.
 - A KV watch yields every key's current value first, then changes, and
-  survives a server restart without missing an update.
+  survives a server restart without missing an update; over a store emptied or
+  replaced, it yields each key that went with it as deleted.
+- A store lost under a running cluster is noticed, said once (`Bus.losses`), and made
+  whole by placement (`Bus.rebuild`) before it writes; a node identity waits for that.
 
 `Bus` (facade.py) is the one object services hold, and the only door to NATS; the modules
 beside it do the work (the map is in facade.py). Everything a caller needs is importable from here.
@@ -23,6 +26,7 @@ from .connection import REFUSED_RECONNECT_GRACE_S, Connection, transient
 from .deadletter import DecodeFailure
 from .facade import Bus
 from .kv import KV_OPS_DELETE, SNAPSHOT_INACTIVE_S, KVChange
+from .loss import Losses, StoreLoss
 from .options import DEFAULT_URL, BusOptions
 from .plain import NoAnswer
 from .replay import Replayed
@@ -41,8 +45,10 @@ __all__ = [
     "Connection",
     "DecodeFailure",
     "KVChange",
+    "Losses",
     "NoAnswer",
     "Replayed",
+    "StoreLoss",
     "Writes",
     "_Write",
     "prepare_node",

@@ -4,6 +4,7 @@
     Space         writes refused for space                 (space.py)
     DeadLetters   bad messages to the DLQ                  (deadletter.py)
     Streams       streams and buckets with their limits    (streams.py, ../topology.py)
+    Losses        streams gone under a running cluster     (loss.py)
     Publisher     events, plain messages, heartbeats       (publish.py)
     KV            one key's reads and writes, snapshots    (kv.py)
     Batches       many writes in one commit                (batch.py)
@@ -39,6 +40,7 @@ from .batch import Batches, Writes
 from .connection import Connection
 from .deadletter import DeadLetters
 from .kv import KV, KVChange
+from .loss import Losses
 from .options import BusOptions
 from .plain import Plain
 from .publish import Publisher
@@ -69,9 +71,11 @@ class Bus:
         self.dlq = DeadLetters(conn, self.space)
         self.kvs = KV(conn, self.space, self.dlq, self.limits)
         self.batches = Batches(conn, self.space)
-        self.streams = Streams(conn, self.space, self.kvs, self.batches, self.limits)
+        # Streams and buckets that vanished under this client (a store emptied or replaced).
+        self.losses = Losses(conn.service)
+        self.streams = Streams(conn, self.space, self.kvs, self.batches, self.limits, self.losses)
         self.publisher = Publisher(conn, self.space)
-        self.watches = Watches(conn, self.kvs, self.dlq)
+        self.watches = Watches(conn, self.kvs, self.dlq, self.losses)
         self.replays = Replay(conn, self.dlq)
         self.plain = Plain(conn, self.dlq)
 
@@ -158,6 +162,11 @@ class Bus:
         """Create or update llmgw's streams and buckets with this configuration's limits; safe to repeat."""
         await self.streams.ensure()
 
+    async def rebuild(self) -> list[str]:
+        """Make again, with their limits, the streams and buckets that are gone (the store was
+        emptied or replaced); the ones that were gone. Placement's, before it writes."""
+        return await self.streams.rebuild()
+
     async def kv(self, bucket: str) -> KeyValue:
         """nats-py's handle of a bucket, created if missing."""
         return await self.kvs.kv(bucket)
@@ -215,6 +224,10 @@ class Bus:
     async def keys(self, bucket: str) -> set[str]:
         """Every key that holds a value now."""
         return await self.kvs.keys(bucket)
+
+    async def stored(self, bucket: str) -> dict[str, tuple[int, bytes, float]]:
+        """Each key's last value undecoded, with its revision and when it was stored (Unix s)."""
+        return await self.kvs.stored(bucket)
 
     async def entries(self, bucket: str, kind: type[T], keys: str = ALL) -> dict[str, KVChange[T]]:
         """A snapshot of every key's current value (bad values dead-lettered and skipped)."""

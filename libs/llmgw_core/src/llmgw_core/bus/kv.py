@@ -67,6 +67,11 @@ class KV:
         self.limits = limits
         self._kvs: dict[str, KeyValue] = {}
         conn.on_reconnect.append(self._kvs.clear)
+        # Buckets this client has opened: one of them found missing later was lost.
+        self.known: set[str] = set()
+        # Makes a missing bucket as `ensure` does, with its limits (`Streams.bucket`, set by
+        # `Bus`); a bare create left a recreated bucket without atomic batches.
+        self.recreate: Callable[[str], Awaitable[KeyValue]] = self.ensure_bucket
 
     async def ensure_bucket(self, bucket: str) -> KeyValue:
         try:
@@ -80,6 +85,7 @@ class KV:
                 # (`allow_atomic`): "already in use with a different configuration". Use it.
                 kv = await self.conn.js.key_value(bucket)
         self._kvs[bucket] = kv
+        self.known.add(bucket)
         return kv
 
     async def kv(self, bucket: str) -> KeyValue:
@@ -89,13 +95,14 @@ class KV:
                 try:
                     kv = await self.conn.js.key_value(bucket)
                 except nats.js.errors.BucketNotFoundError:
-                    kv = await self.ensure_bucket(bucket)
+                    kv = await self.recreate(bucket)
             except PermissionDenied:
                 raise  # a refusal of this identity, said as such (see `watch`)
             except (nats.errors.Error, OSError) as exc:
                 self.conn.raise_if_final(exc)
                 raise BusError(f"cannot open bucket {bucket}: {exc or type(exc).__name__}") from exc
             self._kvs[bucket] = kv
+            self.known.add(bucket)
         return kv
 
     async def _kv_call(
@@ -228,14 +235,19 @@ class KV:
         `llmgw ctl get nodes` take seconds at 10,000 nodes. A reconnect meanwhile reads again.
         """
         out: dict[str, KVChange[T]] = {}
-        for key, (revision, data) in (await self._snapshot(bucket, keys)).items():
+        for key, (revision, data, _) in (await self._snapshot(bucket, keys)).items():
             value = await self._value(bucket, key, data, kind)
             if value is not None:
                 out[key] = KVChange(key, value, revision)
         return out
 
-    async def _snapshot(self, bucket: str, keys: str) -> dict[str, tuple[int, bytes]]:
-        """Each matching key's last value and revision, read again after a reconnect."""
+    async def stored(self, bucket: str) -> dict[str, tuple[int, bytes, float]]:
+        """Each key's last value as stored: its revision, its bytes (not decoded: the caller
+        checks them) and when it was stored (Unix seconds), read as `entries` reads."""
+        return await self._snapshot(bucket, ALL)
+
+    async def _snapshot(self, bucket: str, keys: str) -> dict[str, tuple[int, bytes, float]]:
+        """Each matching key's last revision, value and stored time, read again after a reconnect."""
         self.conn.check(Names.kv_subject(bucket, keys))
         retry = Retry(log, f"{self.conn.service}: reading {bucket}", base_s=0.5, cap_s=2.0, known=KNOWN)
         try:
@@ -256,12 +268,12 @@ class KV:
         except TimeoutError as exc:
             raise BusError(f"reading {bucket} took over 30 s; is NATS reachable?") from exc
 
-    async def _last_messages(self, bucket: str, keys: str) -> dict[str, tuple[int, bytes]] | None:
+    async def _last_messages(self, bucket: str, keys: str) -> dict[str, tuple[int, bytes, float]] | None:
         """Each key's last value and revision, deleted keys left out, read by one ordered
         consumer; None when the connection was replaced meanwhile."""
         await self.kv(bucket)  # the bucket exists, and this identity may read it
         prefix = Names.kv_subject(bucket, "")
-        found: dict[str, tuple[int, bytes]] = {}
+        found: dict[str, tuple[int, bytes, float]] = {}
         done = anyio.Event()
 
         async def on_msg(msg: Msg) -> None:
@@ -271,7 +283,7 @@ class KV:
             if deleted:
                 found.pop(key, None)
             elif deleted is not None:
-                found[key] = (meta.sequence.stream, msg.data)
+                found[key] = (meta.sequence.stream, msg.data, meta.timestamp.timestamp())
             if meta.num_pending == 0:
                 done.set()
 

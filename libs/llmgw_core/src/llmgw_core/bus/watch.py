@@ -26,6 +26,7 @@ from ..subjects import ALL, Names
 from .connection import Connection
 from .deadletter import DeadLetters, decode_error
 from .kv import KNOWN, KV, KVChange, deletes
+from .loss import Losses
 
 log = logging.getLogger("llmgw.bus")
 
@@ -36,10 +37,11 @@ WATCH_TURN_EVERY = 64
 
 
 class Watches:
-    def __init__(self, conn: Connection, kv: KV, dlq: DeadLetters) -> None:
+    def __init__(self, conn: Connection, kv: KV, dlq: DeadLetters, losses: Losses | None = None) -> None:
         self.conn = conn
         self.kv = kv
         self.dlq = dlq
+        self.losses = losses or Losses(conn.service)
 
     async def last_per_subject(self, subject: str, kind: type[T]) -> AsyncIterator[tuple[str, T]]:
         """The last event still in the events stream on each subject matching `subject`, then
@@ -62,6 +64,8 @@ class Watches:
 
         async with contextlib.aclosing(self._ordered(f"reading {subject}", open_consumer)) as messages:
             async for msg in messages:
+                if msg is None:
+                    continue
                 try:
                     value = dec.decode(msg.data)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -71,10 +75,11 @@ class Watches:
 
     async def _ordered(
         self, what: str, open_consumer: Callable[[Callable[[Msg], Awaitable[None]]], Awaitable[Subscription]]
-    ) -> AsyncGenerator[Msg, None]:
+    ) -> AsyncGenerator[Msg | None, None]:
         """Every message of the consumer `open_consumer` makes, opened again after a reconnect
-        (what it delivers first then is the caller's to sort out); a consumer that cannot be
-        opened is retried with backoff, its outage said once (`what`: `watching <bucket>`).
+        (what it delivers first then is the caller's to sort out: None comes out at each opening,
+        before its messages); a consumer that cannot be opened is retried with backoff, its
+        outage said once (`what`: `watching <bucket>`).
 
         Messages that arrived together come out together, with no turn of the event loop
         between them: the consumer's callback only puts each in an inbox."""
@@ -101,6 +106,7 @@ class Watches:
                 continue
             retry.succeeded()
             try:
+                yield None
                 while True:
                     if not inbox:
                         arrived[0] = anyio.Event()
@@ -143,13 +149,30 @@ class Watches:
         prefix = Names.kv_subject(bucket, "")
         seen: dict[str, int] = {}
         taken = 0
+        # When the bucket's stream was created, as each opening found it: a new one is a bucket
+        # made anew (the store emptied or replaced), whose revisions start again at 1.
+        created: list[object] = [None, None]
 
         async def open_consumer(on_msg: Callable[[Msg], Awaitable[None]]) -> Subscription:
             await self.kv.kv(bucket)  # the bucket exists, and this identity may read it
+            created[1] = (await self.conn.js.stream_info(f"KV_{bucket}")).created
             return await self.kv.last_per_key(bucket, keys, on_msg)
 
         async with contextlib.aclosing(self._ordered(f"watching {bucket} {keys}", open_consumer)) as messages:
             async for msg in messages:
+                if msg is None:
+                    replaced = created[0] is not None and created[1] != created[0]
+                    created[0] = created[1]
+                    if replaced:
+                        # Every key yielded from the old stream is gone with it: a gateway kept
+                        # accepting a deleted key and routing to vanished replicas, and a new
+                        # key's revision 1 was taken for one already seen. What the new stream
+                        # holds (restored, or written since) comes out after.
+                        self.losses.noticed([f"KV_{bucket}"], back=True)
+                        for key in sorted(seen):
+                            yield KVChange(key, None, 0)
+                        seen.clear()
+                    continue
                 taken += 1
                 if taken % WATCH_TURN_EVERY == 0:
                     # A long run of messages still lets the caller's other tasks turn.

@@ -23,34 +23,18 @@ from starlette.routing import Route
 
 from .. import web
 from ..web import json_response
+from ._words import _continued, _text, _tokens
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "llamas",
-    "graze",
-    "on",
-    "green",
-    "hills",
-    "and",
-    "engines",
-    "hum",
-    "in",
-    "racks",
-    "of",
-    "gpus",
-]
+
+# The error body of an engine whose GPU faulted (`--fail-completions-after`).
+CUDA_FAULT = {
+    "message": "CUDA error: an illegal memory access was encountered",
+    "type": "InternalServerError",
+    "code": 500,
+}
 
 # Floats in each embedding.
 EMBEDDING_DIM = 16
@@ -74,15 +58,22 @@ class SimOptions:
     listen_after: float = 0.0
     # Tokens of KV cache: what the kv-cache-usage gauge is a fraction of.
     kv_tokens: int = 4096
-    # Exit abruptly after sending this many chunks of a streamed answer (0: on reading a
-    # request, before any byte of answer), as an engine that crashes mid-request.
+    # Exit abruptly after sending this many chunks of a streamed answer, or pieces of the body of
+    # one not streamed (0: on reading a request, before any byte of answer), as an engine that
+    # crashes mid-request.
     die_after_chunks: int | None = None
+    # After this many chunks of a streamed answer, an error event and [DONE] instead of the rest,
+    # as vLLM ends a stream whose generation failed.
+    error_after_chunks: int | None = None
     # Enter this cgroup (its directory) before serving, as a wrapper that enters one would.
     enter_cgroup: str = ""
     # Once this path exists, take this many MiB of memory and hold them, as an engine whose
     # memory grows past what its machine or cgroup allows.
     allocate_mb: int = 0
     allocate_when: str = ""
+    # After this many seconds every completion and chat answer is a 500 while /health still
+    # answers 200: a GPU in a bad state (an illegal memory access) that only requests reveal.
+    fail_completions_after: float | None = None
 
 
 def parse_args(argv: list[str]) -> SimOptions:
@@ -111,19 +102,26 @@ def parse_args(argv: list[str]) -> SimOptions:
         "--die-after-chunks",
         type=int,
         default=None,
-        help="exit at once after N chunks of a streamed answer (0: before answering a request)",
+        help="exit at once after N chunks of a streamed answer, or N pieces of one not streamed "
+        "(0: before answering a request)",
+    )
+    p.add_argument(
+        "--error-after-chunks",
+        type=int,
+        default=None,
+        help="end a streamed answer with an error event after N chunks (the engine gave up on it)",
     )
     p.add_argument("--enter-cgroup", default="", help="a cgroup directory to enter before serving")
     p.add_argument("--allocate-mb", type=int, default=0, help="MiB to take and hold (see --allocate-when)")
     p.add_argument("--allocate-when", default="", help="take --allocate-mb once this path exists")
+    p.add_argument(
+        "--fail-completions-after",
+        type=float,
+        default=None,
+        help="after N seconds answer every completion 500 (a CUDA error) while /health stays 200",
+    )
     ns = p.parse_args(argv)
     return SimOptions(**vars(ns))
-
-
-def _tokens(prompt: str, n: int) -> list[str]:
-    """Deterministic output: the same prompt always gives the same words."""
-    seed = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big")
-    return [WORDS[(seed + i * 7) % len(WORDS)] for i in range(n)]
 
 
 class SimEngine:
@@ -236,6 +234,10 @@ class SimEngine:
         body = await self._json_body(req)
         if isinstance(body, Response):
             return body
+        broken = self.opts.fail_completions_after
+        if broken is not None and self._age() >= broken:
+            # As vLLM answers once CUDA faulted: streamed or not, the request is answered 500.
+            return json_response({"error": CUDA_FAULT}, 500)
         return self._complete(body, chat=chat)
 
     async def embeddings(self, req: Request) -> Response:
@@ -298,20 +300,34 @@ class SimEngine:
         )
 
     def _complete(self, body: dict[str, object], chat: bool) -> Response:
+        # `start`: words of the answer already given, where the request continues it (vLLM's
+        # `continue_final_message` for chat; for completions, a prompt ending with them).
+        start = 0
         if chat:
             messages = body.get("messages") or []
+            last = messages[-1] if isinstance(messages, list) and messages else None
+            content = last.get("content") if isinstance(last, dict) else None
+            if (
+                body.get("continue_final_message") is True
+                and isinstance(messages, list)
+                and isinstance(last, dict)
+                and last.get("role") == "assistant"
+                and isinstance(content, str)
+            ):
+                messages, start = messages[:-1], len(content.split())
             prompt = json.dumps(messages, sort_keys=True)
         else:
-            prompt = str(body.get("prompt", ""))
+            prompt, start = _continued(str(body.get("prompt", "")))
         raw_max = body.get("max_tokens", 16)
         n = raw_max if isinstance(raw_max, int) and raw_max > 0 else 16
-        words = _tokens(prompt, min(n, 4096))
+        words = _tokens(prompt, min(n, 4096), start)
         self.requests += 1
         self.tokens += len(words)
         created = int(time.time())
-        rid = "cmpl-" + hashlib.sha256(prompt.encode()).hexdigest()[:12]
+        rid = "cmpl-" + hashlib.sha256((f"{prompt}\n{start}" if start else prompt).encode()).hexdigest()[:12]
         kind = "chat.completion" if chat else "text_completion"
-        usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": len(words)}
+        # A continuation's prompt holds the words already given, as an engine's would.
+        usage = {"prompt_tokens": len(prompt.split()) + start, "completion_tokens": len(words)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         if body.get("stream"):
             options = body.get("stream_options")
@@ -319,35 +335,58 @@ class SimEngine:
             last = usage if isinstance(options, dict) and options.get("include_usage") is True else None
             # As the engines send it: no charset parameter, no caching on the way.
             return StreamingResponse(
-                self._stream(rid, created, words, chat, last),
+                self._stream(rid, created, words, chat, last, start),
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
             )
-        text = " ".join(words)
+        text = _text(words, start)
         choice: dict[str, object] = {"index": 0, "finish_reason": "length"}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return json_response(
-            {
-                "id": rid,
-                "object": kind,
-                "created": created,
-                "model": self.opts.model,
-                "choices": [choice],
-                "usage": usage,
-            }
-        )
+        answer = {
+            "id": rid,
+            "object": kind,
+            "created": created,
+            "model": self.opts.model,
+            "choices": [choice],
+            "usage": usage,
+        }
+        if self.opts.die_after_chunks:
+            # Its head and the first pieces of its body, then gone: an engine that crashes while
+            # it writes an answer not streamed.
+            return StreamingResponse(
+                self._pieces(json.dumps(answer).encode(), self.opts.die_after_chunks),
+                headers={"Content-Type": "application/json"},
+            )
+        return json_response(answer)
+
+    async def _pieces(self, body: bytes, pieces: int) -> AsyncIterator[bytes]:
+        size = max(1, len(body) // (pieces + 1))
+        for at in range(0, size * pieces, size):
+            yield body[at : at + size]
+            await anyio.sleep(0.01)
+        _die(f"after {pieces} pieces of an answer")
 
     async def _stream(
-        self, rid: str, created: int, words: list[str], chat: bool, usage: dict[str, int] | None = None
+        self,
+        rid: str,
+        created: int,
+        words: list[str],
+        chat: bool,
+        usage: dict[str, int] | None = None,
+        start: int = 0,
     ) -> AsyncIterator[bytes]:
         self.running += 1
         held = 0  # each chunk sent stands for a token held in the cache until the request ends
         try:
-            async for chunk in self._chunks(rid, created, words, chat, usage):
+            async for chunk in self._chunks(rid, created, words, chat, usage, start):
                 if held == self.opts.die_after_chunks:
                     _die(f"after {held} chunks of an answer")
+                if held == self.opts.error_after_chunks:
+                    error = {"message": "generation failed", "type": "InternalServerError", "code": 500}
+                    yield b"data: " + json.dumps({"error": error}).encode() + b"\n\ndata: [DONE]\n\n"
+                    return
                 held += 1
                 self.kv_used += 1
                 yield chunk
@@ -356,12 +395,18 @@ class SimEngine:
             self.kv_used -= held
 
     async def _chunks(
-        self, rid: str, created: int, words: list[str], chat: bool, usage: dict[str, int] | None = None
+        self,
+        rid: str,
+        created: int,
+        words: list[str],
+        chat: bool,
+        usage: dict[str, int] | None = None,
+        start: int = 0,
     ) -> AsyncIterator[bytes]:
         kind = "chat.completion.chunk" if chat else "text_completion"
         delay = 1.0 / self.opts.tokens_per_second if self.opts.tokens_per_second > 0 else 0.0
         for i, word in enumerate(words):
-            piece = word if i == 0 else " " + word
+            piece = _text([word], start + i)
             choice: dict[str, object] = {"index": 0, "finish_reason": None}
             if chat:
                 choice["delta"] = {"content": piece} if i else {"role": "assistant", "content": piece}
