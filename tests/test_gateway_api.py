@@ -22,6 +22,7 @@ import pytest
 
 from llmgw_core.bus import Bus
 from llmgw_core.events import Deployment
+from llmgw_gateway.config import RoutingConfig
 from tests.cluster_support import cluster, sim_catalog
 from tests.gateway_support import proxy_over
 from tests.test_gateway import metric, ready, running_gateway
@@ -242,10 +243,14 @@ async def test_a_replica_that_closed_a_pooled_connection_is_asked_again_on_a_new
 
 
 async def test_a_stream_broken_off_ends_with_an_error_event_and_done_never_retried() -> None:
-    """r0 exits after 3 chunks: the client gets those 3, an error event and [DONE]; r1 never
-    sees the request."""
+    """r0 exits after 3 chunks, and continuing answers is off (`routing: continuations: 0`;
+    tests/test_gateway_continuation.py has it on): the client gets those 3, an error event and
+    [DONE]; r1 never sees the request."""
     with sim_engines(["--die-after-chunks", "3"], []) as urls:
-        async with proxy_over(urls) as gw, httpx.AsyncClient(timeout=30) as raw:
+        async with (
+            proxy_over(urls, routing=RoutingConfig(continuations=0)) as gw,
+            httpx.AsyncClient(timeout=30) as raw,
+        ):
             body = {"model": "chat", "messages": CHAT, "max_tokens": 20, "stream": True}
             async with raw.stream("POST", f"{gw.url}/v1/chat/completions", json=body) as r:
                 assert r.status_code == 200
@@ -411,10 +416,12 @@ async def test_an_anthropic_stream_broken_off_ends_with_its_error_event() -> Non
 
 
 async def test_an_answer_not_streamed_broken_off_is_seen_incomplete_by_the_client() -> None:
+    """With continuing answers off (`routing: continuations: 0`; else it is read whole first and
+    asked of another replica: tests/test_gateway_continuation.py)."""
     first, tail = b'{"id": "1", "object": "chat.completion", ', b'"choices": ['
     async with (
         breaking_engine([first], tail, b"application/json") as engine,
-        proxy_over([engine], engine="vllm") as gw,
+        proxy_over([engine], engine="vllm", routing=RoutingConfig(continuations=0)) as gw,
         httpx.AsyncClient(timeout=30) as raw,
     ):
         body = {"model": "chat", "messages": CHAT}

@@ -256,7 +256,9 @@ async def test_a_replica_that_closes_the_kept_alive_connection_is_asked_again_on
 async def test_an_answer_whose_body_comes_after_its_head_is_waited_for_on_the_lane() -> None:
     """As engines served by uvicorn send an answer: its head, then its body in another write.
     With its length given the lane waits for the rest; a replica that stops sending fails it at
-    the read timeout, as the ASGI path would: the client sees it cut off, never taken whole."""
+    the read timeout, as the ASGI path would: nothing of it was passed on, and with no other
+    replica to ask for it again (docs/gateway.md, "Continuation") the client is answered 503,
+    never taking it whole."""
     async with lane(read_timeout_s=0.5) as served, httpx.AsyncClient(base_url=served.url) as client:
         warm = await client.post("/v1/completions", json={"model": "chat", "prompt": "hello"})
         assert warm.status_code == 200
@@ -265,9 +267,13 @@ async def test_an_answer_whose_body_comes_after_its_head_is_waited_for_on_the_la
         assert slow.json()["choices"][0]["text"] == "slow-body"
         assert (slow.headers["x-replica"], slow.headers["content-length"]) == ("r0", str(len(slow.content)))
         assert served.asgi == ["/v1/completions"]
-        with pytest.raises(httpx.RemoteProtocolError):
-            await client.post("/v1/completions", json={"model": "chat", "prompt": "stall"})
-        # Handed to the ASGI path once failed, which passes on what came and cuts it off there.
+        stalled = await client.post("/v1/completions", json={"model": "chat", "prompt": "stall"})
+        assert stalled.status_code == 503, stalled.text
+        assert stalled.json()["error"]["message"] == (
+            "deployment chat has 1 ready replica but none accepted the request: "
+            f"r0 at {served.replica.url} broke off its answer: no byte from the replica for 0.5s"
+        )
+        # Handed to the ASGI path once failed, which reads what came and finds it broken off.
         assert served.asgi == ["/v1/completions"] * 2
         text = await scrape(served)
         assert metric(text, 'llmgw_gateway_errors_total{deployment="chat",reason="upstream"}') == 1
@@ -278,8 +284,9 @@ async def test_an_answer_whose_body_comes_after_its_head_is_waited_for_on_the_la
         first, *same, other = served.replica.on
         assert same == [first, first], served.replica.on
         assert other != first, served.replica.on
-        # Four requests; the tokens of the three whose usage came.
-        assert await usage(served) == (4, 9)
+        # The three requests answered, and their tokens (the one broken off was answered by the
+        # gateway, and charged nothing, as one refused).
+        assert await usage(served) == (3, 9)
 
 
 async def test_an_answer_without_a_length_or_streamed_goes_on_from_the_asgi_path() -> None:

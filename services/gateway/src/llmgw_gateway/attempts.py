@@ -3,7 +3,9 @@ request sent there through a transport, and, where the replica failed before any
 answer (it refused the connection, or closed or reset it before answering: it died, and
 placement has not said so yet), another attempt, on the same replica once where it closed a
 pooled connection, else on another. The first answer that begins goes to the relay; a failure
-after it began is the replica's, answered 502 and never retried.
+after it began is the replica's: never retried, but continued (`continuation.py`): a
+stream on another replica from what its client has (`Relays.relay`, `resend`), an answer not
+streamed (read whole before any of it is passed on: `read`) sent again whole to another.
 
 A transport sends one attempt: `Replicas` sends it to the replica's engine, by its served
 name; the express lane's is the attempt it made itself before it handed the request over
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from opentelemetry import trace
@@ -21,6 +24,8 @@ from starlette.responses import JSONResponse, Response
 
 from llmgw_core.events import ReplicaRecord
 
+from .admission import unserved_by
+from .continuation import CONTINUED_PATHS, MAX_HELD_BYTES, ContinuationError
 from .errors import error
 from .ledger import Ledger
 from .metrics import Metrics
@@ -72,6 +77,7 @@ class Attempts:
         self.relays = relays
         self.ledger = ledger
         self.metrics = metrics
+        relays.resend = self.resend
 
     async def forward(
         self, request: Request, routed: Routed, unserved: frozenset[str], taken: Transport | None = None
@@ -81,6 +87,8 @@ class Attempts:
         path: str = request.scope["path"]
         deployment, span = routed.deployment, routed.span
         tries = Tries(unserved)
+        # Answers not streamed that broke off before any of them was passed on, each sent again.
+        resent = 0
         if routed.chosen is not None and taken is None:
             # The lane chose a replica but could not send to it: asked first.
             tries.again = routed.chosen
@@ -102,6 +110,7 @@ class Attempts:
             except FAILED as exc:
                 self.ledger.release(chosen_key, deployment)
                 if not before_answer(exc):
+                    self._judged(chosen_key, exc)
                     return self._failed(record, deployment, span, exc)
                 # No byte of answer came: the replica refused the connection, or closed or reset
                 # it before answering (it died with the request). Another one may take it.
@@ -117,6 +126,7 @@ class Attempts:
                         exc,
                     )
                     continue
+                self._judged(chosen_key, exc)
                 self.names.forget(record)
                 tries.failures.append(f"{record.replica} at {record.url}: {exc or type(exc).__name__}")
                 what = "refused the connection" if refused else "failed before answering"
@@ -125,7 +135,113 @@ class Attempts:
             except BaseException:
                 self.ledger.release(chosen_key, deployment)
                 raise
-            return self.relays.response(answer, chosen_key, routed, path)
+            read: bytes | None = None
+            if self._reads_first(answer, path):
+                try:
+                    read = await self.read(answer)
+                except FAILED as exc:
+                    # Broken off before any byte of it was passed on: the client has nothing
+                    # of it, so another replica is asked for all of it.
+                    answer.release()
+                    self.ledger.release(chosen_key, deployment)
+                    self._judged(chosen_key, exc)
+                    self.metrics.errors.labels(deployment, "upstream").inc()
+                    resent += 1
+                    if resent > self.picker.table.routing.continuations:
+                        return self._failed(record, deployment, span, exc)
+                    tries.failures.append(
+                        f"{record.replica} at {record.url} broke off its answer: {exc or type(exc).__name__}"
+                    )
+                    log.warning(
+                        "%s: %s broke off its answer (%s); asking another", deployment, chosen_key, exc
+                    )
+                    continue
+            return self.relays.response(answer, chosen_key, routed, path, read)
+
+    def _reads_first(self, answer: Answer, path: str) -> bool:
+        """Whether an answer is read (up to MAX_HELD_BYTES) before any of it is passed on, so
+        that one broken off can be asked of another replica: a chat or completion answer not
+        streamed, not in whole with its head, where answers are continued."""
+        return (
+            path in CONTINUED_PATHS
+            and answer.status == 200
+            and not answer.complete
+            and self.relays.continues()
+            and not answer.header(b"content-type").startswith("text/event-stream")
+        )
+
+    async def read(self, answer: Answer) -> bytes:
+        """An answer's body, read to its end or past MAX_HELD_BYTES (the rest is passed on as
+        it comes); raises one of FAILED where the replica breaks it off."""
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in answer.chunks():
+            parts.append(chunk)
+            size += len(chunk)
+            if size > MAX_HELD_BYTES:
+                break
+        return b"".join(parts)
+
+    async def resend(
+        self,
+        routed: Routed,
+        routed_for: Callable[[ReplicaRecord], Routed],
+        path: str,
+        broken: frozenset[str],
+        fingerprint: str,
+    ) -> tuple[str, Answer] | str:
+        """The rest of a streamed answer asked of a ready replica of its deployment, neither one
+        in `broken` nor one whose engine does not serve `path`, of profile fingerprint
+        `fingerprint` (the same model and weights: another's tokens would not continue the
+        text), with the request `routed_for` builds for that replica's engine: its key and its
+        streamed answer, counted in flight; or why no replica took it."""
+        table, deployment, span = self.picker.table, routed.deployment, routed.span
+        excluded = set(broken) | unserved_by(table, self.picker.engines, deployment, path)
+        # Mid-rollout a deployment has replicas of two profiles: only the same one continues.
+        other = {k for k, r in table.of(deployment) if r.profile_fp != fingerprint and k not in excluded}
+        excluded |= other
+        failures: list[str] = []
+        while (chosen := table.pick(deployment, frozenset(excluded), routed.blocks)) is not None:
+            key, record = chosen
+            excluded.add(key)
+            try:
+                sent = routed_for(record)
+            except ContinuationError as exc:
+                return str(exc)
+            self.ledger.in_flight(key, record, deployment, span)
+            try:
+                answer = await self.replicas.send("POST", record, path, sent)
+            except FAILED as exc:
+                self.ledger.release(key, deployment)
+                self._judged(key, exc)
+                failures.append(f"{record.replica} at {record.url}: {exc or type(exc).__name__}")
+                continue
+            except BaseException:
+                self.ledger.release(key, deployment)
+                raise
+            if answer.status == 200 and answer.header(b"content-type").startswith("text/event-stream"):
+                table.outcome(key, 200)
+                return key, answer
+            answer.release()
+            self.ledger.release(key, deployment)
+            table.outcome(key, answer.status)
+            failures.append(f"{record.replica} at {record.url} answered {answer.status}")
+        if failures:
+            return "; ".join(failures)
+        ready = sorted(table.replicas[k].replica for k in other if table.replicas[k].state == "ready")
+        if ready:
+            return (
+                f"deployment {deployment} has no other ready replica of the same model and weights "
+                f"(profile fingerprint {fingerprint}): {', '.join(ready)} of another profile cannot "
+                "continue it"
+            )
+        return f"deployment {deployment} has no other ready replica"
+
+    def _judged(self, key: str, exc: BaseException) -> None:
+        """No answer came from the replica (a pooled connection it closed as the request came is
+        not counted: llama-server closes one after each streamed answer): its failure, for
+        outlier detection."""
+        self.picker.table.outcome(key, 0, str(exc) or type(exc).__name__)
 
     def _failed(
         self, record: ReplicaRecord, deployment: str, span: trace.Span, exc: BaseException

@@ -78,6 +78,24 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.continued = Counter(
+            "llmgw_gateway_continued",
+            "Answers a replica broke off or handed over, continued on another replica of the same "
+            "profile, by cause: connection_lost (the replica closed or reset the connection "
+            "mid-answer), error_event (it sent an error event mid-stream), timeout (it sent nothing "
+            "for the read timeout), drained (it began draining: the stream was handed over).",
+            ["deployment", "cause"],
+            registry=self.registry,
+        )
+        self.seam = Histogram(
+            "llmgw_gateway_continuation_seam_seconds",
+            "From a replica's break (or the start of its drain) to the continuing replica's first "
+            "event passed on to the client.",
+            ["deployment"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+
     def of(self, deployment: str) -> DeploymentMetrics:
         found = self._of.get(deployment)
         if found is None:

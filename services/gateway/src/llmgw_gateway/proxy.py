@@ -16,8 +16,10 @@ A routed request goes through the same steps on either path, each in a module of
   said so yet) the request goes to another;
 - the relay (`relay.py`): once a replica's answer has begun, it is passed through (status,
   headers less the hop-by-hop ones and its `Date`, body byte for byte, server-sent events
-  included) and never retried: a stream broken off after that ends with an SSE error event
-  and `data: [DONE]`, never silently truncated.
+  included) and never retried: a chat or completion answer broken off after that is
+  continued on another replica from what the client has (`continuation.py`); any other
+  stream, or one that cannot be continued, ends with an SSE error event and `data: [DONE]`,
+  never silently truncated.
 
 A routed request takes one of two paths with the same outcome: the express lane
 (`express.py`, from the HTTP protocol's callbacks: no task, no ASGI messages) where nothing
@@ -126,12 +128,15 @@ class Proxy:
         # Set once the first snapshot of the buckets is in: until then "unknown model"
         # would be a lie.
         self.loaded = anyio.Event()
+        # Why this gateway cannot hear NATS now ("" while it can): cut off, it serves the
+        # replicas it knew, and `/healthz` says so (the service sets it).
+        self.cut_off: Callable[[], str] = lambda: ""
         engines = default_registry()
         self.tables = Tables(self.keyring, table, engines, max_json_depth)
         self.ledger = Ledger(table, self.metrics, self.demand, self.usage)
         self.names = ServedNames(client)
         self.picker = Picker(table, self.holds, self.demand, self.keyring, engines, self.ledger, self.metrics)
-        self.relays = Relays(table, self.metrics, self.ledger)
+        self.relays = Relays(table, self.metrics, self.ledger, self.tracer)
         replicas = Replicas(self.names, self.upstream)
         self.attempts = Attempts(self.picker, replicas, self.relays, self.ledger, self.metrics)
         self.lane = ExpressLane(
@@ -214,9 +219,11 @@ class Proxy:
         # with one, where keys are required.
         if not self.loaded.is_set():
             return JSONResponse({"status": "loading", "detail": "reading the replicas bucket"}, 503)
+        cut_off = self.cut_off()
+        said = {"status": "ok", **({"nats": cut_off} if cut_off else {})}
         if not isinstance(identify(request.scope["headers"], self.keyring), ApiKey):
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "ok", "deployments": self.table.known()})
+            return JSONResponse(said)
+        return JSONResponse({**said, "deployments": self.table.known()})
 
     async def prometheus(self, request: Request) -> Response:
         # Behind the key where keys are required: the labels name every deployment.
