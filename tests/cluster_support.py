@@ -145,6 +145,8 @@ class Cluster:
                 "port_range": [base, base + 99],
                 "node": node,
                 "state_dir": str(self.root / (f"{node}@{machine}" if machine else node)),
+                # Every node is this machine: loopback (unset, a node takes its default route's address).
+                "mgmt_addr": "127.0.0.1",
                 "nats": self.nats(f"node-{node}"),
                 "simulate": {"gpu_count": gpus, **(simulate or {})},
                 "heartbeat_interval_s": self.heartbeat_s,

@@ -13,8 +13,8 @@ from llmgw_core.natsd import NatsServer
 from tests import auth_support
 from tests.auth_support import SessionNats
 
-# Fails a test over its time per commit (tests/slow_guard.py).
-pytest_plugins = ["tests.slow_guard"]
+# Fails a test over its time per commit (tests/slow_guard.py); the multihost harness's fixtures.
+pytest_plugins = ["tests.slow_guard", "tests.multihost.fixtures"]
 
 
 @pytest.fixture(scope="session")

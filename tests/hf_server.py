@@ -253,15 +253,15 @@ def _handler(state: HubState) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def hf_hub() -> Iterator[Hub]:
-    """The hub on 127.0.0.1 (port 0), stopped on exit."""
+def hf_hub(host: str = "127.0.0.1") -> Iterator[Hub]:
+    """The hub on `host` (port 0), stopped on exit."""
     state = HubState()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
+    server = ThreadingHTTPServer((host, 0), _handler(state))
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="hf-hub", daemon=True)
     thread.start()
     try:
-        yield Hub(state, f"http://127.0.0.1:{server.server_address[1]}")
+        yield Hub(state, f"http://{host}:{server.server_address[1]}")
     finally:
         state.stopping.set()
         server.shutdown()

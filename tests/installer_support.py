@@ -189,6 +189,8 @@ def agent(tmp_path: Path, nats_url: str, prefix: str, api: str, **kw: object) ->
             "recheck_interval_s": 1.0,
             "heartbeat_interval_s": 0.5,
             "allow_os_packages": False,
+            # This machine alone: loopback (unset, a node takes its default route's address).
+            "mgmt_addr": "127.0.0.1",
             **kw,
         },
         AgentConfig,

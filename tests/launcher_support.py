@@ -45,6 +45,9 @@ def agent_config(
         "restart_backoff_cap_s": 2.0,
         "health_interval_s": 0.3,
         "heartbeat_interval_s": 0.5,
+        # Every node of these tests is this machine: loopback, as their node statuses say
+        # (unset, a node takes its default route's address).
+        "mgmt_addr": "127.0.0.1",
     }
     fields.update(kw)
     return msgspec.convert(fields, AgentConfig)

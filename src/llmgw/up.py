@@ -199,6 +199,9 @@ def agent_yaml(
         "state_dir": str(state_dir),
         "nats": nats,
         **where,
+        # One machine: its engines and metrics stay on loopback (unset, a node takes its
+        # default route's address, which other hosts on the network reach).
+        "mgmt_addr": "127.0.0.1",
         "port_range": list(port_range),
         "installer_metrics_port": metrics[0],
         "launcher_metrics_port": metrics[1],

@@ -70,8 +70,10 @@ class AgentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
     node: Name
     state_dir: str = ".llmgw/agent"
     nats: NatsConfig = NatsConfig()
-    # The address other nodes and clients reach this node on.
-    mgmt_addr: str = "127.0.0.1"
+    # The address other nodes and clients reach this node on. "": the IPv4 address of
+    # `mgmt_iface`, else of the interface the default route leaves by (probe.pick_mgmt_addr);
+    # loopback only on a host with no other. `mgmt_iface` "": the interface holding it.
+    mgmt_addr: str = ""
     mgmt_iface: str = ""
     # Engines get HTTP and rendezvous ports from this range when a shard leaves them to the node.
     port_range: tuple[int, int] = (20000, 29999)

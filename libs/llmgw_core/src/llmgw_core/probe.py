@@ -9,6 +9,8 @@ Interfaces and their addresses come from `ip -j addr show`; where iproute2 is
 missing (slim container images) from /sys, /proc/net/if_inet6 and, for IPv4 on
 the real machine, the kernel's SIOCGIFADDR. The management interface is the one
 that holds the management address: engines pin NCCL's and Gloo's bootstrap to it.
+The management address is agent.yaml's `mgmt_addr`, or where unset the address of
+`mgmt_iface`, else of the default route's interface (`pick_mgmt_addr`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import msgspec
 
+from .config import AgentConfig
 from .events import GPUInfo, ModelShape, NetInterface, NodeFacts
 from .fit import FitError, read_shape
 from .staged import held, shapes
@@ -238,6 +241,83 @@ def interface_holding(interfaces: tuple[NetInterface, ...], host: str) -> str:
     return ""
 
 
+# /proc/net/route: a header, then a route a line (Iface Destination Gateway Flags RefCnt Use
+# Metric Mask …, addresses in hex). A node's table is a few lines; past this much the rest is
+# not read (a full routing table carries no default route a node would use anyway).
+ROUTE_TABLE_MAX_BYTES = 1 << 20
+RTF_UP = 0x1
+IFNAME_MAX = 15  # the kernel's IFNAMSIZ less its NUL
+LOOPBACK = "127.0.0.1"
+
+
+def default_route_interface(text: str) -> str:
+    """The interface of the IPv4 default route with the lowest metric in /proc/net/route's
+    text ("" when it has none). Any line that is not a route is skipped."""
+    best: tuple[int, str] | None = None
+    for line in text[:ROUTE_TABLE_MAX_BYTES].splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 8 or fields[1] != "00000000" or fields[7] != "00000000":
+            continue
+        name, flags, metric = fields[0], fields[3], fields[6]
+        if not 0 < len(name) <= IFNAME_MAX or len(flags) > 8 or len(metric) > 10:
+            continue
+        try:
+            up, cost = int(flags, 16) & RTF_UP, int(metric)
+        except ValueError:
+            continue
+        if up and (best is None or cost < best[0]):
+            best = (cost, name)
+    return best[1] if best else ""
+
+
+def ipv4_on(interfaces: tuple[NetInterface, ...], name: str) -> str:
+    """The first IPv4 address (without its prefix) that interface `name` holds, one that is not
+    link-local (169.254/16, reachable on that link alone) where it has one; "" if none."""
+    found: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
+    for iface in interfaces:
+        if iface.name != name:
+            continue
+        for text in iface.addresses:
+            try:
+                found.append(ipaddress.ip_interface(text).ip)
+            except ValueError:
+                continue
+    v4 = [a for a in found if a.version == 4]
+    return str(next((a for a in v4 if not a.is_link_local), v4[0])) if v4 else ""
+
+
+def pick_mgmt_addr(interfaces: tuple[NetInterface, ...], mgmt_iface: str, route_iface: str) -> str:
+    """The address a node serves on and advertises where agent.yaml names none: that of its
+    `mgmt_iface`; else that of the interface its default route leaves by (where other hosts
+    reach it); else that of its first interface up that is neither loopback nor link-local;
+    loopback only on a host with none of these (one machine alone). It used to be loopback
+    always: on a fleet, every engine URL a node advertised pointed other hosts at themselves."""
+    for name in (mgmt_iface, route_iface):
+        if name and (addr := ipv4_on(interfaces, name)):
+            return addr
+    for iface in interfaces:
+        addr = ipv4_on((iface,), iface.name) if iface.up else ""
+        if addr and not (ipaddress.ip_address(addr).is_loopback or ipaddress.ip_address(addr).is_link_local):
+            return addr
+    return LOOPBACK
+
+
+def advertised_address(mgmt_addr: str, mgmt_iface: str = "") -> str:
+    """What a node's agents serve on and tell others: agent.yaml's `mgmt_addr`, or where it is
+    unset the address `pick_mgmt_addr` finds on this host."""
+    if mgmt_addr:
+        return mgmt_addr
+    probe = Probe("", mgmt_iface=mgmt_iface)
+    return probe.management_address(probe.interfaces())
+
+
+def with_mgmt_addr(config: AgentConfig) -> AgentConfig:
+    """`config` with its `mgmt_addr` found (`advertised_address`) where agent.yaml left it out."""
+    if config.mgmt_addr:
+        return config
+    return msgspec.structs.replace(config, mgmt_addr=advertised_address("", config.mgmt_iface))
+
+
 def weights_fingerprint(path: Path) -> str:
     """Cheap: names, sizes and mtimes of the files under `path`, hashed. No file is read."""
     h = hashlib.sha256()
@@ -334,6 +414,13 @@ class Probe:
             out.append(NetInterface(name=name, addresses=addresses, mac=mac, up=state in ("up", "unknown")))
         return tuple(out)
 
+    def management_address(self, interfaces: tuple[NetInterface, ...]) -> str:
+        """`mgmt_addr`, or where it is unset the one `pick_mgmt_addr` finds among `interfaces`."""
+        if self.mgmt_addr:
+            return self.mgmt_addr
+        route = default_route_interface(self._read("proc/net/route"))
+        return pick_mgmt_addr(interfaces, self.mgmt_iface, route)
+
     def facts(self) -> NodeFacts:
         osr = parse_os_release(self._read("etc/os-release"))
         model, flags, cores = parse_cpuinfo(self._read("proc/cpuinfo"))
@@ -344,8 +431,8 @@ class Probe:
         if self.models_dir is not None:
             weights.update(held(self.models_dir))
             model_shapes.update(shapes(self.models_dir))
-        mgmt_addr = self.mgmt_addr or socket.gethostbyname("localhost")
         interfaces = self.interfaces()
+        mgmt_addr = self.management_address(interfaces)
         return NodeFacts(
             node=self.node,
             os_id=osr.get("ID", ""),

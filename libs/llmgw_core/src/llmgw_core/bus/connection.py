@@ -40,6 +40,15 @@ REFUSED_RECONNECT_GRACE_S = 10.0
 # whose task ended) never empties: nats-py's default of 30 s made every such close take 30 s.
 DRAIN_TIMEOUT_S = 5.0
 
+# A server that answers no PING for PING_INTERVAL_S * MAX_OUTSTANDING_PINGS (6 to 8 s) is
+# gone, and the client reconnects to another server of the cluster. A partition drops
+# packets without a reset: with nats-py's defaults (every 120 s, 2 unanswered) a client
+# kept a dead connection for up to 4 minutes, so a placement whose server was cut off from
+# the rest stopped leading and none took over, and its node heartbeats reached no one
+# (tests/test_multihost_partitions.py, the symmetric split).
+PING_INTERVAL_S = 2.0
+MAX_OUTSTANDING_PINGS = 3
+
 
 def transient(exc: BaseException) -> bool:
     """Whether trying the same call again can help: a timeout, a reconnect, a stream
@@ -86,6 +95,8 @@ class Connection:
         # a judge of liveness grants every node a fresh timeout from that moment.
         self.connected = True
         self.connected_since = time.monotonic()
+        # While not connected: since when (time.monotonic()), for a service that says so.
+        self.disconnected_since = 0.0
         # The first connection succeeded: from then on a lost server is retried forever.
         self._opened = False
         # Kept only to explain a first connection that fails: an error holds its
@@ -151,6 +162,8 @@ class Connection:
             "reconnect_time_wait": 0.5,
             "connect_timeout": 5,
             "drain_timeout": DRAIN_TIMEOUT_S,
+            "ping_interval": PING_INTERVAL_S,
+            "max_outstanding_pings": MAX_OUTSTANDING_PINGS,
             "disconnected_cb": self._disconnected,
             "reconnected_cb": self._reconnected,
             "closed_cb": self._closed,
@@ -181,6 +194,7 @@ class Connection:
     async def _disconnected(self) -> None:
         if self._opened:
             self.connected = False
+            self.disconnected_since = time.monotonic()
             if self.closing:
                 return
         log.warning("%s: disconnected from NATS at %s", self.service, self.url)
