@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import subprocess
 import sys
 import time
 import traceback
-from pathlib import Path
 
 from bench import (
     auth,
     autoscale,
     bus,
+    continuation,
     durability,
     fit,
     fleet,
@@ -22,33 +19,13 @@ from bench import (
     heartbeats,
     install,
     launcher,
+    partitions,
     placement,
     routing,
     scale,
     weights,
 )
-
-ROOT = Path(__file__).parent.parent
-
-
-def machine() -> str:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = ""
-    try:
-        kb = int(Path("/proc/meminfo").read_text().split()[1])
-        mem = f"{kb / 1024 / 1024:.0f} GiB"
-    except (OSError, ValueError, IndexError):
-        pass
-    system = f"{platform.system()} {platform.release()}"
-    return f"{system}, {os.cpu_count()} cores ({cpu}), {mem}, Python {platform.python_version()}"
-
+from bench._report import ROOT, machine, replace_section, revision
 
 MODULES = (
     durability,
@@ -65,6 +42,8 @@ MODULES = (
     gateway,
     routing,
     autoscale,
+    continuation,
+    partitions,
 )
 
 
@@ -91,9 +70,7 @@ def main() -> int:
             traceback.print_exc()
             sections.append(f"## {name}\n\nFailed in this run: {type(exc).__name__}: {exc}\n")
         print(f"bench: {name} took {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
+    commit = revision()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     path = ROOT / "BENCHMARKS.md"
     if args.only:
@@ -101,7 +78,7 @@ def main() -> int:
         for section in sections:
             title, _, body = section.partition("\n")
             stamp = (
-                f"Run on its own by `python -m bench --only` on {when}, commit {commit}, on {machine()}; "
+                f"Run on its own by `python -m bench --only` on {when}, {commit}, on {machine()}; "
                 "the sections without such a line come from the run named at the top."
             )
             text = replace_section(text, title, f"{title}\n\n{stamp}\n{body}")
@@ -110,7 +87,7 @@ def main() -> int:
         return 0
     header = (
         "# Benchmarks\n\n"
-        f"Written by `just bench` on {when}, commit {commit}.\n"
+        f"Written by `just bench` on {when}, {commit}.\n"
         f"Machine: {machine()}.\n"
         "Each figure is compared with a baseline measured in the same run: "
         "the machines are shared and noisy.\n"
@@ -139,18 +116,6 @@ def kept_sections(old: str, written: list[str]) -> list[str]:
             body = f"\n{KEPT}\n{body}"
         kept.append(f"{title}\n{body}")
     return kept
-
-
-def replace_section(text: str, title: str, section: str) -> str:
-    """`text` with the section headed `title` (up to the next `## ` heading) replaced by `section`,
-    or `section` added at the end where there is none."""
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip("\n") == title), None)
-    if start is None:
-        return text.rstrip("\n") + "\n\n" + section
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    rest = "".join(lines[end:])
-    return "".join(lines[:start]) + section.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
 
 
 if __name__ == "__main__":
