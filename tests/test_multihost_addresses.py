@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -17,7 +16,7 @@ from llmgw_core.events import NodeStatus, ReplicaRecord, ShardSpec, ShardStatus
 from tests.cluster_support import sim_catalog
 from tests.hf_server import hf_hub
 from tests.multihost.fleet import Fleet
-from tests.multihost.hosts import Hosts
+from tests.multihost.hosts import Hosts, argv_of, environ_of
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.multihost, pytest.mark.anyio, pytest.mark.timeout(180)]
@@ -88,15 +87,6 @@ async def test_a_replica_on_host_d_is_served_through_a_gateway_on_host_c_at_host
         assert (await eventually(answered, timeout=60, interval=0.3))["choices"]
 
 
-def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-
-
-def _argv(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-
-
 async def test_each_node_finds_its_own_interface_and_address_and_ctl_and_the_page_work_from_other_hosts(
     make_hosts: Callable[..., Hosts], make_fleet: Callable[..., Fleet]
 ) -> None:
@@ -150,9 +140,9 @@ async def test_each_node_finds_its_own_interface_and_address_and_ctl_and_the_pag
     leader = record.members[0]  # rank 0
     for status in statuses:
         host = where[status.node]
-        env = _environ(status.pids[-1])
+        env = environ_of(status.pids[-1])
         assert (env["NCCL_SOCKET_IFNAME"], env["GLOO_SOCKET_IFNAME"]) == (host.iface, host.iface)
-        argv = _argv(status.pids[-1])
+        argv = argv_of(status.pids[-1])
         if status.node != leader.node:
             assert argv[argv.index("--leader") + 1] == f"{leader.addr}:{leader.port}", argv
         else:

@@ -12,17 +12,13 @@ import pytest
 
 from llmgw_core.events import ReplicaRecord, ShardStatus
 from tests.multihost.fleet import Fleet
-from tests.multihost.hosts import Hosts
+from tests.multihost.hosts import Hosts, argv_of
 from tests.test_launcher_llamacpp import llama_bin, tiny_model
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.multihost, pytest.mark.llama, pytest.mark.anyio, pytest.mark.timeout(240)]
 
 __all__ = ["llama_bin", "tiny_model"]
-
-
-def _argv(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
 
 
 async def test_a_llama_cpp_replica_split_over_two_hosts_answers_through_a_gateway_on_a_third(
@@ -72,9 +68,9 @@ async def test_a_llama_cpp_replica_split_over_two_hosts_answers_through_a_gatewa
     by_node = {s.node: s for s in statuses}
     # The worker's RPC server listens on its own host's address, never on every interface;
     # the leader, on the other host, reaches it there.
-    rpc = _argv(by_node[worker.node].pids[-1])
+    rpc = argv_of(by_node[worker.node].pids[-1])
     assert rpc[rpc.index("--host") + 1] == where[worker.node].addr, rpc
-    server = _argv(by_node[leader.node].pids[-1])
+    server = argv_of(by_node[leader.node].pids[-1])
     assert server[server.index("--rpc") + 1] == f"{where[worker.node].addr}:{worker.port}", server
     assert record.url.startswith(f"http://{where[leader.node].addr}:"), record
 

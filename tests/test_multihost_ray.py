@@ -26,7 +26,7 @@ import pytest
 
 from llmgw_core.events import ReplicaRecord, ShardStatus
 from tests.multihost.fleet import Fleet
-from tests.multihost.hosts import Hosts
+from tests.multihost.hosts import Hosts, argv_of, environ_of
 from tests.test_ray_real import alive_nodes, ray_bin_dir
 from tests.waiting import eventually
 
@@ -94,15 +94,6 @@ def engine_dir(root: Path) -> Path:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     return bin_dir
-
-
-def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-
-
-def _argv(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
 
 
 def _after(argv: list[str], flag: str) -> str:
@@ -190,7 +181,7 @@ async def test_a_vllm_replica_over_ray_has_its_head_on_one_host_and_its_worker_j
     # head's host address.
     head_pid, _ = statuses[leader.node].pids
     [join_pid] = statuses[worker.node].pids
-    head, join = _argv(head_pid), _argv(join_pid)
+    head, join = argv_of(head_pid), argv_of(join_pid)
     assert "--head" in head, head
     assert f"--port={leader.port}" in head, head
     assert f"--node-ip-address={head_host.addr}" in head, head
@@ -205,7 +196,7 @@ async def test_a_vllm_replica_over_ray_has_its_head_on_one_host_and_its_worker_j
     assert _after(argv, "--tensor-parallel-size") == "2", argv
     assert _after(argv, "--host") == head_host.addr, argv
     assert env["RAY_ADDRESS"] == head_addr, env
-    started = ((_environ(head_pid), head_host), (env, head_host), (_environ(join_pid), worker_host))
+    started = ((environ_of(head_pid), head_host), (env, head_host), (environ_of(join_pid), worker_host))
     for pid_env, host in started:
         assert (pid_env["NCCL_SOCKET_IFNAME"], pid_env["GLOO_SOCKET_IFNAME"]) == (host.iface, host.iface)
         assert pid_env["VLLM_HOST_IP"] == host.addr

@@ -287,6 +287,17 @@ def leftovers(token: str) -> None:
     (OWNERS / token).unlink(missing_ok=True)
 
 
+def argv_of(pid: int) -> list[str]:
+    """The command line of a process a test recorded (by its pid, never found by name)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    """The environment a recorded process started with."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
