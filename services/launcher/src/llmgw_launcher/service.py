@@ -24,14 +24,16 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
-from llmgw_core.bus import Bus
+from llmgw_core.bus import Bus, require_streams
 from llmgw_core.claims import Holder, hold
 from llmgw_core.config import AgentConfig
 from llmgw_core.engines import GPUInfo, ModelSource, Registry, ShardSpec
+from llmgw_core.errors import BusError
 from llmgw_core.events import ShardStatus, encode
 from llmgw_core.limits import key_problem
 from llmgw_core.probe import Probe, with_mgmt_addr
 from llmgw_core.subjects import ONE
+from llmgw_core.topology import node_streams
 
 from .audit import StatusAudit
 from .context import Context
@@ -55,6 +57,9 @@ log = logging.getLogger("llmgw.launcher")
 
 # A health probe that gets no answer in this long counts as failed.
 PROBE_TIMEOUT_S = 2.0
+# How long a launcher whose buckets came back after a lost store waits for the rest of them
+# before saying again what runs here.
+ANNOUNCE_WAIT_S = 30.0
 
 
 @dataclass
@@ -106,6 +111,8 @@ class Launcher:
         self.outbox = StatusOutbox(bus, self.node)
         # The NATS store was lost and its buckets are back: say again at once what runs here.
         bus.losses.on_lost.append(self._announce)
+        # Set while that is on its way: a spec gone with the store is acted on only after.
+        self._announcing: anyio.Event | None = None
         self.prober = HealthProber(timeout_s=PROBE_TIMEOUT_S)
         self.handles: dict[str, Handle] = {}
         # Shards being stopped (no longer in `handles`): their statuses are theirs to remove.
@@ -254,6 +261,9 @@ class Launcher:
             # are reconciled in one pass.
             async for change in self.bus.watch(self.bus.names.shards_bucket, ShardSpec, pattern):
                 if change.value is None:
+                    if change.revision == 0 and self._announcing is not None:
+                        # Gone with the store, not deleted by placement: what runs is said first.
+                        await self._announcing.wait()
                     self.desired.pop(change.key, None)
                 elif await self._acceptable(change.key, change.value):
                     self.desired[change.key] = change.value
@@ -264,10 +274,30 @@ class Launcher:
     def _announce(self) -> None:
         """Each running shard's last status into the status bucket again (not as an event: no
         state changed), for a placement that read an emptied store and knew none of them."""
-        for handle in list(self.handles.values()):
-            status = handle.runner.status
-            if status is not None and status.state != "stopped":
-                self.outbox.push(status, event=False)
+        if self._tg is None or self._announcing is not None:
+            return  # not running yet (its first statuses are still to come), or on its way
+        self._announcing = anyio.Event()
+        self._tg.start_soon(self._announce_once_back, self._announcing)
+
+    async def _announce_once_back(self, done: anyio.Event) -> None:
+        """The hook fires when the first of this node's buckets is back; placement makes the
+        others in turn, the status bucket perhaps a moment later. Said once they all are, and
+        written before any spec gone with the store is acted on (the spec watch in `_run`): pushed while
+        the bucket was still missing, `ready` was superseded by `stopping` and then the delete
+        before either landed, and the rebuilt bucket's first word of the shard was its end."""
+        try:
+            try:
+                await require_streams(self.bus, node_streams(self.bus.names), timeout=ANNOUNCE_WAIT_S)
+            except BusError as exc:
+                log.warning("%s: saying again what runs here anyway: %s", self.node, exc)
+            for handle in list(self.handles.values()):
+                status = handle.runner.status
+                if status is not None and status.state != "stopped":
+                    self.outbox.push(status, event=False)
+            await self.outbox.flush()
+        finally:
+            self._announcing = None
+            done.set()
 
     async def _acceptable(self, key: str, spec: ShardSpec) -> bool:
         """Whether a spec may run under `key`; one that may not is dead-lettered. The key names

@@ -24,12 +24,13 @@ SAME_LOSS_S = 60.0
 
 @dataclass
 class StoreLoss:
-    """One loss: when it was noticed (Unix time), which streams were gone, and when they were
-    made again with their configured limits (None while they are not)."""
+    """One loss: when it was noticed (Unix time), which streams were gone, which of them were
+    seen made again, and when all of them were, with their configured limits (None until then)."""
 
     since: float
     streams: tuple[str, ...]
     rebuilt: float | None = None
+    back: set[str] = field(default_factory=set)
 
     def words(self) -> str:
         """One line for every surface: what was lost, when, and what to do."""
@@ -65,14 +66,24 @@ class Losses:
         if last is not None and now - last.since < SAME_LOSS_S:
             fresh = [s for s in streams if s not in last.streams]
             last.streams = tuple(sorted({*last.streams, *streams}))
-            if back and last.rebuilt is None:
-                last.rebuilt = now
-                fresh = fresh or list(streams)
-            elif not back and fresh:
+            if back:
+                last.back.update(streams)
+                # Rebuilt once every lost stream is back: a watch that found one bucket made
+                # anew while placement was still making the others is not the end of it (a
+                # bucket read then had no atomic batches yet).
+                if last.rebuilt is None and last.back.issuperset(last.streams):
+                    last.rebuilt = now
+                    fresh = fresh or list(streams)
+            elif fresh:
                 last.rebuilt = None  # more is gone than was made again
         else:
             fresh = list(streams)
-            last = StoreLoss(since=now, streams=tuple(sorted(streams)), rebuilt=now if back else None)
+            last = StoreLoss(
+                since=now,
+                streams=tuple(sorted(streams)),
+                rebuilt=now if back else None,
+                back=set(streams) if back else set(),
+            )
             self.last = last
             self.total += 1
         if fresh:
