@@ -463,11 +463,19 @@ def test_a_status_counts_every_placement_of_the_step_however_many_batches_were_w
         liveness=w.liveness,
         config=w.config,
     )
-    plan = Plan()
-    batches = []
-    for _ in steps(snap, w.held, w.index, NOW, plan):
-        if plan.full(BATCH_MAX):
-            batches.append(len(plan.take().places))
+
+    def run() -> tuple[list[int], Plan]:
+        plan, batches = Plan(), []
+        for _ in steps(snap, w.held, w.index, NOW, plan):
+            if plan.full(BATCH_MAX):
+                batches.append(len(plan.take().places))
+        return batches, plan
+
+    before = w.memory()
+    batches, plan = run()
+    assert w.memory() == before, "reconcile changed what placement holds"
+    assert run() == (batches, plan), "the same snapshot, replicas and index gave another plan"
+    assert w.memory() == before, "reconcile changed what placement holds"
     assert batches == [BATCH_MAX], "the first 512 were handed over to be written mid-step"
     assert len(plan.places) == 800 - BATCH_MAX
     [report] = plan.reports

@@ -54,11 +54,9 @@ from typing import IO, Any
 
 import anyio
 import msgspec
-import nats.errors
-import nats.js.errors
 
 from llmgw_core import telemetry
-from llmgw_core.bus import Bus, BusOptions, require_streams
+from llmgw_core.bus import Bus, BusOptions, read_lease, require_streams
 from llmgw_core.config import AgentConfig
 from llmgw_core.engines import GPUInfo, SourceError, is_source, parse_source
 from llmgw_core.errors import BusError, LlmgwError
@@ -242,7 +240,14 @@ def model_source(model: str, cwd: Path) -> str:
 
 def model_name(source: str) -> str:
     """The name a client asks for: the file's stem, in the characters a name may hold."""
-    stem = source.rstrip("/").rsplit("/", 1)[-1].split("@", 1)[0].removesuffix(".gguf")
+    parsed = parse_source(source)
+    if parsed is None:
+        stem = source
+    elif parsed.kind == "hf" and parsed.file:
+        stem = parsed.file.rsplit("/", 1)[-1]
+    else:
+        stem = parsed.name
+    stem = stem.removesuffix(".gguf")
     name = re.sub(r"[^A-Za-z0-9_-]+", "-", stem).strip("-")[:63]
     return name or "model"
 
@@ -334,10 +339,11 @@ def place_model(source: str) -> tuple[dict[str, Any], str]:
         return cpu, "no GPU found: llama.cpp runs the model on the CPU"
     cls = gpu_class(gpus[0])
     on_gpu = model_profile(source, gpus, cls)
-    if not source.startswith("file://"):
+    parsed = parse_source(source)
+    if parsed is None or parsed.kind != "file":
         return on_gpu, f"llama.cpp runs the model on one {cls}"
     try:
-        need = estimate(read_shape(source.removeprefix("file://")), msgspec.convert(on_gpu, Profile))
+        need = estimate(read_shape(parsed.path), msgspec.convert(on_gpu, Profile))
     except FitError as exc:
         return on_gpu, f"llama.cpp runs the model on one {cls} (its size is unknown: {exc})"
     refused = check(need, gpus[0], cls, msgspec.convert(on_gpu, Profile))
@@ -404,18 +410,6 @@ def node_line(status: NodeStatus) -> str:
     return f"node {status.node} probed: {hw}; engines: {engines}"
 
 
-async def _lease(bus: Bus) -> tuple[int, str]:
-    """The placement lease: its revision and holder ((0, "") while there is none)."""
-    try:
-        kv = await bus.kv(bus.names.leases_bucket)
-        entry = await kv.get("placement")
-    except (nats.js.errors.KeyNotFoundError, nats.errors.Error, BusError):
-        return 0, ""
-    if entry.operation in ("DEL", "PURGE") or not entry.value:
-        return int(entry.revision or 0), ""
-    return int(entry.revision or 0), entry.value.decode(errors="replace")
-
-
 def lease_line(stale: tuple[int, str], now: tuple[int, str]) -> str:
     """What the lease says of placement. A holder leads once the lease is renewed or taken after
     the earlier run's `stale` one; until then the holder it names is that run's, and gone."""
@@ -451,7 +445,7 @@ async def say_strangers(bus: Bus, nodes: list[str]) -> None:
 async def report(bus: Bus, nodes: list[str], progress: Progress, profile: str = "") -> ReplicaRecord | None:
     """One look at the cluster: say what changed since `progress.started`; the ready replica of
     DEPLOYMENT (of `profile`, when given), if there is one."""
-    progress.say("placement", lease_line(progress.stale_lease, await _lease(bus)))
+    progress.say("placement", lease_line(progress.stale_lease, await read_lease(bus)))
     statuses = await bus.entries(bus.names.nodes_bucket, NodeStatus)
     for node in nodes:
         change = statuses.get(node)
@@ -852,7 +846,7 @@ async def _bring_up(
         # Read before this run's placement starts: whoever the lease names now is gone.
         with contextlib.suppress(BusError):
             async with await Bus.connect(bus_options, service="llmgw-up") as bus:
-                progress.stale_lease = await _lease(bus)
+                progress.stale_lease = await read_lease(bus)
     logs = data_dir / "logs"
     py = sys.executable
 

@@ -64,7 +64,7 @@ def cut_off(bus: Bus) -> str:
     """What `/healthz` says while this gateway cannot hear NATS ("" while it can)."""
     if bus.connected:
         return ""
-    since = time.monotonic() - bus.conn.disconnected_since
+    since = time.monotonic() - bus.disconnected_since
     return f"cut off from NATS for {since:.0f} s: serving the replicas it knew then"
 
 

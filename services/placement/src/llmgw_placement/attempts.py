@@ -10,10 +10,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
+from llmgw_core.bus import LeaseLost
 from llmgw_core.errors import BusError
 from llmgw_core.retry import Retry
-
-from .lease import LeaseLost
 
 log = logging.getLogger("llmgw.placement")
 

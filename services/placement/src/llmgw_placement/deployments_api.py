@@ -9,6 +9,7 @@ refused (409) with what changed since.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 tracer = trace.get_tracer("llmgw.placement.api")
 
 _encode = msgspec.json.Encoder().encode
+
+log = logging.getLogger("llmgw.placement")
 
 
 def _builtins(value: Any) -> Any:
@@ -224,7 +227,9 @@ async def catalog_problem(service: PlacementService, dep: Deployment) -> str | N
     bus = service.bus
     try:
         stored = await bus.get(bus.names.catalog_bucket, dep.profile, Profile)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # Said, then refused as a profile the catalog lacks: mirrored, it went to the DLQ.
+        log.warning("%s: catalog profile %s does not decode: %s", service.identity, shown(dep.profile), exc)
         stored = None
     if stored is not None and check_profile(dep.profile, stored[0]) is None:
         return None
@@ -262,17 +267,21 @@ def _conflict(name: str, why: str, history: list[tuple[int, bytes | None]], sinc
     revision the write was based on, from the key's history (newest first, None: deleted)."""
     now = history[0][0] if history and history[0][1] is not None else 0
 
-    def value_at(revision: int) -> Deployment | None:
+    def value_at(revision: int) -> Deployment | str | None:
         data = next((d for rev, d in history if rev <= revision), None)
         try:
             return decoder(Deployment).decode(data) if data is not None else None
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return None
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return f"revision {revision} does not decode ({exc})"
 
     if since and not any(rev <= since for rev, _ in history):
         changed = [f"revision {since} is older than the history the bucket keeps"]
     else:
-        changed = _changed(value_at(since), value_at(now))
+        old, new = value_at(since), value_at(now)
+        if isinstance(old, str) or isinstance(new, str):
+            changed = [v for v in (old, new) if isinstance(v, str)]
+        else:
+            changed = _changed(old, new)
     return json_response(
         {
             "error": f"deployment {name} is at revision {now}, not {since}: {why}; nothing was written; "

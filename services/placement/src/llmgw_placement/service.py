@@ -24,7 +24,7 @@ import anyio.abc
 import msgspec
 from opentelemetry import trace
 
-from llmgw_core.bus import Bus
+from llmgw_core.bus import Bus, Lease, LeaseLost
 from llmgw_core.claims import Claims
 from llmgw_core.engines import Profile
 from llmgw_core.errors import BusError
@@ -50,7 +50,6 @@ from .demand import DemandBook
 from .desired import placement_file
 from .hearing import Hearing
 from .judged import JudgedBook
-from .lease import Lease, LeaseLost
 from .metrics import PlacementMetrics
 from .mirror import Mirror, check_intent, check_node, check_shard_status
 from .server_files import ServerFiles

@@ -26,6 +26,7 @@ from .connection import REFUSED_RECONNECT_GRACE_S, Connection, transient
 from .deadletter import DecodeFailure
 from .facade import Bus
 from .kv import KV_OPS_DELETE, SNAPSHOT_INACTIVE_S, KVChange
+from .lease import Lease, LeaseLost, read_lease
 from .loss import Losses, StoreLoss
 from .options import DEFAULT_URL, BusOptions
 from .plain import NoAnswer
@@ -45,6 +46,8 @@ __all__ = [
     "Connection",
     "DecodeFailure",
     "KVChange",
+    "Lease",
+    "LeaseLost",
     "Losses",
     "NoAnswer",
     "Replayed",
@@ -52,6 +55,7 @@ __all__ = [
     "Writes",
     "_Write",
     "prepare_node",
+    "read_lease",
     "require_streams",
     "transient",
 ]

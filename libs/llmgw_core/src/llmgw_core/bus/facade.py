@@ -97,6 +97,11 @@ class Bus:
         return self.conn.connected_since
 
     @property
+    def disconnected_since(self) -> float:
+        """Since when (time.monotonic()) this client cannot hear the bus, while it cannot."""
+        return self.conn.disconnected_since
+
+    @property
     def closed(self) -> bool:
         """Whether NATS closed this client's connection (for good, or being closed)."""
         return bool(self.conn.nc.is_closed)

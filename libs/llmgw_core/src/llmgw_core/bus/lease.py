@@ -1,4 +1,5 @@
 """One active placement per cluster: a lease in a KV bucket, taken and renewed by compare-and-set.
+Here in the bus, the only door to NATS: placement holds it, `llmgw up` reads it (`read_lease`).
 
 No clocks are compared between machines: a standby takes over when the
 lease's revision has not moved for `timeout` seconds by its own clock.
@@ -21,8 +22,10 @@ import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
-from llmgw_core.bus import Bus, transient
 from llmgw_core.errors import BusError
+
+from .connection import transient
+from .facade import Bus
 
 log = logging.getLogger("llmgw.placement.lease")
 
@@ -191,3 +194,16 @@ class Lease:
             await kv.delete(LEASE_KEY, last=self.revision)
         except (nats.errors.Error, OSError, BusError):
             return
+
+
+async def read_lease(bus: Bus) -> tuple[int, str]:
+    """The placement lease: its revision and holder ((0, "") while there is none, or while NATS
+    cannot be asked)."""
+    try:
+        kv = await bus.kv(bus.names.leases_bucket)
+        entry = await kv.get(LEASE_KEY)
+    except (nats.js.errors.KeyNotFoundError, nats.errors.Error, OSError, BusError):
+        return 0, ""
+    if entry.operation in ("DEL", "PURGE") or not entry.value:
+        return int(entry.revision or 0), ""
+    return int(entry.revision or 0), entry.value.decode(errors="replace")
