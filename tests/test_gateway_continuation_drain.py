@@ -83,7 +83,7 @@ async def test_a_scale_down_hands_the_drained_replicas_streams_over_and_is_done_
     assert len(gone) == 1, (before, kept)
     assert before[gone[0]] > 0, (before, kept)
     # The drain was done while every answer still had seconds to run: no stream was waited out.
-    assert left_running, f"the answers ended before the drain was done ({drained_in:.1f} s): nothing was handed over"
+    assert left_running, f"the answers ended before the drain ({drained_in:.1f} s): nothing was handed over"
     for i, raw in results.items():
         got = events_of(raw)
         assert got[-1] == "[DONE]"
