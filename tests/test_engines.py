@@ -805,7 +805,10 @@ def test_registry() -> None:
     with pytest.raises(UnknownEngineError) as err:
         r.get("tgi")
     assert str(err.value) == "unknown engine 'tgi'; known engines: sim, vllm"
-    assert r.use_installed("vllm", "/opt") is False
+    assert r.use_installed("sim", "/opt") is False
+    # vLLM runs the environment the installer built from its lock.
+    assert r.use_installed("vllm", "/opt/bin") is True
+    assert replacement.config.bin_dir == "/opt/bin"
 
 
 def test_fingerprint_changes_with_args_and_spec_process_view_ignores_bookkeeping() -> None:

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LOW-HIGH",
         help="ports the engines may take, shared out among the nodes (default: %(default)s)",
     )
+    from .engine_lock import add_parser as add_engines_parser
+
+    add_engines_parser(sub)
     p_gateway = sub.add_parser(
         "gateway", help="serve one OpenAI-compatible endpoint for every deployment's ready replicas"
     )
@@ -174,6 +177,10 @@ def _main(argv: list[str] | None) -> int:
                 model=args.model,
                 fresh=args.fresh,
             )
+        if args.command == "engines":
+            from . import engine_lock
+
+            return engine_lock.run(args)
         if args.command == "gateway":
             from llmgw_gateway.__main__ import run as run_gateway
 

@@ -601,13 +601,24 @@ class Liveness(Message, frozen=True):
 # --- engines the control plane wants ----------------------------------------
 
 
+# A lock's text (a few hundred kB for vLLM's full wheel set with every wheel's sha256): one
+# stored value holds every desired engine, and nats-server refuses a value over 1 MiB.
+LOCK_MAX_BYTES = 512 << 10
+
+
 class EngineSpec(Struct, frozen=True, kw_only=True):
     name: str
     version: str = ""
     # "github:<owner>/<repo>" (default for llamacpp), "mirror:<url or dir>",
     # or "configured": the engine is the one agent.yaml names under engines:
-    # (checked like an installed one); nothing is downloaded.
+    # (checked like an installed one); nothing is downloaded. For vLLM and SGLang: "" (the
+    # package index), an index URL, or a wheelhouse directory.
     source: str = ""
+    # vLLM and SGLang: the build (`cpu`, `cu128`); "" lets each node work it out.
+    variant: Annotated[str, Meta(max_length=32)] = ""
+    # vLLM and SGLang: the lock (`llmgw engines lock`) the node installs, as text; nothing is
+    # resolved on a node. Parsed by the installer (`llmgw_installer.lock`), which bounds it.
+    lock: Annotated[str, Meta(max_length=LOCK_MAX_BYTES)] = ""
 
 
 class DesiredEngines(Message, frozen=True):

@@ -63,6 +63,9 @@ class InstallContext:
     packages: ospkg.PackageManager | None = None
     allow_os_packages: bool = True
     version_timeout_s: float = 20.0
+    # Each step of building a vLLM or SGLang environment: importing vLLM alone takes 20 s
+    # of a busy core.
+    env_timeout_s: float = 600.0
     ldd_timeout_s: float = 15.0
     retry_backoff_s: float = 1.0
     retry_cap_s: float = 30.0

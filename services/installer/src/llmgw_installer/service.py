@@ -52,6 +52,7 @@ from . import ospkg
 from .archive import Limits
 from .checks import missing_libraries
 from .engines import configured_engines
+from .envs import ENV_ENGINES, EnvInstallation, remove_unwanted, wanted_dir
 from .pipeline import Installation, InstallContext, Ldd, clean_staging
 
 log = logging.getLogger("llmgw.installer")
@@ -113,7 +114,8 @@ def while_rechecked(spec: EngineSpec, last: EngineState | None, root: Path) -> E
     """
     if last is not None and last.runs and last.version == spec.version:
         return last
-    marker = read_marker(root / spec.name / spec.version)
+    where = install_dir(root, spec)
+    marker = read_marker(where) if where is not None else None
     if marker is not None:
         return EngineState(
             name=spec.name,
@@ -126,12 +128,26 @@ def while_rechecked(spec: EngineSpec, last: EngineState | None, root: Path) -> E
     return EngineState(name=spec.name, state="installing", version=spec.version)
 
 
+def install_dir(root: Path, spec: EngineSpec) -> Path | None:
+    """Where a desired engine is installed: a build per tag, an environment per version and
+    variant (None while its lock cannot be read)."""
+    if spec.name in ENV_ENGINES:
+        return wanted_dir(root, spec)
+    return root / spec.name / spec.version
+
+
 def named_as_desired(state: EngineState, desired: tuple[EngineSpec, ...]) -> EngineState:
     """A configured engine under the version `engines:` names for it, its own beside it."""
     for spec in desired:
         if spec.name == state.name and spec.version and state.runs:
             return msgspec.structs.replace(state, version=spec.version)
     return state
+
+
+def _uv_bin() -> str:
+    import uv
+
+    return str(uv.find_uv_bin())
 
 
 class Installer:
@@ -148,6 +164,7 @@ class Installer:
         install_backoff_s: float = 10.0,
         install_backoff_cap_s: float = 300.0,
         ldd: Ldd = missing_libraries,
+        uv: str = "",
     ) -> None:
         self.config = config
         self.bus = bus
@@ -158,6 +175,9 @@ class Installer:
         self.install_words = ""
         self.desired: tuple[EngineSpec, ...] = ()
         self.desired_traceparent = ""
+        # Whether the desired engines were read at all: until then no environment is "no longer
+        # wanted" (a store that did not answer at start would otherwise cost every one of them).
+        self.desired_known = False
         self.failures = 0
         self.metrics_port = 0
         self.root = engines_root(config.state_dir)
@@ -168,6 +188,8 @@ class Installer:
         self.install_backoff_s = install_backoff_s
         self.install_backoff_cap_s = install_backoff_cap_s
         self.ldd = ldd
+        # The uv that builds vLLM's and SGLang's environments (a dependency of the installer).
+        self.uv = uv or _uv_bin()
         self.limits = Limits(max_total_bytes=config.unpack_max_bytes, max_ratio=config.unpack_max_ratio)
         # Passes in a row that left an engine not running, or that faulted; the wait before
         # the next one (drawn once per pass), and the run of such passes as one outage.
@@ -319,9 +341,16 @@ class Installer:
                         EngineInventory(node=node, probed_at=now(), engines=self.engines),
                     )
                     await self._status()
-                    await anyio.to_thread.run_sync(shutil.rmtree, Path(self.root / spec.name / spec.version))
+                    where = install_dir(self.root, spec)
+                    if where is not None:
+                        await anyio.to_thread.run_sync(shutil.rmtree, where)
                     state = await self._install(spec, ctx)
                 self._set_engine(state)
+        if self.desired_known:
+            wanted = {d for spec in pending if (d := install_dir(self.root, spec)) is not None}
+            removed = await anyio.to_thread.run_sync(remove_unwanted, self.root, wanted)
+            if removed:
+                log.info("removed engine environments no longer wanted: %s", ", ".join(removed))
         self.probed_at = now()
         await self.bus.publish(
             names.node_engines(node),
@@ -338,10 +367,11 @@ class Installer:
         with tracer.start_as_current_span(
             f"install {spec.name} {spec.version}", context=context_from(self.desired_traceparent)
         ):
-            installation = Installation(spec, ctx)
-            recheck = (
-                await anyio.to_thread.run_sync(read_marker, self.root / spec.name / spec.version) is not None
+            installation = (
+                EnvInstallation(spec, ctx, self.uv) if spec.name in ENV_ENGINES else Installation(spec, ctx)
             )
+            where = install_dir(self.root, spec)
+            recheck = where is not None and await anyio.to_thread.run_sync(read_marker, where) is not None
             started = time.monotonic()
             try:
                 state = await installation.run()
@@ -369,6 +399,7 @@ class Installer:
         found = await self.bus.get(self.bus.names.config_bucket, ENGINES_KEY, DesiredEngines)
         self.desired = found[0].engines if found else ()
         self.desired_traceparent = found[0].traceparent if found else ""
+        self.desired_known = True
 
     async def _watch_desired(self) -> None:
         retry = Retry(log, "watching the desired engines", base_s=0.5, cap_s=30.0, known=(BusError,))
@@ -378,6 +409,7 @@ class Installer:
                     retry.succeeded()
                     desired = change.value.engines if change.value else ()
                     self.desired_traceparent = change.value.traceparent if change.value else ""
+                    self.desired_known = True
                     if desired != self.desired:
                         self.desired = desired
                         self._wake.set()

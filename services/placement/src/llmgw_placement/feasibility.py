@@ -243,9 +243,9 @@ def _unfit(
     if not engine.runs:
         # The node's own words: the install's progress while it installs, else the detail
         # the installer gave (why it failed, the library a broken build misses).
-        words = engine.detail or (
-            node.install.removeprefix("installing: ") if engine.state == "installing" else ""
-        )
+        # (`installing vllm 0.32.0 (cpu): importing vllm` is said once, not after its own name.)
+        progress = node.install.removeprefix("installing: ").removeprefix(f"installing {profile.engine} ")
+        words = engine.detail or (progress if engine.state == "installing" else "")
         said = f"engine {profile.engine} {engine.state}"
         readying = failures.ENGINE_INSTALLING if engine.state == "installing" else failures.ENGINE_DOWN
         return Reason(f"{said}: {words}" if words else said, readying)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from msgspec import Struct
 
 from ..events import GPUInfo, Profile, ShardSpec
@@ -23,6 +25,11 @@ class SGLang:
 
     def __init__(self, config: SGLangConfig | None = None) -> None:
         self.config = config or SGLangConfig()
+
+    def use_installed(self, path: str) -> bool:
+        """Run the environment the installer built from its lock (`path`: its `bin/`)."""
+        self.config = SGLangConfig(python=os.path.join(path, "python"))
+        return True
 
     def validate(self, profile: Profile, gpus: list[GPUInfo], shard: ShardSpec | None = None) -> list[str]:
         return validate_profile(profile, gpus, shard)

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
+import msgspec
 from msgspec import Struct
 
 from ..events import GPUInfo, Profile, ShardSpec
@@ -118,6 +119,11 @@ class VLLM:
 
     def __init__(self, config: VLLMConfig | None = None) -> None:
         self.config = config or VLLMConfig()
+
+    def use_installed(self, path: str) -> bool:
+        """Run the environment the installer built from its lock (`path`: its `bin/`)."""
+        self.config = msgspec.structs.replace(self.config, bin_dir=path)
+        return True
 
     def _bin(self, name: str) -> str:
         return os.path.join(self.config.bin_dir, name) if self.config.bin_dir else name
