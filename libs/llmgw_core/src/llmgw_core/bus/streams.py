@@ -95,10 +95,17 @@ class Streams:
         them; the streams that were gone (none: nothing done). Said and recorded (`Losses`)."""
         async with self._rebuilding:  # one at a time: each finds what the last one left
             gone = [stream for stream in self.names() if not await self._exists(stream)]
-            if gone:
-                self.losses.noticed(gone)
+            # A rebuild cut short (a lost lease cancels the step it ran in) left its loss open
+            # and its streams half made (a bucket without atomic batches yet): made whole now,
+            # by a client that makes streams (`ensure` succeeded before), whatever exists.
+            last = self.losses.last
+            open_loss = self.ensured and last is not None and last.rebuilt is None
+            unfinished = list(last.streams) if open_loss and last is not None else []
+            if gone or unfinished:
+                if gone:
+                    self.losses.noticed(gone)
                 await self.ensure()
-                self.losses.noticed(gone, back=True)
+                self.losses.noticed(sorted({*gone, *unfinished}), back=True)
         return gone
 
     async def ensure(self) -> None:
