@@ -14,6 +14,11 @@ Workloads, seeded, each run with fresh prompts (so that no run finds another's i
 - unshared: every request its own long context, two clients at once.
 Each workload is run with prefix-aware routing on and off, alternating, twice.
 
+Several gateways (the shared workload only): 1 gateway, and 3 gateways behind a client that
+sends each request to the next in turn (a round-robin balancer), with the routing state shared
+over the bus (`routing: shared`) and with each gateway's own index alone; each gateway in this
+process over one nats-server, replica records written as placement writes them.
+
 A micro-benchmark times the routing decision alone (hashing the prompt's lead and choosing) at
 16 replicas with a warm index.
 
@@ -40,10 +45,13 @@ import anyio
 import httpx
 
 from bench.procs import terminate
+from llmgw_core.bus import Bus, BusOptions
 from llmgw_core.events import Deployment, ReplicaRecord
-from llmgw_gateway import Table
-from llmgw_gateway.config import RoutingConfig
-from llmgw_gateway.routing import PrefixIndex, prompt_blocks
+from llmgw_core.natsd import NatsServer
+from llmgw_gateway import Gateway, GatewayConfig, Table
+from llmgw_gateway.config import HttpConfig, RoutingConfig
+from llmgw_gateway.prefix_index import PrefixIndex
+from llmgw_gateway.routing import prompt_blocks
 
 TITLE = "## Prefix-aware routing against least outstanding (real llama-server replicas)"
 REPLICAS = 2
@@ -214,6 +222,78 @@ async def _ready(urls: list[str]) -> None:
                 await anyio.sleep(0.2)
 
 
+# (label, gateways, shared routing state) of the multi-gateway sides.
+MULTI = (
+    ("1 gateway", 1, True),
+    ("3 gateways, shared index", 3, True),
+    ("3 gateways, own index each", 3, False),
+)
+
+
+@contextlib.asynccontextmanager
+async def gateways(
+    nats_url: str, prefix: str, urls: list[str], n: int, shared: bool
+) -> AsyncIterator[list[tuple[str, Gateway]]]:
+    """`n` fresh gateways (each its own bus connection and index) over the llama-server replicas,
+    recorded under a fresh `prefix` (an empty routing bucket); yields each one's URL and itself."""
+    options = BusOptions(url=nats_url, prefix=prefix, insecure=True)
+    async with await Bus.connect(options, service="bench") as bus:
+        await bus.ensure()
+        await bus.put(
+            bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="p", replicas=len(urls))
+        )
+        for i, url in enumerate(urls):
+            record = ReplicaRecord(
+                deployment="chat",
+                replica=f"r{i}",
+                profile="p",
+                profile_fp="x",
+                state="ready",
+                url=url,
+                engine="llamacpp",
+            )
+            await bus.put(bus.names.replicas_bucket, f"chat.r{i}", record)
+        config = GatewayConfig(
+            nats=options,
+            http=HttpConfig(port=0, require_api_key=False),
+            read_timeout_s=600,
+            routing=RoutingConfig(shared=shared, share_interval_s=0.1),
+        )
+        async with contextlib.AsyncExitStack() as stack, anyio.create_task_group() as tg:
+            out: list[tuple[str, Gateway]] = []
+            for i in range(n):
+                gw_bus = await stack.enter_async_context(await Bus.connect(options, service=f"gateway-{i}"))
+                gw = Gateway(config, gw_bus)
+                port = await tg.start(gw.run)
+                out.append((f"http://127.0.0.1:{port}", gw))
+            yield out
+            tg.cancel_scope.cancel()
+
+
+async def _run_gateways(
+    urls: list[str], prompts: list[str], run: Run, nats_url: str, n: int, shared: bool
+) -> Run:
+    prefix = f"bench{time.monotonic_ns()}"
+    async with gateways(nats_url, prefix, urls, n, shared) as gws, httpx.AsyncClient(timeout=600) as client:
+        queue = list(reversed(prompts))
+        turn = iter(range(len(prompts)))
+
+        async def worker() -> None:
+            while queue:
+                prompt = queue.pop()
+                # The balancer: each request to the next gateway in turn.
+                await _one(client, gws[next(turn) % n][0], prompt, run)
+
+        started = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            for _ in range(CLIENTS):
+                tg.start_soon(worker)
+        run.wall_s = time.monotonic() - started
+        run.by_prefix = sum(gw.table.routed_by("prefix") for _, gw in gws)
+        run.routed = sum(gw.table.routed_by(how) for _, gw in gws for how in ("prefix", "hash", "load"))
+    return run
+
+
 FLEET = 500
 
 
@@ -297,6 +377,7 @@ def run(*, quick: bool = False) -> str:
     micro = decision_time()
     forget_ms = forget_time()
     runs: list[Run] = []
+    multi: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
         model = write_tiny_llama(
             Path(tmp) / "m.gguf", n_embd=512, n_head=8, n_ff=1536, n_layer=8, n_ctx=8192, seed=0
@@ -323,7 +404,43 @@ def run(*, quick: bool = False) -> str:
                             file=sys.stderr,
                         )
                         runs.append(done)
-    return render(runs, micro, forget_ms, customers, questions, context, unshared, rounds, quick)
+            nats = NatsServer(store_dir=Path(tmp) / "nats")
+            nats.start()
+            try:
+                for r in range(rounds):
+                    for label, n, shared in MULTI if r % 2 == 0 else tuple(reversed(MULTI)):
+                        seed += 1
+                        prompts = shared_workload(seed, customers, questions, context)
+                        done = anyio.run(_run_gateways, urls, prompts, Run(label, True), nats.url, n, shared)
+                        print(f"bench: routing: {label}: p90 TTFT {_p(done.ttft, 90):.2f} s", file=sys.stderr)
+                        multi.append(done)
+            finally:
+                nats.stop()
+    text = render(runs, micro, forget_ms, customers, questions, context, unshared, rounds, quick)
+    return text + render_multi(multi, rounds)
+
+
+def render_multi(runs: list[Run], rounds: int) -> str:
+    """The multi-gateway sides: each side's runs summed (`Run.workload` is its label)."""
+    lines = [
+        f"Several gateways, the shared workload, each side run {rounds}x (alternating order), the "
+        "client sending each request to the next gateway in turn:",
+        "",
+        "| side | requests | TTFT p50 | TTFT p90 | prompt tokens from cache | routed by a prefix match |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, _, _ in MULTI:
+        mine = [r for r in runs if r.workload == label]
+        ttft = [t for r in mine for t in r.ttft]
+        cached = sum(r.cached_tokens for r in mine)
+        prompt = sum(r.prompt_tokens for r in mine)
+        by_prefix, routed = sum(r.by_prefix for r in mine), sum(r.routed for r in mine)
+        lines.append(
+            f"| {label} | {len(ttft)} | {_p(ttft, 50):.2f} s | {_p(ttft, 90):.2f} s "
+            f"| {100 * cached / max(1, prompt):.0f}% | {100 * by_prefix / max(1, routed):.0f}% |"
+        )
+    lines.append("")
+    return "\n".join(lines)
 
 
 def render(

@@ -81,7 +81,7 @@ def test_bucket_limits_follow_the_formula_and_its_overrides() -> None:
     assert limits["P_USAGE"] == store.Limits(256 << 20)
     assert set(limits) == {"P_EVENTS", "P_DLQ", "P_USAGE", *(f"KV_{b}" for b in names.buckets())}
     assert names.buckets() == tuple(f"p-{b}" for b in store.BUCKETS)
-    assert store.size(store.total_bytes(o, names)) == "931 MiB"
+    assert store.size(store.total_bytes(o, names)) == "979 MiB"
 
     few = small()
     assert {n: v.max_bytes for n, v in store.stream_limits(few, names).items() if n.startswith("KV_")} == {
@@ -91,8 +91,8 @@ def test_bucket_limits_follow_the_formula_and_its_overrides() -> None:
         "KV_p-limits": 3 << 19,
     }
     # The old 16 MiB, the usage stream (as large as the events stream), the two key buckets and
-    # the node-intent bucket's floor.
-    assert store.total_bytes(few, names) == (16 << 20) + (4 << 20) + (6 << 20) + (3 << 19) + (1 << 20)
+    # the node-intent and routing buckets' floors.
+    assert store.total_bytes(few, names) == (16 << 20) + (4 << 20) + (6 << 20) + (3 << 19) + (2 << 20)
     bigger = BusOptions(max_nodes=10_000, bucket_max_bytes={"shard-status": 5 << 30})
     assert store.bucket_bytes(bigger, "nodes") == 10_000 * 16 * 1024 * 6
     assert store.bucket_bytes(bigger, "shard-status") == 5 << 30
@@ -103,7 +103,8 @@ def test_a_limit_for_a_bucket_that_does_not_exist_is_refused_naming_the_buckets(
         loads("node: n1\nnats:\n  bucket_max_bytes: {shard_status: 1000}\n", AgentConfig, source="agent.yaml")
     assert str(err.value) == (
         "agent.yaml: bucket_max_bytes names no bucket: shard_status (the buckets: config, catalog, "
-        "deployments, nodes, shards, shard-status, replicas, leases, keys, limits, node-intent) - at `$.nats`"
+        "deployments, nodes, shards, shard-status, replicas, leases, keys, limits, node-intent, "
+        "routing) - at `$.nats`"
     )
     with pytest.raises(ConfigError, match=r"Expected `int` >= 1 - at `\$.nats.max_shards`"):
         loads("node: n1\nnats: {max_shards: 0}\n", AgentConfig, source="agent.yaml")
@@ -307,7 +308,7 @@ async def test_streams_that_do_not_fit_the_store_are_refused_saying_what_they_ne
     assert str(err.value) == (
         "creating D_EVENTS (256 MiB) refused: NATS store full: D_EVENTS's limit does not fit what "
         "nats-server's JetStream store has left (insufficient storage resources available, error 10047); "
-        "llmgw's streams need 931 MiB in all on each NATS server that holds them: give its JetStream store "
+        "llmgw's streams need 979 MiB in all on each NATS server that holds them: give its JetStream store "
         "more room (jetstream { max_file_store }, a larger disk) or size llmgw for a smaller cluster (nats: "
         "max_nodes, max_shards, max_deployments, events_max_bytes; docs/operations.md)"
     )

@@ -14,8 +14,9 @@ whose rights nats-server itself enforces, subject by subject:
                 everything, and asks launchers for their shards' logs
     observer    reads events, node status, shard status, replicas and heartbeats;
                 writes nothing (and never sees shard specs: they carry environments)
-    gateway     reads the replicas, deployments and keys buckets; reads and writes
-                the limits bucket (per-key counters, compare-and-set); writes usage;
+    gateway     reads the replicas, deployments, keys and shard-status buckets; reads
+                and writes the limits bucket (per-key counters, compare-and-set) and the
+                routing bucket (what each replica holds); writes usage;
                 reads placement's deployment statuses (the reason none is placed);
                 publishes its demand (`<prefix>.demand.<gateway>`, plain NATS) and
                 its judgements of replicas (`<prefix>.judgement.<gateway>`)

@@ -15,6 +15,7 @@ import yaml
 
 from . import events as ev
 from . import keys as keys_
+from . import prefixes as prefixes_
 from .subjects import Names
 
 _N = Names("{prefix}")
@@ -238,6 +239,15 @@ CHANNELS: list[tuple[str, str, type[msgspec.Struct], str, list[str], str]] = [
         keys_.KeyWindow,
         "KV: each key's current minute, as the gateways claim it (compare-and-set).",
         ["key"],
+        "receive",
+    ),
+    (
+        "routingBucket",
+        "$KV.{prefix}-routing.{deployment}.{replica}",
+        prefixes_.RoutingHeld,
+        "KV: the prompt blocks each replica is believed to hold, as the gateways route by them "
+        "(every gateway writes and reads it; one revision per key).",
+        ["deployment", "replica"],
         "receive",
     ),
     (

@@ -48,7 +48,11 @@ BUCKETS = (
     "keys",
     "limits",
     "node-intent",
+    "routing",
 )
+# Revisions a key keeps where not HISTORY: the routing bucket's values are each a whole
+# snapshot of one replica's blocks, and only the last one is ever read.
+BUCKET_HISTORY = {"routing": 1}
 # Client API keys one cluster holds (the keys and limits buckets are sized for them).
 MAX_API_KEYS = 1024
 # How long usage records are kept (the usage stream drops older ones), and at most how much
@@ -112,6 +116,7 @@ def budgets(options: Sizing) -> dict[str, Budget]:
         "keys": Budget(MAX_API_KEYS, 1 * KiB, "one per client API key (a hash, models, limits)"),
         "limits": Budget(MAX_API_KEYS, 256, "one minute's counts per API key with limits"),
         "node-intent": Budget(o.max_nodes, 512, "one cordon or drain per node at most"),
+        "routing": Budget(o.max_shards, 12 * KiB, "the prompt blocks one replica holds, 1,024 hashes"),
     }
 
 
@@ -121,7 +126,7 @@ def bucket_bytes(options: Sizing, bucket: str) -> int:
     if override is not None:
         return override
     b = budgets(options)[bucket]
-    return max(FLOOR_BYTES, b.keys * b.value_bytes * (HISTORY + 1))
+    return max(FLOOR_BYTES, b.keys * b.value_bytes * (BUCKET_HISTORY.get(bucket, HISTORY) + 1))
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,8 @@ class Limits:
 
     max_bytes: int
     max_msg_size: int = -1
+    # Revisions a bucket's key keeps.
+    history: int = HISTORY
 
 
 def stream_limits(options: Sizing, names: Names) -> dict[str, Limits]:
@@ -142,7 +149,9 @@ def stream_limits(options: Sizing, names: Names) -> dict[str, Limits]:
     prefix = f"{names.prefix}-"
     for bucket in names.buckets():
         short = bucket.removeprefix(prefix)
-        out[f"KV_{bucket}"] = Limits(bucket_bytes(options, short), options.max_value_bytes)
+        out[f"KV_{bucket}"] = Limits(
+            bucket_bytes(options, short), options.max_value_bytes, BUCKET_HISTORY.get(short, HISTORY)
+        )
     return out
 
 

@@ -84,6 +84,12 @@ class Names:
         return self.bucket("limits")
 
     @property
+    def routing_bucket(self) -> str:
+        """Per replica (`<deployment>.<replica>`), the prompt blocks the gateways believe it
+        holds (`llmgw_core.prefixes.RoutingHeld`): every gateway writes and reads it."""
+        return self.bucket("routing")
+
+    @property
     def node_intent_bucket(self) -> str:
         """Per node, the operator's cordon or drain (`NodeIntent`); written by ctl and the API."""
         return self.bucket("node-intent")
@@ -114,6 +120,7 @@ class Names:
             self.keys_bucket,
             self.limits_bucket,
             self.node_intent_bucket,
+            self.routing_bucket,
         )
 
     # --- subjects ---

@@ -6,7 +6,8 @@ kind of identity needs of them.
     <PREFIX>_DLQ      copies of bad messages (`<prefix>.dlq.>`)
     <PREFIX>_USAGE    tokens spent per API key and deployment (`<prefix>.usage.>`), kept
                       for billing periods; deduplicated by message id
-    KV_<bucket>       one per bucket (`store.BUCKETS`): HISTORY revisions per key, a byte
+    KV_<bucket>       one per bucket (`store.BUCKETS`): HISTORY revisions per key (the
+                      routing bucket's: 1, each value a whole snapshot), a byte
                       and a value-size limit (`store.stream_limits`), atomic batches
 
 Pure: the bus creates what this says (`bus.streams`), and the permissions
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from nats.js import api
 
-from .store import HISTORY, USAGE_MAX_AGE_S, Limits
+from .store import USAGE_MAX_AGE_S, Limits
 
 if TYPE_CHECKING:
     from .subjects import Names
@@ -101,7 +102,7 @@ def bucket_config(bucket: str, limits: dict[str, Limits], *, replicas: int) -> a
     own = limits[kv_stream(bucket)]
     return api.KeyValueConfig(
         bucket=bucket,
-        history=HISTORY,
+        history=own.history,
         storage=api.StorageType.FILE,
         replicas=replicas,
         max_bytes=own.max_bytes,
@@ -176,15 +177,18 @@ def needs(names: Names) -> dict[str, Needs]:
         ),
         # Deployments too: their aliases, and a deployment with no replica yet is known. Keys:
         # who may call, for which models, within which limits (never written by a gateway);
-        # limits: every gateway's claims on each key's minute.
+        # limits: every gateway's claims on each key's minute. Routing: what each replica is
+        # believed to hold, every gateway's; shard statuses: each engine's running and waiting.
         "gateway": Needs(
             reads=(
                 kv_stream(n.replicas_bucket),
                 kv_stream(n.deployments_bucket),
                 kv_stream(n.keys_bucket),
                 kv_stream(n.limits_bucket),
+                kv_stream(n.routing_bucket),
+                kv_stream(n.shard_status_bucket),
             ),
-            writes=(n.limits_bucket,),
+            writes=(n.limits_bucket, n.routing_bucket),
         ),
         # Besides: its own status and shard statuses (written), its own shard specs and
         # shard statuses (read).

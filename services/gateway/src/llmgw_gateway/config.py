@@ -84,6 +84,21 @@ class RoutingConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     prefix_balance: Annotated[float, Meta(ge=1.0)] = 1.25
     # Block hashes remembered (least recently routed forgotten first), across deployments.
     index_blocks: Annotated[int, Meta(ge=1)] = 65536
+    # Block hashes remembered per replica (its least recently routed forgotten first, as its
+    # engine's prompt cache evicts), here and in the routing bucket every gateway shares (sized
+    # for 1,024 a replica: more needs `nats: bucket_max_bytes: {routing: …}` in placement's config).
+    replica_blocks: Annotated[int, Meta(ge=1, le=16384)] = 1024
+    # Every gateway shares what each replica is believed to hold through the routing bucket:
+    # what one routed, the others route by, and a gateway that starts knows it. false: each
+    # gateway routes by what it routed itself.
+    shared: bool = True
+    # The replicas whose blocks changed are written to the routing bucket at most this often
+    # (one write per replica per interval, never one per request).
+    share_interval_s: Annotated[float, Meta(gt=0, le=60)] = 0.5
+    # A replica holding a prompt's prefix takes it only while the match (in blocks) is at least
+    # match_per_load times its load (requests in flight from here, or its engine's running and
+    # waiting where more) above the least busy replica's: a hot prefix spills.
+    match_per_load: Annotated[float, Meta(ge=0, le=4096)] = 4.0
     # A chat or completion answer its replica broke off (it died, or cut the connection) is
     # continued on another ready replica of the deployment, from what the client already has,
     # at most this many times per request (docs/gateway.md, "Continuation"); 0: never, the

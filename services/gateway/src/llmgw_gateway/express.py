@@ -24,7 +24,7 @@ from .relay import Relays
 from .routed import Routed
 from .routing import Table, prompt_blocks
 from .surface import HOP_OUT_BYTES, NO_BODY, NONE
-from .tracing import replica_headers, server_span
+from .tracing import chose, replica_headers, served_by, server_span
 from .upstream import HIGH_WATER, Answer, Upstream, UpstreamError
 
 
@@ -94,6 +94,8 @@ class ExpressLane:
         headers = replica_headers(lane.headers, span)
         routed = Routed(payload, body, model, deployment, key, span, arrived, headers, blocks, reservation)
         chosen = routed.chosen = self.table.pick(deployment, NONE, routed.blocks)
+        if chosen is not None:
+            chose(span, self.table.reason)
         served = None if chosen is None else self.names.known(chosen[1])
         if chosen is None or served is None:
             self.ledger.arrived(deployment)
@@ -159,6 +161,7 @@ class ExpressLane:
         headers = [(n, v) for n, v in ((n.lower(), v) for n, v in answer.headers) if n not in HOP_OUT_BYTES]
         body = answer.body()
         headers.append((b"content-length", b"%d" % len(body)))
+        headers.append(served_by(routed.deployment, routed.chosen[0]))
 
         def count() -> None:
             # After the answer is written: the client waits on none of it.

@@ -26,6 +26,7 @@ from .ledger import Ledger
 from .metrics import Metrics
 from .routed import Routed
 from .routing import Table
+from .tracing import chose
 
 Chosen = tuple[str, ReplicaRecord]
 
@@ -80,11 +81,12 @@ class Picker:
         deployment, span = routed.deployment, routed.span
         path: str = request.scope["path"]
         while True:
-            chosen, tries.again = (
-                tries.again or self.table.pick(deployment, frozenset(tries.tried), routed.blocks),
-                None,
-            )
+            again, tries.again = tries.again, None
+            if again is not None:
+                return again
+            chosen = self.table.pick(deployment, frozenset(tries.tried), routed.blocks)
             if chosen is not None:
+                chose(span, self.table.reason)
                 return chosen
             if not tries.failures and self.holdable(deployment):
                 # No replica can take it yet (scaled to zero, starting): held until one is ready.

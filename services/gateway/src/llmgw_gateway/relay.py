@@ -42,6 +42,7 @@ from .outliers import words_of
 from .routed import Routed
 from .routing import Table
 from .surface import HOP_OUT_BYTES, NO_BODY
+from .tracing import served_by
 from .usage import Events, JsonTail, Meter
 
 log = logging.getLogger("llmgw.gateway")
@@ -134,6 +135,7 @@ class Relays:
         status = upstream.status
         self.ledger.answered(span, deployment, status)
         out_headers = [(k, v) for k, v in upstream.headers if k.lower() not in HOP_OUT_BYTES]
+        out_headers.append(served_by(deployment, chosen_key))
         sse = upstream.header(b"content-type").startswith("text/event-stream")
         if upstream.complete and not sse:
             # The whole answer came with its head (an engine sends an answer not streamed once

@@ -68,16 +68,19 @@ import functools
 import hashlib
 import itertools
 import logging
-from collections import Counter, OrderedDict
-from collections.abc import Sequence
+import zlib
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmgw_core import failures
-from llmgw_core.events import Deployment, DeploymentStatus, ReplicaRecord
+from llmgw_core.events import Deployment, DeploymentStatus, ReplicaRecord, ShardStatus
 
 from .config import RoutingConfig
 from .outliers import Outliers
+from .prefix_index import PrefixIndex
+from .weigh import bound, load_of, worth
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -118,24 +121,27 @@ def prompt_blocks(routing: RoutingConfig, deployment: str, path: str, body: Any)
     """The chained hashes of the prompt's whole leading blocks (none for a path whose prompt
     engines do not cache, a body with no prompt, or with prefix-aware routing off).
 
-    Python's own `hash`, chained: several times faster than a cryptographic hash at this size
-    (about 30 us for 128 blocks), keyed per process for bytes, and the index lives in this
-    process only. A collision costs one request a routing choice, never a wrong answer. But
-    for the lead's block (the `min_match_blocks`-th), which rendezvous hashing weighs in every
-    process alike: `lead_hash` of the text up to its end, the chain going on from it."""
+    The same in every process and every run: every gateway reads the blocks the others routed
+    (`prefix_share.py`), so a block must hash alike in all of them (Python's `hash` of bytes is
+    keyed per process). Each block's hash is the CRC-32 and the Adler-32 of the whole text up
+    to its end (64 bits; each block costs one call of each over its own bytes, the running
+    values carried on): about twice the per-process `hash`, 70 us for 128 blocks against 35, a
+    cryptographic hash 140. A collision, even a made one, costs one request a routing choice,
+    never a wrong answer. But for the lead's block (the `min_match_blocks`-th), which
+    rendezvous hashing weighs: `lead_hash` of the text up to its end."""
     if not routing.prefix_aware or path not in PREFIX_PATHS or not isinstance(body, dict):
         return ()
     size = routing.block_bytes
     text = _prompt_text(body, size * routing.max_blocks)
     lead = routing.min_match_blocks * size
     hashes = []
-    digest = hash(deployment)
+    seed = deployment.encode("utf-8", "surrogatepass") + b"\0"
+    crc, adler = zlib.crc32(seed), zlib.adler32(seed)
+    crc32, adler32 = zlib.crc32, zlib.adler32
     for start in range(0, len(text) - size + 1, size):
-        if start + size == lead:
-            digest = lead_hash(deployment, text[:lead])
-        else:
-            digest = hash((digest, text[start : start + size]))
-        hashes.append(digest)
+        block = text[start : start + size]
+        crc, adler = crc32(block, crc), adler32(block, adler)
+        hashes.append(lead_hash(deployment, text[:lead]) if start + size == lead else crc << 32 | adler)
     return tuple(hashes)
 
 
@@ -172,75 +178,11 @@ def rendezvous(lead: int, keys: Sequence[str]) -> str:
     return best
 
 
-class PrefixIndex:
-    """Block hash -> the replica keys it was sent to (the latest last), least recently routed
-    forgotten first beyond `capacity` hashes. A block's hash covers every block before it, so a
-    block held proves its whole prefix was sent there."""
+# The most requests an engine's own counts may weigh (running and waiting, summed).
+ENGINE_LOAD_MAX = 1_000_000
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._held: OrderedDict[int, list[str]] = OrderedDict()
-        # The blocks each replica key holds: how much of the prompts routed lately each was sent
-        # (`size`, the gateway's measure of what its engine's prompt cache holds), and what to
-        # drop when it is gone without reading the whole index.
-        self._blocks: dict[str, set[int]] = {}
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def holders(self, block: int) -> list[str]:
-        return self._held.get(block, [])
-
-    def size(self, key: str) -> int:
-        """How many of the index's blocks replica `key` was sent."""
-        return len(self._blocks.get(key, ()))
-
-    def deepest(self, blocks: Sequence[int]) -> int:
-        """How many of `blocks` lead to one held (0: none), by bisection: a prompt's blocks are
-        recorded together, and its shallow blocks forgotten last."""
-        held = self._held
-        lo, hi = 0, len(blocks)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if blocks[mid - 1] in held:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def record(self, blocks: Sequence[int], key: str) -> None:
-        held = self._held
-        own = self._blocks.get(key)
-        if own is None:
-            own = self._blocks[key] = set()
-        # Deepest first: the shallow blocks, shared by more prompts, are the last forgotten.
-        for block in reversed(blocks):
-            keys = held.get(block)
-            if keys is None:
-                held[block] = [key]
-                own.add(block)
-            else:
-                held.move_to_end(block)
-                if keys[-1] != key:
-                    if key in keys:
-                        keys.remove(key)
-                    else:
-                        own.add(block)
-                    keys.append(key)
-        while len(held) > self.capacity:
-            block, keys = held.popitem(last=False)
-            for gone in keys:
-                self._blocks[gone].discard(block)
-
-    def forget(self, key: str) -> None:
-        """Drop a replica gone from the table: its prefixes go to others from now on. Reads only
-        its own blocks: a node's failure removes many replicas at once."""
-        for block in self._blocks.pop(key, ()):
-            keys = self._held[block]
-            keys.remove(key)
-            if not keys:
-                del self._held[block]
-
+# `Table.reason` of a choice by other than a prefix match.
+REASONS = {"hash": "new prefix", "load": "least outstanding"}
 
 # The most of placement's refusal a client is answered: every node's reason, grouped, fits a
 # few lines where the nodes are few; a thousand nodes' reasons would not fit an error message.
@@ -307,13 +249,23 @@ class Table:
     # replica of the cluster (at 10,000 replicas a scan of them all cost about 0.25 ms a choice
     # and 0.4 ms a name, more than the rest of the gateway's work on a request).
     _of: dict[str, dict[str, ReplicaRecord]] = field(default_factory=dict, init=False, repr=False)
+    # What each shard's engine last said it runs and queues (running + waiting), by its key in
+    # the shard-status bucket, while it is ready: a replica's load as every gateway makes it.
+    engine_loads: dict[str, int] = field(default_factory=dict)
+    # Why the last `pick` chose its replica, in words (`prefix 14 blocks`, `least outstanding`,
+    # `new prefix`), for the request's span.
+    reason: str = ""
+    # Told each replica key whose blocks the index recorded, and each replica key gone: the
+    # routing bucket's writer (`prefix_share.py`) batches them.
+    recorded: Callable[[str], None] = field(default=lambda key: None, repr=False)
+    gone: Callable[[str], None] = field(default=lambda key: None, repr=False)
     # `known()` and each alias's deployment, made again at the first read after a change of the
     # deployments, or of which deployments have records.
     _known: list[str] | None = field(default=None, init=False, repr=False)
     _alias_of: dict[str, str] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.prefixes = PrefixIndex(self.routing.index_blocks)
+        self.prefixes = PrefixIndex(self.routing.index_blocks, self.routing.replica_blocks)
 
     # --- the buckets' changes ----------------------------------------------------
 
@@ -323,6 +275,15 @@ class Table:
         else:
             self.deployments[name] = value
         self._known = self._alias_of = None
+
+    def set_shard_status(self, key: str, status: ShardStatus | None) -> None:
+        """A shard's status changed: its engine's load counts while it is ready and says one."""
+        load = None if status is None or status.state != "ready" else status.load
+        if load is None:
+            self.engine_loads.pop(key, None)
+        else:
+            # A launcher's counts, bounded: one that says -5 or 10**18 moves requests, no more.
+            self.engine_loads[key] = min(max(0, load.running + load.waiting), ENGINE_LOAD_MAX)
 
     def set_status(self, status: DeploymentStatus) -> None:
         self.statuses[status.deployment] = status
@@ -339,6 +300,7 @@ class Table:
             if self.replicas.pop(key, None) is not None:
                 self.prefixes.forget(key)
                 self.outliers.forget(key)
+                self.gone(key)
             self._last_pick.pop(key, None)
         else:
             self.replicas[key] = value
@@ -413,65 +375,76 @@ class Table:
         records = dict(candidates)
         how = "load"
         key = ""
+        depth = 0
+        loads = self._loads(records)
         if len(records) > 1 and len(blocks) >= self.routing.min_match_blocks:
-            matched = self._matched(blocks, records)
+            matched, depth = self._matched(blocks, loads)
             if matched:
-                key, how = min(matched, key=self._by_load), "prefix"
+                key, how = min(matched, key=lambda k: (loads[k], self._last_pick.get(k, -1))), "prefix"
             else:
                 lead = blocks[self.routing.min_match_blocks - 1]
                 if not any(k in records for k in self.prefixes.holders(lead)):
-                    least = self._least_busy(self._roomy(records))
+                    least = self._least_busy(self._roomy(loads), loads)
                     # One least busy: load decides, as it would without the prefix.
                     key, how = (rendezvous(lead, least), "hash") if len(least) > 1 else (least[0], "load")
         if not key:
-            key = min(records, key=self._by_load)
+            key = min(records, key=lambda k: (loads[k], self._last_pick.get(k, -1)))
         self._last_pick[key] = next(self._picks)
         if blocks:
             self.prefixes.record(blocks, key)
+            self.recorded(key)
         self.routed[deployment, how] += 1
+        self.reason = REASONS[how] if how != "prefix" else f"prefix {depth} blocks"
         return key, records[key]
 
-    def _by_load(self, key: str) -> tuple[int, int]:
-        return self.outstanding[key], self._last_pick.get(key, -1)
-
-    def _matched(self, blocks: Sequence[int], candidates: dict[str, ReplicaRecord]) -> list[str]:
-        """The candidates within the load bound that hold the deepest block of `blocks` at least
-        `min_match_blocks` deep and not held by every candidate; [] where there are none."""
-        routing = self.routing
+    def _loads(self, candidates: dict[str, ReplicaRecord]) -> dict[str, int]:
+        """Each candidate's load (`weigh.load_of`): in flight from here, or its engine's
+        running and waiting where more."""
         outstanding = self.outstanding
-        bound = self._bound(candidates)
+        engines = self.engine_loads
+        if not engines:
+            return {k: outstanding[k] for k in candidates}
+        out = {}
+        for k, r in candidates.items():
+            said = [engines[s] for s in r.shards if s in engines]
+            out[k] = load_of(outstanding[k], sum(said) if said else None)
+        return out
+
+    def _matched(self, blocks: Sequence[int], loads: dict[str, int]) -> tuple[list[str], int]:
+        """The candidates (the keys of `loads`) that hold the deepest block of `blocks` at least
+        `min_match_blocks` deep and not held by every candidate, within the load bound and
+        worth their load (`weigh.py`), and that depth; ([], 0) where there are none."""
+        routing = self.routing
+        limit = bound(loads.values(), routing.load_factor)
+        least = min(loads.values())
         # From the deepest block held up: a shallower block's holders include the deeper's, so
         # where every candidate holds one, all shallower tell nothing either.
         for depth in range(self.prefixes.deepest(blocks), routing.min_match_blocks - 1, -1):
-            held = [k for k in self.prefixes.holders(blocks[depth - 1]) if k in candidates]
-            if len(held) == len(candidates):
+            held = [k for k in self.prefixes.holders(blocks[depth - 1]) if k in loads]
+            if len(held) == len(loads):
                 break
-            within = [k for k in held if outstanding[k] <= bound]
+            within = [
+                k for k in held if loads[k] <= limit and worth(depth, loads[k], least, routing.match_per_load)
+            ]
             if within:
-                return within
-        return []
+                return within, depth
+        return [], 0
 
-    def _bound(self, candidates: dict[str, ReplicaRecord]) -> float:
-        """The most requests in flight a replica may have to take one for its prefix."""
-        outstanding = self.outstanding
-        return self.routing.load_factor * sum(outstanding[k] for k in candidates) / len(candidates) + 1
-
-    def _roomy(self, candidates: dict[str, ReplicaRecord]) -> list[str]:
-        """Where a new prefix may go: the candidates within the load bound that were sent at
-        most `prefix_balance` times the mean of the prompt blocks the candidates were sent (the
-        index's `size`); those within the load bound where none of them is (never none: the
-        least busy is within it)."""
-        bound = self._bound(candidates)
-        within = [k for k in candidates if self.outstanding[k] <= bound]
+    def _roomy(self, loads: dict[str, int]) -> list[str]:
+        """Where a new prefix may go: the candidates (the keys of `loads`) within the load bound
+        that were sent at most `prefix_balance` times the mean of the prompt blocks the
+        candidates were sent (the index's `size`); those within the load bound where none of
+        them is (never none: the least busy is within it)."""
+        limit = bound(loads.values(), self.routing.load_factor)
+        within = [k for k in loads if loads[k] <= limit]
         size = self.prefixes.size
-        limit = self.routing.prefix_balance * sum(size(k) for k in candidates) / len(candidates)
-        return [k for k in within if size(k) <= limit] or within
+        most = self.routing.prefix_balance * sum(size(k) for k in loads) / len(loads)
+        return [k for k in within if size(k) <= most] or within
 
-    def _least_busy(self, candidates: Sequence[str]) -> list[str]:
-        """The candidates with the fewest requests in flight (never none)."""
-        outstanding = self.outstanding
-        fewest = min(outstanding[k] for k in candidates)
-        return [k for k in candidates if outstanding[k] == fewest]
+    def _least_busy(self, candidates: Sequence[str], loads: dict[str, int]) -> list[str]:
+        """The candidates with the least load (never none)."""
+        fewest = min(loads[k] for k in candidates)
+        return [k for k in candidates if loads[k] == fewest]
 
     def outcome(self, key: str, status: int, words: str = "") -> None:
         """Count an attempt's outcome at replica `key` (`status` 0: no answer came) for outlier

@@ -25,7 +25,15 @@ from prometheus_client import Info
 
 from llmgw_core.bus import Bus
 from llmgw_core.errors import BusError
-from llmgw_core.events import Demand, Deployment, DeploymentStatus, Judgement, ReplicaRecord, encode
+from llmgw_core.events import (
+    Demand,
+    Deployment,
+    DeploymentStatus,
+    Judgement,
+    ReplicaRecord,
+    ShardStatus,
+    encode,
+)
 from llmgw_core.keys import ApiKey, KeyWindow
 from llmgw_core.limits import key_problem
 from llmgw_core.metrics import serve_metrics
@@ -46,6 +54,7 @@ from .demand import default_id
 from .holds import Holds
 from .keyring import Keyring, file_keys
 from .outliers import Outliers
+from .prefix_share import PrefixShare
 from .proxy import ROUTED, Proxy
 from .routing import Table
 from .upstream import Upstream
@@ -88,6 +97,9 @@ class Gateway:
         self.table = Table(routing=config.routing, outliers=Outliers(config.outliers))
         # Its name in its demand reports.
         self.id = config.id or default_id()
+        # What each replica holds, shared with every gateway through the routing bucket.
+        shared = config.routing.shared and config.routing.prefix_aware
+        self.share = PrefixShare(bus, self.table, self.id) if shared else None
         http = config.http
         secrets = load_api_keys(http.api_keys_file) if http.api_keys_file else frozenset()
         self.keyring = Keyring(required=http.require_api_key, file=file_keys(secrets))
@@ -201,9 +213,18 @@ class Gateway:
             if await self._acceptable(bucket, change.key, change.value):
                 before = self.table.replicas.get(change.key)
                 self.table.set_replica(change.key, change.value)
+                if self.share is not None and change.value is not None:
+                    self.share.state.known(change.key)
                 record = change.value or before
                 if record is not None:
                     self.proxy.replicas_changed(record.deployment)
+
+    async def _follow_shard_statuses(self, retry: Retry) -> None:
+        """Each engine's running and waiting requests, as its launcher last read them: every
+        gateway's requests on a replica, weighed against its prefix (`weigh.py`)."""
+        async for change in self.bus.watch(self.bus.names.shard_status_bucket, ShardStatus):
+            retry.succeeded()
+            self.table.set_shard_status(change.key, change.value)
 
     async def _follow_deployments(self, retry: Retry) -> None:
         bucket = self.bus.names.deployments_bucket
@@ -343,6 +364,10 @@ class Gateway:
                 tg.start_soon(self._forever, "placement's deployment statuses", self._follow_statuses)
                 tg.start_soon(self._forever, "the keys bucket", self._follow_keys)
                 tg.start_soon(self._forever, "the limits bucket", self._follow_limits)
+                tg.start_soon(self._forever, "the shard statuses", self._follow_shard_statuses)
+                if self.share is not None:
+                    tg.start_soon(self._forever, "the routing bucket", self.share.follow)
+                    tg.start_soon(self.share.write_forever)
                 tg.start_soon(self._report_demand)
                 log.info("reporting demand as gateway %s every %gs", self.id, self.config.demand_interval_s)
         finally:

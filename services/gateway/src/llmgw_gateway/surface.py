@@ -22,8 +22,9 @@ HOP = frozenset(
         "x-api-key",
     }
 )
-# Also dropped from a replica's answer: the gateway's HTTP server sets its own `Date`.
-HOP_OUT = HOP | {"date"}
+# Also dropped from a replica's answer: the gateway's HTTP server sets its own `Date`, and the
+# gateway says which replica served it (`x-llmgw-replica`), never the replica.
+HOP_OUT = HOP | {"date", "x-llmgw-replica"}
 # As the ASGI server and the replica connections carry them.
 HOP_BYTES = frozenset(h.encode() for h in HOP)
 HOP_OUT_BYTES = frozenset(h.encode() for h in HOP_OUT)

@@ -27,6 +27,24 @@ def server_span(tracer: trace.Tracer, scope: Scope, model: str, deployment: str)
     return span
 
 
+# The answer's header naming the replica that served it (`<deployment>/<replica>`): with several
+# gateways behind a balancer, an operator (or a test) sees where each answer came from.
+SERVED_BY = b"x-llmgw-replica"
+# The span's attribute saying why that replica was chosen (`Table.reason`).
+ROUTE_ATTRIBUTE = "llmgw.route"
+
+
+def served_by(deployment: str, key: str) -> tuple[bytes, bytes]:
+    """The `x-llmgw-replica` header of an answer from replica `key` (`<deployment>.<replica>`)."""
+    return SERVED_BY, f"{deployment}/{key[len(deployment) + 1 :]}".encode()
+
+
+def chose(span: trace.Span, reason: str) -> None:
+    """The routing choice's reason on the request's span (the last choice's, after a retry)."""
+    if span.is_recording():
+        span.set_attribute(ROUTE_ATTRIBUTE, reason)
+
+
 def replica_headers(raw: list[tuple[bytes, bytes]], span: trace.Span) -> list[tuple[bytes, bytes]]:
     """The request's headers as the server read them (names in lower case), less the
     hop-by-hop ones, the trace's continued in the gateway's span."""

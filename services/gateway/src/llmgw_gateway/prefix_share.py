@@ -1,0 +1,186 @@
+"""One routing state for every gateway: what each replica is believed to hold, shared through
+the routing bucket.
+
+Each gateway's prefix index (`prefix_index.py`) learns from its own routing. Behind a load
+balancer each gateway would see half of a conversation and a gateway that restarts would
+start blind; so every gateway writes, per replica it routed to, what it believes that
+replica holds, and reads what the others write:
+
+- **A KV bucket, one key per replica** (`<deployment>.<replica>`, as in the replicas bucket),
+  **one revision per key**: each value is a whole snapshot of that replica's most recent
+  `replica_blocks` block hashes (`RoutingHeld`), so the bucket is its own compaction: a
+  gateway that starts reads one value per replica, at most `replica_blocks` hashes each,
+  whatever the traffic before. A stream of changes would need a snapshot beside it, or a
+  replay of everything since its limits; a key per replica needs neither.
+- **Merged, then written**: a gateway's snapshot of a replica is its whole index of it, which
+  holds what it read of the others' too, so the last writer's value carries every gateway's
+  knowledge it had heard. Two gateways writing one replica in the same instant each lose
+  the other's newest blocks from the bucket (never from their own indexes, which each read
+  the other's value), until either routes to it again.
+- **Batched**: routing marks a replica dirty (`Table.recorded`); every `share_interval_s`
+  the dirty ones are written, one put each. Nothing on a request's path waits on the bus.
+- **Dropped with the replica**: a replica gone from the replicas bucket is forgotten by every
+  gateway's table, and its key is deleted by each (idempotent). A value for a replica this
+  gateway does not know yet is kept aside (at most PENDING_MAX, newest kept) until its record
+  comes, and deleted from the bucket after STALE_S if it never does: its replica went while
+  no gateway ran.
+
+Every value read is another process's bytes: decoded by the bus's bounded decode (a bad one
+goes to the DLQ and the watch goes on), its hashes at most `MAX_HELD_BLOCKS`, and only the
+newest `replica_blocks` of them learned.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import anyio
+
+from llmgw_core.bus import Bus
+from llmgw_core.errors import BusError
+from llmgw_core.prefixes import RoutingHeld, pack
+from llmgw_core.retry import Retry
+
+from .routing import Table
+
+log = logging.getLogger("llmgw.gateway")
+
+# Values held for replicas not (yet) in the table, and how long before such a key is deleted.
+PENDING_MAX = 1024
+STALE_S = 60.0
+
+
+@dataclass
+class Sharing:
+    """The plain state of the sharing: what to write and what was read ahead of its replica.
+    Pure: the service's loops (`PrefixShare`) feed it and carry out what it says."""
+
+    table: Table
+    writer: str
+    # Replica keys whose blocks this gateway routed since the last write, and keys to delete.
+    dirty: set[str] = field(default_factory=set)
+    gone: set[str] = field(default_factory=set)
+    # The `at` of each value this gateway wrote, to know its own value when it comes back.
+    written: dict[str, float] = field(default_factory=dict)
+    # Values for replicas the table does not know: (when read, the value), oldest first.
+    pending: OrderedDict[str, tuple[float, RoutingHeld]] = field(default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        self.table.recorded = self.routed
+        self.table.gone = self.forget
+
+    def routed(self, key: str) -> None:
+        self.dirty.add(key)
+
+    def forget(self, key: str) -> None:
+        self.dirty.discard(key)
+        self.written.pop(key, None)
+        self.pending.pop(key, None)
+        self.gone.add(key)
+
+    def read(self, key: str, value: RoutingHeld | None, now: float) -> str:
+        """A value of the routing bucket read (None: deleted): learned into the index where its
+        replica is known and it is not this gateway's own, else kept aside. What was done."""
+        if value is None:
+            self.pending.pop(key, None)
+            return "deleted"
+        if value.gateway == self.writer and self.written.get(key) == value.at:
+            return "own"
+        if key not in self.table.replicas:
+            self.pending[key] = (now, value)
+            self.pending.move_to_end(key)
+            while len(self.pending) > PENDING_MAX:
+                self.pending.popitem(last=False)
+            return "pending"
+        self.learn(key, value)
+        return "learned"
+
+    def learn(self, key: str, value: RoutingHeld) -> None:
+        per_replica = self.table.prefixes.per_replica
+        self.table.prefixes.learn(key, value.hashes()[-per_replica:])
+
+    def known(self, key: str) -> None:
+        """Replica `key` entered the table: what was read of it ahead is learned now."""
+        held = self.pending.pop(key, None)
+        if held is not None:
+            self.learn(key, held[1])
+
+    def writes(self, now: float) -> tuple[list[tuple[str, RoutingHeld]], list[str]]:
+        """What to write now: each dirty replica's snapshot, and the keys to delete (replicas
+        gone, and values read for replicas never known within STALE_S). Taken: a write that
+        fails is handed back with `failed`."""
+        dirty, self.dirty = self.dirty, set()
+        gone, self.gone = self.gone, set()
+        for key, (since, _) in list(self.pending.items()):
+            if now - since >= STALE_S:
+                del self.pending[key]
+                gone.add(key)
+        puts = []
+        for key in sorted(dirty):
+            if key in self.table.replicas:
+                value = RoutingHeld(gateway=self.writer, blocks=pack(self.table.prefixes.recent(key)), at=now)
+                self.written[key] = now
+                puts.append((key, value))
+        return puts, sorted(gone)
+
+    def failed(self, puts: list[str], deletes: list[str]) -> None:
+        """Writes the bus refused: tried again at the next interval."""
+        self.dirty.update(k for k in puts if k in self.table.replicas)
+        self.gone.update(deletes)
+
+
+class PrefixShare:
+    """The routing bucket's reader and batched writer, for one gateway."""
+
+    def __init__(self, bus: Bus, table: Table, writer: str) -> None:
+        self.bus = bus
+        self.state = Sharing(table, writer)
+        self.interval_s = table.routing.share_interval_s
+        self._failing = False
+
+    async def follow(self, retry: Retry) -> None:
+        """Every value of the routing bucket, then each change."""
+        async for change in self.bus.watch(self.bus.names.routing_bucket, RoutingHeld):
+            retry.succeeded()
+            self.state.read(change.key, change.value, time.time())
+
+    async def write_forever(self) -> None:
+        """Every interval, the replicas routed to since the last write, one put each."""
+        while True:
+            await anyio.sleep(self.interval_s)
+            await self.write()
+
+    async def write(self) -> None:
+        puts, deletes = self.state.writes(time.time())
+        bucket = self.bus.names.routing_bucket
+        failed_puts: list[str] = []
+        failed_deletes: list[str] = []
+        error: BusError | None = None
+        for key in deletes:
+            try:
+                await self.bus.delete(bucket, key)
+            except BusError as exc:
+                failed_deletes.append(key)
+                error = exc
+        for key, value in puts:
+            try:
+                await self.bus.put(bucket, key, value)
+            except BusError as exc:
+                failed_puts.append(key)
+                error = exc
+        if error is not None:
+            self.state.failed(failed_puts, failed_deletes)
+            if not self._failing:
+                log.warning(
+                    "cannot write the routing bucket %s (what each replica holds; retrying each "
+                    "interval, routing goes on by this gateway's own index): %s",
+                    bucket,
+                    error,
+                )
+            self._failing = True
+        elif self._failing:
+            log.info("the routing bucket %s is written again", bucket)
+            self._failing = False
