@@ -19,6 +19,7 @@ import anyio
 import anyio.abc
 import httpx
 import pytest
+from opentelemetry.trace import Tracer
 from starlette.types import Receive, Scope, Send
 
 from llmgw_core.events import ReplicaRecord
@@ -123,22 +124,27 @@ class Lane:
 
 
 @contextlib.asynccontextmanager
-async def lane(read_timeout_s: float | None = None) -> AsyncIterator[Lane]:
-    """The proxy over one replica, served as `llmgw-gateway` serves it, with the requests that
-    reach its ASGI app counted."""
+async def lane(
+    read_timeout_s: float | None = None, replicas: tuple[str, ...] = ("r0",), tracer: Tracer | None = None
+) -> AsyncIterator[Lane]:
+    """The proxy over `replicas` of `chat` (one engine on loopback behind them all), served as
+    `llmgw-gateway` serves it, with the requests that reach its ASGI app counted."""
     replica = Replica()
     listener = await asyncio.start_server(replica.serve, "127.0.0.1", 0)
     replica.url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
     table = Table()
-    table.set_replica(
-        "chat.r0",
-        ReplicaRecord(
-            deployment="chat", replica="r0", profile="tiny", profile_fp="x", state="ready", url=replica.url
-        ),
-    )
+    for name in replicas:
+        record = ReplicaRecord(
+            deployment="chat", replica=name, profile="tiny", profile_fp="x", state="ready", url=replica.url
+        )
+        table.set_replica(f"chat.{name}", record)
     asgi: list[str] = []
     upstream = Upstream(read_timeout_s=read_timeout_s)
-    async with listener, httpx.AsyncClient() as client, Proxy(table, client, upstream=upstream) as proxy:
+    async with (
+        listener,
+        httpx.AsyncClient() as client,
+        Proxy(table, client, upstream=upstream, tracer=tracer) as proxy,
+    ):
         proxy.loaded.set()
 
         async def app(scope: Scope, receive: Receive, send: Send) -> None:

@@ -4,13 +4,11 @@ span says why that replica was chosen; the rule that lets a hot prefix spill, as
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import json
 from collections.abc import AsyncIterator
 
-import anyio
 import httpx
 import msgspec
 import pytest
@@ -19,19 +17,16 @@ from hypothesis import strategies as st
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from starlette.types import Receive, Scope, Send
 
 from llmgw_core.bus.deadletter import DecodeFailure, decode
 from llmgw_core.events import EngineLoad, ReplicaRecord, ShardStatus, encode
 from llmgw_core.prefixes import MAX_HELD_BLOCKS, RoutingHeld, pack
-from llmgw_gateway import Proxy, Table
+from llmgw_gateway import Table
 from llmgw_gateway.config import RoutingConfig
 from llmgw_gateway.prefix_index import PrefixIndex
 from llmgw_gateway.prefix_share import PENDING_MAX, STALE_S, Sharing
-from llmgw_gateway.proxy import ROUTED
 from llmgw_gateway.weigh import bound, load_of, worth
-from tests.gateway_support import serve_proxy
-from tests.test_gateway_lane import Replica
+from tests.test_gateway_lane import lane
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -40,35 +35,13 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 async def traced_lane(
     replicas: tuple[str, ...] = ("r7",),
 ) -> AsyncIterator[tuple[str, list[str], InMemorySpanExporter]]:
-    """The proxy over `replicas` of `chat` (one engine on loopback behind them all), served as
-    `llmgw-gateway` serves it, its spans kept: its URL, the routed requests its ASGI app saw,
-    the spans."""
-    replica = Replica()
-    listener = await asyncio.start_server(replica.serve, "127.0.0.1", 0)
-    replica.url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
-    table = Table()
-    for name in replicas:
-        record = ReplicaRecord(
-            deployment="chat", replica=name, profile="tiny", profile_fp="x", state="ready", url=replica.url
-        )
-        table.set_replica(f"chat.{name}", record)
+    """`test_gateway_lane.lane` over `replicas`, its spans kept: its URL, the routed requests its
+    ASGI app saw, the spans."""
     spans = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
-    asgi: list[str] = []
-    tracer = provider.get_tracer("test")
-    async with listener, httpx.AsyncClient() as client, Proxy(table, client, tracer=tracer) as proxy:
-        proxy.loaded.set()
-
-        async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] == "http" and scope["path"] in ROUTED:
-                asgi.append(scope["path"])
-            await proxy.app(scope, receive, send)
-
-        async with anyio.create_task_group() as tg:
-            port = await tg.start(serve_proxy, proxy, app)
-            yield f"http://127.0.0.1:{port}", asgi, spans
-            tg.cancel_scope.cancel()
+    async with lane(replicas=replicas, tracer=provider.get_tracer("test")) as served:
+        yield served.url, served.asgi, spans
 
 
 async def test_every_answer_names_its_replica_on_both_paths_and_its_span_says_why() -> None:
