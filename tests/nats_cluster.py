@@ -35,7 +35,7 @@ class NatsCluster:
             self.servers[name] = NatsServer(
                 store_dir=root / name,
                 port=client[i],
-                max_store="1G",
+                max_store="2G",
                 log_path=root / f"{name}.log",
                 # The same auth.conf on every member (`llmgw auth init`), as a deployed cluster has.
                 includes=includes,

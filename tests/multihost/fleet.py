@@ -103,7 +103,7 @@ class Fleet:
             conf = store / "nats-server.conf"
             conf.write_text(
                 server_config(
-                    str(store / "jetstream"), host=host.addr, port=NATS_PORT, sync_always=True, max_store="1G"
+                    str(store / "jetstream"), host=host.addr, port=NATS_PORT, sync_always=True, max_store="2G"
                 )
                 + f"server_name: {h}\n"
                 + f"cluster {{\n  name: llmgw-multihost\n  listen: {host.addr}:{ROUTE_PORT}\n"
