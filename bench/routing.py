@@ -17,7 +17,9 @@ Each workload is run with prefix-aware routing on and off, alternating, twice.
 Several gateways (the shared workload only): 1 gateway, and 3 gateways behind a client that
 sends each request to the next in turn (a round-robin balancer), with the routing state shared
 over the bus (`routing: shared`) and with each gateway's own index alone; each gateway in this
-process over one nats-server, replica records written as placement writes them.
+process over one nats-server, replica records written as placement writes them. A restart: one
+gateway serves the first half of the shared workload and stops; a new one serves the rest,
+with the shared routing state and with its own index alone (starting blind).
 
 A micro-benchmark times the routing decision alone (hashing the prompt's lead and choosing) at
 16 replicas with a warm index.
@@ -78,6 +80,10 @@ class Run:
     routed: int = 0
     # How many of the workload's distinct prompt leads (customers) each replica was sent, each run.
     splits: list[str] = field(default_factory=list)
+    # A restarted gateway: its requests routed by a prefix match, and all it routed, in its
+    # first RESTART_EARLY_S.
+    early_by_prefix: int = 0
+    early_routed: int = 0
 
 
 def _text(rnd: random.Random, n: int) -> str:
@@ -294,6 +300,51 @@ async def _run_gateways(
     return run
 
 
+# (label, shared routing state) of the restart sides: one gateway serves the first half of the
+# shared workload, stops, and a new one serves the rest.
+RESTART = (("restarted, shared index", True), ("restarted, own index", False))
+RESTART_EARLY_S = 10.0
+
+
+async def _run_restart(urls: list[str], prompts: list[str], run: Run, nats_url: str, shared: bool) -> Run:
+    """The first half of `prompts` through one gateway, which then stops; the second half through
+    a new one over the same bucket, timed from its start: what it routes by a prefix match in
+    its first RESTART_EARLY_S, and the TTFT and cache of its requests (`run`)."""
+    prefix = f"bench{time.monotonic_ns()}"
+    half = len(prompts) // 2
+    async with httpx.AsyncClient(timeout=600) as client:
+        async with gateways(nats_url, prefix, urls, 1, shared) as gws:
+            warm = Run("warm", True)
+            for prompt in prompts[:half]:
+                await _one(client, gws[0][0], prompt, warm)
+            await anyio.sleep(1.0)  # its last blocks written (share_interval_s 0.1 s)
+        async with gateways(nats_url, prefix, urls, 1, shared) as gws:
+            base, table = gws[0][0], gws[0][1].table
+            started = time.monotonic()
+            queue = list(reversed(prompts[half:]))
+
+            def routed() -> tuple[int, int]:
+                total = sum(table.routed_by(how) for how in ("prefix", "hash", "load"))
+                return table.routed_by("prefix"), total
+
+            async def worker() -> None:
+                while queue:
+                    prompt = queue.pop()
+                    before = routed()
+                    await _one(client, base, prompt, run)
+                    if time.monotonic() - started <= RESTART_EARLY_S:
+                        after = routed()
+                        run.early_by_prefix += after[0] - before[0]
+                        run.early_routed += after[1] - before[1]
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(CLIENTS):
+                    tg.start_soon(worker)
+            run.wall_s = time.monotonic() - started
+            run.by_prefix, run.routed = routed()
+    return run
+
+
 FLEET = 500
 
 
@@ -414,6 +465,13 @@ def run(*, quick: bool = False) -> str:
                         done = anyio.run(_run_gateways, urls, prompts, Run(label, True), nats.url, n, shared)
                         print(f"bench: routing: {label}: p90 TTFT {_p(done.ttft, 90):.2f} s", file=sys.stderr)
                         multi.append(done)
+                for r in range(rounds):
+                    for label, shared in RESTART if r % 2 == 0 else tuple(reversed(RESTART)):
+                        seed += 1
+                        prompts = shared_workload(seed, customers, questions, context)
+                        done = anyio.run(_run_restart, urls, prompts, Run(label, True), nats.url, shared)
+                        print(f"bench: routing: {label}: p90 TTFT {_p(done.ttft, 90):.2f} s", file=sys.stderr)
+                        multi.append(done)
             finally:
                 nats.stop()
     text = render(runs, micro, forget_ms, customers, questions, context, unshared, rounds, quick)
@@ -438,6 +496,26 @@ def render_multi(runs: list[Run], rounds: int) -> str:
         lines.append(
             f"| {label} | {len(ttft)} | {_p(ttft, 50):.2f} s | {_p(ttft, 90):.2f} s "
             f"| {100 * cached / max(1, prompt):.0f}% | {100 * by_prefix / max(1, routed):.0f}% |"
+        )
+    lines += [
+        "",
+        f"A gateway restarted mid-run (the shared workload: one gateway serves its first half and "
+        f"stops, a new one the second half; its requests only), each side run {rounds}x:",
+        "",
+        "| side | requests | TTFT p50 | TTFT p90 | prompt tokens from cache | routed by a prefix match "
+        f"| of them in its first {RESTART_EARLY_S:.0f} s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, _ in RESTART:
+        mine = [r for r in runs if r.workload == label]
+        ttft = [t for r in mine for t in r.ttft]
+        cached, prompt = sum(r.cached_tokens for r in mine), sum(r.prompt_tokens for r in mine)
+        by_prefix, routed = sum(r.by_prefix for r in mine), sum(r.routed for r in mine)
+        early, early_routed = sum(r.early_by_prefix for r in mine), sum(r.early_routed for r in mine)
+        lines.append(
+            f"| {label} | {len(ttft)} | {_p(ttft, 50):.2f} s | {_p(ttft, 90):.2f} s "
+            f"| {100 * cached / max(1, prompt):.0f}% | {100 * by_prefix / max(1, routed):.0f}% "
+            f"| {early} of {early_routed} |"
         )
     lines.append("")
     return "\n".join(lines)
