@@ -329,19 +329,23 @@ async def _run_restart(urls: list[str], prompts: list[str], run: Run, nats_url: 
 
             async def worker() -> None:
                 while queue:
-                    prompt = queue.pop()
-                    before = routed()
-                    await _one(client, base, prompt, run)
-                    if time.monotonic() - started <= RESTART_EARLY_S:
-                        after = routed()
-                        run.early_by_prefix += after[0] - before[0]
-                        run.early_routed += after[1] - before[1]
+                    await _one(client, base, queue.pop(), run)
+
+            early: list[tuple[int, int]] = []
+
+            async def mark() -> None:
+                await anyio.sleep(RESTART_EARLY_S)
+                early.append(routed())
 
             async with anyio.create_task_group() as tg:
-                for _ in range(CLIENTS):
-                    tg.start_soon(worker)
+                tg.start_soon(mark)
+                async with anyio.create_task_group() as work:
+                    for _ in range(CLIENTS):
+                        work.start_soon(worker)
+                tg.cancel_scope.cancel()
             run.wall_s = time.monotonic() - started
             run.by_prefix, run.routed = routed()
+            run.early_by_prefix, run.early_routed = early[0] if early else (run.by_prefix, run.routed)
     return run
 
 
@@ -475,7 +479,7 @@ def run(*, quick: bool = False) -> str:
             finally:
                 nats.stop()
     text = render(runs, micro, forget_ms, customers, questions, context, unshared, rounds, quick)
-    return text + render_multi(multi, rounds)
+    return text + "\n" + render_multi(multi, rounds)
 
 
 def render_multi(runs: list[Run], rounds: int) -> str:
