@@ -170,9 +170,16 @@ class Lease:
             if entry is None or entry.operation in ("DEL", "PURGE") or entry.value != self.holder.encode():
                 raise LeaseLost(f"{self.holder}: the placement lease was taken by another process") from exc
             # A renewal of ours landed after its caller gave up on it: adopt it and move on.
-            self.revision = int(
-                await kv.update(LEASE_KEY, self.holder.encode(), last=int(entry.revision or 0))
-            )
+            try:
+                self.revision = int(
+                    await kv.update(LEASE_KEY, self.holder.encode(), last=int(entry.revision or 0))
+                )
+            except nats.js.errors.KeyWrongLastSequenceError as again:
+                # Written again meanwhile, by another process (a standby taking over): lost.
+                # (Raised on, it ended the process: the bus's refusal read an err_code nats-py's
+                # error does not carry.) Standing by, it takes the lease back if it is its own.
+                moved = f"{self.holder}: the placement lease moved while this holder adopted it"
+                raise LeaseLost(moved) from again
         self.proved_at = time.monotonic()
 
     def proven(self) -> bool:

@@ -46,7 +46,8 @@ class Space:
         episode's start is said once); with `unanswered`, for a write that timed out at every
         try, also when nats-server answers everything but the write. None for any other fault."""
         if isinstance(exc, nats.js.errors.APIError):
-            found = await self.space(stream, exc.err_code, exc.description or "")
+            # nats-py's KeyWrongLastSequenceError is an APIError made without an err_code.
+            found = await self.space(stream, getattr(exc, "err_code", None), exc.description or "")
         else:
             found = await self.space(stream, None, str(exc))
         if found is not None:
