@@ -82,7 +82,7 @@ def listening(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def started(cmds: list[Command], logs: Path) -> Iterator[None]:
+def started(cmds: list[Command], logs: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
     """Run each command as the launcher would (its own process group, its wait_for first)."""
     groups: list[subprocess.Popen[bytes]] = []
     try:
@@ -103,7 +103,7 @@ def started(cmds: list[Command], logs: Path) -> Iterator[None]:
                         start_new_session=True,
                     )
                 )
-        yield
+        yield groups
     finally:
         for proc in reversed(groups):
             with contextlib.suppress(ProcessLookupError):
@@ -161,22 +161,27 @@ def test_two_replicas_rays_on_one_machine_never_meet() -> None:
         (logs / name).mkdir()
     with (
         contextlib.ExitStack() as cleanup,
-        started([plans["r0"][0], plans["r0"][2]], logs / "r0"),
-        started([plans["r1"][0], plans["r1"][2]], logs / "r1"),
+        started([plans["r0"][0], plans["r0"][2]], logs / "r0") as r0,
+        started([plans["r1"][0], plans["r1"][2]], logs / "r1") as r1,
     ):
         cleanup.callback(shutil.rmtree, temp_root, ignore_errors=True)
 
         def both_joined() -> dict[str, str]:
-            found = {}
-            for name, (leader, _) in replicas.items():
-                status = ray_status(bin_dir, leader.leader().port)
-                assert "Active:" in status, status
-                # Its own head and its own worker: never three on one head and one on the other.
-                assert alive_nodes(status) == 2, f"{name}:\n{status}"
-                found[name] = status
+            # `ray start --block` runs as long as its node: one that ended will never join.
+            ended = {" ".join(map(str, p.args[1:3])): p.returncode for p in r0 + r1 if p.poll() is not None}
+            if ended:
+                raise RuntimeError(f"Ray nodes ended: {ended}\n{log_tails(temp_root)}")
+            found = {name: ray_status(bin_dir, lead.leader().port) for name, (lead, _) in replicas.items()}
+            said = "\n".join(f"{name}:\n{status}" for name, status in found.items())
+            # Its own head and its own worker: never three on one head and one on the other.
+            assert all("Active:" in status for status in found.values()), said
+            assert [alive_nodes(status) for status in found.values()] == [2, 2], said
             return found
 
-        statuses = until(both_joined, timeout=300)
+        try:
+            statuses = until(both_joined, timeout=300)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{log_tails(temp_root)}") from None
         assert set(statuses) == {"r0", "r1"}
         for leader, _ in replicas.values():
             sessions = list((temp_root / str(leader.leader().port)).glob("session_2*"))
@@ -203,6 +208,18 @@ def test_two_replicas_rays_on_one_machine_never_meet() -> None:
         assert re.search(rf"^gcs [^ ]+:{first} nodes 2$", probe.stdout, re.MULTILINE), (
             probe.stdout + probe.stderr
         )
+
+
+def log_tails(temp_root: Path, lines: int = 30) -> str:
+    """For a failure: each Ray node's own output, and each session's raylet and GCS logs."""
+    found = sorted(temp_root.glob("logs/*/*.log"))
+    for name in ("raylet.out", "gcs_server.out"):
+        found += sorted(temp_root.glob(f"*/session_2*/logs/{name}"))
+    tails = []
+    for log in found:
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        tails.append(f"--- {log.relative_to(temp_root)}\n" + "\n".join(tail))
+    return "\n".join(tails)
 
 
 def until(check: Callable[[], T], timeout: float) -> T:
