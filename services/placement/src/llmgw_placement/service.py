@@ -146,6 +146,13 @@ class PlacementService:
                 f"{time.monotonic() - lease.proved_at:.1f} s ago (lease period {lease.timeout:g} s): "
                 "it does not lead until a renewal lands"
             )
+        if not self._leading and lease is not None and lease.failing_for() > lease.timeout:
+            # Connected to a server that cannot reach the majority: standing by in name only.
+            return (
+                f"placement {self.identity} has had no answer from NATS about the placement lease "
+                f"for {lease.failing_for():.1f} s (lease period {lease.timeout:g} s): "
+                "it can neither lead nor stand by until it does"
+            )
         return ""
 
     def warnings(self) -> list[str]:

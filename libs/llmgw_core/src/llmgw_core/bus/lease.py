@@ -182,6 +182,11 @@ class Lease:
                 raise LeaseLost(moved) from again
         self.proved_at = time.monotonic()
 
+    def failing_for(self) -> float:
+        """How long every call to NATS about the lease has failed (0 while they answer): a
+        standby that cannot read the lease could not take it over either."""
+        return 0.0 if self._failing_since is None else time.monotonic() - self._failing_since
+
     def proven(self) -> bool:
         """Whether this holder proved its lease recently enough that no standby can have taken it."""
         return time.monotonic() - max(self.proved_at, self.refused_for_space_at) < self.timeout
