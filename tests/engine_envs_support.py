@@ -7,8 +7,12 @@ behave as asked: install in a second, with `--no-index --find-links DIR`, no net
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
+import threading
 import zipfile
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from llmgw_installer.lock import MAGIC
@@ -79,3 +83,60 @@ def lock_text(
     )
     body = "".join(f"{n}=={v} \\\n    --hash=sha256:{h}\n    # via llmgw-tests\n" for n, v, h in pins)
     return head + body
+
+
+class _IndexHandler(BaseHTTPRequestHandler):
+    server: IndexServer
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        parts = self.path.strip("/").split("/")
+        body: bytes | None = None
+        if len(parts) == 2 and parts[0] == "simple":
+            files = [p for p in sorted(self.server.wheels.iterdir()) if self.server.listed(p, parts[1])]
+            links = "".join(f'<a href="/files/{p.name}#sha256={sha256(p)}">{p.name}</a>\n' for p in files)
+            body = f"<!DOCTYPE html><html><body>\n{links}</body></html>\n".encode()
+        elif len(parts) == 2 and parts[0] == "files" and (self.server.wheels / parts[1]).is_file():
+            body = (self.server.wheels / parts[1]).read_bytes()
+            with self.server.count_lock:
+                self.server.served[parts[1]] = self.server.served.get(parts[1], 0) + len(body)
+                self.server.requests[parts[1]] = self.server.requests.get(parts[1], 0) + 1
+        self.send_response(200 if body is not None else 404)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+
+class IndexServer(ThreadingHTTPServer):
+    """A package index on loopback (PEP 503 simple pages over a directory of wheels) that counts
+    the bytes and requests it served per file."""
+
+    daemon_threads = True
+
+    def __init__(self, wheels: Path) -> None:
+        self.wheels = wheels
+        self.served: dict[str, int] = {}
+        self.requests: dict[str, int] = {}
+        self.count_lock = threading.Lock()
+        super().__init__(("127.0.0.1", 0), _IndexHandler)
+
+    def listed(self, path: Path, project: str) -> bool:
+        return path.name.endswith(".whl") and path.name.split("-")[0].replace("_", "-").lower() == project
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/simple"
+
+
+@contextlib.contextmanager
+def index_server(wheels: Path) -> Iterator[IndexServer]:
+    server = IndexServer(wheels)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()

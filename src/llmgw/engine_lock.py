@@ -161,8 +161,12 @@ def lock(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llmgw_installer.lock import LockError
+    from llmgw_installer.lock import SGLANG_NO_CPU, LockError
 
+    if args.engine == "sglang" and not args.variant.startswith("cu"):
+        label = f"sglang {args.version} ({args.variant})"
+        print(f"llmgw engines lock: {SGLANG_NO_CPU.format(label=label)}", file=sys.stderr)
+        return 1
     try:
         text = lock(args)
     except (RuntimeError, LockError, subprocess.TimeoutExpired) as exc:

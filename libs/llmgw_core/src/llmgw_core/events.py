@@ -382,6 +382,21 @@ class InstallProgress(Message, frozen=True):
     at: float = 0.0
 
 
+class WheelsHeld(Struct, frozen=True):
+    """Engine wheels of one lock a node serves its peers, or fetches now (docs/installer.md,
+    "Wheels shared between nodes"). `lock` is the sha256 of the lock as the installer renders it;
+    `url` the node's wheel server for it, on its own `mgmt_addr`; `since` when it began fetching."""
+
+    lock: Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]
+    state: Literal["held", "fetching"]
+    url: Annotated[str, Meta(max_length=256)] = ""
+    since: float = 0.0
+
+
+# Locks whose wheels one node reports: a node holds the wheels of the locks it installed.
+WHEELS_MAX = 16
+
+
 class NodeStatus(Message, frozen=True):
     """The value of `<node>` in the nodes bucket: everything placement needs to know."""
 
@@ -392,6 +407,7 @@ class NodeStatus(Message, frozen=True):
     install: str = ""
     warnings: tuple[str, ...] = ()
     updated_at: float = 0.0
+    wheels: Annotated[tuple[WheelsHeld, ...], Meta(max_length=WHEELS_MAX)] = ()
 
 
 class NodeIntent(Message, frozen=True):

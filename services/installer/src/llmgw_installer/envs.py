@@ -32,9 +32,10 @@ from llmgw_core.events import EngineSpec, EngineState, NodeFacts
 from llmgw_core.installed import MARKER, InstalledEngine, read_marker
 
 from .errors import CheckError, InstallError, NoBuildError
-from .lock import Lock, LockError, parse, render
+from .lock import SGLANG_NO_CPU, Lock, LockError, parse, render
 from .pipeline import Installation, InstallContext
 from .process import TimedOut, run_bounded
+from .wheels import PYPI, Gather
 
 ENV_ENGINES = frozenset({"vllm", "sglang"})
 # The module each engine's OpenAI server runs as (what the launcher starts).
@@ -75,6 +76,8 @@ def choose(spec: EngineSpec, lock: Lock, facts: NodeFacts) -> str:
             f"write the lock with `llmgw engines lock {lock.engine} {lock.version} --variant {spec.variant}`"
         )
     cuda = cuda_of(lock.variant)
+    if lock.engine == "sglang" and cuda is None:
+        raise NoBuildError(SGLANG_NO_CPU.format(label=lock.label))
     driver = _driver_cuda(facts) if facts.nvidia_driver and not facts.simulated else None
     if cuda is None:
         if driver is None or spec.variant == "cpu":
@@ -85,9 +88,14 @@ def choose(spec: EngineSpec, lock: Lock, facts: NodeFacts) -> str:
             f"(--variant cu{driver[0]}{driver[1]} or older)"
         )
     if driver is None:
+        instead = (
+            "SGLang has no CPU build: serve CPU profiles here with vLLM or llama.cpp"
+            if lock.engine == "sglang"
+            else "lock the cpu variant for it"
+        )
         raise NoBuildError(
             f"{lock.label} needs an NVIDIA driver for CUDA {cuda[0]}.{cuda[1]}; this node has none "
-            f"(lock the cpu variant for it)"
+            f"({instead})"
         )
     if cuda > driver:
         raise NoBuildError(
@@ -116,8 +124,25 @@ def source_args(source: str) -> list[str]:
     )
 
 
+def origin_of(source: str) -> str:
+    """The index a lock's wheels are gathered from (and shared between nodes), or "" where uv
+    installs them itself: from a wheelhouse (already on this node), or with `UV_OFFLINE` set
+    (uv's cache only: the node may not reach an index)."""
+    if source.startswith("/") or os.environ.get("UV_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return ""
+    return source or PYPI
+
+
 def digest(lock: Lock) -> str:
     return hashlib.sha256(render(lock).encode()).hexdigest()
+
+
+def lock_of(spec: EngineSpec) -> Lock | None:
+    """The spec's lock, or None where it names none or it cannot be read."""
+    try:
+        return parse(spec.lock) if spec.lock else None
+    except LockError:
+        return None
 
 
 def wanted_dir(root: Path, spec: EngineSpec) -> Path | None:
@@ -284,6 +309,30 @@ class EnvInstallation(Installation):
     async def say(self, step: str, words: str) -> None:
         await self.step(step, f"installing {self.label}: {words}")
 
+    async def _gather(self, lock: Lock, origin: str) -> list[str]:
+        """The lock's wheels in a directory of their own (peers first, the origin once), and uv's
+        options to install from it alone."""
+
+        async def say(words: str) -> None:
+            await self.say("download", words)
+
+        await say(f"gathering {len(lock.packages)} wheels (from peers first; sha256 checked)")
+        gather = Gather(
+            lock=lock,
+            digest=digest(lock),
+            wheel_root=self.ctx.root / ".wheels",
+            origin=origin,
+            client=self.ctx.client,
+            share=self.ctx.wheels,
+            say=say,
+            wait_s=self.ctx.env_timeout_s,
+        )
+        try:
+            wheel_dir = await gather.run()
+        except InstallError as exc:
+            raise EnvError(f"fetching its wheels failed: {exc}") from exc
+        return ["--no-index", "--find-links", str(wheel_dir)]
+
     async def _build(self, final: Path, lock: Lock, cpu_only: str) -> EngineState:
         uv_source = source_args(self.spec.source)
         await self.say("resolving", "checking disk space")
@@ -295,6 +344,9 @@ class EnvInstallation(Installation):
                 f"{lock.total_bytes * DISK_FACTOR // 10**6} MB installed), {free // 10**6} MB free "
                 f"under {final.parent}"
             )
+        origin = origin_of(self.spec.source)
+        if origin:
+            uv_source = await self._gather(lock, origin)
         staging = (
             self.ctx.root / ".staging" / f"{self.name}-{lock.version}-{lock.variant}-{uuid.uuid4().hex[:8]}"
         )
@@ -323,7 +375,14 @@ class EnvInstallation(Installation):
                 "--require-hashes", "--no-deps", "--only-binary", ":all:",
                 *uv_source, "-r", str(tree / "lock.txt"),
             ]  # fmt: skip
-            await anyio.to_thread.run_sync(run_checked, install, timeout, "install failed")
+            try:
+                await anyio.to_thread.run_sync(run_checked, install, timeout, "install failed")
+            except EnvError:
+                if origin:
+                    # A gathered wheel uv refuses (changed on this disk since) is gathered again
+                    # at the next attempt, not refused for ever.
+                    shutil.rmtree(self.ctx.root / ".wheels" / digest(lock), ignore_errors=True)
+                raise
             await self.say("checking", f"importing {self.name}")
             own, dist = await anyio.to_thread.run_sync(
                 engine_version, python, self.name, lock.distribution, timeout

@@ -41,6 +41,17 @@ HEADER_KEYS = ("engine", "version", "variant", "distribution", "python", "platfo
 REQUIRED = ("engine", "version", "variant", "distribution")
 ENGINES = ("vllm", "sglang")
 
+# SGLang's wheels on PyPI are CUDA builds whatever the lock's variant says: `llmgw engines lock
+# sglang --variant cpu` resolves the same torch (+cu128), nvidia-* libraries and sgl-kernel as
+# cu129. Such an environment imports and answers `--help` on a node without a GPU, so the
+# install's checks pass, and then every model fails to load: sgl_kernel needs libcuda.so.1.
+SGLANG_NO_CPU = (
+    "{label}: SGLang has no CPU build on the package index: its sgl-kernel and torch wheels are "
+    "CUDA builds (sgl_kernel needs libcuda.so.1), so it imports on a node without an NVIDIA GPU "
+    "but never serves; lock a CUDA variant for GPU nodes (`llmgw engines lock sglang <version> "
+    "--variant cu129`) and serve CPU profiles with vLLM or llama.cpp"
+)
+
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,126}[A-Za-z0-9])?")
 _VERSION = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.+!_-]{0,62}[A-Za-z0-9])?")
 _VARIANT = re.compile(r"[a-z0-9][a-z0-9._-]{0,31}")

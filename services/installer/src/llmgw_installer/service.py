@@ -52,8 +52,10 @@ from . import ospkg
 from .archive import Limits
 from .checks import missing_libraries
 from .engines import configured_engines
-from .envs import ENV_ENGINES, EnvInstallation, remove_unwanted, wanted_dir
+from .envs import ENV_ENGINES, EnvInstallation, digest, lock_of, remove_unwanted, wanted_dir
 from .pipeline import Installation, InstallContext, Ldd, clean_staging
+from .sharing import WheelShare
+from .wheels import remove_unwanted_wheels
 
 log = logging.getLogger("llmgw.installer")
 tracer = trace.get_tracer("llmgw.installer")
@@ -181,6 +183,9 @@ class Installer:
         self.failures = 0
         self.metrics_port = 0
         self.root = engines_root(config.state_dir)
+        self.node = config.node
+        # Engine wheels shared between nodes: its claims, what it holds, its wheel server.
+        self.wheels = WheelShare(config.node, bus, self.root / ".wheels", self._report_wheels)
         self.packages = ospkg.detect() if packages is True else (packages or None)
         self.http_timeout_s = http_timeout_s
         self.retry_backoff_s = retry_backoff_s
@@ -229,9 +234,23 @@ class Installer:
             install=self.install_words,
             warnings=warnings_for(self.facts, self.engines),
             updated_at=now(),
+            wheels=await anyio.to_thread.run_sync(self.wheels.held),
         )
         await self.bus.put(self.bus.names.nodes_bucket, self.config.node, status)
         return status
+
+    async def _report_wheels(self) -> None:
+        """The node's status again, for the wheels it claims or serves (once it has facts to say)."""
+        if self.facts is not None:
+            await self._status()
+
+    async def serve_wheels(
+        self, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The node's wheel server on its `mgmt_addr` (`sharing.py`), until cancelled."""
+        config = self.config
+        host = await anyio.to_thread.run_sync(advertised_address, config.mgmt_addr, config.mgmt_iface)
+        await self.wheels.serve(host, self._lock, task_status=task_status)
 
     async def _progress(self, progress: InstallProgress) -> None:
         log.info("%s", progress.message)
@@ -328,6 +347,7 @@ class Installer:
                 version_timeout_s=self.version_timeout_s,
                 limits=self.limits,
                 ldd=self.ldd,
+                wheels=self.wheels,
             )
             for spec in pending:
                 state = await self._install(spec, ctx)
@@ -351,6 +371,10 @@ class Installer:
             removed = await anyio.to_thread.run_sync(remove_unwanted, self.root, wanted)
             if removed:
                 log.info("removed engine environments no longer wanted: %s", ", ".join(removed))
+            locks = {digest(lock) for spec in pending if spec.name in ENV_ENGINES and (lock := lock_of(spec))}
+            gone = await anyio.to_thread.run_sync(remove_unwanted_wheels, self.root / ".wheels", locks)
+            if gone:
+                log.info("removed engine wheels no longer wanted: %s", ", ".join(gone))
         self.probed_at = now()
         await self.bus.publish(
             names.node_engines(node),
@@ -460,6 +484,10 @@ class Installer:
                     advertised_address(self.config.mgmt_addr, self.config.mgmt_iface),
                     self.config.installer_metrics_port,
                 )
+            try:
+                await tg.start(self.serve_wheels)
+            except OSError as exc:  # the node installs all the same; its peers go to the index
+                log.warning("not serving engine wheels to other nodes: %s", exc)
             await self.converge_once()
             tg.start_soon(self._watch_desired)
             tg.start_soon(self._watch_weights)
