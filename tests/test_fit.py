@@ -13,7 +13,7 @@ from llmgw_core.engines import GPUInfo, Profile
 from llmgw_core.fit import FitError, ModelShape, check, estimate, read_shape
 from tests.engine_memory import llama_memory, vllm_memory
 from tests.test_launcher_llamacpp import llama_bin
-from tests.test_vllm_real import vllm_bin_dir
+from tests.test_vllm_real import needs_vllm_wheels
 from tests.tiny_hf import write_tiny_hf_llama
 from tests.tiny_model import write_tiny_llama
 
@@ -229,7 +229,7 @@ def test_the_estimate_is_within_10_percent_of_llama_cpps_buffers(
 @pytest.mark.real_vllm
 @pytest.mark.timeout(1200)
 def test_the_estimate_is_within_10_percent_of_what_vllm_loads(tmp_path: Path) -> None:
-    vllm_bin_dir()  # skips where vLLM is not installed (fails under CI)
+    needs_vllm_wheels()  # skips where vLLM is not installed (fails under CI)
     model = write_tiny_hf_llama(tmp_path / "tiny-llama")
     real = vllm_memory(model, dtype="bfloat16", max_model_len=256)
     est = estimate(read_shape(model), profile("vllm", "--dtype", "bfloat16", "--max-model-len", "256"))

@@ -122,7 +122,15 @@ class Big:
 
 
 def test_a_shard_starts_through_its_hooks_in_order() -> None:
-    assert [hook.name for hook in start.START] == ["validate", "model", "weights", "ports", "spawn", "health"]
+    assert [hook.name for hook in start.START] == [
+        "validate",
+        "model",
+        "weights",
+        "adapters",
+        "ports",
+        "spawn",
+        "health",
+    ]
 
 
 def test_weights_progress_is_what_the_audit_expects_in_the_bucket(tmp_path: Path) -> None:

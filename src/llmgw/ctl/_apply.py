@@ -16,13 +16,14 @@ from typing import Any
 
 import msgspec
 
+from llmgw_core.adapter_rules import adapters_problem, all_adapters, deployment_meets_adapters, folded
 from llmgw_core.engines import Profile
 from llmgw_core.events import Deployment, EngineSpec
 from llmgw_core.limits import engine_problem, profile_problem
 from llmgw_core.validate import names_problems
 from llmgw_placement.config import ServerConfig
 
-SECTIONS = ("engines", "catalog", "deployments")
+SECTIONS = ("engines", "catalog", "deployments", "adapters")
 # Fields that say who wrote a value, not what it asks for.
 _BOOKKEEPING = frozenset({"traceparent"})
 
@@ -40,12 +41,14 @@ class Live:
     def value(self, kind: str, name: str) -> Any:
         if kind == "engines":
             return self.engines
+        if kind == "adapter":
+            return all_adapters(self.catalog).get(name)
         return (self.catalog if kind == "profile" else self.deployments).get(name)
 
 
 @dataclass(frozen=True)
 class Change:
-    # "engines", "profile" or "deployment".
+    # "engines", "profile", "deployment" or "adapter" (said; written as its base profile).
     kind: str
     name: str
     # "added", "changed", "unchanged", "deleted" (with --prune) or "kept" (live, not in the
@@ -125,10 +128,32 @@ def _diff(
     return out
 
 
+def _with_adapters(
+    config: ServerConfig, named: Collection[str], live: Live, profiles: dict[str, Profile], prune: bool
+) -> dict[str, Profile]:
+    """The profiles to write (`profiles`: the file's catalog, where it names one), each holding
+    the adapters it is to hold. A file that names no `adapters:` leaves the cluster's as they
+    are, on the profiles it rewrites too; one that names them without a `catalog:` rewrites
+    only the bases whose adapters change. What the file omits is deleted only with `prune`."""
+    if "adapters" not in named:
+        return {
+            n: msgspec.structs.replace(p, adapters=live.catalog[n].adapters) if n in live.catalog else p
+            for n, p in profiles.items()
+        }
+    wanted = [a.wire() for a in config.adapters]
+    if not prune:
+        listed = {a.name for a in wanted}
+        wanted += [a for a in all_adapters(live.catalog).values() if a.name not in listed]
+    if "catalog" in named:
+        return folded(profiles, wanted)
+    return {n: p for n, p in folded(live.catalog, wanted).items() if p.adapters != live.catalog[n].adapters}
+
+
 def plan(config: ServerConfig, named: Collection[str], live: Live, *, prune: bool) -> Plan:
     """What applying `config` (its `named` sections only) would change in `live`."""
     changes: list[Change] = []
     profiles = {p.name: p.wire() for p in config.catalog} if "catalog" in named else {}
+    profiles = _with_adapters(config, named, live, profiles, prune)
     deployments = {d.name: d.wire() for d in config.deployments} if "deployments" in named else {}
     if "engines" in named:
         if live.engines is None:
@@ -146,11 +171,21 @@ def plan(config: ServerConfig, named: Collection[str], live: Live, *, prune: boo
             changes.append(Change("engines", "", "unchanged"))
     if "catalog" in named:
         changes += _diff("profile", live.catalog, profiles, prune)
+    elif "adapters" in named:
+        # Only the bases whose adapters change are written.
+        changes += [
+            Change("profile", n, "changed", changed_fields(live.catalog[n], p))
+            for n, p in sorted(profiles.items())
+        ]
+    if "adapters" in named:
+        wanted = {a.name: a.wire() for a in config.adapters}
+        changes += _diff("adapter", all_adapters(live.catalog), wanted, prune)
     if "deployments" in named:
         changes += _diff("deployment", live.deployments, deployments, prune)
     return Plan(
         changes=tuple(changes),
-        absent=tuple(s for s in SECTIONS if s not in named),
+        # Adapters ride on their base profiles: a file without them says nothing of them.
+        absent=tuple(s for s in SECTIONS if s not in named and s != "adapters"),
         engines=config.engines,
         profiles=profiles,
         deployments=deployments,
@@ -220,6 +255,24 @@ def reference_problems(
         left = [d for n, d in sorted(live.deployments.items()) if ("deployment", n) not in deleted]
         for i, problem in names_problems(config.deployments, left):
             problems.append(f"{path}: $.deployments[{i}]: {problem}")
+    # An adapter's base must be in the catalog as applied, and its name routes to nothing else.
+    catalog_after = {
+        n: p for n, p in live.catalog.items() if ("profile", n) not in deleted
+    } | the_plan.profiles
+    deployments_after = {
+        n: d for n, d in live.deployments.items() if ("deployment", n) not in deleted
+    } | the_plan.deployments
+    if "adapters" in named:
+        wired = [a.wire() for a in config.adapters]
+        found = adapters_problem(wired, catalog_after, deployments_after.values())
+        if found is not None:
+            problems.append(f"{path}: $.adapters[{found[0]}]: {found[1]}")
+    elif "deployments" in named:
+        held = all_adapters(catalog_after)
+        for i, dep in enumerate(config.deployments):
+            problem = deployment_meets_adapters(dep, held)
+            if problem:
+                problems.append(f"{path}: $.deployments[{i}]: {problem}")
     # A deployment the file leaves alone must not lose its profile to --prune.
     for name, stored in sorted(live.deployments.items()):
         kept = name not in the_plan.deployments and ("deployment", name) not in deleted

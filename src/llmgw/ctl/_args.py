@@ -48,8 +48,12 @@ KINDS = {
     "shard": "shard",
     "profiles": "profile",
     "profile": "profile",
+    "adapters": "adapter",
+    "adapter": "adapter",
 }
-DESCRIBED = {name: kind for name, kind in KINDS.items() if kind in ("deployment", "node", "profile")}
+DESCRIBED = {
+    name: kind for name, kind in KINDS.items() if kind in ("deployment", "node", "profile", "adapter")
+}
 OUTPUTS = ["wide", "json", "yaml", "name"]
 
 
@@ -184,7 +188,7 @@ def add_parser(sub: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
         "--force", action="store_true", help="write over records stored after the backup was taken"
     )
     p_delete = add("delete", "delete a deployment (its replicas stop), or forget a lost node")
-    p_delete.add_argument("kind", choices=["deployment", "node"])
+    p_delete.add_argument("kind", choices=["deployment", "node", "adapter"])
     names(p_delete.add_argument("name"), "@KIND")
     for verb, text in (
         ("cordon", "keep new replicas off a node; its replicas keep running"),

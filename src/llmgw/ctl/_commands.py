@@ -17,6 +17,7 @@ import nats.errors
 from opentelemetry import trace
 
 from llmgw_core.access import PermissionDenied
+from llmgw_core.adapter_rules import all_adapters, deployment_meets_adapters
 from llmgw_core.bus import Bus
 from llmgw_core.engines import Profile, ShardSpec
 from llmgw_core.errors import BusError, ConfigError, StoreFull
@@ -381,7 +382,7 @@ async def request_replicas(bus: Bus, dep: Deployment, verb: str) -> str:
         raise Refused(problem)
     # A name that is another deployment's alias would take its traffic, and its keys' scope.
     others = await read.values(bus, bus.names.deployments_bucket, Deployment)
-    problem = names_problem(dep, others.values())
+    problem = names_problem(dep, others.values()) or deployment_meets_adapters(dep, all_adapters(catalog))
     if problem:
         raise Refused(f"{problem}; nothing was written")
     seen: list[DeploymentStatus] = []
@@ -819,6 +820,14 @@ async def _dispatch(bus: Bus, args: argparse.Namespace) -> str | None:
     if cmd == "explain":
         check_name("deployment", args.deployment)
         return await explain(bus, args.deployment)
+    if cmd in ("get", "describe", "delete") and KINDS.get(args.kind) == "adapter":
+        from . import _adapters
+
+        if args.name or cmd != "get":
+            check_name("adapter", args.name)
+        if cmd == "get":
+            return await _adapters.get(bus, args.name or "", args.output or "")
+        return await (_adapters.describe if cmd == "describe" else _adapters.delete)(bus, args.name)
     if cmd == "get":
         return await get(bus, KINDS[args.kind], args.name or "", args.output or "")
     if cmd == "describe":
@@ -968,6 +977,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, follows: bool, refusals: _Refusals) -> int:
 
     async def main() -> str | None:
+        if args.ctl == "get" and args.watch and KINDS[args.kind] == "adapter":
+            raise UsageError("`get adapters` has no --watch: watch their bases with `get profiles -w`")
         if args.ctl == "apply":
             # The file first: a broken one is said as such, with or without a cluster to reach.
             try:

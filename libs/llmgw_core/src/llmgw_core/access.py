@@ -21,7 +21,8 @@ whose rights nats-server itself enforces, subject by subject:
                 publishes its demand (`<prefix>.demand.<gateway>`, plain NATS) and
                 its judgements of replicas (`<prefix>.judgement.<gateway>`)
     node-<id>   one per node, shared by its installer and launcher: writes only its
-                own status, shard statuses, heartbeats and events; reads the desired
+                own status, shard statuses, heartbeats and events, and the routing
+                bucket (what its vLLM replicas' engines hold); reads the desired
                 engines, only its own shard specs and shard statuses, and its own
                 heartbeats; answers requests for its own shards' logs (only `ctl`
                 may ask: logs can quote secrets); asks and answers the other nodes
@@ -148,6 +149,10 @@ def _node_publish(names: Names, node: str, need: Needs) -> list[str]:
         f"{p}.heartbeat.{node}.*",
         f"{p}.events.node.{node}.>",
         f"{p}.events.shard.{node}.>",
+        # Its launcher relays what its replicas' engines hold (their KV events) into the
+        # routing bucket: a wrong value costs routing choices, never an answer.
+        f"$KV.{names.routing_bucket}.>",
+        f"$JS.API.STREAM.INFO.{kv_stream(names.routing_bucket)}",
         # It waits for the streams it uses (`bus.require_streams`).
         *(f"$JS.API.STREAM.INFO.{s}" for s in need.requires if s not in need.reads),
         *(rule for s in need.reads for rule in _read_all(s)),

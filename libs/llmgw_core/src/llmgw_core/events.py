@@ -18,6 +18,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 # Names and ids that become subject or key tokens: their rules are in `llmgw_core.limits`.
+from .adapters import ADAPTERS_MAX, Adapter, ServedAdapter
 from .limits import Aliases, Name, Token
 from .sources import ModelRef, ModelSource, SourceError, node_file, parse_model, staged_key, weights_key
 
@@ -127,6 +128,12 @@ class Profile(Struct, frozen=True, kw_only=True):
     health_timeout_s: float = 900.0
     # The sha256 an https:// `model` must have.
     model_sha256: str = ""
+    # LoRA adapters served on this profile's replicas (`llmgw_core.adapters`), sorted by name:
+    # each node stages their files, and the engine loads them beside the base.
+    adapters: Annotated[tuple[Adapter, ...], Meta(max_length=ADAPTERS_MAX)] = ()
+    # vLLM: publish the engine's KV cache events (on a port of the node's range) for the
+    # launcher to relay what each replica holds into the routing state (docs/gateway.md).
+    kv_events: bool = False
 
     @property
     def model_ref(self) -> ModelRef:
@@ -189,7 +196,7 @@ class Profile(Struct, frozen=True, kw_only=True):
         return hashlib.sha256(msgspec.json.encode(fields, order="sorted")).hexdigest()[:16]
 
 
-_LATE_DEFAULTS: dict[str, object] = {"model_sha256": ""}
+_LATE_DEFAULTS: dict[str, object] = {"model_sha256": "", "adapters": (), "kv_events": False}
 
 
 class Member(Struct, frozen=True, kw_only=True):
@@ -724,6 +731,11 @@ class ShardStatus(Message, frozen=True):
     # The last failure as fields (`last_failure` holds the same as text, for readers that
     # predate them); None while there is none.
     failure: ShardFailure | None = None
+    # The profile's LoRA adapters the node refused, one line each ("adapter legal refused: …
+    # not an adapter"): the engine runs without them (docs/adapters.md).
+    adapters_refused: Annotated[tuple[str, ...], Meta(max_length=ADAPTERS_MAX)] = ()
+    # The adapters its engine loaded, in the order it numbers them (llama.cpp's `lora` ids).
+    adapters: Annotated[tuple[ServedAdapter, ...], Meta(max_length=ADAPTERS_MAX)] = ()
 
 
 # --- deployments and replicas -------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection
-from typing import Annotated
+from typing import Annotated, Protocol
 
 from msgspec import Meta
 
@@ -204,3 +204,13 @@ def document_problem(
     except yaml.YAMLError:
         return None
     return None
+
+
+class Routed(Protocol):
+    """A deployment as its names go: a stored `Deployment`, or one in a server.yaml."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def aliases(self) -> tuple[str, ...]: ...

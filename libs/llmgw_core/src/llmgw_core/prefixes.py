@@ -10,9 +10,10 @@ MAX_HELD_BLOCKS hashes, a whole number of them.
 from __future__ import annotations
 
 import sys
+import zlib
 from array import array
-from collections.abc import Iterable
-from typing import Annotated
+from collections.abc import Iterable, Sequence
+from typing import Annotated, Literal
 
 from msgspec import Meta
 
@@ -33,6 +34,12 @@ class RoutingHeld(Message, frozen=True):
     gateway: Token
     blocks: Annotated[bytes, Meta(max_length=MAX_HELD_BLOCKS * BLOCK_BYTES)] = b""
     at: float = 0.0
+    # "engine": written by the replica's launcher from its engine's own KV events (`gateway`
+    # then names the launcher): the blocks it holds, hashed by `token_block_hash` over
+    # `block_tokens` token ids each, least recently stored first. It replaces what the
+    # gateways routed there ("routed", hashes of prompt text).
+    source: Literal["routed", "engine"] = "routed"
+    block_tokens: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
 
     def __post_init__(self) -> None:
         if len(self.blocks) % BLOCK_BYTES:
@@ -54,3 +61,20 @@ def pack(hashes: Iterable[int]) -> bytes:
     if sys.byteorder != "little":
         out.byteswap()
     return out.tobytes()
+
+
+def token_seed(deployment: str) -> int:
+    """The chained hash before a prompt's first token block (`token_block_hash`)."""
+    seed = b"tokens\0" + deployment.encode("utf-8", "surrogatepass") + b"\0"
+    return zlib.crc32(seed) << 32 | zlib.adler32(seed)
+
+
+def token_block_hash(prev: int, token_ids: Sequence[int]) -> int:
+    """The hash of a block of token ids (each below 2**32) following the blocks whose hash is
+    `prev`: the CRC-32 and Adler-32 of every token before and in it, little-endian uint32s,
+    carried on (as the gateways hash prompt text), the same in every process."""
+    data = array("I", token_ids)
+    if sys.byteorder != "little":
+        data.byteswap()
+    raw = data.tobytes()
+    return zlib.crc32(raw, prev >> 32) << 32 | zlib.adler32(raw, prev & 0xFFFFFFFF)

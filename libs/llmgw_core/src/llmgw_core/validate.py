@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Protocol
 
+from .adapter_rules import profile_adapters_problem
 from .events import Autoscale, Deployment, Profile
-from .limits import aliases_problem, key_problem, name_problem, replicas_problem, shown
+from .limits import Routed, aliases_problem, key_problem, name_problem, replicas_problem, shown
 
 __all__ = [
     "DEFAULT_MAX_REPLICAS",
@@ -88,7 +88,7 @@ def check_profile(key: str, profile: Profile) -> str | None:
             f"key {key} holds a profile named {profile.name}: a profile is stored under its own name "
             f"(write it to key {profile.name}, and delete key {key})"
         )
-    return None
+    return profile_adapters_problem(profile)
 
 
 # --- the names a client sends ------------------------------------------------------------------
@@ -99,16 +99,6 @@ def check_profile(key: str, profile: Profile) -> str | None:
 # serves, or fails to serve, what its aliases promise, and a key scoped to a name was matched
 # against the alias and reached the other deployment. So every writer refuses a deployment
 # whose names meet another's, naming both.
-
-
-class Routed(Protocol):
-    """A deployment as its names go: a stored `Deployment`, or one in a server.yaml."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def aliases(self) -> tuple[str, ...]: ...
 
 
 class _Routes:

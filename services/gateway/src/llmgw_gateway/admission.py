@@ -57,6 +57,8 @@ class Admitted(NamedTuple):
     estimate: Estimate
     # The usage chunk of its streamed answer is taken out: the client did not ask for it.
     strip: bool
+    # The LoRA adapter of `deployment` it asks for (`model` names it); "" for the base.
+    adapter: str = ""
 
 
 class Refusal(NamedTuple):
@@ -115,7 +117,15 @@ def admit(
     payload, model = parsed
     table = tables.table
     deployment = resolve(table, key, model)
+    adapter, holding = "", None
     if deployment is None:
+        held = table.adapters.holders(model)
+        if held is not None and adapter_allowed(key, model):
+            (deployment, holding), adapter = held, model
+    if deployment is None:
+        scoped = adapter_scoped(table, key, model)
+        if scoped is not None:
+            return Refusal(403, scoped, "permission_error", "model_not_allowed", "forbidden")
         return Refusal(
             404, unknown_model(table, model, key), "invalid_request_error", "model_not_found", "unknown_model"
         )
@@ -125,6 +135,9 @@ def admit(
         return Refusal(
             400, unsupported, "invalid_request_error", "unsupported_endpoint", "unsupported_path", deployment
         )
+    if holding is not None:
+        # Only a replica whose engine loaded the adapter may answer for it.
+        unserved = unserved | frozenset(k for k, _ in table.of(deployment) if k not in holding)
     spends = estimate(payload, len(body), path)
     # A streamed answer's usage comes in its last chunk, where the engine is asked for it;
     # the client sees that chunk only if it asked too.
@@ -136,7 +149,7 @@ def admit(
             extra = options if isinstance(options, dict) else {}
             payload = {**payload, "stream_options": {**extra, "include_usage": True}}
             body = json.dumps(payload).encode()
-    return Admitted(key, payload, body, model, deployment, unserved, spends, strip)
+    return Admitted(key, payload, body, model, deployment, unserved, spends, strip, adapter)
 
 
 def parsed_body(body: bytes, max_json_depth: int) -> tuple[dict[str, Any], str] | BadBody:
@@ -191,6 +204,42 @@ def unknown_model(table: Table, model: str, key: ApiKey) -> str:
         "none (no deployment exists yet)" if not key.models or not table.known() else "none"
     )
     return f"model {shown(model)} is not served here; known models: {known}"
+
+
+def adapter_allowed(key: ApiKey, adapter: str) -> bool:
+    """Whether `key` may call `adapter`: a key made for some models calls an adapter only where
+    it names it; a key for its base deployment does not reach it, nor one for another adapter."""
+    return not key.models or adapter in key.models
+
+
+def adapter_scoped(table: Table, key: ApiKey, model: str) -> str | None:
+    """Why a key scoped to adapters is refused `model` (403), where `model` exists and the key
+    was made for adapters; None otherwise (an unknown model, or a key of deployments: 404, as
+    ever, the name not confirmed)."""
+    adapters = table.adapters.names()
+    if not key.models or not any(m in adapters for m in key.models):
+        return None
+    if table.resolve(model) is None and model not in adapters:
+        return None
+    allowed = ", ".join(sorted(key.models))
+    return f"this key may call {allowed} only, not {shown(model)}; ask for a key that names it"
+
+
+def model_objects(table: Table, key: ApiKey) -> list[dict[str, Any]]:
+    """`/v1/models`: the deployments `key` may call, then the adapters it may call, each with
+    the deployment serving it as `parent` (as OpenAI's and vLLM's model objects have it)."""
+    data = [model_object(table, name) for name in visible(table, key)]
+    for adapter in table.adapters.names():
+        held = table.adapters.holders(adapter)
+        if held is None or not adapter_allowed(key, adapter):
+            continue
+        deployment, holding = held
+        ready = sum(1 for k, _ in table.ready(deployment) if k in holding)
+        data.append(
+            {"id": adapter, "object": "model", "created": 0, "owned_by": "llmgw", "parent": deployment}
+            | {"ready_replicas": ready}
+        )
+    return data
 
 
 def model_object(table: Table, name: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from llmgw_core.events import ReplicaRecord
+from llmgw_core.subjects import Names
 
 from .admission import unserved_by
 from .continuation import CONTINUED_PATHS, MAX_HELD_BYTES, ContinuationError
@@ -58,7 +59,12 @@ class Replicas:
     async def send(self, method: str, record: ReplicaRecord, path: str, routed: Routed) -> Answer:
         served = await self.names.of(record)
         content = routed.body
-        if served is not None and served != routed.model:
+        lora = None
+        if routed.adapters is not None:
+            lora = routed.adapters.lora(Names.replica_key(record.deployment, record.replica), routed.adapter)
+        if lora is not None:
+            content = json.dumps({**routed.payload, "model": served or routed.model, "lora": lora}).encode()
+        elif served is not None and served != routed.model:
             content = json.dumps({**routed.payload, "model": served}).encode()
         return await self.upstream.request(method, record.url, path, content, routed.headers)
 

@@ -84,6 +84,9 @@ class ExpressLane:
         admitted = admit(lane.headers, bytes(lane.body), path, self.tables, loaded=True, now=now)
         if not isinstance(admitted, Admitted) or admitted.unserved or admitted.payload.get("stream") is True:
             return False
+        # A request to replicas with LoRA adapters names their scales (attempts.Replicas.send).
+        if admitted.adapter or self.table.adapters.any_on(admitted.deployment):
+            return False
         key, payload, body, model, deployment = admitted[:5]
         reservation = self.budgets.reserve_at_once(key, admitted.estimate, now)
         if reservation is None:

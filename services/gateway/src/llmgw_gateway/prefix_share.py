@@ -67,6 +67,10 @@ class Sharing:
     written: dict[str, float] = field(default_factory=dict)
     # Values for replicas the table does not know: (when read, the value), oldest first.
     pending: OrderedDict[str, tuple[float, RoutingHeld]] = field(default_factory=OrderedDict)
+    # What each replica's engine says it holds (source `engine`, from its launcher's relay of
+    # its KV events): token-block hashes, least recently stored first. Such a replica's key
+    # is its launcher's to write: no gateway writes its routed blocks over it.
+    engine: dict[str, RoutingHeld] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.table.recorded = self.routed
@@ -79,6 +83,7 @@ class Sharing:
         self.dirty.discard(key)
         self.written.pop(key, None)
         self.pending.pop(key, None)
+        self.engine.pop(key, None)
         self.gone.add(key)
 
     def read(self, key: str, value: RoutingHeld | None, now: float) -> str:
@@ -86,6 +91,7 @@ class Sharing:
         replica is known and it is not this gateway's own, else kept aside. What was done."""
         if value is None:
             self.pending.pop(key, None)
+            self.engine.pop(key, None)
             return "deleted"
         if value.gateway == self.writer and self.written.get(key) == value.at:
             return "own"
@@ -99,6 +105,22 @@ class Sharing:
         return "learned"
 
     def learn(self, key: str, value: RoutingHeld) -> None:
+        if value.source == "engine":
+            # The engine's word replaces the routed guess, whole (a removal or a clear
+            # included): bounded as a value is, the newest `replica_blocks` kept.
+            held = value.hashes()[-self.table.prefixes.per_replica :]
+            self.engine[key] = RoutingHeld(
+                gateway=value.gateway,
+                blocks=pack(held),
+                at=value.at,
+                source="engine",
+                block_tokens=value.block_tokens,
+            )
+            self.dirty.discard(key)
+            return
+        if key in self.engine:
+            # A gateway's routed value written before the engine's came: the engine's holds.
+            return
         per_replica = self.table.prefixes.per_replica
         self.table.prefixes.learn(key, value.hashes()[-per_replica:])
 
@@ -120,7 +142,7 @@ class Sharing:
                 gone.add(key)
         puts = []
         for key in sorted(dirty):
-            if key in self.table.replicas:
+            if key in self.table.replicas and key not in self.engine:
                 value = RoutingHeld(gateway=self.writer, blocks=pack(self.table.prefixes.recent(key)), at=now)
                 self.written[key] = now
                 puts.append((key, value))

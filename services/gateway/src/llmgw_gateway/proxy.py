@@ -57,10 +57,10 @@ from .admission import (
     admit,
     identify,
     model_object,
+    model_objects,
     parsed_body,
     resolve,
     unknown_model,
-    visible,
 )
 from .attempts import Attempts, Replicas
 from .budgets import Budgets, Limited
@@ -271,8 +271,7 @@ class Proxy:
         key = await self._models_key(request)
         if isinstance(key, JSONResponse):
             return key
-        data = [model_object(self.table, name) for name in visible(self.table, key)]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": model_objects(self.table, key)})
 
     async def model(self, request: Request) -> Response:
         """One model, by a deployment's name or alias, as OpenAI's `GET /v1/models/{model}`."""
@@ -360,6 +359,8 @@ class Proxy:
             prompt_blocks(self.table.routing, deployment, path, payload),
             reservation,
             strip=admitted.strip,
+            adapter=admitted.adapter,
+            adapters=self.table.adapters,
         )
         return await self._send(request, routed, admitted.unserved)
 

@@ -14,6 +14,7 @@ from opentelemetry import trace
 from llmgw_core.events import ReplicaRecord
 from llmgw_core.keys import ApiKey
 
+from .adapters import AdapterIndex
 from .answer import Answer, UpstreamError
 from .budgets import Reservation
 
@@ -49,3 +50,7 @@ class Routed:
     decided: bool = False
     # The deadline of the next read of an answer the lane waits for whole (`express.waits_whole`).
     wait: asyncio.TimerHandle | None = None
+    # The LoRA adapter asked for ("" for the base), and the index that says each replica's
+    # adapters: a replica with any is sent the `lora` field (adapters.py).
+    adapter: str = ""
+    adapters: AdapterIndex | None = None

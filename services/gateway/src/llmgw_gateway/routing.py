@@ -77,6 +77,7 @@ from typing import Any
 from llmgw_core import failures
 from llmgw_core.events import Deployment, DeploymentStatus, ReplicaRecord, ShardStatus
 
+from .adapters import AdapterIndex
 from .config import RoutingConfig
 from .outliers import Outliers
 from .prefix_index import PrefixIndex
@@ -263,6 +264,8 @@ class Table:
     # deployments, or of which deployments have records.
     _known: list[str] | None = field(default=None, init=False, repr=False)
     _alias_of: dict[str, str] | None = field(default=None, init=False, repr=False)
+    # The LoRA adapters each replica's engine loaded, from the shard statuses (adapters.py).
+    adapters: AdapterIndex = field(default_factory=AdapterIndex)
 
     def __post_init__(self) -> None:
         self.prefixes = PrefixIndex(self.routing.index_blocks, self.routing.replica_blocks)
@@ -278,6 +281,7 @@ class Table:
 
     def set_shard_status(self, key: str, status: ShardStatus | None) -> None:
         """A shard's status changed: its engine's load counts while it is ready and says one."""
+        self.adapters.observe(key, status)
         load = None if status is None or status.state != "ready" else status.load
         if load is None:
             self.engine_loads.pop(key, None)

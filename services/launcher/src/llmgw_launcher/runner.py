@@ -28,6 +28,7 @@ import msgspec
 from opentelemetry import trace
 
 from llmgw_core import failures
+from llmgw_core.adapters import ServedAdapter
 from llmgw_core.engines import Engine, ShardSpec
 from llmgw_core.events import EngineLoad, ShardFailure, ShardState, ShardStatus, now
 from llmgw_core.redact import scrub, secret_values
@@ -35,11 +36,11 @@ from llmgw_core.retry import Backoff
 from llmgw_core.telemetry import context_from
 
 from . import oom, procs
-from .attempt import Failure, Proc
+from .attempt import Attempt, Failure, Proc
 from .context import Context
 from .load import LOAD_METRICS, LoadMetrics, Scraper, changed, parse_load
 from .records import RecordError, ShardRecord
-from .start import START, Attempt, engine_for, healthy
+from .start import START, engine_for, healthy
 
 Args = TypeVarTuple("Args")
 
@@ -88,6 +89,9 @@ class ShardRunner:
         # The last status this runner published (None before its first): what the status
         # bucket should hold for this shard.
         self.status: ShardStatus | None = None
+        # The profile's adapters this node refused, in words (`adapters.AdaptersHook`).
+        self.adapters_refused: tuple[str, ...] = ()
+        self.adapters_served: tuple[ServedAdapter, ...] = ()
 
     # --- publishing ----------------------------------------------------------
 
@@ -156,6 +160,8 @@ class ShardRunner:
             last_failure_at=failure.at if failure is not None else 0.0,
             load=self.load if state == "ready" else None,
             failure=failure,
+            adapters_refused=self.adapters_refused,
+            adapters=self.adapters_served,
         )
         return status
 

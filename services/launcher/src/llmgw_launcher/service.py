@@ -17,6 +17,7 @@ runner starts its shard with the hooks of `start`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ import anyio.abc
 from llmgw_core.bus import Bus, require_streams
 from llmgw_core.claims import Holder, hold
 from llmgw_core.config import AgentConfig
-from llmgw_core.engines import GPUInfo, ModelSource, Registry, ShardSpec
+from llmgw_core.engines import GPUInfo, ModelSource, Registry, ShardSpec, SourceError
 from llmgw_core.errors import BusError
 from llmgw_core.events import ShardStatus, encode
 from llmgw_core.limits import key_problem
@@ -40,6 +41,7 @@ from .context import Context
 from .engines import InstalledBuilds, registry_for
 from .evictions import Evictions
 from .health import HealthProber
+from .kv_relay import KVRelay
 from .load import Scraper
 from .logs import LogsServer
 from .metrics import LauncherMetrics
@@ -168,6 +170,12 @@ class Launcher:
             self.workers,
             self.ctx.environ,
         )
+        # What its replicas' engines say they hold (vLLM's KV events), into the routing state.
+        self.kv_relay = KVRelay(
+            bus,
+            f"launcher-{self.node}",
+            lambda: {k: h.runner.spec_with_port() for k, h in self.handles.items()},
+        )
 
         self.peers: Peers | None = None
         if config.weights_peers and self.ctx.weights is not None:
@@ -204,6 +212,10 @@ class Launcher:
             source = spec.profile.model_ref.source
             if source is not None:
                 sources.append(source)
+            # Its LoRA adapters' files too (one that cannot be staged is refused by its hook).
+            for adapter in spec.profile.adapters:
+                with contextlib.suppress(SourceError):
+                    sources.append(adapter.model_source)
         return sources
 
     # --- reconcile ------------------------------------------------------------
@@ -253,6 +265,7 @@ class Launcher:
             if self.config.launcher_metrics_port:
                 await tg.start(self.metrics.run, self.config.mgmt_addr, self.config.launcher_metrics_port)
             await tg.start(self.logs.run)
+            await tg.start(self.kv_relay.run)
             tg.start_soon(self._reconcile_on_change)
             task_status.started()
             # The watch only records what is desired and wakes the reconciler: specs that

@@ -1,4 +1,4 @@
-"""A shard's start as hooks, run in order: validate, model, weights, ports, spawn, health.
+"""A shard's start as hooks, run in order: validate, model, weights, adapters, ports, spawn, health.
 
 Each hook has one job and one method: `run(runner, attempt)` returns None to go on, or
 the `Failure` that ends the attempt (the runner then stops what was started and retries
@@ -6,17 +6,14 @@ with backoff where the failure allows). What a hook learns for the hooks after i
 engine, the model's path) goes on the `Attempt`. The runner owns the shard's state (its
 port, processes, statuses, record); the hooks act through it.
 
-    validate -> model -> weights -> ports -> spawn -> health    (then the runner says ready)
+    validate -> model -> weights -> adapters -> ports -> spawn -> health    (then ready)
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVarTuple
 from urllib.parse import urlsplit
 
 import anyio
@@ -27,76 +24,20 @@ from llmgw_core.engines import (
     Address,
     Command,
     Engine,
-    ShardSpec,
     SourceError,
     UnknownEngineError,
     extra_ports_needed,
 )
-from llmgw_core.events import ShardState
 
 from . import oom, ports, procs
-from .attempt import Failure, Proc, bounded
-from .context import Context
+from .adapters import AdaptersHook
+from .attempt import Attempt, Failure, Proc, Runner, StartHook, bounded
 from .weights import WeightsError
-
-Args = TypeVarTuple("Args")
 
 # While an engine loads, its health is probed this often: the delay it adds to "ready".
 LOADING_PROBE_S = 0.1
 # While a command waits for an address to accept connections, it is tried this often.
 WAIT_FOR_PROBE_S = 0.2
-
-
-@dataclass
-class Attempt:
-    """What the hooks of one start have learnt, for the hooks after them."""
-
-    engine: Engine | None = None
-    # The path the engine reads the model at (the node's staged copy, or the profile's own).
-    model_path: str = ""
-
-    def need_engine(self) -> Engine:
-        assert self.engine is not None, "the validate hook runs first"
-        return self.engine
-
-
-class Runner(Protocol):
-    """What the hooks use of the shard's runner (`runner.ShardRunner`): its shard and state,
-    and the steps that publish, record and watch the shard's processes."""
-
-    key: str
-    spec: ShardSpec
-    ctx: Context
-    procs: list[Proc]
-    restarts: int
-    port: int
-    owns_port: bool
-    extra_ports: tuple[int, ...]
-    leader_url: str
-
-    def set_state(self, state: ShardState, reason: str = "", retryable: bool = True) -> None: ...
-
-    def progress(self, state: ShardState, words: str) -> None: ...
-
-    async def save(self, ready: bool = False) -> Failure | None: ...
-
-    async def until_exit(
-        self, work: Callable[[*Args], Awaitable[Failure | None]], *args: *Args
-    ) -> Failure | None: ...
-
-    async def exit_failure(self, reason: str, proc: Proc | None = None) -> Failure: ...
-
-    def first_exit(self) -> str | None: ...
-
-    def spec_with_port(self) -> ShardSpec: ...
-
-    def url(self) -> str: ...
-
-
-class StartHook(Protocol):
-    name: str
-
-    async def run(self, runner: Runner, attempt: Attempt) -> Failure | None: ...
 
 
 async def engine_for(runner: Runner) -> tuple[Engine | None, Failure | None]:
@@ -244,6 +185,10 @@ class SpawnHook:
             spec = msgspec.structs.replace(
                 spec, profile=msgspec.structs.replace(spec.profile, model_path=attempt.model_path)
             )
+        if attempt.adapters is not None:
+            spec = msgspec.structs.replace(
+                spec, profile=msgspec.structs.replace(spec.profile, adapters=attempt.adapters)
+            )
         commands = engine.commands(spec, runner.ctx.environ)
         runner.set_state("starting")
         for i, cmd in enumerate(commands):
@@ -389,6 +334,7 @@ START: tuple[StartHook, ...] = (
     ValidateHook(),
     ModelHook(),
     WeightsHook(),
+    AdaptersHook(),
     PortsHook(),
     SpawnHook(),
     HealthHook(),

@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from llmgw_core.adapter_rules import adapters_problem, folded
+from llmgw_core.adapters import Adapter
 from llmgw_core.config import NatsConfig
 from llmgw_core.engines import Profile
 from llmgw_core.events import Autoscale, Deployment, EngineSpec
@@ -44,6 +46,13 @@ class DeploymentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         fields = msgspec.structs.asdict(self)
         fields["autoscale"] = self.autoscale.wire() if self.autoscale is not None else None
         return Deployment(**fields)
+
+
+class AdapterConfig(Adapter, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An adapter in server.yaml (`adapters:`): a typo (`sacle: 2`) is an error here."""
+
+    def wire(self) -> Adapter:
+        return Adapter(**msgspec.structs.asdict(self))
 
 
 class AutoscalerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -92,6 +101,8 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     fabrics: dict[str, FabricConfig] = {}
     catalog: tuple[ProfileConfig, ...] = ()
     deployments: tuple[DeploymentConfig, ...] = ()
+    # LoRA adapters, each on its base profile of the catalog (docs/adapters.md).
+    adapters: tuple[AdapterConfig, ...] = ()
     heartbeat_interval_s: float = 1.0
     node_timeout_s: float = 5.0
     http: HttpConfig = HttpConfig()
@@ -128,3 +139,19 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
         found = deployments_problem(self.deployments)
         if found is not None:
             raise ValueError(f"{found[1]} - at `$.deployments[{found[0]}]`")
+        for i, profile in enumerate(self.catalog):
+            if profile.adapters:
+                raise ValueError(
+                    f"profile {profile.name}: adapters are listed under `adapters:`, each with its "
+                    f"`base:` - at `$.catalog[{i}].adapters`"
+                )
+        # Against the file's own catalog where it has one; a file of adapters alone (`ctl apply`)
+        # is checked against the cluster's catalog when it is applied.
+        found = adapters_problem(self.adapters, self.profiles(), self.deployments) if self.catalog else None
+        if found is not None:
+            raise ValueError(f"{found[1]} - at `$.adapters[{found[0]}]`")
+
+    def profiles(self) -> dict[str, Profile]:
+        """The catalog as it is stored: each profile holding the adapters whose base it is."""
+        catalog = {p.name: p.wire() for p in self.catalog}
+        return folded(catalog, (a.wire() for a in self.adapters)) if self.adapters else catalog

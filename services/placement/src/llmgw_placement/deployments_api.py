@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from llmgw_core import failures
+from llmgw_core.adapter_rules import all_adapters, deployment_meets_adapters
 from llmgw_core.engines import Profile
 from llmgw_core.errors import BusError, StoreFull
 from llmgw_core.events import Autoscale, Deployment, ReplicaRecord, decoder
@@ -178,6 +179,8 @@ async def put_deployment(
         return json_response({"error": str(exc)}, 503)
     # A model name routes to one deployment: names that meet another's are refused, naming both.
     problem = names_problem(dep, (c.value for c in others.values() if c.value is not None))
+    # Nor one an adapter holds (its base's deployments serve it under that name).
+    problem = problem or deployment_meets_adapters(dep, all_adapters(service.state.catalog))
     if problem is not None:
         return json_response({"error": f"invalid deployment: {problem}"}, 409)
     last = history[0][0] if history and history[0][1] is not None else 0

@@ -40,8 +40,8 @@ def _digest(value: object) -> str:
 def file_entries(config: ServerConfig) -> dict[str, str]:
     """Each thing server.yaml seeds, by name, with a digest of what it would write."""
     entries = {"engines": _digest(config.engines)}
-    for profile in config.catalog:
-        entries[f"profile {profile.name}"] = _digest(profile.wire())
+    for profile in config.profiles().values():
+        entries[f"profile {profile.name}"] = _digest(profile)
     for dep in config.deployments:
         entries[f"deployment {dep.name}"] = _digest(dep.wire())
     return entries

@@ -178,7 +178,7 @@ class PlacementService:
         with tracer.start_as_current_span("placement: desired engines"):
             desired = DesiredEngines(engines=self.config.engines, traceparent=current_traceparent())
             writes: list[tuple[str, str, msgspec.Struct]] = [(names.config_bucket, ENGINES_KEY, desired)]
-        writes += [(names.catalog_bucket, p.name, p.wire()) for p in self.config.catalog]
+        writes += [(names.catalog_bucket, p.name, p) for p in self.config.profiles().values()]
         writes += [(names.deployments_bucket, d.name, d.wire()) for d in self.config.deployments]
         seeded = []
         for bucket, key, value in writes:

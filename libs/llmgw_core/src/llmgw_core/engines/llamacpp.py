@@ -6,6 +6,7 @@ import os
 
 from msgspec import Struct
 
+from ..adapters import Adapter
 from ..events import GPUInfo, Profile, ShardSpec
 from ._env import generated_env, materialise
 from ._types import BASE_API_PATHS, Address, Command
@@ -125,6 +126,7 @@ class LlamaCpp:
             args += ("-sm", mode, "-ts", ",".join("1" for _ in devices))
         if workers:
             args += ("--rpc", ",".join(str(w) for w in workers))
+        args += lora_args(profile.adapters)
         return [
             Command(
                 name="llama-server",
@@ -134,3 +136,15 @@ class LlamaCpp:
                 wait_for=workers,
             )
         ]
+
+
+def lora_args(adapters: tuple[Adapter, ...]) -> tuple[str, ...]:
+    """`--lora FILE` for each adapter the node staged (a file:// source: the launcher's link to
+    it), in order: llama-server numbers them from 0 so, and the gateway finds each one's number
+    by its file's name (`/lora-adapters`). `--lora-init-without-apply` says none applies unless
+    a request asks; the gateway names every adapter's scale in each request all the same, as
+    this build applies them at their scale to a request that names none."""
+    paths = [a.source.removeprefix("file://") for a in adapters if a.source.startswith("file://")]
+    if not paths:
+        return ()
+    return (*(x for path in paths for x in ("--lora", path)), "--lora-init-without-apply")

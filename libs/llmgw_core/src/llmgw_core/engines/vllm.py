@@ -9,6 +9,7 @@ environment runs the OpenAI server module with its own Python instead.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import re
 from pathlib import Path
@@ -37,6 +38,9 @@ UNIX_PATH_MAX = 107
 NATIVE_MULTINODE_SINCE = (0, 11, 1)
 
 Multinode = Literal["auto", "ray", "native"]
+
+# The topic of a replica's KV events (the launcher subscribes to it).
+KV_TOPIC = "kv-events"
 
 
 class VLLMConfig(Struct, frozen=True, kw_only=True):
@@ -110,6 +114,32 @@ def ray_temp_dir(config: VLLMConfig, shard: ShardSpec) -> str:
     return os.path.join(config.ray_temp_root or RAY_TEMP_ROOT, str(shard.leader().port))
 
 
+def kv_events_wanted(shard: ShardSpec) -> bool:
+    """The replica's leader publishes KV events: the server, where the scheduler runs."""
+    return shard.profile.kv_events and shard.is_leader
+
+
+def kv_events_endpoint(shard: ShardSpec) -> str:
+    """Where the replica's KV events go: the last of its extra ports on the node's own
+    address (the shard's `host`), where the node's launcher listens and vLLM's publisher
+    connects. vLLM binds only a wildcard endpoint (`tcp://*:port`, every interface) and
+    connects to any other; the events carry every prompt's tokens, so they are never offered
+    on every interface. Empty: none."""
+    if not kv_events_wanted(shard) or not shard.extra_ports:
+        return ""
+    return f"tcp://{shard.host}:{shard.extra_ports[-1]}"
+
+
+def kv_events_args(shard: ShardSpec) -> tuple[str, ...]:
+    """vLLM's flags for a profile with `kv_events`: prefix caching on (the events are its),
+    and a ZMQ publisher that connects to the shard's KV events endpoint."""
+    endpoint = kv_events_endpoint(shard)
+    if not endpoint:
+        return ()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": KV_TOPIC}
+    return ("--enable-prefix-caching", "--kv-events-config", json.dumps(config, separators=(",", ":")))
+
+
 class VLLM:
     name = "vllm"
     health_path = "/health"
@@ -159,8 +189,10 @@ class VLLM:
         return errors
 
     def extra_ports(self, shard: ShardSpec) -> int:
-        """A Ray head needs one port of the node's range beyond the HTTP port (its client server)."""
-        return 1 if self._uses_ray(shard) and shard.is_leader else 0
+        """Ports of the node's range beyond the HTTP port: a Ray head's client server, then the
+        KV events publisher of a profile that asks for one (`kv_events`), in that order."""
+        ray = 1 if self._uses_ray(shard) and shard.is_leader else 0
+        return ray + (1 if kv_events_wanted(shard) else 0)
 
     def serves_http(self, shard: ShardSpec) -> bool:
         return shard.is_leader
@@ -204,13 +236,13 @@ class VLLM:
                 self._serve(
                     shard,
                     serve_env,
-                    ("--distributed-executor-backend", "ray"),
+                    ("--distributed-executor-backend", "ray", *kv_events_args(shard)),
                     wait_for=(head_addr,),
                 ),
             ]
         # vLLM 0.11.1 stopped guessing Ray when a cluster is around: say which
         # executor to use every time, so an upgrade does not change behaviour.
-        extra: tuple[str, ...] = ("--distributed-executor-backend", "mp")
+        extra: tuple[str, ...] = ("--distributed-executor-backend", "mp", *kv_events_args(shard))
         if shard.world > 1:
             extra += (
                 "--nnodes",

@@ -1,0 +1,85 @@
+"""LoRA adapters as the gateway routes them (docs/adapters.md): which replicas' engines hold each
+adapter, in the order they number them, as their shard statuses say (`ShardStatus.adapters`).
+
+`model: <adapter>` goes to the adapter's base deployment, to a replica that holds it, with the
+adapter applied: llama.cpp's `lora` field names every adapter the engine loaded, the one asked
+for at its scale and the others at 0. A request for the base names them all at 0: llama-server
+applies its adapters to a request that names none (whatever `--lora-init-without-apply` says),
+so a base request sent without the field would be answered by the adapters.
+
+Pure: the index is fed the statuses; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmgw_core.adapters import ServedAdapter
+from llmgw_core.events import ShardStatus
+from llmgw_core.subjects import Names
+
+
+class AdapterIndex:
+    """Shard-status key -> (replica key, the adapters its engine loaded); and by adapter name,
+    the deployment and the replica keys holding it."""
+
+    __slots__ = ("_by_name", "_by_replica", "_shards")
+
+    def __init__(self) -> None:
+        self._shards: dict[str, tuple[str, str, tuple[ServedAdapter, ...]]] = {}
+        # Made again from `_shards` at the first read after a change.
+        self._by_name: dict[str, dict[str, str]] | None = None
+        self._by_replica: dict[str, tuple[ServedAdapter, ...]] = {}
+
+    def observe(self, key: str, status: ShardStatus | None) -> None:
+        """A shard's status changed (None: it is gone). Only a leader's counts: it runs the server."""
+        before = self._shards.get(key)
+        if status is None or status.rank != 0 or not status.adapters:
+            if before is not None:
+                del self._shards[key]
+                self._by_name = None
+            return
+        entry = (status.deployment, Names.replica_key(status.deployment, status.replica), status.adapters)
+        if entry != before:
+            self._shards[key] = entry
+            self._by_name = None
+
+    def _names(self) -> dict[str, dict[str, str]]:
+        """adapter -> replica key -> deployment."""
+        if self._by_name is None:
+            by_name: dict[str, dict[str, str]] = {}
+            by_replica: dict[str, tuple[ServedAdapter, ...]] = {}
+            for deployment, replica, adapters in (self._shards[k] for k in sorted(self._shards)):
+                by_replica[replica] = adapters
+                for adapter in adapters:
+                    by_name.setdefault(adapter.name, {})[replica] = deployment
+            self._by_name, self._by_replica = by_name, by_replica
+        return self._by_name
+
+    def names(self) -> list[str]:
+        """Every adapter some replica holds, sorted."""
+        return sorted(self._names())
+
+    def holders(self, adapter: str) -> tuple[str, frozenset[str]] | None:
+        """The deployment serving `adapter` and its replica keys that hold it; None where no
+        replica holds it. Where two deployments hold one name (written around the checks), the
+        first by name serves it."""
+        found = self._names().get(adapter)
+        if not found:
+            return None
+        deployment = min(found.values())
+        return deployment, frozenset(r for r, d in found.items() if d == deployment)
+
+    def lora(self, replica: str, adapter: str) -> list[dict[str, Any]] | None:
+        """The `lora` field for a request to `replica`: every adapter its engine loaded, `adapter`
+        at its scale and the others at 0 ("" for the base: all at 0); None where its engine
+        loaded none."""
+        self._names()
+        adapters = self._by_replica.get(replica)
+        if not adapters:
+            return None
+        return [{"id": i, "scale": a.scale if a.name == adapter else 0.0} for i, a in enumerate(adapters)]
+
+    def any_on(self, deployment: str) -> bool:
+        """Whether a replica of `deployment` has adapters loaded (its requests name their scales)."""
+        return any(d == deployment for d, _, _ in self._shards.values())

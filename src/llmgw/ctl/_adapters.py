@@ -1,0 +1,143 @@
+"""`llmgw ctl get adapters`, `describe adapter X`, `delete adapter X`.
+
+An adapter is kept on its base profile (`Profile.adapters`, docs/adapters.md): listing reads
+the catalog; deleting rewrites the base profile without it, compare-and-set at the revision
+read, so an edit of the profile in between is a Conflict rather than lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+
+from llmgw_core.adapter_rules import all_adapters
+from llmgw_core.adapters import Adapter
+from llmgw_core.bus import Bus
+from llmgw_core.engines import Profile
+from llmgw_core.events import Deployment, ReplicaRecord, ShardStatus
+
+from . import _read as read
+from . import _views as views
+from ._errors import Conflict, NotFound
+
+HEADERS = ["NAME", "BASE", "SCALE", "DEPLOYMENTS", "SOURCE"]
+
+
+class AdapterView(msgspec.Struct, frozen=True, kw_only=True):
+    """An adapter as `get`/`describe` show it: its desired state, the deployments of its base,
+    the replicas whose engine loaded it (as their shard statuses say), those started before it
+    was added (their profile fingerprint is not the base's now: the rolling update replaces
+    them), and each node's refusal of it, in its words."""
+
+    name: str
+    base: str
+    source: str
+    scale: float
+    sha256: str = ""
+    deployments: tuple[str, ...] = ()
+    holding: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()
+
+
+def adapter_view(
+    adapter: Adapter,
+    catalog: Mapping[str, Profile],
+    deployments: Mapping[str, Deployment],
+    replicas: Mapping[str, ReplicaRecord],
+    shards: Mapping[str, ShardStatus],
+) -> AdapterView:
+    base = catalog.get(adapter.base)
+    fp = base.fingerprint() if base is not None else ""
+    using = tuple(sorted(n for n, d in deployments.items() if d.profile == adapter.base))
+    mine = [r for r in replicas.values() if r.deployment in using]
+    ours = [s for s in shards.values() if s.deployment in using and s.rank == 0]
+    holding = tuple(
+        sorted(
+            views.replica_name(s.deployment, s.replica)
+            for s in ours
+            if any(a.name == adapter.name for a in s.adapters)
+        )
+    )
+    said = f"adapter {adapter.name} refused: "
+    refused = tuple(
+        sorted(
+            f"{views.shard_name(s.node, s.shard)}: {line.removeprefix(said)}"
+            for s in ours
+            for line in s.adapters_refused
+            if line.startswith(said)
+        )
+    )
+    waiting = tuple(sorted(views.replica_name(r.deployment, r.replica) for r in mine if r.profile_fp != fp))
+    return AdapterView(
+        name=adapter.name,
+        base=adapter.base,
+        source=adapter.source,
+        scale=adapter.scale,
+        sha256=adapter.sha256,
+        deployments=using,
+        holding=holding,
+        waiting=waiting,
+        refused=refused,
+    )
+
+
+def _row(v: AdapterView) -> list[str]:
+    return [v.name, v.base, f"{v.scale:g}", ",".join(v.deployments) or "-", v.source]
+
+
+async def get(bus: Bus, name: str, output: str) -> str:
+    c = await read.cluster(bus, what=frozenset({"catalog", "deployments", "replicas", "shards"}))
+    adapters = all_adapters(c.catalog)
+    if name and name not in adapters:
+        raise NotFound(f"no adapter {name} (`llmgw ctl get adapters` lists them)")
+    chosen = [adapters[name]] if name else [adapters[n] for n in sorted(adapters)]
+    items = [adapter_view(a, c.catalog, c.deployments, c.replicas, c.shards) for a in chosen]
+    if output == "name":
+        return "\n".join(f"adapter/{v.name}" for v in items)
+    if output in ("json", "yaml"):
+        return views.render_data(items[0] if name else items, output)
+    return views.table(HEADERS, [_row(v) for v in items])
+
+
+async def describe(bus: Bus, name: str) -> str:
+    c = await read.cluster(bus, what=frozenset({"catalog", "deployments", "replicas", "shards"}))
+    adapters = all_adapters(c.catalog)
+    if name not in adapters:
+        raise NotFound(f"no adapter {name} (`llmgw ctl get adapters` lists them)")
+    v = adapter_view(adapters[name], c.catalog, c.deployments, c.replicas, c.shards)
+    return "\n".join(
+        [
+            f"Name:         {v.name}",
+            f"Base:         profile {v.base}",
+            f"Source:       {v.source}" + (f" (sha256 {v.sha256})" if v.sha256 else ""),
+            f"Scale:        {v.scale:g}",
+            f"Deployments:  {', '.join(v.deployments) or '(none: deploy the base profile to serve it)'}",
+            f"Loaded by:    {', '.join(v.holding) or '-'}",
+            f"Started before it (replaced by the rolling update):  {', '.join(v.waiting) or '-'}",
+            *(f"Refused:      {line}" for line in v.refused),
+        ]
+    )
+
+
+async def delete(bus: Bus, name: str) -> str:
+    bucket = bus.names.catalog_bucket
+    entries = await bus.entries(bucket, Profile)
+    for key, change in sorted(entries.items()):
+        profile = change.value
+        if profile is None or not any(a.name == name for a in profile.adapters):
+            continue
+        kept = tuple(a for a in profile.adapters if a.name != name)
+        written = await bus.update(
+            bucket, key, msgspec.structs.replace(profile, adapters=kept), last=change.revision
+        )
+        if written is None:
+            raise Conflict(
+                f"profile {key} was changed by another writer while adapter {name} was being deleted; "
+                "nothing was written; run the delete again"
+            )
+        return (
+            f"adapter {name} deleted from profile {key}: its replicas are replaced, one at a time, without it"
+        )
+    raise NotFound(f"no adapter {name} (`llmgw ctl get adapters` lists them)")
