@@ -22,9 +22,7 @@ from pathlib import Path
 
 from msgspec import Struct
 
-from .events import MODEL_MAX_BYTES
 from .fit import (
-    _GGML_MAX_DIMS,
     _GGUF_MAX_NAME,
     _GGUF_SCALARS,
     _GGUF_STRING,
@@ -94,38 +92,12 @@ class _AdapterWalk(_GgufWalk):
         self.pos = start
         super().pair()
 
-    def tensor_infos(self, n: int) -> int:
-        sizes = self.sizes
-        most_end = 0
-        for i in range(n):
-            name = self.string(f"the name of tensor {i}", _GGUF_MAX_NAME)
-            if name is None:
-                raise self.error(f"the name of tensor {i} is longer than {_GGUF_MAX_NAME:,} bytes")
-            dims = self.unpack("I", f"dimensions of tensor {_name(name)}")
-            if dims > _GGML_MAX_DIMS:
-                raise self.error(f"tensor {_name(name)} has {figure(dims)} dimensions; ggml has at most 4")
-            shape = []
-            numel = 1
-            for _ in range(dims):
-                shape.append(self.unpack("Q", f"a dimension of tensor {_name(name)}"))
-                numel *= shape[-1]
-                if numel > MODEL_MAX_BYTES:
-                    raise self.error(f"tensor {_name(name)} has more than {figure(MODEL_MAX_BYTES)} elements")
-            kind = self.unpack("I", f"type of tensor {_name(name)}")
-            offset = self.unpack("Q", f"offset of tensor {_name(name)}")
-            if kind not in sizes:
-                raise self.error(f"tensor {_name(name)} has type {figure(kind)}, which ggml does not define")
-            block, size = sizes[kind]
-            n_bytes = numel * size // block
-            self.weight_bytes += n_bytes
-            most_end = max(most_end, offset + n_bytes)
-            keep = name.endswith(_LORA) if self.wanted is None else name in self.wanted
-            if keep:
-                if len(self.shapes) >= 2 * PAIRS_MAX:
-                    raise self.error(f"more than {PAIRS_MAX:,} adapted weights")
-                self.shapes[name] = tuple(shape)
-        self.most_end = most_end
-        return self.pos
+    def tensor(self, name: str, shape: tuple[int, ...]) -> None:
+        keep = name.endswith(_LORA) if self.wanted is None else name in self.wanted
+        if keep:
+            if len(self.shapes) >= 2 * PAIRS_MAX:
+                raise self.error(f"more than {PAIRS_MAX:,} adapted weights")
+            self.shapes[name] = shape
 
 
 def _walk(buf: bytes | _Window, where: Path, wanted: frozenset[str] | None) -> _AdapterWalk:

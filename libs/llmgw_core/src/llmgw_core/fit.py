@@ -583,9 +583,11 @@ class _GgufWalk:
             dims = self.unpack("I", f"dimensions of tensor {_name(name)}")
             if dims > _GGML_MAX_DIMS:
                 raise self.error(f"tensor {_name(name)} has {figure(dims)} dimensions; ggml has at most 4")
+            shape = []
             numel = 1
             for _ in range(dims):
-                numel *= self.unpack("Q", f"a dimension of tensor {_name(name)}")
+                shape.append(self.unpack("Q", f"a dimension of tensor {_name(name)}"))
+                numel *= shape[-1]
                 if numel > MODEL_MAX_BYTES:
                     raise self.error(f"tensor {_name(name)} has more than {figure(MODEL_MAX_BYTES)} elements")
             kind = self.unpack("I", f"type of tensor {_name(name)}")
@@ -596,8 +598,12 @@ class _GgufWalk:
             n_bytes = numel * size // block
             self.weight_bytes += n_bytes
             most_end = max(most_end, offset + n_bytes)
+            self.tensor(name, tuple(shape))
         self.most_end = most_end
         return self.pos
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> None:
+        """One tensor's name and dimensions, as read (bounded): for a walk that keeps some."""
 
     def check_data(self, infos_end: int) -> None:
         """Every tensor lies within the file, and they hold no more bytes than it does."""
