@@ -65,7 +65,10 @@ async def rendered(bus: Bus, nats_url: str, prefix: str) -> Rendered:
     """A placement that has run for 100 s and heard 1,000 nodes (two of them lost), one node
     that joined a second ago and has not beaten yet, two cordons, a CPU profile and a GPU one,
     and 40 refusals of a deployment by every node."""
-    service = PlacementService(server_config(nats_url, prefix, http={"insecure": True}), bus)
+    # A node timeout long enough that no beating node goes stale while a busy machine builds
+    # and lays out the page (at the tests' 2 s, a slow fixture made all 1,000 stale).
+    config = server_config(nats_url, prefix, http={"insecure": True}, node_timeout_s=60.0)
+    service = PlacementService(config, bus)
     state = service.state
     now = time.monotonic()
     state.heard_from = now - 100.0
@@ -75,7 +78,7 @@ async def rendered(bus: Bus, nats_url: str, prefix: str) -> Rendered:
         state.nodes[node] = NodeStatus(node=node, facts=NodeFacts(node=node, gpus=gpus, arch="x86_64"))
         state.first_known[node] = now - (1.0 if node == JOINED else 100.0)
         if node != JOINED:
-            state.last_seen[node] = now - (50.0 if node in LOST else 0.2)
+            state.last_seen[node] = now - (90.0 if node in LOST else 0.2)
     for node in CORDONED:
         state.intents[node] = NodeIntent(node=node, by="ops", at=time.time(), reason="disk swap")
     state.catalog["small"] = Profile(name="small", engine="llamacpp", model_path="/models/small.gguf")
