@@ -42,7 +42,8 @@ class Metrics:
             "connect (a replica refused, retried elsewhere), "
             "reset (a replica closed the connection before answering, retried elsewhere), "
             "upstream (the replica failed after it had the request), "
-            "upstream_stream (a streamed answer broke off; the client got an SSE error event), "
+            "upstream_stream (a streamed answer broke off: continued on another replica "
+            "(llmgw_gateway_continued_total), or else the client got an SSE error event), "
             "upstream_status (the replica answered 5xx), "
             "hold_queue_full (no ready replica, and the deployment's held requests at hold_queue), "
             "gateway_restarting (held when the gateway stopped), client_left (gone while held).",
