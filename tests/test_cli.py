@@ -3,15 +3,20 @@ process, with its stdout, stderr and exit code as an operator or a script sees t
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import io
 import os
 import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
+from llmgw.cli import main
 from llmgw_core.bus import Bus
 from llmgw_core.engines import Profile
 from llmgw_core.events import Deployment
@@ -24,6 +29,27 @@ LLMGW = [sys.executable, "-c", "import sys; from llmgw.cli import main; sys.exit
 
 def llmgw(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*LLMGW, *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+def in_process(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`llmgw` run by its `main` in a thread of this process, with `env` as its environment,
+    as `llmgw()` would run it (the caller waits, as for the process)."""
+    out, err = io.StringIO(), io.StringIO()
+
+    def run() -> int:
+        with (
+            mock.patch.dict(os.environ, env, clear=True),
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
+            try:
+                return main(list(args))
+            except SystemExit as exit:  # argparse's usage errors
+                return exit.code if isinstance(exit.code, int) else 1
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        code = pool.submit(run).result(timeout=60)
+    return subprocess.CompletedProcess(["llmgw", *args], code, out.getvalue(), err.getvalue())
 
 
 def with_closed_stdout(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -179,7 +205,9 @@ async def test_ctl_names_each_object_one_way_and_answers_to_short_kinds(
         c.start_placement("p1", [sim_catalog()], [{"name": "chat", "profile": "tiny", "replicas": 1}])
 
         def ctl(*args: str) -> subprocess.CompletedProcess[str]:
-            return llmgw("ctl", "--prefix", c.prefix, *args, env=c.ctl_env())
+            # In this process: what is named and how is the point here, not the process (the
+            # tests above run it as one); each run as a process costs a second of imports.
+            return in_process("ctl", "--prefix", c.prefix, *args, env=c.ctl_env())
 
         def ok(*args: str) -> str:
             done = ctl(*args)
