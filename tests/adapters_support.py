@@ -54,3 +54,31 @@ def write_tiny_lora(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_peft_lora(
+    directory: Path,
+    *,
+    rank: int = 8,
+    alpha: float = 16.0,
+    base: str = "org/base",
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+) -> Path:
+    """A PEFT LoRA adapter's directory as `peft` saves one: adapter_config.json beside
+    adapter_model.safetensors (a header naming one tensor, and its bytes)."""
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(targets),
+        "base_model_name_or_path": base,
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    header = json.dumps({"a.lora_A.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (directory / "adapter_model.safetensors").write_bytes(
+        len(header).to_bytes(8, "little") + header + bytes(4)
+    )
+    return directory

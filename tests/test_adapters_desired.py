@@ -41,7 +41,8 @@ def _config(**sections: Any) -> ServerConfig:
     ("adapter", "words"),
     [
         ({**LEGAL, "base": "nope"}, "adapter legal: base profile nope is not in the catalog"),
-        ({**LEGAL, "base": "big"}, "base profile big runs on vllm, which llmgw serves no adapters on"),
+        # vLLM loads a PEFT directory at run time, not llama.cpp's one .gguf file.
+        ({**LEGAL, "base": "big"}, "names one file; vllm loads a PEFT adapter's directory"),
         ({**LEGAL, "name": "friendly"}, "adapter friendly: the name is an alias of deployment chat"),
         ({**LEGAL, "name": "chat"}, "adapter chat: the name is the name of deployment chat"),
         ({**LEGAL, "source": "hf://org/repo"}, "names a repository, not the adapter's .gguf file in it"),

@@ -75,6 +75,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, JetStreamManager, api
 
+from .adapters import load_subject
 from .errors import BusError, ConfigError
 from .subjects import ENGINES_KEY, ONE, Names
 from .topology import Needs, kv_stream, needs
@@ -196,6 +197,8 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
         own = (
             inbox,
             names.launcher_logs(node),
+            # Gateways ask it to load a LoRA adapter into a replica's engine (vLLM).
+            load_subject(names.prefix, node),
             names.heartbeat(node, "*"),
             names.weights_query(ONE),
             names.weights_offer(node, ONE),
@@ -269,6 +272,8 @@ def permissions(role: str, names: Names, public_key: str) -> Permissions:
             names.demand(ONE),
             # Its judgements of replicas by their answers (outlier detection), for placement.
             names.judgement(ONE),
+            # A request for a LoRA adapter no replica holds: a node's launcher loads it.
+            load_subject(names.prefix, "*"),
         ]
         return Permissions(tuple(publish), (inbox,))
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)} or node-<node id>")

@@ -12,10 +12,19 @@ from collections.abc import Collection, Iterable, Mapping
 
 import msgspec
 
-from .adapters import ADAPTER_ENGINES, ADAPTERS_MAX, SCALE_MAX, Adapter
+from .adapters import (
+    ADAPTER_ENGINES,
+    ADAPTERS_MAX,
+    LORA_RANKS,
+    MAX_LORA_RANK_DEFAULT,
+    MAX_LORAS_DEFAULT,
+    RUNTIME_ENGINES,
+    SCALE_MAX,
+    Adapter,
+)
 from .events import Profile
 from .limits import NAME_MAX, Routed, name_problem, shown
-from .sources import SourceError
+from .sources import ModelSource, SourceError
 
 
 def adapter_problem(adapter: Adapter, catalog: Mapping[str, Profile]) -> str | None:
@@ -40,8 +49,26 @@ def adapter_problem(adapter: Adapter, catalog: Mapping[str, Profile]) -> str | N
         source = adapter.model_source
     except SourceError as exc:
         return str(exc)
+    if base.engine in RUNTIME_ENGINES:
+        return _runtime_problem(where, base, source)
     if source.kind == "hf" and not source.file:
         return f"{where}: source {source} names a repository, not the adapter's .gguf file in it"
+    return None
+
+
+def _runtime_problem(where: str, base: Profile, source: ModelSource) -> str | None:
+    """Why an adapter cannot be loaded at run time on `base`'s engine (vLLM, the simulator):
+    its source is a PEFT directory (adapter_config.json and adapter_model.safetensors), and the
+    profile's rank bound is one vLLM accepts."""
+    one_file = source.kind == "file" and source.path.endswith(".gguf")
+    if one_file or source.kind == "url" or (source.kind == "hf" and source.file):
+        return (
+            f"{where}: source {source} names one file; {base.engine} loads a PEFT adapter's "
+            "directory: hf://<org>/<repo> or file:///path/to/adapter/"
+        )
+    if base.max_lora_rank and base.max_lora_rank not in LORA_RANKS:
+        ranks = ", ".join(map(str, LORA_RANKS))
+        return f"{where}: base profile {base.name} has max_lora_rank {base.max_lora_rank}; vLLM takes {ranks}"
     return None
 
 
@@ -132,3 +159,13 @@ def folded(catalog: Mapping[str, Profile], adapters: Iterable[Adapter]) -> dict[
 def all_adapters(catalog: Mapping[str, Profile]) -> dict[str, Adapter]:
     """Every adapter the catalog's profiles hold, by name."""
     return {a.name: a for p in catalog.values() for a in p.adapters}
+
+
+def max_loras(profile: Profile) -> int:
+    """How many adapters one replica of `profile` holds at once (a runtime engine's)."""
+    return profile.max_loras or MAX_LORAS_DEFAULT
+
+
+def max_lora_rank(profile: Profile) -> int:
+    """The largest adapter rank a replica of `profile` serves (a runtime engine's)."""
+    return profile.max_lora_rank or MAX_LORA_RANK_DEFAULT

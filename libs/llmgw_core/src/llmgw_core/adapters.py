@@ -16,14 +16,39 @@ from typing import Annotated
 
 from msgspec import Meta, Struct
 
-from .limits import Name, shown
+from .limits import Name, Token, shown
 from .sources import MAX_SOURCE_CHARS, ModelSource, SourceError, parse_source
 
-__all__ = ["ADAPTERS_MAX", "ADAPTER_ENGINES", "SCALE_MAX", "Adapter", "ServedAdapter", "source_words"]
+__all__ = [
+    "ADAPTERS_MAX",
+    "ADAPTER_ENGINES",
+    "LORA_RANKS",
+    "MAX_LORAS_DEFAULT",
+    "MAX_LORA_RANK_DEFAULT",
+    "RUNTIME_ENGINES",
+    "SCALE_MAX",
+    "Adapter",
+    "AdapterLoad",
+    "AdapterLoaded",
+    "ServedAdapter",
+    "load_subject",
+    "source_words",
+]
 
-# Engines that serve adapters on a base replica: llama.cpp applies one per request. vLLM's
-# runtime load and unload is not used yet.
-ADAPTER_ENGINES = frozenset({"llamacpp"})
+# Engines that serve adapters on a base replica: llama.cpp loads them all at start and applies
+# one per request; vLLM (and the simulator, which speaks as it does) load one at run time when
+# a request asks for it, at most `max_loras` at once (docs/adapters.md).
+ADAPTER_ENGINES = frozenset({"llamacpp", "vllm", "sim"})
+# The engines that load and unload adapters at run time (`/v1/load_lora_adapter`).
+RUNTIME_ENGINES = frozenset({"vllm", "sim"})
+# Adapters one replica of a runtime engine holds at once where the profile names no
+# `max_loras`: each is GPU memory the engine reserves at start.
+MAX_LORAS_DEFAULT = 4
+# The largest rank a runtime engine's replica serves where the profile names no
+# `max_lora_rank` (vLLM reserves buffers of this rank for every slot).
+MAX_LORA_RANK_DEFAULT = 64
+# The ranks vLLM's `--max-lora-rank` accepts.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # The most adapters one base profile may name: each is a `--lora` file every replica loads.
 ADAPTERS_MAX = 64
 # The largest scale an adapter is applied at (llama.cpp multiplies the adapter's delta by it).
@@ -61,6 +86,37 @@ class ServedAdapter(Struct, frozen=True, kw_only=True, array_like=True):
 
     name: Name
     scale: Annotated[float, Meta(ge=0, le=SCALE_MAX)] = 1.0
+
+
+# The adapters a load request may name as recently used on its replica (at most ADAPTERS_MAX
+# loaded on one, and the gateway names only those).
+_RECENT_MAX = ADAPTERS_MAX
+
+
+class AdapterLoad(Struct, frozen=True, kw_only=True):
+    """A gateway asks the launcher running `shard` (its leader) to load `adapter` into the
+    replica's engine: request/reply on `load_subject(node)`. `recent`: the replica's adapters
+    the gateway sent requests to, most recent first; where the engine is full, the loaded one
+    least recently used (last in `recent`, or not in it at all) is unloaded first."""
+
+    shard: Token
+    adapter: Name
+    recent: Annotated[tuple[Name, ...], Meta(max_length=_RECENT_MAX)] = ()
+
+
+class AdapterLoaded(Struct, frozen=True, kw_only=True):
+    """The launcher's reply: `error` empty where the engine holds the adapter now, else why not
+    (the engine's own words where it refused); `unloaded` the adapter it unloaded for room."""
+
+    shard: str
+    adapter: str
+    error: str = ""
+    unloaded: str = ""
+
+
+def load_subject(prefix: str, node: str) -> str:
+    """Request/reply: the node's launcher answers an `AdapterLoad` with `AdapterLoaded`."""
+    return f"{prefix}.launcher.{node}.adapters"
 
 
 def source_words(words: str) -> str:

@@ -16,6 +16,7 @@ import yaml
 from . import events as ev
 from . import keys as keys_
 from . import prefixes as prefixes_
+from .adapters import AdapterLoad, load_subject
 from .subjects import Names
 
 _N = Names("{prefix}")
@@ -146,6 +147,16 @@ CHANNELS: list[tuple[str, str, type[msgspec.Struct], str, list[str], str]] = [
         ev.ShardLogsRequest,
         "Request/reply (plain NATS): the node's launcher answers with a ShardLogs, the shard's "
         "own log lines, at most about 1 MB (`llmgw ctl logs`); an unknown shard gets `error`.",
+        ["node"],
+        "send",
+    ),
+    (
+        "launcherAdapters",
+        load_subject(_N.prefix, "{node}"),
+        AdapterLoad,
+        "Request/reply (plain NATS), gateway to the node's launcher: load a LoRA adapter into a "
+        "replica's engine (vLLM), unloading the least recently used where it is full; the reply "
+        "(AdapterLoaded) says why not where it could not, in the engine's words.",
         ["node"],
         "send",
     ),

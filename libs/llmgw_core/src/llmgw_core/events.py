@@ -134,6 +134,10 @@ class Profile(Struct, frozen=True, kw_only=True):
     # vLLM: publish the engine's KV cache events (on a port of the node's range) for the
     # launcher to relay what each replica holds into the routing state (docs/gateway.md).
     kv_events: bool = False
+    # vLLM (and the simulator): adapters one replica holds at once, and the largest rank it
+    # serves (`--max-loras`, `--max-lora-rank`); 0: llmgw's defaults (`adapters.max_loras`).
+    max_loras: Annotated[int, Meta(ge=0, le=ADAPTERS_MAX)] = 0
+    max_lora_rank: Annotated[int, Meta(ge=0, le=512)] = 0
 
     @property
     def model_ref(self) -> ModelRef:
@@ -196,7 +200,13 @@ class Profile(Struct, frozen=True, kw_only=True):
         return hashlib.sha256(msgspec.json.encode(fields, order="sorted")).hexdigest()[:16]
 
 
-_LATE_DEFAULTS: dict[str, object] = {"model_sha256": "", "adapters": (), "kv_events": False}
+_LATE_DEFAULTS: dict[str, object] = {
+    "model_sha256": "",
+    "adapters": (),
+    "kv_events": False,
+    "max_loras": 0,
+    "max_lora_rank": 0,
+}
 
 
 class Member(Struct, frozen=True, kw_only=True):
@@ -736,6 +746,9 @@ class ShardStatus(Message, frozen=True):
     adapters_refused: Annotated[tuple[str, ...], Meta(max_length=ADAPTERS_MAX)] = ()
     # The adapters its engine loaded, in the order it numbers them (llama.cpp's `lora` ids).
     adapters: Annotated[tuple[ServedAdapter, ...], Meta(max_length=ADAPTERS_MAX)] = ()
+    # An engine that loads adapters at run time (vLLM): the adapters staged and checked that it
+    # may be asked to load (`adapters` says which it holds now), sorted by name.
+    adapters_loadable: Annotated[tuple[Name, ...], Meta(max_length=ADAPTERS_MAX)] = ()
 
 
 # --- deployments and replicas -------------------------------------------------

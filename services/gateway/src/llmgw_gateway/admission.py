@@ -59,6 +59,9 @@ class Admitted(NamedTuple):
     strip: bool
     # The LoRA adapter of `deployment` it asks for (`model` names it); "" for the base.
     adapter: str = ""
+    # No ready replica holds the adapter; these may load it (replica key -> node, shard): the
+    # request is held while one does (`adapter_loads`).
+    cold: dict[str, tuple[str, str]] | None = None
 
 
 class Refusal(NamedTuple):
@@ -117,11 +120,17 @@ def admit(
     payload, model = parsed
     table = tables.table
     deployment = resolve(table, key, model)
-    adapter, holding = "", None
+    adapter, holding, cold = "", None, None
     if deployment is None:
         held = table.adapters.holders(model)
+        loaders = table.adapters.loaders(model)
+        if held is not None and loaders is not None and not table_holds_ready(table, *held):
+            held = None  # no replica that holds it is ready: one that is may load it
         if held is not None and adapter_allowed(key, model):
             (deployment, holding), adapter = held, model
+        elif loaders is not None and adapter_allowed(key, model):
+            deployment, cold = loaders
+            holding, adapter = frozenset(cold), model
     if deployment is None:
         scoped = adapter_scoped(table, key, model)
         if scoped is not None:
@@ -149,7 +158,7 @@ def admit(
             extra = options if isinstance(options, dict) else {}
             payload = {**payload, "stream_options": {**extra, "include_usage": True}}
             body = json.dumps(payload).encode()
-    return Admitted(key, payload, body, model, deployment, unserved, spends, strip, adapter)
+    return Admitted(key, payload, body, model, deployment, unserved, spends, strip, adapter, cold)
 
 
 def parsed_body(body: bytes, max_json_depth: int) -> tuple[dict[str, Any], str] | BadBody:
@@ -206,6 +215,11 @@ def unknown_model(table: Table, model: str, key: ApiKey) -> str:
     return f"model {shown(model)} is not served here; known models: {known}"
 
 
+def table_holds_ready(table: Table, deployment: str, holding: frozenset[str]) -> bool:
+    """Whether a ready replica of `deployment` is among `holding`."""
+    return any(k in holding for k, _ in table.ready(deployment))
+
+
 def adapter_allowed(key: ApiKey, adapter: str) -> bool:
     """Whether `key` may call `adapter`: a key made for some models calls an adapter only where
     it names it; a key for its base deployment does not reach it, nor one for another adapter."""
@@ -231,6 +245,9 @@ def model_objects(table: Table, key: ApiKey) -> list[dict[str, Any]]:
     data = [model_object(table, name) for name in visible(table, key)]
     for adapter in table.adapters.names():
         held = table.adapters.holders(adapter)
+        loaders = table.adapters.loaders(adapter)
+        if held is None and loaders is not None:
+            held = (loaders[0], frozenset())  # loaded on demand, held by none yet
         if held is None or not adapter_allowed(key, adapter):
             continue
         deployment, holding = held

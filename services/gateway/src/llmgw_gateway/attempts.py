@@ -27,6 +27,7 @@ from llmgw_core.subjects import Names
 
 from .admission import unserved_by
 from .continuation import CONTINUED_PATHS, MAX_HELD_BYTES, ContinuationError
+from .engine_tokens import EngineTokens
 from .errors import error
 from .ledger import Ledger
 from .metrics import Metrics
@@ -61,7 +62,12 @@ class Replicas:
         content = routed.body
         lora = None
         if routed.adapters is not None:
-            lora = routed.adapters.lora(Names.replica_key(record.deployment, record.replica), routed.adapter)
+            replica = Names.replica_key(record.deployment, record.replica)
+            if routed.adapter and routed.adapters.runtime(replica):
+                # vLLM selects a loaded adapter by its name as `model`: the body goes as it came.
+                routed.adapters.used(replica, routed.adapter)
+                return await self.upstream.request(method, record.url, path, content, routed.headers)
+            lora = routed.adapters.lora(replica, routed.adapter)
         if lora is not None:
             content = json.dumps({**routed.payload, "model": served or routed.model, "lora": lora}).encode()
         elif served is not None and served != routed.model:
@@ -72,12 +78,21 @@ class Replicas:
 class Attempts:
     """Sends a request until a replica's answer begins, or answers it where none will."""
 
-    __slots__ = ("ledger", "metrics", "names", "picker", "relays", "replicas")
+    __slots__ = ("ledger", "metrics", "names", "picker", "relays", "replicas", "tokens")
 
     def __init__(
-        self, picker: Picker, replicas: Replicas, relays: Relays, ledger: Ledger, metrics: Metrics
+        self,
+        picker: Picker,
+        replicas: Replicas,
+        relays: Relays,
+        ledger: Ledger,
+        metrics: Metrics,
+        tokens: EngineTokens | None = None,
     ) -> None:
         self.picker = picker
+        # The request's tokens from its engine, where its deployment's engines say what they
+        # hold (engine_tokens.py); None: routed by the text index alone.
+        self.tokens = tokens
         self.replicas = replicas
         self.names = replicas.names
         self.relays = relays
@@ -93,6 +108,10 @@ class Attempts:
         path: str = request.scope["path"]
         deployment, span = routed.deployment, routed.span
         tries = Tries(unserved)
+        if taken is None and routed.chosen is None and self.tokens is not None:
+            # Before the pick: a deployment whose engines say what they hold is matched by the
+            # prompt's tokens (nothing is asked of any other deployment's engines).
+            routed.engine = await self.tokens.prompt(routed, path)
         # Answers not streamed that broke off before any of them was passed on, each sent again.
         resent = 0
         if routed.chosen is not None and taken is None:
@@ -207,7 +226,9 @@ class Attempts:
         other = {k for k, r in table.of(deployment) if r.profile_fp != fingerprint and k not in excluded}
         excluded |= other
         failures: list[str] = []
-        while (chosen := table.pick(deployment, frozenset(excluded), routed.blocks)) is not None:
+        while (
+            chosen := table.pick(deployment, frozenset(excluded), routed.blocks, routed.engine)
+        ) is not None:
             key, record = chosen
             excluded.add(key)
             try:

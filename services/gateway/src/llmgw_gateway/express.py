@@ -87,6 +87,9 @@ class ExpressLane:
         # A request to replicas with LoRA adapters names their scales (attempts.Replicas.send).
         if admitted.adapter or self.table.adapters.any_on(admitted.deployment):
             return False
+        # Its engines say what they hold: its tokens are asked first (engine_tokens.py).
+        if self.table.viewed(admitted.deployment):
+            return False
         key, payload, body, model, deployment = admitted[:5]
         reservation = self.budgets.reserve_at_once(key, admitted.estimate, now)
         if reservation is None:

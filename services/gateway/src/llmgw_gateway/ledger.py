@@ -67,12 +67,19 @@ class Ledger:
         return response
 
     def done(
-        self, key: str, deployment: str, span: trace.Span, reservation: Reservation, meter: Meter
+        self,
+        key: str,
+        deployment: str,
+        span: trace.Span,
+        reservation: Reservation,
+        meter: Meter,
+        adapter: str = "",
     ) -> None:
         """A replica's answer passed on, whole or not: its replica's count released, its tokens
-        recorded and charged, its reservation settled, its span ended."""
+        recorded and charged (under the LoRA `adapter` it asked for, where it named one), its
+        reservation settled, its span ended."""
         self.release(key, deployment)
-        self.usage.add(reservation.key.name, deployment, meter)
+        self.usage.add(reservation.key.name, adapter or deployment, meter)
         reservation.settle(meter.prompt + meter.completion)
         if meter.prompt:
             span.set_attribute("gen_ai.usage.input_tokens", meter.prompt)

@@ -113,9 +113,11 @@ def routed(table: Table) -> Iterator[Metric]:
     scrape time: nothing added to a request's path."""
     family = CounterMetricFamily(
         "llmgw_gateway_routed",
-        "Replicas chosen per deployment, by what chose them: prefix (the replica the prompt's "
-        "leading blocks were last sent to, within the load bound) or load (least outstanding "
-        "requests: none within the bound, no lead, or one replica with room for a new one) or hash (a "
+        "Replicas chosen per deployment, by what chose them: engine (the replica whose engine "
+        "says it holds the prompt's leading token blocks, within the load bound) or prefix (the "
+        "replica the prompt's leading blocks were last sent to, within the load bound) or load "
+        "(least outstanding requests: none within the bound, no lead, or one replica with room for "
+        "a new one) or hash (a "
         "lead none holds, among the least busy with room). A retry counts again.",
         labels=["deployment", "how"],
     )

@@ -84,7 +84,7 @@ class Picker:
             again, tries.again = tries.again, None
             if again is not None:
                 return again
-            chosen = self.table.pick(deployment, frozenset(tries.tried), routed.blocks)
+            chosen = self.table.pick(deployment, frozenset(tries.tried), routed.blocks, routed.engine)
             if chosen is not None:
                 chose(span, self.table.reason)
                 return chosen

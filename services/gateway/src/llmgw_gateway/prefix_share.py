@@ -44,6 +44,7 @@ from llmgw_core.errors import BusError
 from llmgw_core.prefixes import RoutingHeld, pack
 from llmgw_core.retry import Retry
 
+from .engine_view import EngineHeld
 from .routing import Table
 
 log = logging.getLogger("llmgw.gateway")
@@ -84,6 +85,7 @@ class Sharing:
         self.written.pop(key, None)
         self.pending.pop(key, None)
         self.engine.pop(key, None)
+        self.table.engine.pop(key, None)
         self.gone.add(key)
 
     def read(self, key: str, value: RoutingHeld | None, now: float) -> str:
@@ -92,6 +94,7 @@ class Sharing:
         if value is None:
             self.pending.pop(key, None)
             self.engine.pop(key, None)
+            self.table.engine.pop(key, None)
             return "deleted"
         if value.gateway == self.writer and self.written.get(key) == value.at:
             return "own"
@@ -116,6 +119,8 @@ class Sharing:
                 source="engine",
                 block_tokens=value.block_tokens,
             )
+            # What routing matches the request's token blocks against (engine_view.py).
+            self.table.engine[key] = EngineHeld(value.block_tokens, frozenset(held))
             self.dirty.discard(key)
             return
         if key in self.engine:

@@ -49,6 +49,7 @@ from llmgw_core.keys import ApiKey
 from llmgw_core.metrics import Collect, exposition
 
 from . import metrics, worker_metrics
+from .adapter_loads import AdapterLoads, LoadFailed
 from .admission import (
     STARTING,
     BadBody,
@@ -65,6 +66,7 @@ from .admission import (
 from .attempts import Attempts, Replicas
 from .budgets import Budgets, Limited
 from .demand import DemandCounts
+from .engine_tokens import EngineTokens
 from .errors import error, error_body, internal, not_allowed, not_found
 from .express import ExpressLane, LaneTaken
 from .holds import Holds
@@ -106,6 +108,7 @@ class Proxy:
         tracer: trace.Tracer | None = None,
         upstream: Upstream | None = None,
         holds: Holds | None = None,
+        adapter_loads: AdapterLoads | None = None,
     ) -> None:
         self.table = table
         # `client` reads a replica's /v1/models once; `upstream` carries the requests.
@@ -120,6 +123,8 @@ class Proxy:
         self.metrics.registry.register(Collect(lambda: metrics.routed(self.table)))
         # Requests waiting for a deployment's first ready replica, and what the demand reports say.
         self.holds = holds or Holds()
+        # Requests for a LoRA adapter no ready replica holds, held while one loads it.
+        self.adapter_loads = adapter_loads or AdapterLoads(None, table, self.holds.timeout_s)
         self.demand = DemandCounts()
         self.usage = usage or Usage(None, self.metrics.registry)
         # A worker of several: its index, and the other workers' registry ports (read at each
@@ -138,7 +143,8 @@ class Proxy:
         self.picker = Picker(table, self.holds, self.demand, self.keyring, engines, self.ledger, self.metrics)
         self.relays = Relays(table, self.metrics, self.ledger, self.tracer)
         replicas = Replicas(self.names, self.upstream)
-        self.attempts = Attempts(self.picker, replicas, self.relays, self.ledger, self.metrics)
+        tokens = EngineTokens(client, table, self.names)
+        self.attempts = Attempts(self.picker, replicas, self.relays, self.ledger, self.metrics, tokens)
         self.lane = ExpressLane(
             self.tables,
             self.loaded,
@@ -342,6 +348,14 @@ class Proxy:
         if isinstance(admitted, Refusal):
             return self._refused(admitted)
         key, payload, body, model, deployment = admitted[:5]
+        if admitted.cold is not None:
+            try:
+                loaded_on = await self.adapter_loads.ensure(deployment, admitted.adapter, admitted.cold)
+            except LoadFailed as exc:
+                refusal = Refusal(503, str(exc), "service_unavailable", "adapter_not_loaded", "adapter_load")
+                return self._refused(refusal._replace(deployment=deployment))
+            others = frozenset(k for k, _ in self.table.of(deployment) if k != loaded_on)
+            admitted = admitted._replace(unserved=admitted.unserved | others)
         reservation = await self.budgets.reserve(key, admitted.estimate)
         if isinstance(reservation, Limited):
             return self._limited(key, deployment, reservation)

@@ -210,7 +210,7 @@ class Relays:
             meter.passed = len(body)
             estimate = routed.reservation.estimate
             meter.estimate(estimate.prompt, generates=estimate.generates)
-        self.ledger.done(key, deployment, routed.span, routed.reservation, meter)
+        self.ledger.done(key, deployment, routed.span, routed.reservation, meter, routed.adapter)
 
     async def relay(
         self,
@@ -366,7 +366,10 @@ class Relays:
         finally:
             if seam is not None:
                 seam.end()
-            self.relay_end(upstream, key, deployment, span, reservation, meter, tail, ended=ended)
+            adapter = routed.adapter if routed is not None else ""
+            self.relay_end(
+                upstream, key, deployment, span, reservation, meter, tail, ended=ended, adapter=adapter
+            )
 
     def draining(self, key: str) -> bool:
         """Whether placement drains the replica (a node drained, a scale down, a replacement)."""
@@ -417,6 +420,7 @@ class Relays:
         tail: JsonTail | None = None,
         *,
         ended: bool = False,
+        adapter: str = "",
     ) -> None:
         """The end of a replica's answer passed on (`relay`), or never begun: its client left
         before the server asked for its first chunk (`Relay.aclose`), and the replica's count
@@ -432,7 +436,7 @@ class Relays:
             if tail is not None:
                 tail.read(meter)  # its usage, where what was passed on holds it
             meter.estimate(reservation.estimate.prompt, generates=reservation.estimate.generates)
-        self.ledger.done(key, deployment, span, reservation, meter)
+        self.ledger.done(key, deployment, span, reservation, meter, adapter)
 
 
 async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

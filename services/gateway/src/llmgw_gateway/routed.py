@@ -17,6 +17,7 @@ from llmgw_core.keys import ApiKey
 from .adapters import AdapterIndex
 from .answer import Answer, UpstreamError
 from .budgets import Reservation
+from .engine_view import EnginePrompt
 
 
 @dataclass(slots=True)
@@ -54,3 +55,6 @@ class Routed:
     # adapters: a replica with any is sent the `lora` field (adapters.py).
     adapter: str = ""
     adapters: AdapterIndex | None = None
+    # The prompt's token blocks as its deployment's engines cut them (`engine_tokens.py`), for
+    # replicas whose engine says what it holds; None: not tokenized (routed by `blocks`).
+    engine: EnginePrompt | None = None

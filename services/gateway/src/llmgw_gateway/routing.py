@@ -79,6 +79,7 @@ from llmgw_core.events import Deployment, DeploymentStatus, ReplicaRecord, Shard
 
 from .adapters import AdapterIndex
 from .config import RoutingConfig
+from .engine_view import EngineHeld, EnginePrompt, as_text_blocks, held_depth
 from .outliers import Outliers
 from .prefix_index import PrefixIndex
 from .weigh import bound, load_of, worth
@@ -266,6 +267,10 @@ class Table:
     _alias_of: dict[str, str] | None = field(default=None, init=False, repr=False)
     # The LoRA adapters each replica's engine loaded, from the shard statuses (adapters.py).
     adapters: AdapterIndex = field(default_factory=AdapterIndex)
+    # What each replica's engine says it holds (`source: engine` in the routing bucket), by
+    # replica key, kept by the routing bucket's reader (`prefix_share.py`): such a replica is
+    # matched by the request's token blocks (engine_view.py), not by what was sent there.
+    engine: dict[str, EngineHeld] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.prefixes = PrefixIndex(self.routing.index_blocks, self.routing.replica_blocks)
@@ -359,14 +364,28 @@ class Table:
         """Replicas whose launcher is silent while their engines were last heard ready."""
         return [(k, r) for k, r in self.of(deployment) if r.state == "unknown" and r.url]
 
+    def viewed(self, deployment: str) -> list[tuple[str, ReplicaRecord]]:
+        """The ready replicas of `deployment` whose engine says what it holds (none at the cost
+        of one lookup where no engine says anything)."""
+        if not self.engine:
+            return []
+        return [(k, r) for k, r in self.ready(deployment) if k in self.engine]
+
     def pick(
-        self, deployment: str, exclude: frozenset[str] = frozenset(), blocks: Sequence[int] = ()
+        self,
+        deployment: str,
+        exclude: frozenset[str] = frozenset(),
+        blocks: Sequence[int] = (),
+        engine: EnginePrompt | None = None,
     ) -> tuple[str, ReplicaRecord] | None:
         """The ready replica, not in `exclude`, that holds the deepest match of the prompt's
         `blocks`, else for a lead none holds the heaviest by rendezvous hashing of the least
         busy with room for it (see the module's docstring), else the one with the fewest
         requests in flight; where none is ready, the `unknown` one with a URL, chosen alike. A
-        replica out of routing for failing its answers (`outliers.py`) only where no other is."""
+        replica out of routing for failing its answers (`outliers.py`) only where no other is.
+        With `engine` (the prompt's token blocks), a replica whose engine says what it holds is
+        matched by those alone: first the deepest such match worth its load, then the text
+        index for the others."""
         candidates = [(k, r) for k, r in self.ready(deployment) if k not in exclude]
         if not candidates:
             candidates = [(k, r) for k, r in self.unknown(deployment) if k not in exclude]
@@ -381,8 +400,14 @@ class Table:
         key = ""
         depth = 0
         loads = self._loads(records)
-        if len(records) > 1 and len(blocks) >= self.routing.min_match_blocks:
-            matched, depth = self._matched(blocks, loads)
+        viewed: frozenset[str] = frozenset()
+        if engine is not None and len(records) > 1:
+            viewed = frozenset(k for k in records if k in self.engine)
+            matched, depth = self._engine_matched(engine, loads)
+            if matched:
+                key, how = min(matched, key=lambda k: (loads[k], self._last_pick.get(k, -1))), "engine"
+        if not key and len(records) > 1 and len(blocks) >= self.routing.min_match_blocks:
+            matched, depth = self._matched(blocks, loads, viewed)
             if matched:
                 key, how = min(matched, key=lambda k: (loads[k], self._last_pick.get(k, -1))), "prefix"
             else:
@@ -398,7 +423,7 @@ class Table:
             self.prefixes.record(blocks, key)
             self.recorded(key)
         self.routed[deployment, how] += 1
-        self.reason = REASONS[how] if how != "prefix" else f"prefix {depth} blocks"
+        self.reason = REASONS.get(how) or f"prefix {depth} blocks" + (" (engine)" if how == "engine" else "")
         return key, records[key]
 
     def _loads(self, candidates: dict[str, ReplicaRecord]) -> dict[str, int]:
@@ -414,17 +439,45 @@ class Table:
             out[k] = load_of(outstanding[k], sum(said) if said else None)
         return out
 
-    def _matched(self, blocks: Sequence[int], loads: dict[str, int]) -> tuple[list[str], int]:
+    def _engine_matched(self, engine: EnginePrompt, loads: dict[str, int]) -> tuple[list[str], int]:
+        """As `_matched`, by what the candidates' engines say they hold: the candidates whose
+        engine holds the prompt's deepest token block at least `min_match_blocks` deep (in the
+        text index's blocks, `engine_view.as_text_blocks`) and not held by every candidate,
+        within the load bound and worth their load, and that depth in engine blocks."""
+        routing = self.routing
+        depths = {k: held_depth(engine, self.engine[k]) for k in loads if k in self.engine}
+        limit = bound(loads.values(), routing.load_factor)
+        least = min(loads.values())
+        for deep in sorted({d for d in depths.values() if d}, reverse=True):
+            weight = as_text_blocks(deep, engine.block_tokens, routing.block_bytes)
+            if weight < routing.min_match_blocks:
+                break
+            held = [k for k, d in depths.items() if d >= deep]
+            if len(held) == len(loads):
+                break
+            within = [
+                k
+                for k in held
+                if loads[k] <= limit and worth(weight, loads[k], least, routing.match_per_load)
+            ]
+            if within:
+                return within, deep
+        return [], 0
+
+    def _matched(
+        self, blocks: Sequence[int], loads: dict[str, int], viewed: frozenset[str] = frozenset()
+    ) -> tuple[list[str], int]:
         """The candidates (the keys of `loads`) that hold the deepest block of `blocks` at least
         `min_match_blocks` deep and not held by every candidate, within the load bound and
-        worth their load (`weigh.py`), and that depth; ([], 0) where there are none."""
+        worth their load (`weigh.py`), and that depth; ([], 0) where there are none. Replicas in
+        `viewed` (matched by what their engine holds) are not matched here."""
         routing = self.routing
         limit = bound(loads.values(), routing.load_factor)
         least = min(loads.values())
         # From the deepest block held up: a shallower block's holders include the deeper's, so
         # where every candidate holds one, all shallower tell nothing either.
         for depth in range(self.prefixes.deepest(blocks), routing.min_match_blocks - 1, -1):
-            held = [k for k in self.prefixes.holders(blocks[depth - 1]) if k in loads]
+            held = [k for k in self.prefixes.holders(blocks[depth - 1]) if k in loads and k not in viewed]
             if len(held) == len(loads):
                 break
             within = [

@@ -40,6 +40,7 @@ from llmgw_core.metrics import serve_metrics
 from llmgw_core.retry import Retry
 
 from . import worker_metrics
+from .adapter_loads import AdapterLoads
 from .budgets import Budgets
 from .config import GatewayConfig, load_api_keys
 from .connections import (
@@ -129,6 +130,7 @@ class Gateway:
             tracer=tracer,
             upstream=self.upstream,
             holds=Holds(config.hold_queue, config.hold_timeout_s, config.hold_release_per_s),
+            adapter_loads=AdapterLoads(bus, self.table, config.hold_timeout_s),
         )
         # Which gateway answered a scrape: with workers on one port, each has its own counts.
         Info(

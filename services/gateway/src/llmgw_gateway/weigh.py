@@ -35,7 +35,7 @@ def bound(loads: Iterable[int], load_factor: float) -> float:
     return load_factor * sum(values) / len(values) + 1 if values else 1.0
 
 
-def worth(depth: int, load: int, least: int, match_per_load: float) -> bool:
+def worth(depth: float, load: int, least: int, match_per_load: float) -> bool:
     """Whether a match `depth` blocks deep on a replica of `load` outweighs sending the request
     to the least busy candidate (of load `least`)."""
     return depth >= match_per_load * (load - least)

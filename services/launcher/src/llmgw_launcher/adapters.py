@@ -6,6 +6,12 @@ read as hostile bytes and checked against the base's (`llmgw_core.adapter_header
 as `<state_dir>/adapters/<shard>/<adapter>.gguf`: the path the engine is given, whose file name
 is how the gateway finds the adapter's id in the engine's `/lora-adapters` answer.
 
+vLLM (and the simulator) load adapters at run time instead: each is a PEFT directory, checked
+(`llmgw_core.adapter_peft`, its rank within the profile's max_lora_rank) and linked as
+`<state_dir>/adapters/<shard>/<adapter>`, and the engine starts with none loaded; they are on
+the status as loadable (`ShardStatus.adapters_loadable`) until a gateway asks for one
+(`adapter_loads`).
+
 A bad adapter (not an adapter, another architecture, a base it does not fit, a broken header, a
 source that cannot be staged) is refused by name, in words on the shard's status
 (`ShardStatus.adapters_refused`); the base starts without it, with the others. An adapter never
@@ -22,7 +28,9 @@ import msgspec
 
 from llmgw_core import fit
 from llmgw_core.adapter_header import fit_problem, read_adapter
-from llmgw_core.adapters import Adapter, ServedAdapter
+from llmgw_core.adapter_peft import PeftError, read_peft
+from llmgw_core.adapter_rules import max_lora_rank
+from llmgw_core.adapters import RUNTIME_ENGINES, Adapter, ServedAdapter
 from llmgw_core.sources import SourceError
 
 from .attempt import Failure, bounded
@@ -35,6 +43,21 @@ if TYPE_CHECKING:
 def link_path(state_dir: Path, shard: str, adapter: str) -> Path:
     """Where the engine reads `adapter`'s file for `shard` (names are tokens: no path parts)."""
     return state_dir / "adapters" / shard / f"{adapter}.gguf"
+
+
+def runtime_link_path(state_dir: Path, shard: str, adapter: str) -> Path:
+    """Where a runtime engine (vLLM) reads `adapter`'s PEFT directory for `shard`."""
+    return state_dir / "adapters" / shard / adapter
+
+
+def check_peft(directory: Path, max_rank: int) -> str | None:
+    """Why the PEFT adapter at `directory` cannot be loaded by an engine serving ranks up to
+    `max_rank`; None when it can. Blocking: reads its config and its weights' header."""
+    try:
+        read_peft(directory, max_rank)
+    except PeftError as exc:
+        return str(exc)
+    return None
 
 
 def check(adapter_file: Path, base_file: str) -> str | None:
@@ -81,6 +104,7 @@ class AdaptersHook:
         adapters = spec.profile.adapters
         runner.adapters_refused = ()
         runner.adapters_served = ()
+        runner.adapters_staged = {}
         if not adapters or not spec.is_leader:
             return None
         served: list[Adapter] = []
@@ -94,6 +118,10 @@ class AdaptersHook:
             else:
                 served.append(words)
         runner.adapters_refused = tuple(refused)
+        if spec.profile.engine in RUNTIME_ENGINES:
+            # Loaded on demand, when a gateway asks (`adapter_loads`): none at start.
+            runner.adapters_staged = {a.name: a.source.removeprefix("file://") for a in served}
+            return None
         runner.adapters_served = tuple(ServedAdapter(name=a.name, scale=a.scale) for a in served)
         attempt.adapters = tuple(served)
         return None
@@ -114,10 +142,15 @@ class AdaptersHook:
             path = await ctx.weights.stage(source, report)
         except WeightsError as exc:
             return exc.reason
-        problem = await ctx.workers.files(check, path, attempt.model_path)
+        runtime = runner.spec.profile.engine in RUNTIME_ENGINES
+        if runtime:
+            problem = await ctx.workers.files(check_peft, path, max_lora_rank(runner.spec.profile))
+        else:
+            problem = await ctx.workers.files(check, path, attempt.model_path)
         if problem is not None:
             return problem
-        at = link_path(ctx.state_dir, runner.spec.shard, adapter.name)
+        where = runtime_link_path if runtime else link_path
+        at = where(ctx.state_dir, runner.spec.shard, adapter.name)
         try:
             await ctx.workers.files(link, path, at)
         except OSError as exc:

@@ -101,6 +101,7 @@ class Runner(Protocol):
     leader_url: str
     adapters_refused: tuple[str, ...]
     adapters_served: tuple[ServedAdapter, ...]
+    adapters_staged: dict[str, str]
 
     def set_state(self, state: ShardState, reason: str = "", retryable: bool = True) -> None: ...
 

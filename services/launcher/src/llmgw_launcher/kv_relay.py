@@ -64,7 +64,9 @@ def wanted(specs: dict[str, ShardSpec]) -> dict[str, tuple[str, str]]:
     """Shard key -> (routing key, endpoint) for each shard whose engine publishes KV events."""
     out = {}
     for key, spec in specs.items():
-        endpoint = kv_events_endpoint(spec) if spec.profile.engine == "vllm" and spec.deployment else ""
+        # The sim engine publishes as vLLM does, on the same flags (`llmgw_core.engines.sim`).
+        publishes = spec.profile.engine in ("vllm", "sim")
+        endpoint = kv_events_endpoint(spec) if publishes and spec.deployment else ""
         if endpoint:
             out[key] = (routing_key(spec), endpoint)
     return out

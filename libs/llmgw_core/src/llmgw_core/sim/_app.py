@@ -23,6 +23,8 @@ from starlette.routing import Route
 
 from .. import web
 from ..web import json_response
+from . import _kv
+from ._lora import Loras
 from ._words import _continued, _text, _tokens
 
 if TYPE_CHECKING:
@@ -74,6 +76,16 @@ class SimOptions:
     # After this many seconds every completion and chat answer is a 500 while /health still
     # answers 200: a GPU in a bad state (an illegal memory access) that only requests reveal.
     fail_completions_after: float | None = None
+    # LoRA adapters loaded at run time (`_lora`): at most this many at once (0: none), of at most
+    # this rank, each load taking this many seconds.
+    max_loras: int = 0
+    max_lora_rank: int = 64
+    lora_load_time: float = 0.0
+    # Its prompt cache, tokenizer and vLLM's KV events (`_kv`).
+    kv_events_config: str = ""
+    enable_prefix_caching: bool = False
+    kv_blocks: int = 256
+    tokenize_delay: float = 0.0
 
 
 def parse_args(argv: list[str]) -> SimOptions:
@@ -120,6 +132,10 @@ def parse_args(argv: list[str]) -> SimOptions:
         default=None,
         help="after N seconds answer every completion 500 (a CUDA error) while /health stays 200",
     )
+    p.add_argument("--max-loras", type=int, default=0, help="LoRA adapters loaded at once (0: none)")
+    p.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank loaded")
+    p.add_argument("--lora-load-time", type=float, default=0.0, help="seconds each adapter load takes")
+    _kv.add_args(p)
     ns = p.parse_args(argv)
     return SimOptions(**vars(ns))
 
@@ -136,6 +152,8 @@ class SimEngine:
         # Built at the first scrape: prometheus_client is imported then, not before the engine
         # answers /health (its import is a third of the engine's start).
         self._registry: Any = None
+        self.loras = Loras(opts.max_loras, opts.max_lora_rank, opts.lora_load_time)
+        self.kv = _kv.Routes(opts.kv_events_config, opts.kv_blocks, opts.tokenize_delay, opts.kv_tokens)
 
     def _age(self) -> float:
         return time.monotonic() - self.started
@@ -153,6 +171,10 @@ class SimEngine:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/embeddings", self.embeddings, methods=["POST"]),
                 Route("/v1/messages", self.messages, methods=["POST"]),
+                Route("/v1/load_lora_adapter", self.loras.load, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", self.loras.unload, methods=["POST"]),
+                Route("/tokenize", self.kv.tokenize, methods=["POST"]),
+                Route("/reset_prefix_cache", self.kv.reset, methods=["POST"]),
             ],
             exception_handlers={404: _no_route, 405: _no_route},
             max_body_size=web.MAX_BODY,
@@ -207,7 +229,10 @@ class SimEngine:
         return json_response(
             {
                 "object": "list",
-                "data": [{"id": self.opts.model, "object": "model", "owned_by": "llmgw-sim"}],
+                "data": [
+                    {"id": self.opts.model, "object": "model", "owned_by": "llmgw-sim"},
+                    *self.loras.models(self.opts.model),
+                ],
             }
         )
 
@@ -300,6 +325,7 @@ class SimEngine:
         )
 
     def _complete(self, body: dict[str, object], chat: bool) -> Response:
+        self.kv.answered(body, chat)
         # `start`: words of the answer already given, where the request continues it (vLLM's
         # `continue_final_message` for chat; for completions, a prompt ending with them).
         start = 0
@@ -320,7 +346,7 @@ class SimEngine:
             prompt, start = _continued(str(body.get("prompt", "")))
         raw_max = body.get("max_tokens", 16)
         n = raw_max if isinstance(raw_max, int) and raw_max > 0 else 16
-        words = _tokens(prompt, min(n, 4096), start)
+        words = _tokens(self.loras.salted(body, prompt), min(n, 4096), start)
         self.requests += 1
         self.tokens += len(words)
         created = int(time.time())
