@@ -24,6 +24,7 @@ from starlette.routing import Route
 from .. import web
 from ..web import json_response
 from . import _kv
+from ._body import json_object
 from ._lora import Loras
 from ._words import _continued, _text, _tokens
 
@@ -245,12 +246,9 @@ class SimEngine:
     async def _json_body(self, req: Request) -> dict[str, Any] | Response:
         if self.loading():
             return json_response({"error": {"message": "model is loading"}}, 503)
-        try:
-            body = json.loads(await req.body() or b"null")
-        except ValueError as exc:
-            return json_response({"error": {"message": f"invalid JSON body: {exc}"}}, 400)
-        if not isinstance(body, dict):
-            return json_response({"error": {"message": "body must be a JSON object"}}, 400)
+        body = await json_object(req)
+        if isinstance(body, str):
+            return json_response({"error": {"message": body}}, 400)
         if self.opts.die_after_chunks == 0:
             _die("before answering a request")
         return body

@@ -35,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..web import json_response
+from ._body import json_object
 
 # Tokens in a block: vLLM's default block size.
 BLOCK_TOKENS = 16
@@ -223,12 +224,9 @@ class Routes:
     async def tokenize(self, req: Request) -> Response:
         if self.delay:
             await anyio.sleep(self.delay)
-        try:
-            body = json.loads(await req.body() or b"null")
-        except ValueError as exc:
-            return json_response({"error": {"message": f"invalid JSON body: {exc}"}}, 400)
-        if not isinstance(body, dict):
-            return json_response({"error": {"message": "body must be a JSON object"}}, 400)
+        body = await json_object(req)
+        if isinstance(body, str):
+            return json_response({"error": {"message": body}}, 400)
         status, answer = tokenize(body, self.max_model_len)
         return json_response(answer, status)
 

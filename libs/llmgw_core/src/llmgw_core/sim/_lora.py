@@ -9,7 +9,6 @@ depend on the adapter's name: a test can tell which adapter answered.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from ..adapter_peft import PeftError, read_peft
 from ..web import json_response
+from ._body import json_object
 
 # How long a lora_name or lora_path the simulator takes (vLLM takes any; a model name is short).
 _NAME_MAX = 256
@@ -52,12 +52,9 @@ class Loras:
     async def _body(self, req: Request, *fields: str) -> dict[str, str] | Response:
         if self.max_loras <= 0:
             return _error("LoRA is not enabled: start the engine with --max-loras", 400)
-        try:
-            body = json.loads(await req.body() or b"null")
-        except ValueError as exc:
-            return _error(f"invalid JSON body: {exc}")
-        if not isinstance(body, dict):
-            return _error("body must be a JSON object")
+        body = await json_object(req)
+        if isinstance(body, str):
+            return _error(body)
         out = {}
         for field in fields:
             value = body.get(field)
