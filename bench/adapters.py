@@ -16,7 +16,9 @@ Load: CLIENTS clients stream chat requests, each for an adapter drawn from a Zip
   directly; the least recently used unloaded as in the other run).
 
 Cold start: with the replicas idle, the first request for an adapter no replica holds, timed to
-its first byte, against a base request's TTFT.
+its first byte, against a base request's TTFT; and the same on a real `llama-server` (the tiny
+llama GGUF and LLAMA_ADAPTERS adapter GGUFs the tests write, started by the launcher with every
+adapter given at start and none applied: the first request for each applies it by its scale).
 
 `python -m bench.adapters [--quick]` runs this section alone.
 """
@@ -58,6 +60,7 @@ ZIPF_S = 1.2
 CLIENTS = 4
 TOKENS = 16
 TOKENS_PER_S = 400.0
+LLAMA_ADAPTERS = 5
 
 
 @dataclass
@@ -90,7 +93,9 @@ def _draws(n: int, seed: int) -> list[str]:
 
 
 @contextlib.asynccontextmanager
-async def _cluster(root: Path) -> AsyncIterator[tuple[Bus, Table, dict[str, ShardStatus]]]:
+async def _cluster(
+    root: Path, engines: dict[str, object] | None = None
+) -> AsyncIterator[tuple[Bus, Table, dict[str, ShardStatus]]]:
     nats = NatsServer(store_dir=root / "nats", sync_always=False)
     nats.start()
     try:
@@ -104,6 +109,7 @@ async def _cluster(root: Path) -> AsyncIterator[tuple[Bus, Table, dict[str, Shar
                     "nats": {"url": nats.url, "prefix": "bench"},
                     "mgmt_addr": "127.0.0.1",
                     "health_interval_s": 0.3,
+                    "engines": engines or {},
                 },
                 AgentConfig,
             )
@@ -133,8 +139,10 @@ async def _cluster(root: Path) -> AsyncIterator[tuple[Bus, Table, dict[str, Shar
         nats.stop()
 
 
-async def _start(bus: Bus, table: Table, statuses: dict[str, ShardStatus], profile: Profile) -> None:
-    for r in range(REPLICAS):
+async def _start(
+    bus: Bus, table: Table, statuses: dict[str, ShardStatus], profile: Profile, replicas: int = REPLICAS
+) -> None:
+    for r in range(replicas):
         spec = msgspec.convert(
             {
                 "replica": f"r{r}",
@@ -151,7 +159,7 @@ async def _start(bus: Bus, table: Table, statuses: dict[str, ShardStatus], profi
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         ready = [s for s in statuses.values() if s.state == "ready"]
-        if len(ready) == REPLICAS:
+        if len(ready) == replicas:
             for s in ready:
                 record = ReplicaRecord(
                     deployment="chat",
@@ -160,7 +168,7 @@ async def _start(bus: Bus, table: Table, statuses: dict[str, ShardStatus], profi
                     profile_fp=profile.fingerprint(),
                     state="ready",
                     url=s.url,
-                    engine="sim",
+                    engine=profile.engine,
                 )
                 table.set_replica(f"chat.{s.replica}", record)
             return
@@ -308,6 +316,50 @@ async def measure(quick: bool) -> str:
     return _report(n, aware, least, base, cold)
 
 
+async def llamacpp_cold() -> tuple[list[float], list[float]] | str:
+    """On one real llama-server started by the launcher with LLAMA_ADAPTERS adapters: base
+    TTFTs, then each adapter's first request's (the replica idle); or why it cannot run."""
+    from bench import _llamacpp
+    from tests.adapters_support import write_tiny_lora
+    from tests.gateway_support import serve_proxy
+    from tests.tiny_model import write_tiny_llama
+
+    if why := _llamacpp.problem():
+        return why
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-adapters-llama-") as tmp:
+        root = Path(tmp)
+        base_gguf = write_tiny_llama(root / "base.gguf")
+        files = [write_tiny_lora(root / f"l{i}.gguf", seed=i) for i in range(LLAMA_ADAPTERS)]
+        adapters = [{"name": f.stem, "base": "tiny", "source": f"file://{f}"} for f in files]
+        fields = {"name": "tiny", "engine": "llamacpp", "model_path": str(base_gguf), "adapters": adapters}
+        profile = msgspec.convert({**fields, "args": ["-c", "512", "-t", "1"]}, Profile)
+        engines: dict[str, object] = {"llamacpp": {"path": str(_llamacpp.bin_dir())}}
+        async with _cluster(root, engines) as (bus, table, statuses):
+            await _start(bus, table, statuses, profile, replicas=1)
+            async with (
+                httpx.AsyncClient(timeout=60) as client,
+                Proxy(table, client) as proxy,
+                anyio.create_task_group() as tg,
+            ):
+                proxy.loaded.set()
+                url = f"http://127.0.0.1:{await tg.start(serve_proxy, proxy)}"
+                base = [t for t in [await _ttft(client, url, "chat", f"base {i}") for i in range(10)] if t]
+                cold = [t for a in adapters if (t := await _ttft(client, url, str(a["name"]), "cold"))]
+                tg.cancel_scope.cancel()
+        return base, cold
+
+
+def _cold_line(engine: str, base: list[float], cold: list[float]) -> str:
+    base_p50 = statistics.median(base) if base else float("nan")
+    cold_p50 = statistics.median(cold) if cold else float("nan")
+    return (
+        f"{engine}: a cold adapter's first request to first byte, replicas idle: median "
+        f"{cold_p50 * 1000:.0f} ms over {len(cold)} adapters, against the base's TTFT median "
+        f"{base_p50 * 1000:.0f} ms (target: at most base + 1 s; "
+        f"{'met' if cold_p50 <= base_p50 + 1 else 'NOT met'})."
+    )
+
+
 def _report(n: int, aware: Run, least: Run, base: list[float], cold: list[float]) -> str:
     def row(name: str, run: Run) -> str:
         per_min = run.loads / run.wall_s * 60 if run.wall_s else 0.0
@@ -316,8 +368,6 @@ def _report(n: int, aware: Run, least: Run, base: list[float], cold: list[float]
             f"{_p(run.ttft, 90) * 1000:.0f} | {run.wall_s:.1f} | {run.failed} |"
         )
 
-    base_p50 = statistics.median(base) if base else float("nan")
-    cold_p50 = statistics.median(cold) if cold else float("nan")
     lines = [
         TITLE,
         "",
@@ -332,16 +382,18 @@ def _report(n: int, aware: Run, least: Run, base: list[float], cold: list[float]
         row("adapter-aware (the gateway)", aware),
         row("least outstanding", least),
         "",
-        f"Cold adapter, first request to first byte, replicas idle: median {cold_p50 * 1000:.0f} ms "
-        f"over {len(cold)} adapters, against the base's TTFT median {base_p50 * 1000:.0f} ms "
-        f"(target: at most base + 1 s; {'met' if cold_p50 <= base_p50 + 1 else 'NOT met'}).",
+        _cold_line(f"Simulated engine (each load {LOAD_S:g} s)", base, cold),
         "",
     ]
     return "\n".join(lines)
 
 
 def run(quick: bool = False) -> str:
-    return anyio.run(measure, quick)
+    section = anyio.run(measure, quick)
+    llama = anyio.run(llamacpp_cold)
+    if isinstance(llama, str):
+        return section + f"\nllama.cpp: not measured: {llama}.\n"
+    return section + "\n" + _cold_line("llama.cpp (every adapter given at start)", *llama) + "\n"
 
 
 def main() -> int:
