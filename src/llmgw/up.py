@@ -386,11 +386,30 @@ class Progress:
     # The placement lease a kept store held before this run's placement started (revision,
     # holder): while it has not moved, its holder is an earlier run's, and gone.
     stale_lease: tuple[int, str] = (0, "")
+    # Why the deployment's engine will not start however long `up` waits (`hopeless`), once seen.
+    hopeless: str = ""
 
     def say(self, key: str, line: str) -> None:
         if self.said.get(key) != line:
             self.said[key] = line
             print(f"llmgw: {line}", flush=True)
+
+
+# Failed starts in a row, never ready, after which `up` takes an engine for one that will not
+# start (the launcher goes on retrying; `up` stops waiting an hour for it and says why).
+HOPELESS_RESTARTS = 3
+
+
+def hopeless(shard: ShardStatus) -> str:
+    """Why the engine of `shard` will not start however long `up` waits, in its own words; ""
+    while it may: a failure its launcher does not retry, or HOPELESS_RESTARTS failed starts."""
+    if shard.state == "ready":
+        return ""
+    if shard.state == "failed" and not shard.retryable:
+        return shard.last_failure or shard.reason
+    if shard.restarts >= HOPELESS_RESTARTS and shard.last_failure:
+        return f"{shard.restarts} starts failed, the last: {shard.last_failure}"
+    return ""
 
 
 def node_line(status: NodeStatus) -> str:
@@ -464,6 +483,8 @@ async def report(bus: Bus, nodes: list[str], progress: Progress, profile: str = 
         progress.say(
             f"shard {key}", f"{shard.deployment or 'shard'} {shard.replica} on {shard.node}: engine {what}"
         )
+        if shard.deployment == DEPLOYMENT and (why := hopeless(shard)):
+            progress.hopeless = f"{shard.replica} on {shard.node}: {why}"
     found: ReplicaRecord | None = None
     for key, replica_change in sorted((await bus.entries(bus.names.replicas_bucket, ReplicaRecord)).items()):
         record = replica_change.value
@@ -509,6 +530,11 @@ async def _wait_ready(
             found = None
         if found is not None:
             return found
+        if progress.hopeless:
+            raise GaveUp(
+                f"the engine of deployment {DEPLOYMENT} will not start: replica {progress.hopeless}; "
+                f"see {logs}"
+            )
         if time.monotonic() > deadline:
             raise GaveUp(f"no ready replica of {DEPLOYMENT} after {timeout:g}s; see {logs}")
         await anyio.sleep(0.3)
