@@ -31,7 +31,7 @@ def llmgw(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
     return subprocess.run([*LLMGW, *args], capture_output=True, text=True, env=env, timeout=60)
 
 
-def in_process(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def in_process(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """`llmgw` run by its `main` in a thread of this process, with `env` as its environment,
     as `llmgw()` would run it (the caller waits, as for the process)."""
     out, err = io.StringIO(), io.StringIO()
@@ -48,7 +48,7 @@ def in_process(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[s
                 return exit.code if isinstance(exit.code, int) else 1
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        code = pool.submit(run).result(timeout=60)
+        code = pool.submit(run).result(timeout=timeout)
     return subprocess.CompletedProcess(["llmgw", *args], code, out.getvalue(), err.getvalue())
 
 

@@ -1,5 +1,7 @@
 """`llmgw ctl` against a real cluster (NATS, placement, installer and launcher processes, sim
-engines), run as the operator runs it: a process, its stdout, its stderr and its exit code."""
+engines), run as the operator runs it: its stdout, its stderr and its exit code. `ctl` runs it
+by its `main` in this process (a process costs a second of imports, several on a busy machine,
+and the suites call it hundreds of times); the cases a script depends on run it as a process."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pytest
 from llmgw_core.bus import Bus
 from llmgw_core.events import ReplicaRecord
 from tests.cluster_support import Cluster, cluster, sim_catalog
+from tests.test_cli import in_process
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
@@ -29,7 +32,13 @@ CTL = [sys.executable, "-c", "import sys; from llmgw.cli import main; sys.exit(m
 CRASHY = sim_catalog("--load-time", "30", "--exit-after", "0.4", "--exit-code", "42", name="crashy")
 
 
-def ctl(c: Cluster, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def ctl(
+    c: Cluster, *args: str, timeout: float = 60, process: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """`llmgw ctl --prefix <the cluster's> ARGS` as the operator: in this process, or as a
+    process of its own where `process`."""
+    if not process:
+        return in_process("ctl", "--prefix", c.prefix, *args, env=c.ctl_env(), timeout=timeout)
     return subprocess.run(
         [*CTL, "--prefix", c.prefix, *args], capture_output=True, text=True, env=c.ctl_env(), timeout=timeout
     )
@@ -147,7 +156,7 @@ async def test_ctl_reads_writes_and_fails_as_a_script_expects(
         assert all("crashy" not in e["subject"] for e in lines)
 
         # Errors a script can tell apart.
-        missing = ctl(c, "get", "deployments", "nope")
+        missing = ctl(c, "get", "deployments", "nope", process=True)
         assert (missing.returncode, missing.stderr) == (
             3,
             "llmgw: no deployment nope (`llmgw ctl get deployments` lists them)\n",
@@ -172,7 +181,7 @@ async def test_ctl_reads_writes_and_fails_as_a_script_expects(
         for done in (missing, bad_name, negative, unknown):
             assert "Traceback" not in done.stderr
         started = time.monotonic()
-        unreachable = ctl(c, "--nats-url", f"nats://127.0.0.1:{closed_port()}", "get", "nodes")
+        unreachable = ctl(c, "--nats-url", f"nats://127.0.0.1:{closed_port()}", "get", "nodes", process=True)
         assert unreachable.returncode == 5, unreachable.stderr
         assert unreachable.stderr.startswith("llmgw: llmgw-ctl: cannot connect to NATS at nats://127.0.0.1:")
         assert len(unreachable.stderr.splitlines()) == 1

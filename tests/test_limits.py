@@ -297,7 +297,9 @@ async def test_ctl_refuses_a_3955_character_name_and_deletes_what_no_reader_deco
         refused = ctl(c, "deploy", "a" * 3955, "--profile", "tiny", "--replicas", "1")
         assert (refused.returncode, refused.stderr) == (4, f"llmgw: {TOO_LONG_3955}\n")
         assert await bus.keys(bus.names.deployments_bucket) == set()
-        # The cluster keeps working: a normal deployment is placed and gets ready.
+        # The cluster keeps working: a normal deployment is placed and gets ready (once placement
+        # has seeded its catalog).
+        await eventually(lambda: bus.keys(bus.names.catalog_bucket), timeout=30, interval=0.1)
         assert ok(c, "deploy", "chat", "--profile", "tiny") == "deployment chat: 1 x tiny requested\n"
         await eventually(lambda: ready_replicas(bus, "chat"), timeout=90, interval=0.5)
 
