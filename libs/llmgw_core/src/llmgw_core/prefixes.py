@@ -63,10 +63,27 @@ def pack(hashes: Iterable[int]) -> bytes:
     return out.tobytes()
 
 
-def token_seed(deployment: str) -> int:
-    """The chained hash before a prompt's first token block (`token_block_hash`)."""
-    seed = b"tokens\0" + deployment.encode("utf-8", "surrogatepass") + b"\0"
+def token_seed(deployment: str, adapter: str = "") -> int:
+    """The chained hash before a prompt's first token block (`token_block_hash`), under LoRA
+    adapter `adapter` of the deployment ("" for the base)."""
+    seed = b"tokens\0" + prompt_seed(deployment, adapter)
     return zlib.crc32(seed) << 32 | zlib.adler32(seed)
+
+
+def prompt_seed(deployment: str, adapter: str = "") -> bytes:
+    """The bytes every prompt hash of `deployment` starts from, under LoRA adapter `adapter`
+    ("" for the base): an engine keys a block computed under an adapter apart from the base's
+    (vLLM hashes the LoRA name into it; llama.cpp applies the adapter to every token), so a
+    request for one matched by the base's blocks went to a replica that held nothing of it.
+
+    The base's is the name and a NUL, as before adapters were hashed: gateways of an older
+    release share the routing state. An adapter's puts \1 where the base has its NUL, so no
+    seed is a prefix of another's (names hold neither byte) and no prompt text after one seed
+    can make it equal another's."""
+    name = deployment.encode("utf-8", "surrogatepass")
+    if not adapter:
+        return name + b"\0"
+    return name + b"\1" + adapter.encode("utf-8", "surrogatepass") + b"\0"
 
 
 def token_block_hash(prev: int, token_ids: Sequence[int]) -> int:

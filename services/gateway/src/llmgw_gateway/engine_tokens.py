@@ -27,7 +27,7 @@ from opentelemetry import trace
 from .engine_view import EnginePrompt, TokenizeError, decode_tokens, engine_prompt, most_answer_bytes
 from .names import ServedNames
 from .routed import Routed
-from .routing import Table
+from .routing import Table, prompt_text_bytes
 
 # How long a request waits for its tokens before it is routed by the text index: a tokenize
 # is a few milliseconds on an engine that answers; one that does not costs every request of
@@ -131,7 +131,16 @@ class EngineTokens:
             )
             return None
         said(routed.span, f"{len(ids)} tokens from {key}")
-        return engine_prompt(routed.deployment, ids, block_tokens, self.table.routing.max_blocks)
+        # Seeded by the adapter as the launcher seeds the blocks an engine stored under it.
+        # Weighed at this prompt's own bytes a token (engine_view.measured_bytes_per_token).
+        return engine_prompt(
+            routed.deployment,
+            ids,
+            block_tokens,
+            self.table.routing.max_blocks,
+            routed.adapter,
+            prompt_bytes=prompt_text_bytes(routed.payload, len(routed.body)),
+        )
 
     async def _ask(self, url: str, body: dict[str, Any], request_bytes: int) -> list[int]:
         limit = most_answer_bytes(request_bytes)

@@ -76,6 +76,7 @@ from typing import Any
 
 from llmgw_core import failures
 from llmgw_core.events import Deployment, DeploymentStatus, ReplicaRecord, ShardStatus
+from llmgw_core.prefixes import prompt_seed
 
 from .adapters import AdapterIndex
 from .config import RoutingConfig
@@ -119,7 +120,9 @@ def _prompt_text(payload: dict[str, Any], limit: int) -> bytes:
     return b"".join(parts)[:limit]
 
 
-def prompt_blocks(routing: RoutingConfig, deployment: str, path: str, body: Any) -> tuple[int, ...]:
+def prompt_blocks(
+    routing: RoutingConfig, deployment: str, path: str, body: Any, adapter: str = ""
+) -> tuple[int, ...]:
     """The chained hashes of the prompt's whole leading blocks (none for a path whose prompt
     engines do not cache, a body with no prompt, or with prefix-aware routing off).
 
@@ -130,27 +133,31 @@ def prompt_blocks(routing: RoutingConfig, deployment: str, path: str, body: Any)
     values carried on): about twice the per-process `hash`, 70 us for 128 blocks against 35, a
     cryptographic hash 140. A collision, even a made one, costs one request a routing choice,
     never a wrong answer. But for the lead's block (the `min_match_blocks`-th), which
-    rendezvous hashing weighs: `lead_hash` of the text up to its end."""
+    rendezvous hashing weighs: `lead_hash` of the text up to its end.
+
+    Seeded by the deployment and the LoRA `adapter` the request names (`prefixes.prompt_seed`):
+    an engine caches a prompt under an adapter apart from the base's."""
     if not routing.prefix_aware or path not in PREFIX_PATHS or not isinstance(body, dict):
         return ()
     size = routing.block_bytes
     text = _prompt_text(body, size * routing.max_blocks)
     lead = routing.min_match_blocks * size
     hashes = []
-    seed = deployment.encode("utf-8", "surrogatepass") + b"\0"
+    seed = prompt_seed(deployment, adapter)
     crc, adler = zlib.crc32(seed), zlib.adler32(seed)
     crc32, adler32 = zlib.crc32, zlib.adler32
     for start in range(0, len(text) - size + 1, size):
         block = text[start : start + size]
         crc, adler = crc32(block, crc), adler32(block, adler)
-        hashes.append(lead_hash(deployment, text[:lead]) if start + size == lead else crc << 32 | adler)
+        hashes.append(
+            lead_hash(deployment, text[:lead], adapter) if start + size == lead else crc << 32 | adler
+        )
     return tuple(hashes)
 
 
-def lead_hash(deployment: str, lead: bytes) -> int:
-    """A prompt's lead hashed the same in every process (and every run)."""
-    h = hashlib.blake2b(deployment.encode(), digest_size=8)
-    h.update(b"\0")
+def lead_hash(deployment: str, lead: bytes, adapter: str = "") -> int:
+    """A prompt's lead hashed the same in every process (and every run), under `adapter`."""
+    h = hashlib.blake2b(prompt_seed(deployment, adapter), digest_size=8)
     h.update(lead)
     return int.from_bytes(h.digest(), "little")
 
@@ -178,6 +185,13 @@ def rendezvous(lead: int, keys: Sequence[str]) -> str:
         if x > heaviest:
             best, heaviest = key, x
     return best
+
+
+def prompt_text_bytes(payload: dict[str, Any], limit: int) -> int:
+    """How many bytes the prompt's text is as the text index reads it (`prompt_blocks`' text,
+    uncut by `max_blocks`), at most `limit` (the request body's size bounds it): what an
+    engine match, in tokens, is weighed against (`engine_view.measured_bytes_per_token`)."""
+    return len(_prompt_text(payload, limit))
 
 
 # The most requests an engine's own counts may weigh (running and waiting, summed).
@@ -449,7 +463,7 @@ class Table:
         limit = bound(loads.values(), routing.load_factor)
         least = min(loads.values())
         for deep in sorted({d for d in depths.values() if d}, reverse=True):
-            weight = as_text_blocks(deep, engine.block_tokens, routing.block_bytes)
+            weight = as_text_blocks(deep, engine.block_tokens, routing.block_bytes, engine.bytes_per_token)
             if weight < routing.min_match_blocks:
                 break
             held = [k for k, d in depths.items() if d >= deep]

@@ -22,8 +22,11 @@ tokens. The engine's own hashes are not used: their algorithm is an engine optio
 (`--prefix-caching-hash-algo`; sha256 of CBOR by default, xxhash with a per-process random
 seed otherwise) and their encoding a detail of each vLLM release. A block
 whose parent is unknown (stored before the relay subscribed, or evicted from its memory) has
-no known prefix and is dropped, as are blocks with extra keys (a LoRA, an image, a cache
-salt: the tokens alone do not name them).
+no known prefix and is dropped, as are blocks with extra keys (an image, a cache salt: the
+tokens alone do not name them). A block stored under a LoRA adapter (`lora_name`, which vLLM
+also puts first in each block's extra keys) is chained from the adapter's seed
+(`token_seed(deployment, lora_name)`), as a gateway seeds a request for that adapter; a
+`lora_name` no adapter can have (llmgw's name rule) drops its event alone.
 
 Errors:
 
@@ -32,6 +35,7 @@ Errors:
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -39,6 +43,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
+from llmgw_core.limits import NAME_MAX
 from llmgw_core.prefixes import MAX_HELD_BLOCKS, token_block_hash, token_seed
 
 # One message (its payload frame) at most this long: a batch of a step's events for a few
@@ -132,8 +137,8 @@ class EngineBlocks:
     deployment: str
     capacity: int = MAX_HELD_BLOCKS
     blocks: OrderedDict[bytes | int, int] = field(default_factory=OrderedDict)
-    # Blocks not kept, by why (`orphan`: parent unknown; `keyed`: LoRA or extra keys;
-    # `malformed`: token ids that are not whole blocks).
+    # Blocks not kept, by why (`orphan`: parent unknown; `keyed`: extra keys beyond a LoRA's
+    # name; `malformed`: token ids that are not whole blocks, or a LoRA name no adapter has).
     dropped: dict[str, int] = field(default_factory=dict)
     last_seq: int | None = None
     gaps: int = 0
@@ -174,11 +179,15 @@ class EngineBlocks:
             # Not vLLM's shape (it stores whole blocks only): this event alone is dropped.
             self._drop("malformed", n)
             return False
-        if event.lora_name or any(k for k in event.extra_keys or ()):
+        lora = event.lora_name or ""
+        if lora and not _ADAPTER_NAME.fullmatch(lora):
+            self._drop("malformed", n)
+            return False
+        if any(not lora_only(keys, lora) for keys in event.extra_keys or ()):
             self._drop("keyed", n)
             return False
         if event.parent_block_hash is None:
-            prev = token_seed(self.deployment)
+            prev = token_seed(self.deployment, lora)
         else:
             found = self.blocks.get(event.parent_block_hash)
             if found is None:
@@ -201,3 +210,16 @@ class EngineBlocks:
     def hashes(self) -> list[int]:
         """llmgw's hashes of the blocks held, least recently stored first."""
         return list(self.blocks.values())
+
+
+# An adapter's name as llmgw writes one (`llmgw_core.adapters.Adapter.name`): a LoRA name
+# past it is none the gateways route to.
+_ADAPTER_NAME = re.compile(rf"[A-Za-z0-9_-]{{1,{NAME_MAX}}}")
+
+
+def lora_only(keys: Any, lora: str) -> bool:
+    """Whether one block's extra keys name nothing but its LoRA adapter (vLLM puts the name
+    first where the request has one): none, or the name alone."""
+    if not keys:
+        return True
+    return bool(lora) and isinstance(keys, (list, tuple)) and len(keys) == 1 and keys[0] == lora

@@ -8,7 +8,10 @@
   "add_special_tokens"}`), and the chat and completions endpoints cache the same ids.
 - **Cache**: the whole BLOCK_TOKENS-token blocks of each prompt answered, an LRU of
   `--kv-blocks` blocks, each keyed by a chained SHA-256 of its tokens (as vLLM's default
-  hash: the sim's own, never the gateways'). `POST /reset_prefix_cache` empties it.
+  hash: the sim's own, never the gateways'), a prompt's first block seeded by the LoRA adapter
+  its request named where one is loaded (vLLM keys an adapter's blocks apart too, and names it
+  in the event: `lora_name`, and first in each block's `extra_keys`). `POST
+  /reset_prefix_cache` empties it.
 - **Events**: with `--kv-events-config` (the JSON the vLLM adapter passes, `endpoint` and
   `topic` read), each change is published as vLLM does: a PUB socket that connects to the
   endpoint, one message of three frames (topic, 8-byte big-endian sequence, msgpack
@@ -27,6 +30,7 @@ import json
 import time
 import zlib
 from collections import OrderedDict, deque
+from collections.abc import Container
 from typing import Any
 
 import anyio
@@ -151,16 +155,19 @@ class KVCache:
         self.publisher = publisher
         self.blocks: OrderedDict[bytes, None] = OrderedDict()
 
-    def store(self, ids: list[int]) -> None:
-        """A prompt answered: its whole blocks cached, the new ones stored (one event), the
-        least recently used beyond `capacity` removed (another)."""
+    def store(self, ids: list[int], lora: str = "") -> None:
+        """A prompt answered (under LoRA adapter `lora`, "" for none): its whole blocks cached,
+        the new ones stored (one event), the least recently used beyond `capacity` removed
+        (another). As vLLM's, an adapter's blocks are keyed apart from the base's, and its
+        event names it (`lora_name`, and first in each block's extra keys)."""
         parent: bytes | None = None
+        root = b"lora\0" + lora.encode() if lora else b""
         new: list[bytes] = []
         new_parent: bytes | None = None
         new_tokens: list[int] = []
         for start in range(0, len(ids) // BLOCK_TOKENS * BLOCK_TOKENS, BLOCK_TOKENS):
             tokens = ids[start : start + BLOCK_TOKENS]
-            h = hashlib.sha256((parent or b"") + json.dumps(tokens).encode()).digest()
+            h = hashlib.sha256((parent or root) + json.dumps(tokens).encode()).digest()
             if not new and h in self.blocks:
                 self.blocks.move_to_end(h)
             else:
@@ -182,7 +189,8 @@ class KVCache:
                     "block_size": BLOCK_TOKENS,
                     "lora_id": None,
                     "medium": "GPU",
-                    "lora_name": None,
+                    "lora_name": lora or None,
+                    "extra_keys": [[lora]] * len(new) if lora else None,
                 }
             )
         evicted = []
@@ -216,10 +224,13 @@ class Routes:
         self.delay = delay
         self.max_model_len = max_model_len
 
-    def answered(self, body: dict[str, Any], chat: bool) -> None:
+    def answered(self, body: dict[str, Any], chat: bool, loaded: Container[str] = ()) -> None:
+        """A request answered: its prompt cached, under the adapter its `model` names where
+        that is one of the adapters `loaded`."""
         ids = request_ids(body, chat)
+        model = body.get("model")
         if ids is not None:
-            self.cache.store(ids)
+            self.cache.store(ids, model if isinstance(model, str) and model in loaded else "")
 
     async def tokenize(self, req: Request) -> Response:
         if self.delay:
