@@ -188,9 +188,9 @@ async def test_adapters_seeded_applied_listed_described_and_deleted_through_the_
 
         table = await _adapters.get(bus, "", "")
         assert table.splitlines() == [
-            "NAME     BASE  SCALE  DEPLOYMENTS  SOURCE",
-            "finance  tiny  2      chat         file:///models/legal.gguf",
-            "legal    tiny  0.5    chat         file:///models/legal.gguf",
+            "NAME     BASE  SCALE  LIMITS  DEPLOYMENTS  SOURCE",
+            "finance  tiny  2      -       chat         file:///models/legal.gguf",
+            "legal    tiny  0.5    -       chat         file:///models/legal.gguf",
         ]
         # As the operator types it.
         named = await _dispatch(bus, build_parser().parse_args(["ctl", "get", "adapters", "-o", "name"]))

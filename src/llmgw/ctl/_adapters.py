@@ -21,7 +21,7 @@ from . import _read as read
 from . import _views as views
 from ._errors import Conflict, NotFound
 
-HEADERS = ["NAME", "BASE", "SCALE", "DEPLOYMENTS", "SOURCE"]
+HEADERS = ["NAME", "BASE", "SCALE", "LIMITS", "DEPLOYMENTS", "SOURCE"]
 
 
 class AdapterView(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,6 +35,9 @@ class AdapterView(msgspec.Struct, frozen=True, kw_only=True):
     source: str
     scale: float
     sha256: str = ""
+    # Per minute, across every key (0: none of its own).
+    rpm: int = 0
+    tpm: int = 0
     deployments: tuple[str, ...] = ()
     holding: tuple[str, ...] = ()
     waiting: tuple[str, ...] = ()
@@ -76,6 +79,8 @@ def adapter_view(
         source=adapter.source,
         scale=adapter.scale,
         sha256=adapter.sha256,
+        rpm=adapter.rpm,
+        tpm=adapter.tpm,
         deployments=using,
         holding=holding,
         waiting=waiting,
@@ -83,8 +88,14 @@ def adapter_view(
     )
 
 
+def limits(v: AdapterView) -> str:
+    """An adapter's limits as one table cell: `60rpm,20000tpm`, `-` where it has none."""
+    said = [f"{n}{what}" for n, what in ((v.rpm, "rpm"), (v.tpm, "tpm")) if n]
+    return ",".join(said) or "-"
+
+
 def _row(v: AdapterView) -> list[str]:
-    return [v.name, v.base, f"{v.scale:g}", ",".join(v.deployments) or "-", v.source]
+    return [v.name, v.base, f"{v.scale:g}", limits(v), ",".join(v.deployments) or "-", v.source]
 
 
 async def get(bus: Bus, name: str, output: str) -> str:
@@ -113,12 +124,19 @@ async def describe(bus: Bus, name: str) -> str:
             f"Base:         profile {v.base}",
             f"Source:       {v.source}" + (f" (sha256 {v.sha256})" if v.sha256 else ""),
             f"Scale:        {v.scale:g}",
+            f"Limits:       {limit_words(v)}",
             f"Deployments:  {', '.join(v.deployments) or '(none: deploy the base profile to serve it)'}",
             f"Loaded by:    {', '.join(v.holding) or '-'}",
             f"Started before it (replaced by the rolling update):  {', '.join(v.waiting) or '-'}",
             *(f"Refused:      {line}" for line in v.refused),
         ]
     )
+
+
+def limit_words(v: AdapterView) -> str:
+    """An adapter's limits in words, as `describe adapter` says them."""
+    said = [f"{n} {what} per minute" for n, what in ((v.rpm, "requests"), (v.tpm, "tokens")) if n]
+    return ", ".join(said) + " (every key's together)" if said else "none of its own (each key's apply)"
 
 
 async def delete(bus: Bus, name: str) -> str:

@@ -15,6 +15,7 @@ import msgspec
 from .adapters import (
     ADAPTER_ENGINES,
     ADAPTERS_MAX,
+    LIMIT_MAX,
     LORA_RANKS,
     MAX_LORA_RANK_DEFAULT,
     MAX_LORAS_DEFAULT,
@@ -36,6 +37,12 @@ def adapter_problem(adapter: Adapter, catalog: Mapping[str, Profile]) -> str | N
         return problem
     if not math.isfinite(adapter.scale) or not 0 < adapter.scale <= SCALE_MAX:
         return f"{where}: scale {adapter.scale:g} is outside (0, {SCALE_MAX:g}]; 1 applies it as trained"
+    for what, limit in (("rpm", adapter.rpm), ("tpm", adapter.tpm)):
+        if type(limit) is not int or not 0 <= limit <= LIMIT_MAX:
+            return (
+                f"{where}: {what} {limit!r} is not a whole number from 0 to {LIMIT_MAX:,}; "
+                "0 sets no limit of its own"
+            )
     base = catalog.get(adapter.base)
     if base is None:
         known = ", ".join(sorted(catalog)[:8]) or "none"

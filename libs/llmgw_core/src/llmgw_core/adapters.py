@@ -22,6 +22,7 @@ from .sources import MAX_SOURCE_CHARS, ModelSource, SourceError, parse_source
 __all__ = [
     "ADAPTERS_MAX",
     "ADAPTER_ENGINES",
+    "LIMIT_MAX",
     "LORA_RANKS",
     "MAX_LORAS_DEFAULT",
     "MAX_LORA_RANK_DEFAULT",
@@ -30,7 +31,9 @@ __all__ = [
     "Adapter",
     "AdapterLoad",
     "AdapterLoaded",
+    "AdapterQuota",
     "ServedAdapter",
+    "adapter_quotas",
     "load_subject",
     "source_words",
 ]
@@ -53,6 +56,8 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ADAPTERS_MAX = 64
 # The largest scale an adapter is applied at (llama.cpp multiplies the adapter's delta by it).
 SCALE_MAX = 100.0
+# The largest rpm or tpm an adapter may be given: past a billion a minute, a limit limits nothing.
+LIMIT_MAX = 1_000_000_000
 
 
 class Adapter(Struct, frozen=True, kw_only=True):
@@ -64,6 +69,12 @@ class Adapter(Struct, frozen=True, kw_only=True):
     source: Annotated[str, Meta(max_length=MAX_SOURCE_CHARS)]
     sha256: str = ""
     scale: Annotated[float, Meta(gt=0, le=SCALE_MAX)] = 1.0
+    # Requests and tokens (prompt and completion) per minute across every key that calls it,
+    # counted by the gateways together (0: no limit of its own): one team's adapter on a shared
+    # base cannot take the base's capacity. Limits change no process: the profile's fingerprint
+    # leaves them out (`Profile.fingerprint`), so changing one replaces no replica.
+    rpm: Annotated[int, Meta(ge=0, le=LIMIT_MAX)] = 0
+    tpm: Annotated[int, Meta(ge=0, le=LIMIT_MAX)] = 0
 
     @property
     def model_source(self) -> ModelSource:
@@ -78,6 +89,25 @@ class Adapter(Struct, frozen=True, kw_only=True):
                 "hf://<org>/<repo>/<file>.gguf, https://… with sha256, or file:///path.gguf"
             )
         return found
+
+
+class AdapterQuota(Struct, frozen=True, kw_only=True):
+    """An adapter's own limits as placement says them to the gateways, on its base deployment's
+    status (`DeploymentStatus.adapter_quotas`): the gateways may not read the catalog, whose
+    profiles carry engines' environments."""
+
+    name: Name
+    rpm: Annotated[int, Meta(ge=0, le=LIMIT_MAX)] = 0
+    tpm: Annotated[int, Meta(ge=0, le=LIMIT_MAX)] = 0
+
+
+def adapter_quotas(adapters: tuple[Adapter, ...]) -> tuple[AdapterQuota, ...]:
+    """The limits of those of `adapters` that have any, by name."""
+    return tuple(
+        AdapterQuota(name=a.name, rpm=a.rpm, tpm=a.tpm)
+        for a in sorted(adapters, key=lambda a: a.name)
+        if a.rpm or a.tpm
+    )
 
 
 class ServedAdapter(Struct, frozen=True, kw_only=True, array_like=True):
@@ -97,21 +127,28 @@ class AdapterLoad(Struct, frozen=True, kw_only=True):
     """A gateway asks the launcher running `shard` (its leader) to load `adapter` into the
     replica's engine: request/reply on `load_subject(node)`. `recent`: the replica's adapters
     the gateway sent requests to, most recent first; where the engine is full, the loaded one
-    least recently used (last in `recent`, or not in it at all) is unloaded first."""
+    least recently used (last in `recent`, or not in it at all) is unloaded once `adapter`
+    loaded, never one in use: one the engine says has requests running or waiting, or one in
+    `in_flight` (the replica's adapters the gateway sent a request to in the last moments, which
+    may not be in the engine's count yet)."""
 
     shard: Token
     adapter: Name
     recent: Annotated[tuple[Name, ...], Meta(max_length=_RECENT_MAX)] = ()
+    in_flight: Annotated[tuple[Name, ...], Meta(max_length=_RECENT_MAX)] = ()
 
 
 class AdapterLoaded(Struct, frozen=True, kw_only=True):
     """The launcher's reply: `error` empty where the engine holds the adapter now, else why not
-    (the engine's own words where it refused); `unloaded` the adapter it unloaded for room."""
+    (the engine's own words where it refused); `unloaded` the adapter it unloaded for room.
+    `retryable`: nothing was tried, because every adapter the engine holds has requests running
+    or waiting; asked again once one ends, the load may go (the gateway retries within its hold)."""
 
     shard: str
     adapter: str
     error: str = ""
     unloaded: str = ""
+    retryable: bool = False
 
 
 def load_subject(prefix: str, node: str) -> str:

@@ -155,8 +155,9 @@ CHANNELS: list[tuple[str, str, type[msgspec.Struct], str, list[str], str]] = [
         load_subject(_N.prefix, "{node}"),
         AdapterLoad,
         "Request/reply (plain NATS), gateway to the node's launcher: load a LoRA adapter into a "
-        "replica's engine (vLLM), unloading the least recently used where it is full; the reply "
-        "(AdapterLoaded) says why not where it could not, in the engine's words.",
+        "replica's engine (vLLM), then, where it is full, unloading the least recently used with no "
+        "request in flight; the reply (AdapterLoaded) says why not where it could not, in the "
+        "engine's words, `retryable` where every adapter it holds is in use.",
         ["node"],
         "send",
     ),

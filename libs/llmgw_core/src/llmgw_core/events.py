@@ -18,7 +18,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 # Names and ids that become subject or key tokens: their rules are in `llmgw_core.limits`.
-from .adapters import ADAPTERS_MAX, Adapter, ServedAdapter
+from .adapters import ADAPTERS_MAX, Adapter, AdapterQuota, ServedAdapter
 from .limits import Aliases, Name, Token
 from .sources import ModelRef, ModelSource, SourceError, node_file, parse_model, staged_key, weights_key
 
@@ -191,12 +191,17 @@ class Profile(Struct, frozen=True, kw_only=True):
         """A stable digest of everything that changes the processes started.
 
         Fields added later count only when set: a profile that does not use them keeps the
-        digest it had before they existed, so an upgrade does not replace every replica.
+        digest it had before they existed, so an upgrade does not replace every replica. An
+        adapter's limits never count: the gateways enforce them, no process is started with
+        them, and a replica replaced for one would drop its requests and its cache for nothing.
         """
         fields = msgspec.to_builtins(self)
         for late, default in _LATE_DEFAULTS.items():
             if fields.get(late) == default:
                 del fields[late]
+        for adapter in fields.get("adapters", ()):
+            adapter.pop("rpm", None)
+            adapter.pop("tpm", None)
         return hashlib.sha256(msgspec.json.encode(fields, order="sorted")).hexdigest()[:16]
 
 
@@ -866,6 +871,9 @@ class DeploymentStatus(Message, frozen=True):
     # Why a change cannot proceed while the replicas run on: `rolling update blocked: no node
     # fits the new profile: …`, `drain of node-a blocked: no other node fits: …`; else "".
     blocked: str = ""
+    # The limits of its profile's LoRA adapters that have any, which every gateway enforces
+    # (docs/adapters.md): said here since gateways may not read the catalog.
+    adapter_quotas: Annotated[tuple[AdapterQuota, ...], Meta(max_length=ADAPTERS_MAX)] = ()
 
 
 class ScaleDecision(Message, frozen=True):

@@ -19,6 +19,7 @@ Pure: the index is fed the statuses; nothing here does I/O.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from llmgw_core.adapters import ADAPTERS_MAX, ServedAdapter
@@ -37,8 +38,9 @@ class AdapterIndex:
         # Replicas of a runtime engine: replica key -> (deployment, node, shard, adapters it may
         # be asked to load).
         self._loadable: dict[str, tuple[str, str, str, tuple[str, ...]]] = {}
-        # Replica key -> its adapters in the order requests were last sent to them (latest last).
-        self._recent: dict[str, dict[str, None]] = {}
+        # Replica key -> its adapters in the order requests were last sent to them (latest last),
+        # each with when (the monotonic clock).
+        self._recent: dict[str, dict[str, float]] = {}
         # Made again from `_shards` at the first read after a change.
         self._by_name: dict[str, dict[str, str]] | None = None
         self._by_replica: dict[str, tuple[ServedAdapter, ...]] = {}
@@ -97,11 +99,11 @@ class AdapterIndex:
         """Whether `replica`'s engine loads adapters at run time (and selects one by `model`)."""
         return replica in self._loadable
 
-    def used(self, replica: str, adapter: str) -> None:
+    def used(self, replica: str, adapter: str, now: float | None = None) -> None:
         """A request for `adapter` was sent to `replica`."""
         recent = self._recent.setdefault(replica, {})
         recent.pop(adapter, None)
-        recent[adapter] = None
+        recent[adapter] = time.monotonic() if now is None else now
         if len(recent) > 4 * ADAPTERS_MAX:
             del recent[next(iter(recent))]
 
@@ -111,6 +113,13 @@ class AdapterIndex:
         self._names()
         held = {a.name for a in self._by_replica.get(replica, ())}
         return tuple(a for a in reversed(self._recent.get(replica, {})) if a in held)
+
+    def sent_within(self, replica: str, seconds: float, now: float | None = None) -> tuple[str, ...]:
+        """`replica`'s adapters that a request was sent to in the last `seconds`, most recent
+        first, those it holds only: such a request may not be in the engine's own count yet."""
+        since = (time.monotonic() if now is None else now) - seconds
+        recent = self._recent.get(replica, {})
+        return tuple(a for a in self.recent(replica) if recent[a] >= since)
 
     def holders(self, adapter: str) -> tuple[str, frozenset[str]] | None:
         """The deployment serving `adapter` and its replica keys that hold it; None where no

@@ -57,6 +57,11 @@ request in OFFLINE_S at most waits CLAIM_TIMEOUT_S for it, not every one.
 
 Windows are fixed minutes of Unix time; a client may spend one minute's limit at its end and
 the next at the start of the next.
+
+A LoRA adapter with limits of its own (`adapter_limits.py`) is counted the same way, under a
+window of its own that every key calling it shares: a request for it is admitted by its key,
+then by the adapter (a request the adapter refuses gives its key's request back, so the key
+loses nothing), and its tokens are held against both and charged to both.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import anyio
 import anyio.abc
@@ -155,6 +160,20 @@ def batch(rpm: int, rate: float, left_s: float) -> int:
 _NOTHING = Spent()
 
 
+class Holder(Protocol):
+    """What limits are counted for: a key (`ApiKey`), or an adapter (`AdapterLimit`), by the
+    name of its window in the limits bucket."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def rpm(self) -> int: ...
+
+    @property
+    def tpm(self) -> int: ...
+
+
 @dataclass
 class _Local:
     window: int = -1
@@ -188,6 +207,9 @@ class Limited:
     retry_after: int
     # Of the tokens: those held for the key's answers in flight on this gateway.
     held: int = 0
+    # The window of the LoRA adapter whose own limit refused it (`adapter.<name>`); "" where
+    # the key's did.
+    window: str = ""
 
 
 @dataclass(slots=True)
@@ -207,14 +229,24 @@ class Reservation:
     so its key is never left short for good. That only changes an integer of an object of its
     own: a finalizer may run inside any allocation, a dict's included."""
 
-    __slots__ = ("_budgets", "_held", "_open", "estimate", "key", "tokens")
+    __slots__ = ("_budgets", "_held", "_open", "also", "estimate", "key", "tokens")
 
-    def __init__(self, budgets: Budgets, key: ApiKey, estimate: Estimate, tokens: int, held: _Held) -> None:
+    def __init__(
+        self,
+        budgets: Budgets,
+        key: Holder,
+        estimate: Estimate,
+        tokens: int,
+        held: _Held,
+        also: Reservation | None = None,
+    ) -> None:
         self._budgets = budgets
         self._held = held
         self.key = key
         self.estimate = estimate
         self.tokens = tokens
+        # The request's reservation against its adapter's own limits, settled with this one.
+        self.also = also
         held.tokens += tokens
         self._open = True
 
@@ -226,6 +258,8 @@ class Reservation:
         self._open = False
         self._held.tokens -= self.tokens
         self._budgets.charge(self.key, spent, now)
+        if self.also is not None:
+            self.also.settle(spent, now)
 
     def __del__(self) -> None:
         if self._open:
@@ -307,34 +341,51 @@ class Budgets:
         found = self._held.get(name)
         return found.tokens if found is not None else 0
 
-    def _tokens_left(self, key: ApiKey, now: float) -> bool:
+    def _tokens_left(self, key: Holder, now: float) -> bool:
         """Whether `key`'s minute has tokens left: those spent and those held under its tpm."""
         return not key.tpm or self.tokens(key.name, now) + self.held(key.name) < key.tpm
 
-    def _out_of_tokens(self, key: ApiKey, now: float) -> Limited:
+    def _out_of_tokens(self, key: Holder, now: float) -> Limited:
         held = self.held(key.name)
         # Where the answers in flight hold what is left, the room comes back as they end.
         wait = 1 if held and self.tokens(key.name, now) < key.tpm else retry_after(now)
         return Limited("tokens", key.tpm, wait, held)
 
     async def reserve(
-        self, key: ApiKey, estimate: Estimate, now: float | None = None
+        self, key: ApiKey, estimate: Estimate, now: float | None = None, adapter: Holder | None = None
     ) -> Reservation | Limited:
-        """`admit`, and `estimate`'s tokens (at most the tpm) held for the request once admitted."""
+        """`admit`, and `estimate`'s tokens (at most the tpm) held for the request once admitted.
+        With `adapter` (the limits of the LoRA adapter it calls), admitted by both, the key
+        first; refused by the adapter, the key's request is given back."""
         limited = await self.admit(key, now)
-        return self._reservation(key, estimate) if limited is None else limited
+        if limited is not None:
+            return limited
+        if adapter is None or not (adapter.rpm or adapter.tpm):
+            return self._reservation(key, estimate)
+        limited = await self.admit(adapter, now)
+        if limited is not None:
+            self._give_back(key)
+            return Limited(limited.what, limited.limit, limited.retry_after, limited.held, adapter.name)
+        return self._reservation(key, estimate, self._reservation(adapter, estimate))
+
+    def _give_back(self, key: Holder) -> None:
+        """One request of `key` admitted and not sent after all: no longer counted (in the
+        minute it was counted in, this gateway's batch of it; nothing of it reached the bus)."""
+        local = self._local.get(key.name)
+        if key.rpm and local is not None and local.used > 0:
+            local.used -= 1
 
     def reserve_at_once(self, key: ApiKey, estimate: Estimate, now: float) -> Reservation | None:
         """`admit_at_once`, and `estimate`'s tokens held for the request once admitted."""
         return self._reservation(key, estimate) if self.admit_at_once(key, now) else None
 
-    def _reservation(self, key: ApiKey, estimate: Estimate) -> Reservation:
+    def _reservation(self, key: Holder, estimate: Estimate, also: Reservation | None = None) -> Reservation:
         held = self._held.get(key.name)
         if held is None:
             held = self._held[key.name] = _Held()
-        return Reservation(self, key, estimate, min(estimate.tokens, key.tpm), held)
+        return Reservation(self, key, estimate, min(estimate.tokens, key.tpm), held, also)
 
-    async def admit(self, key: ApiKey, now: float | None = None) -> Limited | None:
+    async def admit(self, key: Holder, now: float | None = None) -> Limited | None:
         """None when `key` may send one more request now (counted), else which limit it hit."""
         clock = now is None
         now = self.clock() if now is None else now
@@ -364,7 +415,7 @@ class Budgets:
         self._use(key, local)
         return None
 
-    def admit_at_once(self, key: ApiKey, now: float) -> bool:
+    def admit_at_once(self, key: Holder, now: float) -> bool:
         """Admit one more request of `key` now (counted as `admit` counts it) where that needs
         no wait: False where a limit is reached or a batch must be claimed on the bus first,
         for `admit` to decide."""
@@ -380,7 +431,7 @@ class Budgets:
         self._use(key, local)
         return True
 
-    def _use(self, key: ApiKey, local: _Local) -> None:
+    def _use(self, key: Holder, local: _Local) -> None:
         """One request of the batch served; the next batch claimed in the background once half
         of this one is spent."""
         local.used += 1
@@ -388,7 +439,7 @@ class Budgets:
             local.claiming = True
             self._tg.start_soon(self._claim_ahead, key, local.window)
 
-    def charge(self, key: ApiKey, tokens: int, now: float | None = None) -> None:
+    def charge(self, key: Holder, tokens: int, now: float | None = None) -> None:
         """An answer of `key` ended, having spent `tokens`: added to the shared window soon."""
         if not key.tpm or tokens <= 0:
             return
@@ -401,14 +452,14 @@ class Budgets:
 
     # --- claims ---------------------------------------------------------------------------
 
-    async def _claim_ahead(self, key: ApiKey, window: int) -> None:
+    async def _claim_ahead(self, key: Holder, window: int) -> None:
         try:
             async with self._locks.setdefault(key.name, anyio.Lock()):
                 await self._claim(key, window)
         finally:
             self._fresh(key.name, window).claiming = False
 
-    async def _claim(self, key: ApiKey, window: int) -> None:
+    async def _claim(self, key: Holder, window: int) -> None:
         """Claim the next batch of `key`'s requests in `window` (what is left of the limit)."""
         local = self._fresh(key.name, window)
         at = time.monotonic()

@@ -49,6 +49,7 @@ from llmgw_core.keys import ApiKey
 from llmgw_core.metrics import Collect, exposition
 
 from . import metrics, worker_metrics
+from .adapter_limits import AdapterLimits
 from .adapter_loads import AdapterLoads, LoadFailed
 from .admission import (
     STARTING,
@@ -109,6 +110,7 @@ class Proxy:
         upstream: Upstream | None = None,
         holds: Holds | None = None,
         adapter_loads: AdapterLoads | None = None,
+        adapter_limits: AdapterLimits | None = None,
     ) -> None:
         self.table = table
         # `client` reads a replica's /v1/models once; `upstream` carries the requests.
@@ -117,6 +119,8 @@ class Proxy:
         # Without a keyring: open, or the keys of `api_keys` only.
         self.keyring = keyring or Keyring(required=bool(api_keys), file=file_keys(api_keys))
         self.budgets = budgets or Budgets(None)
+        # Each LoRA adapter's own limits, from the catalog (the service feeds it).
+        self.adapter_limits = adapter_limits or AdapterLimits()
         self.max_body_bytes = max_body_bytes
         self.tracer = tracer or trace.get_tracer("llmgw.gateway")
         self.metrics = metrics.Metrics()
@@ -353,12 +357,16 @@ class Proxy:
                 loaded_on = await self.adapter_loads.ensure(deployment, admitted.adapter, admitted.cold)
             except LoadFailed as exc:
                 refusal = Refusal(503, str(exc), "service_unavailable", "adapter_not_loaded", "adapter_load")
-                return self._refused(refusal._replace(deployment=deployment))
+                refused = self._refused(refusal._replace(deployment=deployment))
+                if exc.retry_after is not None:  # every replica's adapters were in use
+                    refused.headers["Retry-After"] = str(exc.retry_after)
+                return refused
             others = frozenset(k for k, _ in self.table.of(deployment) if k != loaded_on)
             admitted = admitted._replace(unserved=admitted.unserved | others)
-        reservation = await self.budgets.reserve(key, admitted.estimate)
+        own = self.adapter_limits.of(admitted.adapter) if admitted.adapter else None
+        reservation = await self.budgets.reserve(key, admitted.estimate, adapter=own)
         if isinstance(reservation, Limited):
-            return self._limited(key, deployment, reservation)
+            return self._limited(key, deployment, reservation, admitted.adapter)
         self.ledger.arrived(deployment)
         span = server_span(self.tracer, scope, model, deployment)
         routed = Routed(
@@ -370,7 +378,7 @@ class Proxy:
             span,
             arrived,
             replica_headers(headers, span),
-            prompt_blocks(self.table.routing, deployment, path, payload),
+            prompt_blocks(self.table.routing, deployment, path, payload, admitted.adapter),
             reservation,
             strip=admitted.strip,
             adapter=admitted.adapter,
@@ -378,15 +386,20 @@ class Proxy:
         )
         return await self._send(request, routed, admitted.unserved)
 
-    def _limited(self, key: ApiKey, deployment: str, limited: Limited) -> JSONResponse:
-        """The 429 of a request over one of its key's limits."""
+    def _limited(self, key: ApiKey, deployment: str, limited: Limited, adapter: str = "") -> JSONResponse:
+        """The 429 of a request over one of its key's limits, or of its adapter's own."""
         self.metrics.errors.labels(deployment, "rate_limited").inc()
         per = "requests" if limited.what == "requests" else "tokens (prompt and completion)"
         held = f", {limited.held} of them held for its requests in flight" if limited.held else ""
+        said = f"API key {key.name!r} is at its limit of {limited.limit} {per} per minute"
+        if limited.window:
+            said = (
+                f"adapter {adapter!r} is at its own limit of {limited.limit} {per} per minute, "
+                "every key's requests for it together"
+            )
         return error(
             429,
-            f"API key {key.name!r} is at its limit of {limited.limit} {per} per minute{held}; "
-            f"retry in {limited.retry_after}s",
+            f"{said}{held}; retry in {limited.retry_after}s",
             limited.what,
             "rate_limit_exceeded",
             retry_after=limited.retry_after,

@@ -242,6 +242,7 @@ class Gateway:
         async for _, status in self.bus.last_per_subject(subject, DeploymentStatus):
             retry.succeeded()
             self.table.set_status(status)
+            self.proxy.adapter_limits.observe(status.deployment, status.adapter_quotas)
             # Requests held for it are answered at once where placement now says it can place
             # none: nothing will serve them within hold_timeout_s.
             self.proxy.replicas_changed(status.deployment)

@@ -1,8 +1,17 @@
 """LoRA adapters loaded into a runtime engine (vLLM, the simulator) on demand: a gateway asks
 (`AdapterLoad` on `<prefix>.launcher.<node>.adapters`, request/reply) when a request names an
 adapter that no ready replica of its base holds, and this node's launcher loads it into the
-replica's engine (`POST /v1/load_lora_adapter`), first unloading the adapter least recently used
-where the engine holds `max_loras` already (`POST /v1/unload_lora_adapter`).
+replica's engine (`POST /v1/load_lora_adapter`). Where the engine holds `max_loras` already, the
+adapter least recently used of those with no request running or waiting is unloaded
+(`POST /v1/unload_lora_adapter`) once the new one loaded: vLLM's registry takes more adapters
+than `max_loras` (that bounds the adapters of one batch), so the load goes first, and a load
+that fails costs no adapter its slot.
+
+Which adapters are in use is the engine's own word (its LoRA gauge, `load.lora_in_use`), read
+again at each choice (the shard's last scrape is up to a load interval old), and those the asking
+gateway sent a request to a moment ago (`AdapterLoad.in_flight`: maybe not in the engine's
+count yet). Where every adapter the engine holds is in use, nothing is tried: the reply says
+so, `retryable`, and the gateway asks again within its hold.
 
 What the engine holds is on the shard's status (`ShardStatus.adapters`, published as an event
 at each load and unload, with words saying which), which is what gateways route by. A load the
@@ -35,6 +44,7 @@ from llmgw_core.errors import BusError
 from llmgw_core.events import decoder, encode
 
 from .attempt import bounded
+from .load import LOAD_METRICS, lora_in_use
 
 if TYPE_CHECKING:
     from .runner import ShardRunner as Runner
@@ -45,20 +55,47 @@ log = logging.getLogger("llmgw.launcher")
 ENGINE_TIMEOUT_S = 60.0
 # How much of an engine's refusal is quoted.
 _WORDS_MAX = 500
+# Where vLLM and the simulator serve their metrics (the adapters in use are read there).
+_METRICS_PATH = "/metrics"
 
 
-def victim(loaded: tuple[str, ...], recent: tuple[str, ...], room: int) -> str | None:
-    """The adapter to unload before one more is loaded into an engine holding `loaded` (in load
-    order) with `room` slots: None while there is room; else the least recently used, `recent`
-    being most recent first (one not in it is older than any in it; among those, the first
-    loaded goes first). Pure."""
+def victim(
+    loaded: tuple[str, ...], recent: tuple[str, ...], room: int, in_use: frozenset[str] = frozenset()
+) -> str | None:
+    """The adapter to unload for one more in an engine holding `loaded` (in load order) with
+    `room` slots: None while there is room, or where every one is `in_use` (requests running or
+    waiting on it: clients are using it, and each of its next requests would wait for a reload);
+    else the least recently used of the others, `recent` being most recent first (one not in it
+    is older than any in it; among those, the first loaded goes first). Pure."""
     if len(loaded) < room:
         return None
+    free = [name for name in loaded if name not in in_use]
+    return min(free, key=_age(loaded, recent)) if free else None
+
+
+def passed_over(
+    loaded: tuple[str, ...], recent: tuple[str, ...], in_use: frozenset[str], evict: str
+) -> list[str]:
+    """The adapters in use that `victim` passed over for `evict`: less recently used than it,
+    they would have gone had they no requests. Pure."""
+    age = _age(loaded, recent)
+    return [name for name in sorted(in_use.intersection(loaded)) if age(name) < age(evict)]
+
+
+def _age(loaded: tuple[str, ...], recent: tuple[str, ...]) -> Callable[[str], tuple[int, int]]:
+    """A sort key of `loaded`, the least recently used first: one never used (not in `recent`)
+    before any used, in load order; then the last in `recent` first."""
     order = {name: i for i, name in enumerate(recent)}
-    never = [name for name in loaded if name not in order]
-    if never:
-        return never[0]
-    return max(loaded, key=lambda name: order[name])
+    place = {name: i for i, name in enumerate(loaded)}
+    return lambda name: (0, place[name]) if name not in order else (1, -order[name])
+
+
+def all_in_use(loaded: tuple[str, ...]) -> str:
+    """Why no adapter can be unloaded for room, in words."""
+    return (
+        f"every one of its {len(loaded)} adapters has requests running or waiting: "
+        f"{', '.join(sorted(loaded))}"
+    )
 
 
 def engine_words(response: httpx.Response) -> str:
@@ -140,34 +177,74 @@ class AdapterLoads:
         loaded = tuple(a.name for a in runner.adapters_served)
         if adapter in loaded:
             return AdapterLoaded(shard=shard, adapter=adapter)
-        assert self._client is not None
+        room = max_loras(runner.spec.profile)
+        full = len(loaded) >= room
+        if full and victim(loaded, request.recent, room, await self._in_use(runner, request)) is None:
+            # Nothing is tried: a load now would leave the engine over max_loras with no adapter
+            # it could give back, and the gateway's request may wait for one to end.
+            words = f"shard {shard} holds max_loras {room}, and {all_in_use(loaded)}"
+            log.info("shard %s: adapter %s not loaded yet: %s", runner.key, adapter, words)
+            return AdapterLoaded(shard=shard, adapter=adapter, error=words, retryable=True)
         url = runner.leader_url
-        evict = victim(loaded, request.recent, max_loras(runner.spec.profile))
-        if evict is not None:
-            answer = await self._post(f"{url}/v1/unload_lora_adapter", {"lora_name": evict})
-            # An engine that no longer holds it (restarted by hand) has the slot free all the same.
-            if isinstance(answer, str) or (answer.status_code != 200 and answer.status_code != 404):
-                words = answer if isinstance(answer, str) else engine_words(answer)
-                return self._failed(runner, request, f"cannot unload {evict} to make room: {words}")
-            runner.adapters_served = tuple(a for a in runner.adapters_served if a.name != evict)
         answer = await self._post(f"{url}/v1/load_lora_adapter", {"lora_name": adapter, "lora_path": path})
         if isinstance(answer, str) or answer.status_code != 200:
-            words = answer if isinstance(answer, str) else engine_words(answer)
-            return self._failed(runner, request, words, evict or "")
+            # Nothing was unloaded yet: every adapter the engine held, it holds still.
+            return self._failed(runner, request, answer if isinstance(answer, str) else engine_words(answer))
         scale = next((a.scale for a in runner.spec.profile.adapters if a.name == adapter), 1.0)
         runner.adapters_served = (*runner.adapters_served, ServedAdapter(name=adapter, scale=scale))
         said = f"adapter {adapter} loaded"
-        if evict is not None:
-            said += f"; adapter {evict} unloaded (least recently used of {len(loaded)})"
+        evict = None
+        if full:
+            # Chosen again after the load, on the engine's word now: a request sent to one of
+            # them while the engine loaded has reached it.
+            in_use = await self._in_use(runner, request)
+            evict = victim(loaded, request.recent, room, in_use)
+            if evict is None:
+                said += f"; none unloaded, {all_in_use(loaded)} ({len(loaded) + 1} loaded, max_loras {room})"
+            else:
+                failed = await self._unload(runner, evict)
+                busy = passed_over(loaded, request.recent, in_use, evict)
+                why = f", {', '.join(busy)} in use" if busy else ""
+                said += (
+                    f"; adapter {evict} could not be unloaded for room: {failed}"
+                    if failed is not None
+                    else f"; adapter {evict} unloaded (least recently used of {len(loaded)}{why})"
+                )
         log.info("shard %s: %s", runner.key, said)
         runner.publish_adapters(said)
-        return AdapterLoaded(shard=shard, adapter=adapter, unloaded=evict or "")
+        held = {a.name for a in runner.adapters_served}
+        unloaded = evict if evict is not None and evict not in held else ""
+        return AdapterLoaded(shard=shard, adapter=adapter, unloaded=unloaded)
 
-    def _failed(self, runner: Runner, request: AdapterLoad, words: str, evicted: str = "") -> AdapterLoaded:
+    async def _unload(self, runner: Runner, evict: str) -> str | None:
+        """Unload `evict` for room: None where it went, else why not in words."""
+        answer = await self._post(f"{runner.leader_url}/v1/unload_lora_adapter", {"lora_name": evict})
+        # An engine that no longer holds it (restarted by hand) has the slot free all the same.
+        if isinstance(answer, str) or answer.status_code not in (200, 404):
+            return answer if isinstance(answer, str) else engine_words(answer)
+        runner.adapters_served = tuple(a for a in runner.adapters_served if a.name != evict)
+        return None
+
+    async def _in_use(self, runner: Runner, request: AdapterLoad) -> frozenset[str]:
+        """The adapters in use: those the engine says have requests running or waiting, read now
+        (the shard's last scrape is up to a load interval old; where the engine does not answer
+        in time, that last), and those the asking gateway sent requests to a moment ago."""
+        metrics = LOAD_METRICS.get(runner.spec.profile.engine)
+        scraper = runner.ctx.scraper
+        if metrics is not None and metrics.lora and scraper is not None:
+            text = await scraper.text(runner.leader_url + _METRICS_PATH)
+            if text is not None:
+                names = frozenset(runner.adapters_staged)
+                in_use = await runner.ctx.workers.files(lora_in_use, text, metrics.lora, names)
+                if in_use is not None:
+                    runner.adapters_in_use = in_use
+        return runner.adapters_in_use.union(request.in_flight)
+
+    def _failed(self, runner: Runner, request: AdapterLoad, words: str) -> AdapterLoaded:
         said = bounded(f"adapter {request.adapter} failed to load: {words}")
         log.warning("shard %s: %s", runner.key, said)
         runner.publish_adapters(said)
-        return AdapterLoaded(shard=request.shard, adapter=request.adapter, error=said, unloaded=evicted)
+        return AdapterLoaded(shard=request.shard, adapter=request.adapter, error=said)
 
     async def _post(self, url: str, body: dict[str, str]) -> httpx.Response | str:
         assert self._client is not None

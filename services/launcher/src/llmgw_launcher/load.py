@@ -1,4 +1,5 @@
-"""An engine's load, read from its metrics endpoint: requests running and waiting, KV-cache use.
+"""An engine's load, read from its metrics endpoint: requests running and waiting, KV-cache use,
+and the LoRA adapters with requests running or waiting (`lora_in_use`).
 
 Each engine names its gauges its own way (`LOAD_METRICS`); `parse_load` is pure and reads
 only those lines of the exposition text (vLLM's runs to a hundred kilobytes of histograms),
@@ -13,6 +14,8 @@ check judges that. It only leaves the load as last read.
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -33,6 +36,9 @@ class LoadMetrics:
     waiting: tuple[str, ...]
     # A fraction (1 is full), where the engine has one.
     kv_cache: tuple[str, ...] = ()
+    # The gauge naming the LoRA adapters with requests running or waiting (`lora_in_use`),
+    # where the engine loads adapters at run time.
+    lora: str = ""
 
 
 LOAD_METRICS: dict[str, LoadMetrics] = {
@@ -41,6 +47,7 @@ LOAD_METRICS: dict[str, LoadMetrics] = {
         running=("vllm:num_requests_running",),
         waiting=("vllm:num_requests_waiting",),
         kv_cache=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        lora="vllm:lora_requests_info",
     ),
     # llama-server with --metrics. Its KV-cache gauges (`kv_cache_usage_ratio`) were removed
     # before b11434, which reports none: the load says so rather than 0.
@@ -58,6 +65,7 @@ LOAD_METRICS: dict[str, LoadMetrics] = {
         running=("llmgw_sim_requests_running",),
         waiting=("llmgw_sim_requests_waiting",),
         kv_cache=("llmgw_sim_kv_cache_usage_ratio",),
+        lora="llmgw_sim_lora_requests_info",
     ),
 }
 
@@ -109,6 +117,72 @@ def _first(values: dict[str, list[float]], names: tuple[str, ...], largest: bool
         if name in values:
             return max(values[name]) if largest else sum(values[name])
     return None
+
+
+# The labels of the LoRA gauge that name adapters, comma-separated: those with requests running,
+# and those with requests waiting (vLLM's `vllm:lora_requests_info`, which the simulator copies).
+_LORA_LABELS = frozenset({"running_lora_adapters", "waiting_lora_adapters"})
+# One `name="value"` of a label set; a value's escapes kept as they are (no adapter name has one).
+# Possessive, and a name begins only where no name character precedes it: on hostile bytes (a
+# label never closed, a run of letters) the search is linear in the line, and its memory flat.
+_LABEL = re.compile(r'(?<![A-Za-z0-9_])([A-Za-z_][A-Za-z0-9_]*+)="([^"\\\n]*+(?:\\.[^"\\\n]*+)*+)"')
+_NAME = re.compile(r"[^,]+")
+
+
+def lora_in_use(text: str, gauge: str, names: Collection[str]) -> frozenset[str] | None:
+    """The adapters of `names` that the engine says have requests running or waiting, from its
+    LoRA gauge in an exposition text; None where the text has no sample of it (an engine started
+    without LoRA, or too old to report it).
+
+    vLLM sets the gauge to the time at each step, under labels naming the adapters in use then,
+    and never removes a series: the text holds one line per set of adapters ever seen, and the
+    latest value is the engine's word now. Outside bytes: a line that does not parse is passed
+    over, and a name is kept only where it is one of `names` (the adapters the shard has), so
+    a label of any length yields at most those, read one name at a time."""
+    prefix = gauge + "{"
+    latest = -math.inf
+    found: set[str] | None = None
+    for line in _lines_of(text, prefix):
+        close = line.rfind("}")
+        value = _sample_value(line[close + 1 :]) if close > 0 else None
+        if value is None or value < latest:
+            continue
+        in_use: set[str] = set()
+        for label in _LABEL.finditer(line, len(prefix), close):
+            if label.group(1) in _LORA_LABELS:
+                in_use.update(m.group() for m in _NAME.finditer(label.group(2)) if m.group() in names)
+        if value > latest or found is None:
+            latest, found = value, in_use
+        else:  # two series set at one time: both are the engine's word
+            found |= in_use
+    return None if found is None else frozenset(found)
+
+
+def _lines_of(text: str, prefix: str) -> Iterator[str]:
+    """The lines of `text` that begin with `prefix`, each cut out alone (the text is up to
+    MAX_METRICS_BYTES: split whole into lines, a hostile one of short lines is millions of
+    strings)."""
+    at = text.find(prefix)
+    while at >= 0:
+        end = text.find("\n", at)
+        end = len(text) if end < 0 else end
+        if at == 0 or text[at - 1] == "\n":
+            yield text[at:end]
+            at = text.find(prefix, end)
+        else:
+            at = text.find(prefix, at + len(prefix))
+
+
+def _sample_value(rest: str) -> float | None:
+    """The value of a sample line after its labels (` 1.7e9`, maybe a timestamp after it)."""
+    parts = rest.split(None, 2)
+    if not parts:
+        return None
+    try:
+        value = float(parts[0])
+    except ValueError:
+        return None
+    return None if math.isnan(value) else value
 
 
 def changed(old: EngineLoad | None, new: EngineLoad | None) -> bool:

@@ -38,7 +38,7 @@ from llmgw_core.telemetry import context_from
 from . import oom, procs
 from .attempt import Attempt, Failure, Proc
 from .context import Context
-from .load import LOAD_METRICS, LoadMetrics, Scraper, changed, parse_load
+from .load import LOAD_METRICS, LoadMetrics, Scraper, changed, lora_in_use, parse_load
 from .records import RecordError, ShardRecord
 from .start import START, engine_for, healthy
 
@@ -95,6 +95,9 @@ class ShardRunner:
         # An engine that loads adapters at run time: each staged adapter's path, by name
         # (`adapter_loads`).
         self.adapters_staged: dict[str, str] = {}
+        # The adapters the engine last said have requests running or waiting (its LoRA gauge,
+        # read with its load): never unloaded to make room (`adapter_loads.victim`).
+        self.adapters_in_use: frozenset[str] = frozenset()
 
     # --- publishing ----------------------------------------------------------
 
@@ -110,6 +113,7 @@ class ShardRunner:
         self.state = state
         if state != "ready":
             self.load = None
+            self.adapters_in_use = frozenset()
         status = self._status(state, reason, retryable)
         self._state_at = status.at
         log.info("shard %s: %s%s", self.key, state, f" ({status.reason})" if status.reason else "")
@@ -408,6 +412,10 @@ class ShardRunner:
             if text is None:
                 continue
             load = await self.ctx.workers.files(parse_load, text, metrics, now())
+            if metrics.lora and self.adapters_staged:
+                names = frozenset(self.adapters_staged)
+                in_use = await self.ctx.workers.files(lora_in_use, text, metrics.lora, names)
+                self.adapters_in_use = in_use or frozenset()
             if load is not None and changed(self.load, load):
                 self._publish_load(load)
 

@@ -45,6 +45,7 @@ import msgspec
 from opentelemetry import trace
 
 from llmgw_core import failures
+from llmgw_core.adapters import adapter_quotas
 from llmgw_core.engines import Profile
 from llmgw_core.events import Deployment, NodeReason, ReplicaRecord, ReplicaState
 from llmgw_core.telemetry import context_from, current_traceparent
@@ -350,6 +351,7 @@ class _Walk:
         # Placed in this step: placing, once (named mid-step, also in `plan.placed`: counted twice,
         # a scale past capacity read `1 of 6 ready; 6 placing`, none unplaceable, and no warning).
         placed_now = self.placed[dep.name]
+        profile = self.snap.catalog.get(dep.profile)
         status = deployment_status(
             dep,
             [p.replicas[k] for k in keys if k in p.replicas],
@@ -360,6 +362,7 @@ class _Walk:
             blocked=blocked,
             scaled=self.held.scaled.get(dep.name),
             at=self.snap.wall,
+            quotas=adapter_quotas(profile.adapters) if profile is not None else (),
         )
         previous = self.held.statuses.get(dep.name)
         if previous is not None and msgspec.structs.replace(previous, at=status.at) == status:

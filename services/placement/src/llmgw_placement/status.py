@@ -6,6 +6,7 @@ from collections import Counter
 
 import msgspec
 
+from llmgw_core.adapters import AdapterQuota
 from llmgw_core.events import Deployment, DeploymentStatus, NodeReason, ReplicaRecord, ScaleDecision
 from llmgw_core.subjects import Names
 
@@ -31,11 +32,12 @@ def deployment_status(
     blocked: str,
     scaled: ScaleDecision | None,
     at: float,
+    quotas: tuple[AdapterQuota, ...] = (),
 ) -> DeploymentStatus:
     """The deployment's desired, ready, pending and unplaceable counts, from its replicas'
     `records` and the replicas `placed_now` (in this step, not written yet: placing), with
     the refusal that keeps some from being placed (or a roll or drain from proceeding:
-    `blocked`, with every node's reason)."""
+    `blocked`, with every node's reason), and its profile's adapters' limits (`quotas`)."""
     ready = sum(1 for r in records if r.state == "ready")
     pending = len(records) + placed_now - ready
     unplaceable = max(0, wanted - len(records) - placed_now) if refused else 0
@@ -77,6 +79,7 @@ def deployment_status(
         reasons=reasons,
         at=at,
         blocked=blocked,
+        adapter_quotas=quotas,
     )
 
 

@@ -77,8 +77,9 @@ class SimOptions:
     # After this many seconds every completion and chat answer is a 500 while /health still
     # answers 200: a GPU in a bad state (an illegal memory access) that only requests reveal.
     fail_completions_after: float | None = None
-    # LoRA adapters loaded at run time (`_lora`): at most this many at once (0: none), of at most
-    # this rank, each load taking this many seconds.
+    # LoRA adapters loaded at run time (`_lora`): as vLLM's, this many in one batch (0: LoRA
+    # off; a load is not refused for the number loaded), of at most this rank, each load taking
+    # this many seconds.
     max_loras: int = 0
     max_lora_rank: int = 64
     lora_load_time: float = 0.0
@@ -133,7 +134,7 @@ def parse_args(argv: list[str]) -> SimOptions:
         default=None,
         help="after N seconds answer every completion 500 (a CUDA error) while /health stays 200",
     )
-    p.add_argument("--max-loras", type=int, default=0, help="LoRA adapters loaded at once (0: none)")
+    p.add_argument("--max-loras", type=int, default=0, help="LoRA adapters in one batch (0: LoRA off)")
     p.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank loaded")
     p.add_argument("--lora-load-time", type=float, default=0.0, help="seconds each adapter load takes")
     _kv.add_args(p)
@@ -221,6 +222,15 @@ class SimEngine:
                     "Fraction of the KV cache in use (1 is full).",
                     min(1.0, engine.kv_used / max(1, engine.opts.kv_tokens)),
                 )
+                if engine.opts.max_loras > 0:
+                    # As vLLM's `vllm:lora_requests_info`: set to the time, labelled with the
+                    # adapters in use (what the launcher keeps from unloading).
+                    info = engine.loras.requests_info()
+                    lora = GaugeMetricFamily(
+                        "llmgw_sim_lora_requests_info", "Running stats on lora requests.", labels=list(info)
+                    )
+                    lora.add_metric(list(info.values()), time.time())
+                    yield lora
 
         registry = CollectorRegistry()
         registry.register(Collector())
@@ -323,7 +333,7 @@ class SimEngine:
         )
 
     def _complete(self, body: dict[str, object], chat: bool) -> Response:
-        self.kv.answered(body, chat)
+        self.kv.answered(body, chat, self.loras.loaded)
         # `start`: words of the answer already given, where the request continues it (vLLM's
         # `continue_final_message` for chat; for completions, a prompt ending with them).
         start = 0
@@ -359,7 +369,7 @@ class SimEngine:
             last = usage if isinstance(options, dict) and options.get("include_usage") is True else None
             # As the engines send it: no charset parameter, no caching on the way.
             return StreamingResponse(
-                self._stream(rid, created, words, chat, last, start),
+                self._stream(rid, created, words, chat, last, start, self.loras.adapter(body)),
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
             )
         text = _text(words, start)
@@ -400,8 +410,10 @@ class SimEngine:
         chat: bool,
         usage: dict[str, int] | None = None,
         start: int = 0,
+        adapter: str = "",
     ) -> AsyncIterator[bytes]:
         self.running += 1
+        self.loras.began(adapter)
         held = 0  # each chunk sent stands for a token held in the cache until the request ends
         try:
             async for chunk in self._chunks(rid, created, words, chat, usage, start):
@@ -416,6 +428,7 @@ class SimEngine:
                 yield chunk
         finally:
             self.running -= 1
+            self.loras.ended(adapter)
             self.kv_used -= held
 
     async def _chunks(

@@ -1,14 +1,21 @@
 """The simulator's LoRA adapters, loaded and unloaded at run time as vLLM's are (started with
 VLLM_ALLOW_RUNTIME_LORA_UPDATING): `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` and
-`POST /v1/unload_lora_adapter {"lora_name"}`, at most `--max-loras` at once.
+`POST /v1/unload_lora_adapter {"lora_name"}`.
+
+As vLLM 0.32's `load_lora_adapter` (`entrypoints/openai/models/serving.py`), a load is not
+refused for the number loaded: vLLM's registry takes any number, `--max-loras` bounds the
+adapters of one batch (and its CPU cache evicts by LRU); keeping to it is the launcher's work.
 
 The path is read as vLLM reads it, a PEFT directory (`llmgw_core.adapter_peft`), its rank at most
 `--max-lora-rank`. A request whose `model` names a loaded adapter is answered with words that
-depend on the adapter's name: a test can tell which adapter answered.
+depend on the adapter's name: a test can tell which adapter answered. The adapters with
+requests running (`running`, streamed answers being generated) are what the engine's LoRA
+gauge names, as vLLM's `vllm:lora_requests_info` does.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +47,41 @@ class Loras:
         self.loaded: dict[str, str] = {}
         self.loads = 0
         self.unloads = 0
+        # Requests being generated now, by the adapter they asked for.
+        self.running: Counter[str] = Counter()
+
+    def adapter(self, body: dict[str, Any]) -> str:
+        """The loaded adapter a request's `model` names, or "" (the base)."""
+        model = body.get("model")
+        return model if isinstance(model, str) and model in self.loaded else ""
 
     def salted(self, body: dict[str, Any], prompt: str) -> str:
         """What the answer's words are drawn from: the prompt, and the adapter `model` names
         where one is loaded (vLLM answers a loaded adapter's name with the adapter applied)."""
-        model = body.get("model")
-        if isinstance(model, str) and model in self.loaded:
-            return f"lora:{model}\n{prompt}"
-        return prompt
+        adapter = self.adapter(body)
+        return f"lora:{adapter}\n{prompt}" if adapter else prompt
+
+    def began(self, adapter: str) -> None:
+        """A request for `adapter` ("": the base) is being generated."""
+        if adapter:
+            self.running[adapter] += 1
+
+    def ended(self, adapter: str) -> None:
+        """A request `began` ended, whole or not."""
+        if adapter:
+            self.running[adapter] -= 1
+            if self.running[adapter] <= 0:
+                del self.running[adapter]
+
+    def requests_info(self) -> dict[str, str]:
+        """The labels of the LoRA gauge now, as vLLM's: the adapters with requests running and
+        waiting (the simulator queues none), comma-separated."""
+        running = ",".join(sorted(self.running))
+        return {
+            "max_lora": str(self.max_loras),
+            "running_lora_adapters": running,
+            "waiting_lora_adapters": "",
+        }
 
     async def _body(self, req: Request, *fields: str) -> dict[str, str] | Response:
         if self.max_loras <= 0:
@@ -71,19 +105,14 @@ class Loras:
         name, path = body["lora_name"], body["lora_path"]
         if name in self.loaded:
             return _error(f"The lora adapter '{name}' has already been loaded.")
-        if len(self.loaded) >= self.max_loras:
-            return _error(
-                f"Cannot load LoRA adapter '{name}': {len(self.loaded)} of max_loras {self.max_loras} "
-                "are loaded; unload one first"
-            )
         try:
             await anyio.to_thread.run_sync(read_peft, Path(path), self.max_rank)
         except PeftError as exc:
             return _error(f"Loading lora {name} failed: {exc}")
         if self.load_time > 0:
             await anyio.sleep(self.load_time)
-        if len(self.loaded) >= self.max_loras:  # another load took the slot meanwhile
-            return _error(f"Cannot load LoRA adapter '{name}': max_loras {self.max_loras} are loaded")
+        if name in self.loaded:  # loaded by another request meanwhile
+            return _error(f"The lora adapter '{name}' has already been loaded.")
         self.loaded[name] = path
         self.loads += 1
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
