@@ -8,6 +8,7 @@ costs no adapter its slot; usage is counted under the adapter's name."""
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -20,10 +21,11 @@ import msgspec
 import pytest
 from prometheus_client import generate_latest
 
+from llmgw.ctl import _adapters
 from llmgw_core.adapters import AdapterLoad, AdapterLoaded, ServedAdapter, load_subject
 from llmgw_core.bus import Bus
 from llmgw_core.engines import Profile
-from llmgw_core.events import ReplicaRecord, ShardStatus
+from llmgw_core.events import Deployment, ReplicaRecord, ShardStatus
 from llmgw_gateway.adapter_loads import AdapterLoads
 from llmgw_gateway.proxy import Proxy
 from llmgw_gateway.routing import Table
@@ -198,6 +200,19 @@ async def test_cold_adapters_are_held_while_loaded_lru_unloaded_failures_said_us
                 text = generate_latest(proxy.metrics.registry).decode()
                 assert value(text, "llmgw_gateway_key_requests_total", deployment="legal") == 3
                 assert value(text, "llmgw_gateway_key_requests_total", deployment="chat") == 1
+
+                # What the operator reads of one: its loads and unloads (from the shard's events)
+                # and what the gateways served of it (their usage records, written as they write them).
+                proxy.usage.bus = bus
+                await proxy.usage.flush()
+                await bus.put(bus.names.catalog_bucket, "tiny", profile)
+                await bus.put(bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tiny"))
+                said = await _adapters.describe(bus, "finance")
+                loads = r"^Loads:        2, unloads 1; the last \d+ s ago on chat/r0 \(as the events"
+                assert re.search(loads, said, re.MULTILINE), said
+                used = r"^Used:         2 requests, \d+ tokens in the last 24 h; the last \d+ s ago$"
+                assert re.search(used, said, re.MULTILINE), said
+                assert "Loaded by:    chat/r0" in said
                 stop()
             follow.cancel_scope.cancel()
 
@@ -389,3 +404,24 @@ async def test_the_simulator_loads_and_unloads_as_vllm_does_past_max_loras(tmp_p
         again = await client.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
         assert again.status_code == 404
         assert (await load("a")).status_code == 200
+
+
+def test_loads_are_counted_from_ready_statuses_and_a_restart_is_no_unload() -> None:
+    def status(state: str, *held: str, shard: str = "chat-r0-0", rank: int = 0) -> ShardStatus:
+        adapters = tuple(ServedAdapter(name=n) for n in held)
+        return ShardStatus(
+            node="n", shard=shard, replica="r0", state=state, deployment="chat", rank=rank, adapters=adapters
+        )
+
+    said = [
+        status("ready"),
+        status("ready", "legal"),  # a load
+        status("ready", "legal", "tax"),
+        status("ready", "tax"),  # an unload
+        status("ready", "legal", shard="chat-r0-1", rank=1),  # not the replica's first shard
+        status("stopping"),  # its engine stops: nothing held, no unload
+        status("ready", "legal"),  # loaded again
+    ]
+    stamped = [_adapters.read.Stamped("s", float(i), e) for i, e in enumerate(said)]
+    assert _adapters.loads_of("legal", ["chat"], stamped) == _adapters.Loads(2, 1, (6.0, "chat/r0"))
+    assert _adapters.loads_of("legal", ["other"], stamped) == _adapters.Loads()

@@ -7,7 +7,9 @@ read, so an edit of the profile in between is a Conflict rather than lost.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Collection, Iterable, Mapping
+from typing import NamedTuple
 
 import msgspec
 
@@ -16,10 +18,15 @@ from llmgw_core.adapters import Adapter
 from llmgw_core.bus import Bus
 from llmgw_core.engines import Profile
 from llmgw_core.events import Deployment, ReplicaRecord, ShardStatus
+from llmgw_core.keys import UsageRecord
 
 from . import _read as read
 from . import _views as views
 from ._errors import Conflict, NotFound
+from ._keys import records as usage_records
+
+# How far back `describe adapter` sums what the gateways served of it.
+USED_S = 24 * 3600.0
 
 HEADERS = ["NAME", "BASE", "SCALE", "LIMITS", "DEPLOYMENTS", "SOURCE"]
 
@@ -112,12 +119,69 @@ async def get(bus: Bus, name: str, output: str) -> str:
     return views.table(HEADERS, [_row(v) for v in items])
 
 
+class Loads(NamedTuple):
+    """An adapter's loads into its replicas' engines and unloads from them, and its last load
+    (when, and which replica), as the shards' statuses in the events stream say."""
+
+    loads: int = 0
+    unloads: int = 0
+    last: tuple[float, str] | None = None
+
+
+def loads_of(adapter: str, deployments: Collection[str], events: Iterable[read.Stamped]) -> Loads:
+    """`adapter`'s loads and unloads on the replicas of `deployments`, from `events` (oldest
+    first): a ready status of a replica's first shard holding it, after one that did not (or
+    none), is a load; a ready one no longer holding it, an unload. An engine that stops or
+    restarts holds nothing until it is ready again, which is no unload. Pure."""
+    held: dict[str, bool] = {}
+    loads = unloads = 0
+    last = None
+    for e in events:
+        s = e.event
+        if not isinstance(s, ShardStatus) or s.deployment not in deployments or s.rank != 0:
+            continue
+        key = f"{s.node}.{s.shard}"
+        if s.state != "ready":
+            held[key] = False
+            continue
+        holds = any(a.name == adapter for a in s.adapters)
+        if holds and not held.get(key, False):
+            loads += 1
+            last = (e.time, views.replica_name(s.deployment, s.replica))
+        elif not holds and held.get(key, False):
+            unloads += 1
+        held[key] = holds
+    return Loads(loads, unloads, last)
+
+
+def used_of(adapter: str, records: Iterable[UsageRecord]) -> tuple[int, int, float]:
+    """Requests and tokens the gateways served for `adapter` in `records`, and the end of the
+    last interval that served any (0: none). Pure."""
+    requests = tokens = 0
+    last = 0.0
+    for r in records:
+        if r.deployment == adapter and r.requests:
+            requests += r.requests
+            tokens += r.prompt_tokens + r.completion_tokens
+            last = max(last, r.end)
+    return requests, tokens, last
+
+
 async def describe(bus: Bus, name: str) -> str:
     c = await read.cluster(bus, what=frozenset({"catalog", "deployments", "replicas", "shards"}))
     adapters = all_adapters(c.catalog)
     if name not in adapters:
         raise NotFound(f"no adapter {name} (`llmgw ctl get adapters` lists them)")
     v = adapter_view(adapters[name], c.catalog, c.deployments, c.replicas, c.shards)
+    history: list[read.Stamped] = []
+    await read.merged_events(bus, [bus.names.shard_events_all], history.append, follow=False)
+    loaded = loads_of(name, v.deployments, history)
+    requests, tokens, used_at = used_of(name, await usage_records(bus, USED_S))
+    now = time.time()
+    last_load = f"; the last {views.age(loaded.last[0], now)} ago on {loaded.last[1]}" if loaded.last else ""
+    said_loads = f"{loaded.loads}, unloads {loaded.unloads}{last_load} (as the events stream holds them)"
+    used = f"{requests} requests, {tokens} tokens in the last 24 h"
+    used += f"; the last {views.age(used_at, now)} ago" if used_at else ""
     return "\n".join(
         [
             f"Name:         {v.name}",
@@ -127,6 +191,8 @@ async def describe(bus: Bus, name: str) -> str:
             f"Limits:       {limit_words(v)}",
             f"Deployments:  {', '.join(v.deployments) or '(none: deploy the base profile to serve it)'}",
             f"Loaded by:    {', '.join(v.holding) or '-'}",
+            f"Loads:        {said_loads}",
+            f"Used:         {used}",
             f"Started before it (replaced by the rolling update):  {', '.join(v.waiting) or '-'}",
             *(f"Refused:      {line}" for line in v.refused),
         ]
