@@ -337,7 +337,9 @@ async def test_a_shared_prefix_goes_where_the_engine_holds_it_through_either_gat
             span = await nth_span(spans, n)
             assert span["llmgw.route"] == "prefix 25 blocks (engine)", span
             assert span[TOKENIZE_ATTRIBUTE].endswith(f"tokens from {first}"), span
-        # The engine's cache reset: it says so (AllBlocksCleared), and the next question goes by load.
+        # The engine's cache reset: it says so (AllBlocksCleared), and the next question goes by
+        # the text index back where the customer was asked before (and is computed again where
+        # it will be asked for again), no engine holding it.
         async with httpx.AsyncClient(base_url=str(gw_a.table.replicas[first].url)) as engine:
             assert (await engine.post("/reset_prefix_cache")).status_code == 200
 
@@ -346,8 +348,11 @@ async def test_a_shared_prefix_goes_where_the_engine_holds_it_through_either_gat
             return True
 
         await eventually(cleared, timeout=15, interval=0.05)
-        await ask(client, b, "is it lost?")
-        assert (await nth_span(spans_b, 3))["llmgw.route"] == "least outstanding"
+        served, _ = await ask(client, b, "is it lost?")
+        assert served == first
+        route = (await nth_span(spans_b, 3))["llmgw.route"]
+        assert route.startswith("prefix "), route
+        assert "(engine)" not in route, route
 
 
 @pytest.mark.anyio

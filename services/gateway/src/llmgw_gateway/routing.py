@@ -397,9 +397,12 @@ class Table:
         busy with room for it (see the module's docstring), else the one with the fewest
         requests in flight; where none is ready, the `unknown` one with a URL, chosen alike. A
         replica out of routing for failing its answers (`outliers.py`) only where no other is.
-        With `engine` (the prompt's token blocks), a replica whose engine says what it holds is
-        matched by those alone: first the deepest such match worth its load, then the text
-        index for the others."""
+        With `engine` (the prompt's token blocks), first the deepest match worth its load of
+        what the replicas' engines say they hold; where none is, the text index of everything
+        routed, as without: a repeat the engine has not said it stored yet follows its first,
+        and one whose context the engine evicted goes back where it was asked before (and is
+        computed again where it will be asked for again), not to the least busy, which spread
+        a conversation over every replica's cache."""
         candidates = [(k, r) for k, r in self.ready(deployment) if k not in exclude]
         if not candidates:
             candidates = [(k, r) for k, r in self.unknown(deployment) if k not in exclude]
@@ -421,13 +424,13 @@ class Table:
             if matched:
                 key, how = min(matched, key=lambda k: (loads[k], self._last_pick.get(k, -1))), "engine"
         if not key and len(records) > 1 and len(blocks) >= self.routing.min_match_blocks:
-            matched, depth = self._matched(blocks, loads, viewed)
+            matched, depth = self._matched(blocks, loads)
             if matched:
                 key, how = min(matched, key=lambda k: (loads[k], self._last_pick.get(k, -1))), "prefix"
             else:
                 lead = blocks[self.routing.min_match_blocks - 1]
                 if not any(k in records for k in self.prefixes.holders(lead)):
-                    least = self._least_busy(self._roomy(loads), loads)
+                    least = self._least_busy(self._roomy(loads, viewed, engine), loads)
                     # One least busy: load decides, as it would without the prefix.
                     key, how = (rendezvous(lead, least), "hash") if len(least) > 1 else (least[0], "load")
         if not key:
@@ -478,20 +481,17 @@ class Table:
                 return within, deep
         return [], 0
 
-    def _matched(
-        self, blocks: Sequence[int], loads: dict[str, int], viewed: frozenset[str] = frozenset()
-    ) -> tuple[list[str], int]:
+    def _matched(self, blocks: Sequence[int], loads: dict[str, int]) -> tuple[list[str], int]:
         """The candidates (the keys of `loads`) that hold the deepest block of `blocks` at least
         `min_match_blocks` deep and not held by every candidate, within the load bound and
-        worth their load (`weigh.py`), and that depth; ([], 0) where there are none. Replicas in
-        `viewed` (matched by what their engine holds) are not matched here."""
+        worth their load (`weigh.py`), and that depth; ([], 0) where there are none."""
         routing = self.routing
         limit = bound(loads.values(), routing.load_factor)
         least = min(loads.values())
         # From the deepest block held up: a shallower block's holders include the deeper's, so
         # where every candidate holds one, all shallower tell nothing either.
         for depth in range(self.prefixes.deepest(blocks), routing.min_match_blocks - 1, -1):
-            held = [k for k in self.prefixes.holders(blocks[depth - 1]) if k in loads and k not in viewed]
+            held = [k for k in self.prefixes.holders(blocks[depth - 1]) if k in loads]
             if len(held) == len(loads):
                 break
             within = [
@@ -501,14 +501,24 @@ class Table:
                 return within, depth
         return [], 0
 
-    def _roomy(self, loads: dict[str, int]) -> list[str]:
+    def _roomy(
+        self, loads: dict[str, int], viewed: frozenset[str] = frozenset(), engine: EnginePrompt | None = None
+    ) -> list[str]:
         """Where a new prefix may go: the candidates (the keys of `loads`) within the load bound
         that were sent at most `prefix_balance` times the mean of the prompt blocks the
-        candidates were sent (the index's `size`); those within the load bound where none of
-        them is (never none: the least busy is within it)."""
+        candidates were sent (the index's `size`; for one in `viewed`, what its engine says it
+        holds, in text blocks at `engine`'s bytes a token); those
+        within the load bound where none of them is (never none: the least busy is within it)."""
         limit = bound(loads.values(), self.routing.load_factor)
         within = [k for k in loads if loads[k] <= limit]
-        size = self.prefixes.size
+        text = self.prefixes.size
+
+        def size(k: str) -> float:
+            if k not in viewed or engine is None:
+                return text(k)
+            held = len(self.engine[k].blocks)
+            return as_text_blocks(held, engine.block_tokens, self.routing.block_bytes, engine.bytes_per_token)
+
         most = self.routing.prefix_balance * sum(size(k) for k in loads) / len(loads)
         return [k for k in within if size(k) <= most] or within
 
