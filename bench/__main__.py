@@ -22,6 +22,7 @@ from bench import (
     partitions,
     placement,
     routing,
+    routing_vllm,
     scale,
     weights,
 )
@@ -41,6 +42,7 @@ MODULES = (
     weights,
     gateway,
     routing,
+    routing_vllm,
     autoscale,
     continuation,
     partitions,

@@ -2,8 +2,9 @@
 adapter's first byte against the base's.
 
 Two simulated replicas of one base (`llmgw_core.sim`, which loads adapters as vLLM does:
-`/v1/load_lora_adapter`, at most `max_loras` at once, each load taking LOAD_S as a small adapter
-does in vLLM), started by a real launcher from a shard spec, over a real nats-server; 50 PEFT
+`/v1/load_lora_adapter`, each load taking LOAD_S as a small adapter does in vLLM; the launcher
+keeps at most `max_loras` in each, unloading the least recently used not in use once a new one
+loaded), started by a real launcher from a shard spec, over a real nats-server; 50 PEFT
 adapters staged and checked by that launcher. The gateway's proxy runs in this process, its
 routing table fed from the shard status bucket as the gateway's is.
 
@@ -224,6 +225,12 @@ async def _least_outstanding(
                     reply = await bus.request(
                         load_subject("bench", "node-a"), request, AdapterLoaded, timeout=30
                     )
+                    # Every adapter it holds busy: asked again once one ends, as the gateway does.
+                    while reply.retryable:
+                        await anyio.sleep(0.1)
+                        reply = await bus.request(
+                            load_subject("bench", "node-a"), request, AdapterLoaded, timeout=30
+                        )
                     while reply.error == "" and not _holds(statuses, replica, adapter):
                         await anyio.sleep(0.01)
             recent[replica] = [adapter, *(a for a in recent[replica] if a != adapter)]
