@@ -44,6 +44,8 @@ from ._body import json_object
 # Tokens in a block: vLLM's default block size.
 BLOCK_TOKENS = 16
 BOS = 1
+# How long a publish waits for the launcher's subscription while none has come.
+JOIN_WAIT_S = 1.0
 # Event batches held while no subscriber has joined.
 HELD_BATCHES = 1024
 
@@ -109,6 +111,7 @@ class Publisher:
         self.topic = topic.encode()
         self.seq = 0
         self.joined = False
+        self.waited = False
         self.held: deque[bytes] = deque(maxlen=HELD_BATCHES)
         # Closed as the process ends: a context left open can hold its exit.
         atexit.register(self.close)
@@ -132,13 +135,17 @@ class Publisher:
             return
         self.held.append(msgspec.msgpack.encode([time.time(), events, 0]))
         if not self.joined:
-            # A subscription message (first byte 1) says the launcher listens.
-            while True:
-                try:
-                    frame = self.sock.recv(self._zmq.NOBLOCK)
-                except self._zmq.Again:
+            # A subscription message (first byte 1) says the launcher listens. Waited for a
+            # moment at the first publish (at most): the launcher's socket may be bound (and
+            # ours connected) a little after the first prompt, and what is held goes out only
+            # with a later publish; an engine nobody follows must not wait at every one.
+            deadline = time.monotonic() + (0.0 if self.seq or self.waited else JOIN_WAIT_S)
+            self.waited = True
+            while not self.joined:
+                left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+                if not self.sock.poll(left_ms):
                     break
-                self.joined |= frame[:1] == b"\x01"
+                self.joined |= self.sock.recv()[:1] == b"\x01"
             if not self.joined:
                 return
         while self.held:
