@@ -475,6 +475,7 @@ async def report(bus: Bus, nodes: list[str], progress: Progress, profile: str = 
         progress.say(f"node {node}", node_line(status))
         if status.install:
             progress.say(f"install {node}", f"node {node}: {status.install}")
+    failing: list[tuple[ShardStatus, str]] = []
     for key, shard_change in sorted((await bus.entries(bus.names.shard_status_bucket, ShardStatus)).items()):
         shard = shard_change.value
         if shard is None or shard.at < progress.started:
@@ -484,8 +485,9 @@ async def report(bus: Bus, nodes: list[str], progress: Progress, profile: str = 
             f"shard {key}", f"{shard.deployment or 'shard'} {shard.replica} on {shard.node}: engine {what}"
         )
         if shard.deployment == DEPLOYMENT and (why := hopeless(shard)):
-            progress.hopeless = f"{shard.replica} on {shard.node}: {why}"
+            failing.append((shard, why))
     found: ReplicaRecord | None = None
+    asked: dict[str, str] = {}
     for key, replica_change in sorted((await bus.entries(bus.names.replicas_bucket, ReplicaRecord)).items()):
         record = replica_change.value
         if record is None or record.updated_at < progress.started:
@@ -495,6 +497,13 @@ async def report(bus: Bus, nodes: list[str], progress: Progress, profile: str = 
         wanted = record.deployment == DEPLOYMENT and (not profile or record.profile == profile)
         if wanted and record.state == "ready" and found is None:
             found = record
+        if wanted:
+            asked[record.replica] = record.profile_fp
+    # An engine of this run's profile that will not start; not one of the replicas it replaces
+    # (an earlier run's profile, which may fail on this machine as it is retired).
+    for shard, why in failing:
+        if asked.get(shard.replica) == shard.profile_fp:
+            progress.hopeless = f"{shard.replica} on {shard.node}: {why}"
     return found
 
 
