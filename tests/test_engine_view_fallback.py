@@ -1,7 +1,7 @@
 """Routing beside what engines say they hold: where no engine holds the prompt, the text index of
 what was routed where decides, as without views: a repeat the engine has not said it stored yet
 follows its first, and one whose context the engine evicted goes back where it was asked before,
-not to the least busy (which spread a conversation over every replica's cache: vLLM counted 49%
+not to the least busy (which spread a conversation over every replica's cache: vLLM counted 45%
 of prompt tokens from cache against the text index's 64%, `python -m bench.routing_vllm`)."""
 
 from __future__ import annotations
