@@ -236,6 +236,26 @@ MULTI = (
 )
 
 
+async def publish_replicas(bus: Bus, urls: list[str], profile: str, engine: str) -> None:
+    """Deployment `chat` of `profile`, its replicas `r0`, `r1`, … ready at `urls`, as placement
+    writes them (the streams and buckets made first)."""
+    await bus.ensure()
+    await bus.put(
+        bus.names.deployments_bucket, "chat", Deployment(name="chat", profile=profile, replicas=len(urls))
+    )
+    for i, url in enumerate(urls):
+        record = ReplicaRecord(
+            deployment="chat",
+            replica=f"r{i}",
+            profile=profile,
+            profile_fp="x",
+            state="ready",
+            url=url,
+            engine=engine,
+        )
+        await bus.put(bus.names.replicas_bucket, f"chat.r{i}", record)
+
+
 @contextlib.asynccontextmanager
 async def gateways(
     nats_url: str, prefix: str, urls: list[str], n: int, shared: bool
@@ -244,21 +264,7 @@ async def gateways(
     recorded under a fresh `prefix` (an empty routing bucket); yields each one's URL and itself."""
     options = BusOptions(url=nats_url, prefix=prefix, insecure=True)
     async with await Bus.connect(options, service="bench") as bus:
-        await bus.ensure()
-        await bus.put(
-            bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="p", replicas=len(urls))
-        )
-        for i, url in enumerate(urls):
-            record = ReplicaRecord(
-                deployment="chat",
-                replica=f"r{i}",
-                profile="p",
-                profile_fp="x",
-                state="ready",
-                url=url,
-                engine="llamacpp",
-            )
-            await bus.put(bus.names.replicas_bucket, f"chat.r{i}", record)
+        await publish_replicas(bus, urls, "p", "llamacpp")
         config = GatewayConfig(
             nats=options,
             http=HttpConfig(port=0, require_api_key=False),

@@ -63,9 +63,8 @@ from bench._vllm import (
     tiny_model,
     vllms,
 )
-from bench.routing import _p, shared_workload
+from bench.routing import _p, publish_replicas, shared_workload
 from llmgw_core.bus import Bus, BusOptions
-from llmgw_core.events import Deployment, ReplicaRecord
 from llmgw_core.natsd import NatsServer
 from llmgw_gateway import Gateway, GatewayConfig
 from llmgw_gateway.config import HttpConfig
@@ -142,24 +141,6 @@ async def ask(client: httpx.AsyncClient, base: str, prompt: str, asked: Asked) -
                 asked.prompt_tokens = usage.get("prompt_tokens", 0)
                 asked.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     asked.ttft = (first if first is not None else time.monotonic()) - started
-
-
-async def publish_replicas(bus: Bus, urls: list[str]) -> None:
-    await bus.ensure()
-    await bus.put(
-        bus.names.deployments_bucket, "chat", Deployment(name="chat", profile="tiny", replicas=len(urls))
-    )
-    for i, url in enumerate(urls):
-        record = ReplicaRecord(
-            deployment="chat",
-            replica=f"r{i}",
-            profile="tiny",
-            profile_fp="x",
-            state="ready",
-            url=url,
-            engine="vllm",
-        )
-        await bus.put(bus.names.replicas_bucket, f"chat.r{i}", record)
 
 
 @contextlib.asynccontextmanager
@@ -250,7 +231,7 @@ async def bench(tmp: Path, nats_url: str, customers: int, questions: int, rounds
         await tg.start(relay.run)
         with vllms(specs, tmp) as procs:
             urls = await ready(specs, procs, tmp)
-            await publish_replicas(bus, urls)
+            await publish_replicas(bus, urls, "tiny", "vllm")
             await first_blocks(client, urls, bus, keys)
             seed = 0
             for r in range(rounds):
@@ -265,7 +246,7 @@ async def bench(tmp: Path, nats_url: str, customers: int, questions: int, rounds
                         # A routing bucket of its own, which no relay writes: the text index alone.
                         options = BusOptions(url=nats_url, prefix=f"approx{seed}", insecure=True)
                         async with await Bus.connect(options, service="placement") as own:
-                            await publish_replicas(own, urls)
+                            await publish_replicas(own, urls, "tiny", "vllm")
                     done = await one_run(side, options, urls, prompts, client)
                     routes = Counter(a.route for a in done.asked)
                     p90 = _p([a.ttft for a in done.asked], 90)
