@@ -83,6 +83,18 @@ class Run:
         found, _ = engines(self.net[host].state / node)
         return [pid for e in found for pid in e.running]
 
+    async def stopped(self, host: str, node: str) -> None:
+        """Once node `node`'s engines have stopped after a heal; if they have not within
+        CONVERGE_S, the failure carries what its launcher said (its watches' outages and
+        reopenings, its shard specs' deletes) and placement's log."""
+        try:
+            await eventually(lambda: not self.running(host, node), timeout=CONVERGE_S, interval=0.3)
+        except AssertionError as exc:
+            said = "\n".join(
+                f"--- {name}\n{self.fleet.log(name)[-4000:]}" for name in (f"launcher-{node}", "placement-p1")
+            )
+            raise AssertionError(f"{node}'s engines still run: {self.running(host, node)}\n{said}") from exc
+
     @contextlib.asynccontextmanager
     async def recording(self, *servers: str) -> AsyncIterator[tuple[Bus, Recorder]]:
         """The test's connection (as `ctl`, to `servers`), and a recorder over it."""
@@ -251,7 +263,7 @@ async def test_a_node_cut_off_past_its_timeout_loses_its_replica_and_stops_its_e
 
         run.net[host].heal()
         healed_at = time.time()
-        await eventually(lambda: not run.running(host, node), timeout=CONVERGE_S, interval=0.3)
+        await run.stopped(host, node)
         history = await read(bus, run.state_dirs(), recorder)
     assert terms(history) == ["p1"]
     assert_holds(history, converge=Convergence({"chat": 1}, healed_at, CONVERGE_S))
@@ -307,7 +319,7 @@ async def test_a_node_cut_off_from_nats_but_not_from_the_gateway_is_served_until
         assert during.count(200) == len(during), [(round(t - cut_at, 1), s) for t, s in results if s != 200]
         run.net["d"].heal()
         healed_at = time.time()
-        await eventually(lambda: not run.running("d", "n1"), timeout=CONVERGE_S, interval=0.3)
+        await run.stopped("d", "n1")
         history = await read(bus, run.state_dirs(), recorder)
     assert_holds(history, converge=Convergence({"chat": 1}, healed_at, CONVERGE_S))
 
@@ -384,7 +396,7 @@ async def test_one_nats_server_cut_from_the_other_two_leaves_the_majority_workin
 
         run.net["c"].heal()
         healed_at = time.time()
-        await eventually(lambda: not run.running("e", "n2"), timeout=CONVERGE_S, interval=0.3)
+        await run.stopped("e", "n2")
         history = await read(bus, run.state_dirs(), recorder)
     assert terms(history) == ["p1"]
     assert_holds(history, acks=[acked], converge=Convergence({"chat": 2}, healed_at, CONVERGE_S))
@@ -434,6 +446,6 @@ async def test_a_symmetric_split_under_load_keeps_the_majority_half_serving(
         for host in ("a", "b", "p", "d", "g"):
             run.net[host].heal()
         healed_at = time.time()
-        await eventually(lambda: not run.running("e", "n2"), timeout=CONVERGE_S, interval=0.3)
+        await run.stopped("e", "n2")
         history = await read(bus, run.state_dirs(), recorder)
     assert_holds(history, converge=Convergence({"chat": 2}, healed_at, CONVERGE_S))

@@ -159,29 +159,40 @@ def test_two_replicas_rays_on_one_machine_never_meet() -> None:
 
     for name in plans:
         (logs / name).mkdir()
-    with (
-        contextlib.ExitStack() as cleanup,
-        started([plans["r0"][0], plans["r0"][2]], logs / "r0") as r0,
-        started([plans["r1"][0], plans["r1"][2]], logs / "r1") as r1,
-    ):
+    with contextlib.ExitStack() as cleanup:
         cleanup.callback(shutil.rmtree, temp_root, ignore_errors=True)
+        nodes: list[subprocess.Popen[bytes]] = []
 
-        def both_joined() -> dict[str, str]:
+        def active(expected: dict[str, int]) -> dict[str, str]:
             # `ray start --block` runs as long as its node: one that ended will never join.
-            ended = {" ".join(map(str, p.args[1:3])): p.returncode for p in r0 + r1 if p.poll() is not None}
+            ended = {" ".join(map(str, p.args[1:3])): p.returncode for p in nodes if p.poll() is not None}
             if ended:
                 raise RuntimeError(f"Ray nodes ended: {ended}\n{log_tails(temp_root)}")
-            found = {name: ray_status(bin_dir, lead.leader().port) for name, (lead, _) in replicas.items()}
+            found = {name: ray_status(bin_dir, replicas[name][0].leader().port) for name in expected}
             said = "\n".join(f"{name}:\n{status}" for name, status in found.items())
             # Its own head and its own worker: never three on one head and one on the other.
             assert all("Active:" in status for status in found.values()), said
-            assert [alive_nodes(status) for status in found.values()] == [2, 2], said
+            assert {name: alive_nodes(status) for name, status in found.items()} == expected, said
             return found
 
-        try:
-            statuses = until(both_joined, timeout=300)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{log_tails(temp_root)}") from None
+        def wait(expected: dict[str, int]) -> dict[str, str]:
+            try:
+                return until(lambda: active(expected), timeout=300)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n{log_tails(temp_root)}") from None
+
+        # One node at a time, each once the one before has registered: Ray gives a starting
+        # raylet 30 s to register (not configurable), which four nodes starting at once on a
+        # busy 2-core machine overran. r1's head still starts after r0's cluster is whole, and
+        # its worker must find r1's head, not r0's on the port beside it.
+        for name in ("r0", "r1"):
+            head, _, join = plans[name]
+            whole = {"r0": 2} if name == "r1" else {}
+            nodes += cleanup.enter_context(started([head], logs / name))
+            wait({**whole, name: 1})
+            nodes += cleanup.enter_context(started([join], logs / name))
+            wait({**whole, name: 2})
+        statuses = wait({"r0": 2, "r1": 2})
         assert set(statuses) == {"r0", "r1"}
         for leader, _ in replicas.values():
             sessions = list((temp_root / str(leader.leader().port)).glob("session_2*"))
