@@ -206,6 +206,8 @@ class Fleet:
             "stop_grace_s": 3.0,
             "restart_backoff_s": 0.3,
             "health_interval_s": 0.3,
+            # Specs read afresh on the scale of these fleets' node timeouts (30 s by default).
+            "spec_resync_s": 5.0,
             **({"mgmt_addr": mgmt_addr or h.addr} if mgmt_addr is not None else {}),
             **(extra or {}),
         }

@@ -97,6 +97,11 @@ class AgentConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True)
     restart_backoff_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     restart_backoff_cap_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     health_interval_s: float = 1.0
+    # The launcher reads its node's shard specs afresh this often (jittered by a fifth) and
+    # acts on what its watch missed: a watch that stays alive and delivers nothing would keep
+    # an engine serving after its replica moved. Each read opens one short-lived consumer on
+    # the shards bucket: raise it on a fleet of thousands of nodes; 0: never.
+    spec_resync_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     # A ready engine's metrics are read this often for its load (running and waiting
     # requests, KV-cache use), and its status rewritten only when the load changed; 0: never.
     load_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0

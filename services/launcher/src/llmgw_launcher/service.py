@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
 import anyio.abc
 
-from llmgw_core.bus import Bus, require_streams
+from llmgw_core.bus import Bus, KVChange, require_streams
 from llmgw_core.claims import Holder, hold
 from llmgw_core.config import AgentConfig
 from llmgw_core.engines import GPUInfo, ModelSource, Registry, ShardSpec, SourceError
@@ -39,6 +40,7 @@ from llmgw_core.topology import node_streams
 from .adapter_loads import AdapterLoads
 from .audit import StatusAudit
 from .context import Context
+from .desired import Desired
 from .engines import InstalledBuilds, registry_for
 from .evictions import Evictions
 from .health import HealthProber
@@ -130,7 +132,7 @@ class Launcher:
         self.handles: dict[str, Handle] = {}
         # Shards being stopped (no longer in `handles`): their statuses are theirs to remove.
         self._stopping: set[str] = set()
-        self.desired: dict[str, ShardSpec] = {}
+        self.desired = Desired()
         self.ports = PortPool(config.port_range, config.mgmt_addr, self.node)
         self.audit = StatusAudit(bus, self.node, self.outbox, self._mine, config.heartbeat_interval_s)
         self._tg: anyio.abc.TaskGroup | None = None
@@ -219,7 +221,7 @@ class Launcher:
 
     def _sources_in_use(self) -> list[ModelSource]:
         """The weights every shard of this node wants, running or yet to start: never evicted."""
-        specs = [h.spec for h in self.handles.values()] + list(self.desired.values())
+        specs = [h.spec for h in self.handles.values()] + list(self.desired.specs.values())
         sources: list[ModelSource] = []
         for spec in specs:
             source = spec.profile.model_ref.source
@@ -267,12 +269,9 @@ class Launcher:
             if self.peers is not None:
                 # After the claim: a second machine given this id serves nothing in its name.
                 await tg.start(self.peers.run)
-            snapshot = await self.bus.entries(self.bus.names.shards_bucket, ShardSpec, pattern)
-            self.desired = {
-                k: c.value
-                for k, c in snapshot.items()
-                if c.value is not None and await self._acceptable(k, c.value)
-            }
+            snapshot, _ = await self.bus.changes(self.bus.names.shards_bucket, ShardSpec, pattern)
+            for change in snapshot.values():
+                await self._take(change)
             await self.reconcile()
             tg.start_soon(self.audit.run)
             if self.config.launcher_metrics_port:
@@ -281,22 +280,69 @@ class Launcher:
             await tg.start(self.relays.adapters.run)
             await tg.start(self.relays.kv_events.run)
             tg.start_soon(self._reconcile_on_change)
+            tg.start_soon(self._resync, pattern)
             task_status.started()
             # The watch only records what is desired and wakes the reconciler: specs that
             # arrive together are taken together, without a turn of the event loop between
             # them (on a saturated machine a turn takes a tenth of a second or more), and
             # are reconciled in one pass.
             async for change in self.bus.watch(self.bus.names.shards_bucket, ShardSpec, pattern):
-                if change.value is None:
-                    if change.revision == 0 and self._announcing is not None:
-                        # Gone with the store, not deleted by placement: what runs is said first.
-                        await self._announcing.wait()
-                    self.desired.pop(change.key, None)
-                elif await self._acceptable(change.key, change.value):
-                    self.desired[change.key] = change.value
-                else:
-                    continue
-                self._changed.set()
+                if change.value is None and change.revision == 0 and self._announcing is not None:
+                    # Gone with the store, not deleted by placement: what runs is said first.
+                    await self._announcing.wait()
+                if await self._take(change):
+                    self._changed.set()
+
+    async def _take(self, change: KVChange[ShardSpec]) -> bool:
+        """Record one change of a spec; whether what is desired changed (a spec that may not
+        run here is dead-lettered and changes nothing, and one whose value did not decode keeps
+        the key's last spec)."""
+        if change.error:
+            return False
+        self.desired.heard(change.key, change.revision)
+        if change.value is None:
+            self.desired.specs.pop(change.key, None)
+            return True
+        if await self._acceptable(change.key, change.value):
+            self.desired.specs[change.key] = change.value
+            return True
+        return False
+
+    async def _resync(self, pattern: str) -> None:
+        """Every `spec_resync_s` (jittered, so that a fleet's nodes do not read at once), this
+        node's specs read afresh, and what the watch missed taken and said (`desired`)."""
+        interval = self.config.spec_resync_s
+        if not interval:
+            return
+        bucket = self.bus.names.shards_bucket
+        while True:
+            await anyio.sleep(interval * random.uniform(0.8, 1.2))
+            try:
+                fresh, through = await self.bus.changes(bucket, ShardSpec, pattern)
+            except BusError as exc:
+                log.warning(
+                    "%s: reading its shard specs afresh failed (tried again in %.0f s): %s",
+                    self.node,
+                    interval,
+                    exc,
+                )
+                continue
+            missed = self.desired.missed(fresh, through)
+            if not missed:
+                continue
+            log.warning(
+                "%s: the shard-spec watch missed %d change(s), taken from a fresh read of %s: %s",
+                self.node,
+                len(missed),
+                bucket,
+                ", ".join(
+                    f"{c.key} {'deleted' if c.value is None else 'set'} at revision {c.revision}"
+                    for c in missed
+                ),
+            )
+            for change in missed:
+                await self._take(change)
+            self._changed.set()
 
     def _announce(self) -> None:
         """Each running shard's last status into the status bucket again (not as an event: no
@@ -352,7 +398,7 @@ class Launcher:
     async def reconcile(self) -> None:
         async with self._lock:
             # A snapshot: the watch goes on changing `desired` while a stop is awaited here.
-            desired = dict(self.desired)
+            desired = dict(self.desired.specs)
             observed = {k: h.spec for k, h in self.handles.items()}
             d = diff(desired, observed)
             if d:

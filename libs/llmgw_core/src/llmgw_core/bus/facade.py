@@ -238,6 +238,13 @@ class Bus:
         """A snapshot of every key's current value (bad values dead-lettered and skipped)."""
         return await self.kvs.entries(bucket, kind, keys)
 
+    async def changes(
+        self, bucket: str, kind: type[T], keys: str = ALL
+    ) -> tuple[dict[str, KVChange[T]], int]:
+        """A fresh read of each key's last change, deletes and undecodable values included, and
+        the highest revision it saw: for checking what a watch has yielded (`KV.changes`)."""
+        return await self.kvs.changes(bucket, kind, keys)
+
     async def stream_info(self, stream: str) -> api.StreamInfo:
         """A stream's configuration and state (how many messages it holds, from when)."""
         return await self.replays.info(stream)

@@ -56,6 +56,18 @@ class KVChange(Generic[T]):
     error: str = ""
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """What one read of a bucket found: each matching key's last value (revision, bytes,
+    stored time), each key whose last message is a delete (its revision), and the highest
+    revision the read saw, delete markers included. A key that held a value at a revision
+    no higher than `through`, and is in neither dict, is gone too (its marker removed)."""
+
+    values: dict[str, tuple[int, bytes, float]]
+    deleted: dict[str, int]
+    through: int
+
+
 class KV:
     """The buckets of one connection: their handles (opened again after a reconnect), the
     reads and writes of one key, and snapshots."""
@@ -225,7 +237,7 @@ class KV:
         """Every key that holds a value now (the values are not decoded). Read as `entries`
         reads: nats-py's own `keys()` decides it has seen every key by what the client has
         taken so far, and on a busy machine answered a partial list."""
-        return set(await self._snapshot(bucket, ALL))
+        return set((await self._snapshot(bucket, ALL)).values)
 
     async def entries(self, bucket: str, kind: type[T], keys: str = ALL) -> dict[str, KVChange[T]]:
         """A snapshot of every key's current value (bad values are skipped, and counted).
@@ -235,18 +247,35 @@ class KV:
         `llmgw ctl get nodes` take seconds at 10,000 nodes. A reconnect meanwhile reads again.
         """
         out: dict[str, KVChange[T]] = {}
-        for key, (revision, data, _) in (await self._snapshot(bucket, keys)).items():
+        for key, (revision, data, _) in (await self._snapshot(bucket, keys)).values.items():
             value = await self._value(bucket, key, data, kind)
             if value is not None:
                 out[key] = KVChange(key, value, revision)
         return out
 
+    async def changes(
+        self, bucket: str, kind: type[T], keys: str = ALL
+    ) -> tuple[dict[str, KVChange[T]], int]:
+        """A fresh read of every matching key's last change, to check a watch against: values,
+        deletes (value None) and values that do not decode (value None and their `error`, so
+        that a bad write is never taken for a delete), and the highest revision the read saw
+        (`Snapshot.through`)."""
+        read = await self._snapshot(bucket, keys)
+        out: dict[str, KVChange[T]] = {key: KVChange(key, None, rev) for key, rev in read.deleted.items()}
+        for key, (revision, data, _) in read.values.items():
+            value = await self.decoded(bucket, key, data, kind)
+            if isinstance(value, str):
+                out[key] = KVChange(key, None, revision, error=value)
+            else:
+                out[key] = KVChange(key, value, revision)
+        return out, read.through
+
     async def stored(self, bucket: str) -> dict[str, tuple[int, bytes, float]]:
         """Each key's last value as stored: its revision, its bytes (not decoded: the caller
         checks them) and when it was stored (Unix seconds), read as `entries` reads."""
-        return await self._snapshot(bucket, ALL)
+        return (await self._snapshot(bucket, ALL)).values
 
-    async def _snapshot(self, bucket: str, keys: str) -> dict[str, tuple[int, bytes, float]]:
+    async def _snapshot(self, bucket: str, keys: str) -> Snapshot:
         """Each matching key's last revision, value and stored time, read again after a reconnect."""
         self.conn.check(Names.kv_subject(bucket, keys))
         retry = Retry(log, f"{self.conn.service}: reading {bucket}", base_s=0.5, cap_s=2.0, known=KNOWN)
@@ -268,21 +297,26 @@ class KV:
         except TimeoutError as exc:
             raise BusError(f"reading {bucket} took over 30 s; is NATS reachable?") from exc
 
-    async def _last_messages(self, bucket: str, keys: str) -> dict[str, tuple[int, bytes, float]] | None:
-        """Each key's last value and revision, deleted keys left out, read by one ordered
+    async def _last_messages(self, bucket: str, keys: str) -> Snapshot | None:
+        """Each key's last value and revision, and each deleted key's, read by one ordered
         consumer; None when the connection was replaced meanwhile."""
         await self.kv(bucket)  # the bucket exists, and this identity may read it
         prefix = Names.kv_subject(bucket, "")
         found: dict[str, tuple[int, bytes, float]] = {}
+        gone: dict[str, int] = {}
+        through = [0]
         done = anyio.Event()
 
         async def on_msg(msg: Msg) -> None:
             meta = msg.metadata
             key = msg.subject[len(prefix) :]
             deleted = deletes(msg.headers)
+            through[0] = max(through[0], meta.sequence.stream)
             if deleted:
                 found.pop(key, None)
+                gone[key] = meta.sequence.stream
             elif deleted is not None:
+                gone.pop(key, None)
                 found[key] = (meta.sequence.stream, msg.data, meta.timestamp.timestamp())
             if meta.num_pending == 0:
                 done.set()
@@ -308,7 +342,7 @@ class KV:
         finally:
             with anyio.CancelScope(shield=True), contextlib.suppress(nats.errors.Error, OSError):
                 await sub.unsubscribe()
-        return found
+        return Snapshot(found, gone, through[0])
 
     async def last_per_key(
         self,
