@@ -38,6 +38,7 @@ log = logging.getLogger("llmgw.bus")
 KNOWN = (nats.errors.Error, OSError, BusError)
 
 T = TypeVar("T", bound=msgspec.Struct)
+R = TypeVar("R")
 
 KV_OPS_DELETE = ("DEL", "PURGE")
 # How long the server keeps a snapshot's consumer once nothing reads it (see `entries`).
@@ -203,24 +204,24 @@ class KV:
 
     async def revisions(self, bucket: str, key: str) -> list[tuple[int, bytes | None]]:
         """Every revision of `key` the bucket still holds (its `history` setting), newest first:
-        (revision, value), the value None for a delete or purge."""
-        try:
-            with anyio.fail_after(30):
-                entries = await self._kv_call(
-                    f"read the history of {bucket}/{key}", bucket, lambda kv: kv.history(key)
-                )
-        except nats.js.errors.NoKeysError:  # never written, or purged
-            return []
-        except TimeoutError as exc:
-            raise BusError(f"reading the history of {bucket}/{key} took over 30 s") from exc
-        return sorted(
-            (
-                (int(e.revision or 0), None if e.operation in KV_OPS_DELETE else (e.value or b""))
-                for e in entries
-            ),
-            key=lambda entry: entry[0],
-            reverse=True,
-        )
+        (revision, value), the value None for a delete or purge. Read as `entries` reads:
+        nats-py's `KeyValue.history` ends when the client has taken as many messages as the
+        server had pending, and on a busy machine (all sent, none taken yet) answered none, so
+        the API took a deployment of revision 2 for a new one."""
+        found: list[tuple[int, bytes | None]] = []
+
+        async def on_msg(msg: Msg) -> None:
+            deleted = deletes(msg.headers)
+            if deleted is not None:
+                found.append((msg.metadata.sequence.stream, None if deleted else msg.data))
+
+        async def read() -> list[tuple[int, bytes | None]] | None:
+            found.clear()
+            if not await self._read(bucket, key, on_msg, history=True):
+                return None
+            return sorted(found, key=lambda entry: entry[0], reverse=True)
+
+        return await self._retried(f"the history of {bucket}/{key}", bucket, key, read)
 
     async def delete(self, bucket: str, key: str) -> None:
         # A key longer than the bus would write can still have been stored by a raw client;
@@ -277,13 +278,18 @@ class KV:
 
     async def _snapshot(self, bucket: str, keys: str) -> Snapshot:
         """Each matching key's last revision, value and stored time, read again after a reconnect."""
+        return await self._retried(bucket, bucket, keys, lambda: self._last_messages(bucket, keys))
+
+    async def _retried(self, what: str, bucket: str, keys: str, read: Callable[[], Awaitable[R | None]]) -> R:
+        """`read()` of `bucket`'s `keys` until it answers (None: the connection was replaced
+        meanwhile, read again), retried with backoff while NATS fails, for at most 30 s."""
         self.conn.check(Names.kv_subject(bucket, keys))
-        retry = Retry(log, f"{self.conn.service}: reading {bucket}", base_s=0.5, cap_s=2.0, known=KNOWN)
+        retry = Retry(log, f"{self.conn.service}: reading {what}", base_s=0.5, cap_s=2.0, known=KNOWN)
         try:
             with anyio.fail_after(30):
                 while True:
                     try:
-                        found = await self._last_messages(bucket, keys)
+                        found = await read()
                     except PermissionDenied as exc:  # a configuration error: retrying cannot help
                         raise BusError(f"{self.conn.service}: cannot read {bucket} {keys}: {exc}") from exc
                     except KNOWN as exc:
@@ -295,17 +301,15 @@ class KV:
                         retry.succeeded()
                         return found
         except TimeoutError as exc:
-            raise BusError(f"reading {bucket} took over 30 s; is NATS reachable?") from exc
+            raise BusError(f"reading {what} took over 30 s; is NATS reachable?") from exc
 
     async def _last_messages(self, bucket: str, keys: str) -> Snapshot | None:
-        """Each key's last value and revision, and each deleted key's, read by one ordered
-        consumer; None when the connection was replaced meanwhile."""
-        await self.kv(bucket)  # the bucket exists, and this identity may read it
+        """Each key's last value and revision, and each deleted key's; None when the connection
+        was replaced meanwhile."""
         prefix = Names.kv_subject(bucket, "")
         found: dict[str, tuple[int, bytes, float]] = {}
         gone: dict[str, int] = {}
         through = [0]
-        done = anyio.Event()
 
         async def on_msg(msg: Msg) -> None:
             meta = msg.metadata
@@ -318,15 +322,37 @@ class KV:
             elif deleted is not None:
                 gone.pop(key, None)
                 found[key] = (meta.sequence.stream, msg.data, meta.timestamp.timestamp())
-            if meta.num_pending == 0:
+
+        if not await self._read(bucket, keys, on_msg):
+            return None
+        return Snapshot(found, gone, through[0])
+
+    async def _read(
+        self, bucket: str, keys: str, on_msg: Callable[[Msg], Awaitable[None]], *, history: bool = False
+    ) -> bool:
+        """Give `on_msg` each matching key's last message (with `history`, every message the
+        bucket still holds) from one short-lived ordered consumer, until the server says none
+        is pending; False when the connection was replaced meanwhile."""
+        await self.kv(bucket)  # the bucket exists, and this identity may read it
+        done = anyio.Event()
+
+        async def take(msg: Msg) -> None:
+            await on_msg(msg)
+            if msg.metadata.num_pending == 0:
                 done.set()
 
         epoch = self.conn.reconnects
-        # A snapshot's consumer goes with it: an unsubscribed consumer lingers on the server for
+        # A read's consumer goes with it: an unsubscribed consumer lingers on the server for
         # its inactive threshold, and nats-server takes 1,000 consumers per stream, so a reader
         # polling every few tenths of a second (a script around `llmgw ctl get`) left every
         # reader of the bucket, placement included, refused (`maximum consumers limit reached`).
-        sub = await self.last_per_key(bucket, keys, on_msg, inactive_threshold=SNAPSHOT_INACTIVE_S)
+        sub = await self.last_per_key(
+            bucket,
+            keys,
+            take,
+            inactive_threshold=SNAPSHOT_INACTIVE_S,
+            policy=api.DeliverPolicy.ALL if history else api.DeliverPolicy.LAST_PER_SUBJECT,
+        )
         try:
             info = await sub.consumer_info()
             # Nothing left and nothing ever sent, by the server's count: an empty bucket, or
@@ -338,11 +364,11 @@ class KV:
                 with anyio.move_on_after(1.0):
                     await done.wait()
                 if self.conn.reconnects != epoch:
-                    return None
+                    return False
         finally:
             with anyio.CancelScope(shield=True), contextlib.suppress(nats.errors.Error, OSError):
                 await sub.unsubscribe()
-        return Snapshot(found, gone, through[0])
+        return True
 
     async def last_per_key(
         self,
@@ -351,15 +377,16 @@ class KV:
         on_msg: Callable[[Msg], Awaitable[None]],
         *,
         inactive_threshold: float = 300,
+        policy: api.DeliverPolicy = api.DeliverPolicy.LAST_PER_SUBJECT,
     ) -> JetStreamContext.PushSubscription:
-        """An ordered consumer of `bucket`'s keys matching `keys`: each key's last message, then
-        every new one, to `on_msg`."""
+        """An ordered consumer of `bucket`'s keys matching `keys`: each key's last message (or
+        with `policy` ALL, every one the bucket holds), then every new one, to `on_msg`."""
         return await self.conn.js.subscribe(
             Names.kv_subject(bucket, keys),
             stream=f"KV_{bucket}",
             cb=on_msg,
             ordered_consumer=True,
-            deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+            deliver_policy=policy,
             inactive_threshold=inactive_threshold,
         )
 
