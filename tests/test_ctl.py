@@ -22,6 +22,7 @@ from llmgw_core.bus import Bus
 from llmgw_core.events import ReplicaRecord
 from tests.cluster_support import Cluster, cluster, sim_catalog
 from tests.test_cli import in_process
+from tests.test_ctl_scale import watching
 from tests.waiting import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
@@ -229,16 +230,16 @@ async def test_get_watch_prints_a_changed_row_within_a_second(
                         f"{change.key}@{change.value.state if change.value else '-'}", time.monotonic()
                     )
 
-            assert watcher.stdout is not None
-            tg.start_soon(read_lines, watcher.stdout)
-            tg.start_soon(note_changes)
-            await eventually(lambda: any(line.startswith("chat/r0") for _, line in printed), timeout=30)
-            assert printed[0][1].split() == ["REPLICA", "STATE", "NODES", "SINCE", "RESTARTS", "REASON"]
-            ok(c, "scale", "chat", "--replicas", "2")
-            ready = await eventually(
-                lambda: [t for t, line in printed if line.split()[:2] == ["chat/r1", "ready"]], timeout=60
-            )
-            seen = changed["chat.r1@ready"]
-            assert ready[0] - seen < 1.0, f"printed {ready[0] - seen:.2f}s after the change"
-            tg.cancel_scope.cancel()
-            watcher.terminate()
+            with watching(watcher):
+                assert watcher.stdout is not None
+                tg.start_soon(read_lines, watcher.stdout)
+                tg.start_soon(note_changes)
+                await eventually(lambda: any(line.startswith("chat/r0") for _, line in printed), timeout=60)
+                assert printed[0][1].split() == ["REPLICA", "STATE", "NODES", "SINCE", "RESTARTS", "REASON"]
+                ok(c, "scale", "chat", "--replicas", "2")
+                ready = await eventually(
+                    lambda: [t for t, line in printed if line.split()[:2] == ["chat/r1", "ready"]], timeout=60
+                )
+                seen = changed["chat.r1@ready"]
+                assert ready[0] - seen < 1.0, f"printed {ready[0] - seen:.2f}s after the change"
+                tg.cancel_scope.cancel()

@@ -4,9 +4,11 @@ completed where a name goes, an observer's refusal said once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -23,6 +25,18 @@ from llmgw_core.events import (
 )
 from tests.auth_support import session_for
 from tests.waiting import eventually
+
+
+@contextlib.contextmanager
+def watching(process: anyio.abc.Process) -> Iterator[None]:
+    """Terminate `process` when the block ends, passed or failed: a `ctl -w` left running held
+    the test at its `async with` until the test timeout."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+
 
 CTL = [sys.executable, "-c", "import sys; from llmgw.cli import main; sys.exit(main())", "ctl"]
 
@@ -168,7 +182,7 @@ async def lines_of(process: anyio.abc.Process, into: list[str]) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 async def test_watch_prints_rows_under_the_header_and_only_deletes_of_rows_it_showed(
     bus: Bus, nats_url: str, prefix: str, tmp_path: Path
 ) -> None:
@@ -185,16 +199,17 @@ async def test_watch_prints_rows_under_the_header_and_only_deletes_of_rows_it_sh
         await anyio.open_process([*CTL, "--prefix", prefix, "get", "deployments", "-w"], env=env) as watcher,
         anyio.create_task_group() as tg,
     ):
-        tg.start_soon(lines_of, watcher, printed)
-        await eventually(lambda: len(printed) >= 2, timeout=20)
-        header = printed[0]
-        assert header.split() == ["NAME", "PROFILE", "DESIRED", "READY", "PENDING", "UNPLACEABLE", "POOL"]
-        assert printed[1].split() == ["chat-a", "tiny", "2", "-", "-", "-", "-"]
-        await bus.put(deployments, "chat-b", Deployment(name="chat-b", profile="tiny", replicas=3))
-        await bus.delete(deployments, "chat-a")
-        await eventually(lambda: any("deleted" in line for line in printed), timeout=10)
-        tg.cancel_scope.cancel()
-        watcher.terminate()
+        # Ended however the test ends: the process's exit is waited for on the way out.
+        with watching(watcher):
+            tg.start_soon(lines_of, watcher, printed)
+            await eventually(lambda: len(printed) >= 2, timeout=45)
+            header = printed[0]
+            assert header.split() == ["NAME", "PROFILE", "DESIRED", "READY", "PENDING", "UNPLACEABLE", "POOL"]
+            assert printed[1].split() == ["chat-a", "tiny", "2", "-", "-", "-", "-"]
+            await bus.put(deployments, "chat-b", Deployment(name="chat-b", profile="tiny", replicas=3))
+            await bus.delete(deployments, "chat-a")
+            await eventually(lambda: any("deleted" in line for line in printed), timeout=10)
+            tg.cancel_scope.cancel()
     starts = [header.index(word) for word in header.split()]
     changed = next(line for line in printed[2:] if line.startswith("chat-b"))
     assert [changed.index(cell, at) for cell, at in zip(changed.split(), starts, strict=True)] == starts, (

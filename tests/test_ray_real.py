@@ -163,11 +163,14 @@ def test_two_replicas_rays_on_one_machine_never_meet() -> None:
         cleanup.callback(shutil.rmtree, temp_root, ignore_errors=True)
         nodes: list[subprocess.Popen[bytes]] = []
 
-        def active(expected: dict[str, int]) -> dict[str, str]:
+        def none_ended() -> None:
             # `ray start --block` runs as long as its node: one that ended will never join.
             ended = {" ".join(map(str, p.args[1:3])): p.returncode for p in nodes if p.poll() is not None}
             if ended:
                 raise RuntimeError(f"Ray nodes ended: {ended}\n{log_tails(temp_root)}")
+
+        def active(expected: dict[str, int]) -> dict[str, str]:
+            none_ended()
             found = {name: ray_status(bin_dir, replicas[name][0].leader().port) for name in expected}
             said = "\n".join(f"{name}:\n{status}" for name, status in found.items())
             # Its own head and its own worker: never three on one head and one on the other.
@@ -181,17 +184,24 @@ def test_two_replicas_rays_on_one_machine_never_meet() -> None:
             except AssertionError as exc:
                 raise AssertionError(f"{exc}\n{log_tails(temp_root)}") from None
 
+        def registered(log: Path) -> None:
+            # `ray start` says so once its node has registered with the head's GCS.
+            deadline = time.monotonic() + 300
+            while "Ray runtime started" not in log.read_text(errors="replace"):
+                none_ended()
+                assert time.monotonic() < deadline, f"{log.name} never said so\n{log_tails(temp_root)}"
+                time.sleep(0.5)
+
         # One node at a time, each once the one before has registered: Ray gives a starting
         # raylet 30 s to register (not configurable), which four nodes starting at once on a
         # busy 2-core machine overran. r1's head still starts after r0's cluster is whole, and
         # its worker must find r1's head, not r0's on the port beside it.
         for name in ("r0", "r1"):
             head, _, join = plans[name]
-            whole = {"r0": 2} if name == "r1" else {}
             nodes += cleanup.enter_context(started([head], logs / name))
-            wait({**whole, name: 1})
+            registered(logs / name / "ray-head-0.log")
             nodes += cleanup.enter_context(started([join], logs / name))
-            wait({**whole, name: 2})
+            registered(logs / name / "ray-worker-0.log")
         statuses = wait({"r0": 2, "r1": 2})
         assert set(statuses) == {"r0", "r1"}
         for leader, _ in replicas.values():
