@@ -206,8 +206,8 @@ class KV:
         """Every revision of `key` the bucket still holds (its `history` setting), newest first:
         (revision, value), the value None for a delete or purge. Read as `entries` reads:
         nats-py's `KeyValue.history` ends when the client has taken as many messages as the
-        server had pending, and on a busy machine (all sent, none taken yet) answered none, so
-        the API took a deployment of revision 2 for a new one."""
+        server had pending, which on a busy machine (all sent, none taken yet) is none: the
+        likely cause of the deployments API once taking a deployment at revision 2 for a new one."""
         found: list[tuple[int, bytes | None]] = []
 
         async def on_msg(msg: Msg) -> None:
