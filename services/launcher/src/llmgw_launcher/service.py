@@ -59,6 +59,8 @@ from .weights import Weights
 from .workers import Workers
 
 log = logging.getLogger("llmgw.launcher")
+# How long a fresh read's news is left to the watch before it counts as missed.
+RESYNC_GRACE_S = 2.0
 
 # A health probe that gets no answer in this long counts as failed.
 PROBE_TIMEOUT_S = 2.0
@@ -327,6 +329,11 @@ class Launcher:
                     exc,
                 )
                 continue
+            if not self.desired.missed(fresh, through):
+                continue
+            # A change still on its way through the watch is no miss: what it has not brought
+            # a moment later is.
+            await anyio.sleep(RESYNC_GRACE_S)
             missed = self.desired.missed(fresh, through)
             if not missed:
                 continue
