@@ -14,6 +14,7 @@ from typing import TypeVar
 import anyio
 import msgspec
 
+from llmgw_core.access import SubjectTooLong
 from llmgw_core.bus import Bus, KVChange
 from llmgw_core.events import NodeIntent, NodeStatus, ShardStatus, decoder, encode
 from llmgw_core.limits import key_problem
@@ -126,7 +127,12 @@ class Mirror:
         history: list[tuple[int, bytes | None]] = []
 
         async def read() -> None:
-            history[:] = await self.bus.revisions(bucket, key)
+            try:
+                history[:] = await self.bus.revisions(bucket, key)
+            except SubjectTooLong:
+                # A key too long for the bus to read by: none of its values is good (no name
+                # is that long), and asking again cannot help.
+                history.clear()
 
         reading = Attempts(self.identity, f"reading the history of {bucket}/{key}")
         while not await reading.run(read):
